@@ -1,0 +1,1 @@
+"""Sluice: the local model side (importable without quart)."""

@@ -1,0 +1,1 @@
+"""Sluice: the HTTP side."""
