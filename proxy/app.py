@@ -1,0 +1,192 @@
+"""The app factory: routes, error shapes, and the per-process state they share."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import uuid
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from quart import Response, request
+from werkzeug.exceptions import HTTPException
+
+from .asgi import SluiceQuart
+from .config import FAKE_UPSTREAM_URL, Config, ConfigError
+from .errors import ApiError, internal_error, model_not_found, request_too_large
+from .openai import Endpoint, models_list, parse_completion_request
+from .relay import JSON_CONTENT_TYPE, RelayBody, RelayTracker
+from .upstream import UpstreamBackend, UpstreamReplica
+
+log = logging.getLogger("sluice.app")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
+    """Each model's upstream key, read from the environment variable its config names."""
+    keys: dict[str, str] = {}
+    for model in config.models:
+        if not model.api_key_env:
+            continue
+        value = env.get(model.api_key_env)
+        if not value:
+            raise ConfigError(
+                f"[models.{model.name}] api_key_env names {model.api_key_env}, "
+                "which is not set in the environment"
+            )
+        keys[model.name] = value
+    return keys
+
+
+class SluiceState:
+    """Everything one server process shares across requests."""
+
+    def __init__(self, config: Config, env: Mapping[str, str]) -> None:
+        self.config = config
+        self.api_keys = resolve_api_keys(config, env)
+        self.tracker = RelayTracker()
+        self.replicas: dict[str, UpstreamReplica] = {}
+        self.backends: dict[str, UpstreamBackend] = {}
+        self.fake_upstream: Any = None
+
+    def start_backends(self, fake_upstream_url: str | None) -> None:
+        upstream = self.config.upstream
+        socket_options = (
+            [(socket.SOL_SOCKET, socket.SO_RCVBUF, upstream.socket_rcvbuf)]
+            if upstream.socket_rcvbuf
+            else None
+        )
+        for model in self.config.models:
+            replicas = []
+            for url in model.upstreams:
+                if url == FAKE_UPSTREAM_URL:
+                    assert fake_upstream_url is not None
+                    url = fake_upstream_url
+                if url not in self.replicas:
+                    self.replicas[url] = UpstreamReplica(
+                        url, upstream, socket_options=socket_options
+                    )
+                replicas.append(self.replicas[url])
+            self.backends[model.name] = UpstreamBackend(
+                model, replicas, self.config.relay, api_key=self.api_keys.get(model.name)
+            )
+
+    async def aclose(self) -> None:
+        for replica in self.replicas.values():
+            await replica.aclose()
+
+
+def _json_response(
+    payload: bytes, status: int, headers: Mapping[str, str] | None = None
+) -> Response:
+    response = Response(payload, status=status, content_type=JSON_CONTENT_TYPE)
+    for name, value in (headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+def create_app(config: Config, env: Mapping[str, str] | None = None) -> SluiceQuart:
+    state = SluiceState(config, os.environ if env is None else env)
+    app = SluiceQuart("sluice")
+    app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
+    app.extensions["sluice"] = state
+
+    @app.before_serving
+    async def start() -> None:
+        fake_url = None
+        if config.fake_upstream.enabled:
+            from .fake_upstream import FakeSettings, FakeUpstream
+
+            fake = config.fake_upstream
+            state.fake_upstream = FakeUpstream(
+                FakeSettings(
+                    ttft=fake.ttft,
+                    interval=fake.interval,
+                    tokens=fake.tokens,
+                    models=[m.name for m in config.models],
+                )
+            )
+            port = await app.nursery.start(state.fake_upstream.serve, "127.0.0.1", 0)
+            fake_url = f"http://127.0.0.1:{port}"
+            log.info("embedded fake upstream on %s", fake_url)
+        state.start_backends(fake_url)
+
+    @app.after_serving
+    async def stop() -> None:
+        await state.aclose()
+
+    @app.errorhandler(ApiError)
+    async def api_error(error: ApiError) -> Response:
+        return _json_response(error.body(), error.status, error.headers)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        status = error.code or 500
+        if status == 413:
+            api = request_too_large(config.server.max_body_bytes)
+        else:
+            api = ApiError(
+                status,
+                f"{error.name}: {error.description}",
+                code=error.name.lower().replace(" ", "_"),
+            )
+        return _json_response(api.body(), status)
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(error: Exception) -> Response:
+        log.exception("unhandled error", exc_info=error)
+        api = internal_error()
+        return _json_response(api.body(), api.status)
+
+    async def completions(endpoint: Endpoint) -> Response:
+        request_id = request.headers.get("X-Request-ID", "")
+        if not _REQUEST_ID.match(request_id):
+            request_id = uuid.uuid4().hex
+        raw = await request.get_data(cache=False)
+        assert isinstance(raw, bytes)
+        parsed = parse_completion_request(raw, endpoint)
+        backend = state.backends.get(parsed.model)
+        if backend is None:
+            raise model_not_found(parsed.model)
+        body = RelayBody(
+            partial(backend.produce, parsed, request_id),
+            streaming=parsed.stream,
+            channel_capacity=config.relay.channel_capacity,
+            stall_timeout=config.relay.stall_timeout,
+            tracker=state.tracker,
+            description=request_id,
+        )
+        response = Response(body)
+        response.headers["X-Request-ID"] = request_id
+        # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's own
+        # deadlines (upstream total, client stall) bound it instead.
+        response.timeout = None
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await completions(Endpoint.CHAT)
+
+    @app.post("/v1/completions")
+    async def text_completions() -> Response:
+        return await completions(Endpoint.COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return models_list([model.name for model in config.models])
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "active_streams": len(state.tracker.active)}
+
+    return app
+
+
+def state_of(app: SluiceQuart) -> SluiceState:
+    state = app.extensions["sluice"]
+    assert isinstance(state, SluiceState)
+    return state

@@ -1,0 +1,269 @@
+"""The per-request relay: one nursery, one bounded channel, one cancel scope per request.
+
+Every backend (an upstream server, the local model) is a *producer*: an async function that
+receives a :class:`RelaySink`, decides the response head once it knows it (status, content
+type), then sends body chunks. The :class:`RelayBody` owns the producer's task:
+
+* ``__aenter__`` opens the request's nursery, starts the producer, and waits for the head, so
+  the HTTP status can still say "upstream failed" until the first byte is ready;
+* ``__anext__`` takes chunks from the channel (several at once when they are already waiting,
+  so a burst costs one socket write);
+* ``__aexit__`` cancels whatever the producer is still doing. quart-trio cancels the whole
+  request when the client disconnects, so the producer (and the upstream stream or inference
+  thread inside it) never outlives the client.
+
+There is no nursery inside an async generator here (trio #638): everything runs in the task
+that sends the response, plus the one producer task the nursery visibly owns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import trio
+from quart.wrappers.response import ResponseBody
+
+from .errors import ApiError, internal_error
+from .sse import error_event
+
+log = logging.getLogger("sluice.relay")
+
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+JSON_CONTENT_TYPE = "application/json"
+# Headers every streamed response carries: no proxy between us and the client may buffer it.
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Events coalesced into one write at most; bounds the size of a single send.
+_MAX_COALESCE = 64
+
+
+class ClientStalled(Exception):
+    """The client did not take an event within ``stall_timeout``."""
+
+
+class RelaySink:
+    """A producer's only view of the request: set the head once, then send chunks."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: RelayBody) -> None:
+        self._body = body
+
+    @property
+    def started(self) -> bool:
+        """True once the head is decided: from then on, failures go in-band."""
+        return self._body.head_ready.is_set()
+
+    def begin(
+        self,
+        status: int,
+        content_type: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        content_length: int | None = None,
+    ) -> None:
+        self._body.set_head(status, content_type, headers, content_length)
+
+    async def send(self, chunk: bytes) -> None:
+        """Queue a chunk for the client; block (bounded) while the client is not reading."""
+        channel = self._body.send_channel
+        try:
+            channel.send_nowait(chunk)
+        except trio.WouldBlock:
+            with trio.move_on_after(self._body.stall_timeout):
+                await channel.send(chunk)
+                return
+            raise ClientStalled from None
+
+
+Producer = Callable[[RelaySink], Awaitable[None]]
+
+
+class RelayTracker:
+    """Live relays and lifetime counters: what the tests and metrics look at."""
+
+    def __init__(self) -> None:
+        self.active: set[RelayBody] = set()
+        self.started = 0
+        self.finished = 0
+        self.cancelled = 0
+        self.stalled = 0
+        self._changed = trio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def opened(self, body: RelayBody) -> None:
+        self.active.add(body)
+        self.started += 1
+        self._notify()
+
+    def closed(self, body: RelayBody) -> None:
+        self.active.discard(body)
+        self.finished += 1
+        if body.cancelled:
+            self.cancelled += 1
+        if body.stalled:
+            self.stalled += 1
+        self._notify()
+
+    async def wait_idle(self) -> None:
+        """Return once no relay is active (tests use it with a deadline)."""
+        while self.active:
+            await self._changed.wait()
+
+
+class RelayBody(ResponseBody):
+    """A response body fed by a producer task that lives exactly as long as the response."""
+
+    def __init__(
+        self,
+        produce: Producer,
+        *,
+        streaming: bool,
+        channel_capacity: int,
+        stall_timeout: float,
+        tracker: RelayTracker | None = None,
+        description: str = "",
+    ) -> None:
+        self._produce = produce
+        self.streaming = streaming
+        self.stall_timeout = stall_timeout
+        self.tracker = tracker
+        self.description = description
+        self.capacity = channel_capacity
+        self.send_channel, self._receive_channel = trio.open_memory_channel[bytes](channel_capacity)
+        self.head_ready = trio.Event()
+        self.status = 500
+        self.headers: dict[str, str] = {}
+        self.cancelled = False
+        self.stalled = False
+        self.error: ApiError | None = None
+        self._nursery_manager: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._producer_finished = False
+
+    # -- what the producer drives (through RelaySink) --------------------------------------
+
+    def set_head(
+        self,
+        status: int,
+        content_type: str,
+        headers: Mapping[str, str] | None,
+        content_length: int | None,
+    ) -> None:
+        if self.head_ready.is_set():
+            raise RuntimeError("the response head was already decided")
+        self.status = status
+        self.headers = {"Content-Type": content_type}
+        if content_type.startswith("text/event-stream"):
+            self.headers.update(STREAM_HEADERS)
+        if content_length is not None:
+            self.headers["Content-Length"] = str(content_length)
+        if headers:
+            self.headers.update(headers)
+        self.head_ready.set()
+
+    async def _run_producer(self) -> None:
+        async with self.send_channel:
+            try:
+                await self._produce(RelaySink(self))
+            except ClientStalled:
+                self.stalled = True
+                log.warning("client stalled for %.1fs; cancelled %s", self.stall_timeout, self)
+            except ApiError as error:
+                await self._fail(error)
+            except Exception:
+                # The boundary of one request: a bug in a producer becomes this request's 500,
+                # never a dead server. trio.Cancelled is a BaseException and passes through.
+                log.exception("producer failed: %s", self)
+                await self._fail(internal_error())
+            else:
+                if not self.head_ready.is_set():
+                    log.error("producer returned without a response: %s", self)
+                    await self._fail(internal_error())
+            # Set before the channel closes, so the body never sees the end of the stream
+            # while this still reads as unfinished.
+            self._producer_finished = True
+
+    async def _fail(self, error: ApiError) -> None:
+        self.error = error
+        if not self.head_ready.is_set():
+            body = error.body()
+            self.set_head(error.status, JSON_CONTENT_TYPE, error.headers, len(body))
+            self.send_channel.send_nowait(body)  # nothing was sent before the head
+        elif self.streaming:
+            try:
+                await RelaySink(self).send(error_event(error))
+            except ClientStalled:
+                self.stalled = True
+
+    # -- what the HTTP layer drives ---------------------------------------------------------
+
+    async def __aenter__(self) -> RelayBody:
+        self._nursery_manager = trio.open_nursery()
+        nursery = await self._nursery_manager.__aenter__()
+        self._nursery = nursery
+        if self.tracker is not None:
+            self.tracker.opened(self)
+        try:
+            nursery.start_soon(self._run_producer, name=f"relay producer {self.description}")
+            await self.head_ready.wait()
+        except BaseException as error:
+            # The client left before the head was ready: __aexit__ will not be called for a
+            # failed __aenter__, so close the nursery (cancelling the producer) here.
+            await self.__aexit__(type(error), error, error.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(  # type: ignore[override]  # the nursery may suppress: bool
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        assert self._nursery is not None
+        self.cancelled = not self._producer_finished
+        # The producer must never outlive the response, whatever ended it.
+        self._nursery.cancel_scope.cancel()
+        try:
+            suppressed: bool = await self._nursery_manager.__aexit__(exc_type, exc_value, tb)
+        finally:
+            self._receive_channel.close()
+            if self.tracker is not None:
+                self.tracker.closed(self)
+        return suppressed
+
+    def __aiter__(self) -> RelayBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._receive_channel.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        # Events that are already waiting go out in one write: under load this turns many
+        # small socket sends into one, and it never delays an event that is ready now.
+        parts: list[bytes] | None = None
+        for _ in range(_MAX_COALESCE):
+            try:
+                more = self._receive_channel.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if parts is None:
+                parts = [chunk]
+            parts.append(more)
+        return chunk if parts is None else b"".join(parts)
+
+    def buffered(self) -> int:
+        """Chunks waiting in this request's channel (never more than its capacity)."""
+        return self.send_channel.statistics().current_buffer_used
+
+    def __repr__(self) -> str:
+        return f"<RelayBody {self.description} status={self.status}>"
+
+    async def make_conditional(self, begin: int, end: int | None) -> int:  # pragma: no cover
+        raise NotImplementedError("range requests make no sense on a relayed stream")
