@@ -7,6 +7,7 @@ silently leave the default in force.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -182,8 +183,15 @@ def _build(cls: type[T], table: Mapping[str, Any], where: str) -> T:
 
 def _check_positive(where: str, **values: float) -> None:
     for name, value in values.items():
-        if value <= 0:
-            raise ConfigError(f"'{name}' in {where} must be greater than 0, not {value!r}")
+        # Written so that NaN fails too; inf is no deadline at all, so it is refused as well.
+        if not (0 < value < math.inf):
+            raise ConfigError(f"'{name}' in {where} must be a finite number > 0, not {value!r}")
+
+
+def _check_not_negative(where: str, **values: float) -> None:
+    for name, value in values.items():
+        if not (0 <= value < math.inf):
+            raise ConfigError(f"'{name}' in {where} must be a finite number >= 0, not {value!r}")
 
 
 def _validate(config: Config) -> None:
@@ -195,6 +203,7 @@ def _validate(config: Config) -> None:
         max_body_bytes=server.max_body_bytes,
         keep_alive_timeout=server.keep_alive_timeout,
     )
+    _check_not_negative("[server]", graceful_timeout=server.graceful_timeout)
     _check_positive(
         "[relay]",
         channel_capacity=relay.channel_capacity,
@@ -207,8 +216,23 @@ def _validate(config: Config) -> None:
         max_connections=upstream.max_connections,
         keepalive_expiry=upstream.keepalive_expiry,
     )
-    if upstream.max_keepalive_connections < 0:
-        raise ConfigError("'max_keepalive_connections' in [upstream] must be 0 or more")
+    _check_positive(
+        "[upstream]",
+        connect_timeout=upstream.connect_timeout,
+        first_token_timeout=upstream.first_token_timeout,
+        idle_timeout=upstream.idle_timeout,
+        total_timeout=upstream.total_timeout,
+        max_attempts=upstream.max_attempts,
+    )
+    _check_not_negative(
+        "[upstream]",
+        max_keepalive_connections=upstream.max_keepalive_connections,
+        socket_rcvbuf=upstream.socket_rcvbuf,
+    )
+    fake = config.fake_upstream
+    _check_not_negative(
+        "[fake_upstream]", ttft=fake.ttft, interval=fake.interval, tokens=fake.tokens
+    )
     for model in config.models:
         where = f"[models.{model.name}]"
         if not model.upstreams:

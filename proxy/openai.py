@@ -29,6 +29,11 @@ class CompletionRequest:
     raw: bytes
 
 
+def _reject_constant(name: str) -> None:
+    # Python's json accepts NaN and Infinity; JSON does not, and upstreams would choke on them.
+    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -43,11 +48,14 @@ def parse_completion_request(raw: bytes, endpoint: Endpoint) -> CompletionReques
     if not raw:
         raise bad_request("Request body is empty; expected a JSON object.")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise bad_request(
             f"Request body is not valid JSON: {error}.", code="invalid_json"
         ) from None
+    except RecursionError:
+        # Deep nesting exhausts the parser's stack; that is the client's input, not our bug.
+        raise bad_request("Request body is nested too deeply.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object.")
 

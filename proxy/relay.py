@@ -110,10 +110,14 @@ class RelayTracker:
             self.stalled += 1
         self._notify()
 
-    async def wait_idle(self) -> None:
-        """Return once no relay is active (tests use it with a deadline)."""
-        while self.active:
+    async def wait_until(self, predicate: Callable[[RelayTracker], bool]) -> None:
+        """Return once ``predicate(self)`` holds; re-checked on every change. No timeout of
+        its own: callers put it under a deadline."""
+        while not predicate(self):
             await self._changed.wait()
+
+    async def wait_idle(self) -> None:
+        await self.wait_until(lambda tracker: not tracker.active)
 
 
 class RelayBody(ResponseBody):

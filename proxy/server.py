@@ -16,6 +16,7 @@ from .asgi import SluiceQuart
 from .config import Config
 
 _CLEANUP_SECONDS = 5.0
+_MAX_SOCKOPT_INT = 2**31 - 1
 
 
 def hypercorn_config(config: Config) -> HypercornConfig:
@@ -38,9 +39,8 @@ def listen_sockets(hyper: HypercornConfig, stall_timeout: float) -> Sockets:
             # reading without closing would hold its connection forever. The relay cancels
             # such a client's work after stall_timeout; this makes the kernel drop the
             # connection too (accepted sockets inherit it; Linux applies it to a zero window).
-            sock.setsockopt(
-                socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(stall_timeout * 1000) + 1000
-            )
+            milliseconds = min(int(stall_timeout * 1000) + 1000, _MAX_SOCKOPT_INT)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
         sock.listen(hyper.backlog)
     return sockets
 

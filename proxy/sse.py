@@ -53,6 +53,11 @@ class SSESplitter:
         start = 0
         while (end := buffer.find(_LF_DELIMITER, start)) >= 0:
             end += 2
+            if buffer[start] == 10:  # b"\n": extra blank lines between events are allowed
+                start += 1
+                continue
+            if end - start > self._max_event_bytes:
+                raise SSEProtocolError(f"upstream event exceeds {self._max_event_bytes} bytes")
             events.append(buffer[start:end])
             start = end
         self._buffer = buffer[start:] if start else buffer

@@ -1,0 +1,176 @@
+"""Shared fixtures: a fake upstream and a real hypercorn-served proxy, both on 127.0.0.1:0.
+
+Testing policy (after trio-websocket's): real sockets on loopback only, port 0, a
+``fail_after`` around every test that does I/O, virtual time only where no socket is involved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import trio
+
+from proxy.app import SluiceState, create_app, state_of
+from proxy.asgi import SluiceQuart
+from proxy.config import Config, config_from_mapping
+from proxy.fake_upstream import FakeSettings, FakeUpstream
+from proxy.server import serve
+
+# Generous enough for a loaded 2-core CI machine; every I/O test runs under a fail_after.
+DEADLINE = 15
+
+@dataclass
+class Fake:
+    upstream: FakeUpstream
+    url: str
+
+    @property
+    def recorder(self) -> Any:
+        return self.upstream.recorder
+
+
+async def start_fake(nursery: trio.Nursery, **settings: Any) -> Fake:
+    upstream = FakeUpstream(FakeSettings(**settings))
+    port = await nursery.start(upstream.serve, "127.0.0.1", 0)
+    return Fake(upstream, f"http://127.0.0.1:{port}")
+
+
+@dataclass
+class Proxy:
+    url: str
+    app: SluiceQuart
+    config: Config
+
+    @property
+    def state(self) -> SluiceState:
+        return state_of(self.app)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        assert parts.hostname is not None and parts.port is not None
+        return parts.hostname, parts.port
+
+
+async def start_proxy(
+    nursery: trio.Nursery,
+    models: dict[str, Any],
+    *,
+    env: dict[str, str] | None = None,
+    **sections: dict[str, Any],
+) -> Proxy:
+    """Serve a proxy; ``models`` maps a name to a list of upstream URLs or a full model table."""
+    data: dict[str, Any] = {name: dict(table) for name, table in sections.items()}
+    data.setdefault("server", {})["port"] = 0
+    data["models"] = {
+        name: {"upstreams": spec} if isinstance(spec, list) else spec
+        for name, spec in models.items()
+    }
+    config = config_from_mapping(data, "test", env={})
+    app = create_app(config, env=env or {})
+    binds = await nursery.start(serve, app, config)
+    return Proxy(binds[0], app, config)
+
+
+@pytest.fixture
+async def fake(nursery: trio.Nursery) -> Fake:
+    return await start_fake(nursery, ttft=0.02, interval=0.01, tokens=5)
+
+
+@pytest.fixture
+async def proxy(nursery: trio.Nursery, fake: Fake) -> Proxy:
+    return await start_proxy(nursery, {"fake-model": [fake.url]})
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        yield client
+
+
+def chat_body(model: str = "fake-model", *, stream: bool = True, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "stream": stream,
+        **extra,
+    }
+
+
+def sse_payloads(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [block[len("data: ") :] for block in text.split("\n\n") if block.startswith("data: ")]
+
+
+def stream_text(payloads: list[str]) -> str:
+    parts = []
+    for payload in payloads:
+        if payload == "[DONE]":
+            continue
+        for choice in json.loads(payload).get("choices", []):
+            parts.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
+    return "".join(parts)
+
+
+def producer_tasks() -> list[trio.lowlevel.Task]:
+    """Live relay producer tasks anywhere in this trio run."""
+    found = []
+    stack = [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        if task.name.startswith("relay producer"):
+            found.append(task)
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return found
+
+
+class RawClient:
+    """A client that speaks HTTP/1.1 by hand, so a test controls exactly when it reads and when
+    it leaves (httpx cannot leave while it waits for response headers)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.received = b""
+
+    @classmethod
+    async def post(
+        cls,
+        proxy: Proxy,
+        path: str,
+        body: dict[str, Any] | bytes,
+        *,
+        rcvbuf: int | None = None,
+        extra: bytes = b"",
+    ) -> RawClient:
+        host, port = proxy.host_port
+        sock = trio.socket.socket()
+        if rcvbuf is not None:
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, rcvbuf)
+        await sock.connect((host, port))
+        stream = trio.SocketStream(sock)
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        ).encode()
+        await stream.send_all(head + payload + extra)
+        return cls(stream)
+
+    async def read_until(self, marker: bytes, count: int = 1) -> None:
+        while self.received.count(marker) < count:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                raise EOFError(f"connection closed; received {self.received[-300:]!r}")
+            self.received += data
+
+    async def close(self) -> float:
+        """Leave abruptly; returns the time at which the connection was closed."""
+        await self.stream.aclose()
+        return trio.current_time()

@@ -1,0 +1,257 @@
+"""Configuration: TOML, then SLUICE_* environment, then CLI flags; every mistake named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.config import (
+    Config,
+    ConfigError,
+    FakeUpstreamConfig,
+    RelayConfig,
+    ServerConfig,
+    UpstreamConfig,
+    config_from_mapping,
+    load_config,
+)
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+MODEL = {"upstreams": ["http://127.0.0.1:8001"]}
+
+
+def build(data: dict[str, Any], **env: str) -> Config:
+    return config_from_mapping(data, "test.toml", env=env)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "sluice.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults() -> None:
+    config = load_config(None, env={})
+    assert config == Config()
+    assert build({}).server == ServerConfig()
+    assert (build({}).relay, build({}).upstream) == (RelayConfig(), UpstreamConfig())
+    assert build({}).fake_upstream == FakeUpstreamConfig() and build({}).models == ()
+
+
+def test_default_toml_loads() -> None:
+    config = load_config(CONF / "default.toml", env={})
+    assert config.fake_upstream.enabled is True
+    assert [(m.name, m.upstreams) for m in config.models] == [("fake-model", ("fake:",))]
+    assert config.source.endswith("default.toml")
+
+
+def test_upstream_example_loads_without_its_api_key() -> None:
+    config = load_config(CONF / "upstream.example.toml", env={})
+    smol = config.model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    llama = config.model("llama-3-8b")
+    assert smol is not None and llama is not None
+    assert smol.upstreams == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert smol.api_key_env == "VLLM_API_KEY"
+    assert (smol.first_token_timeout, llama.first_token_timeout) == (60.0, 20.0)
+    assert llama.upstreams == ("http://127.0.0.1:8003/v1",)
+    assert config.model("gpt-4") is None
+
+
+def test_sections_are_read_and_ints_widen_to_float() -> None:
+    config = build({"server": {"port": 9000, "host": "::1"}, "relay": {"stall_timeout": 7}})
+    assert (config.server.host, config.server.port) == ("::1", 9000)
+    assert config.relay.stall_timeout == 7.0 and type(config.relay.stall_timeout) is float
+
+
+def test_models_inherit_upstream_defaults_and_may_override() -> None:
+    upstream = {"connect_timeout": 2, "max_attempts": 3, "api_key_env": "KEY"}
+    models = {"a": MODEL, "b": {**MODEL, "connect_timeout": 9.5, "api_key_env": "OTHER"}}
+    config = build({"upstream": upstream, "models": models})
+    a, b = config.models
+    assert (a.connect_timeout, a.max_attempts, a.api_key_env) == (2.0, 3, "KEY")
+    assert (b.connect_timeout, b.max_attempts, b.api_key_env) == (9.5, 3, "OTHER")
+    assert a.idle_timeout == UpstreamConfig().idle_timeout
+
+
+def test_upstream_trailing_slash_is_dropped() -> None:
+    config = build({"models": {"m": {"upstreams": ["http://h:1/v1/", "https://h/"]}}})
+    assert config.models[0].upstreams == ("http://h:1/v1", "https://h")
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"sever": {}}, "'sever'"),
+        ({"server": {"prot": 1}}, "'prot'"),
+        ({"relay": {"stall_timout": 1}}, "'stall_timout'"),
+        ({"fake_upstream": {"enable": True}}, "'enable'"),
+        ({"models": {"m": {**MODEL, "timeout": 1}}}, "'timeout'"),
+        ({"models": {"m": {**MODEL, "name": "x"}}}, "'name'"),
+    ],
+)
+def test_unknown_keys_are_named_with_their_source(data: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named) as info:
+        build(data)
+    assert "test.toml" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"server": {"port": "8080"}}, "'port'"),
+        ({"server": {"port": 80.0}}, "'port'"),
+        ({"server": {"port": True}}, "'port'"),
+        ({"server": {"host": 1}}, "'host'"),
+        ({"relay": {"stall_timeout": "10"}}, "'stall_timeout'"),
+        ({"relay": {"stall_timeout": False}}, "'stall_timeout'"),
+        ({"fake_upstream": {"enabled": "yes"}}, "'enabled'"),
+        ({"models": {"m": {"upstreams": "http://h"}}}, "'upstreams'"),
+        ({"models": {"m": {"upstreams": ["http://h", 2]}}}, "'upstreams'"),
+        ({"models": {"m": {**MODEL, "max_attempts": 1.5}}}, "'max_attempts'"),
+        ({"server": 8080}, r"\[server\]"),
+        ({"models": ["m"]}, r"\[models\]"),
+        ({"models": {"m": "http://h"}}, r"\[models\.m\]"),
+    ],
+)
+def test_type_errors(data: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        build(data)
+
+
+def test_env_overrides_file() -> None:
+    data = {"server": {"port": 1000}, "relay": {"stall_timeout": 5.0}}
+    config = build(data, SLUICE_SERVER_PORT="2000", SLUICE_RELAY_STALL_TIMEOUT="2.5")
+    assert (config.server.port, config.relay.stall_timeout) == (2000, 2.5)
+    config = build({}, SLUICE_SERVER_HOST="0.0.0.0", SLUICE_UPSTREAM_API_KEY_ENV="K")
+    assert (config.server.host, config.upstream.api_key_env) == ("0.0.0.0", "K")
+
+
+def test_env_upstream_defaults_reach_models_but_not_their_overrides() -> None:
+    models = {"a": MODEL, "b": {**MODEL, "idle_timeout": 9}}
+    a, b = build({"models": models}, SLUICE_UPSTREAM_IDLE_TIMEOUT="4").models
+    assert (a.idle_timeout, b.idle_timeout) == (4.0, 9.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        (" on ", True),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
+def test_env_booleans(text: str, value: bool) -> None:
+    # Also: the longest section name wins, so this is [fake_upstream], not a section "fake".
+    assert build({}, SLUICE_FAKE_UPSTREAM_ENABLED=text).fake_upstream.enabled is value
+
+
+def test_env_ignores_unrelated_variables() -> None:
+    config = build({}, SLUICE_CONFIG="x.toml", PATH="/bin", SLUICEY="1", HOME="/root")
+    assert config.server == ServerConfig()
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SLUICE_SERVR_PORT": "1"}, "SLUICE_SERVR_PORT"),
+        ({"SLUICE_SERVER_PROT": "1"}, "'prot'"),
+        ({"SLUICE_SERVER_": "1"}, "SLUICE_SERVER_"),
+        ({"SLUICE_SERVER_PORT": "http"}, "SLUICE_SERVER_PORT"),
+        ({"SLUICE_SERVER_PORT": "80.0"}, "SLUICE_SERVER_PORT"),
+        ({"SLUICE_RELAY_STALL_TIMEOUT": "soon"}, "SLUICE_RELAY_STALL_TIMEOUT"),
+        ({"SLUICE_FAKE_UPSTREAM_ENABLED": "maybe"}, "SLUICE_FAKE_UPSTREAM_ENABLED"),
+    ],
+)
+def test_env_mistakes_are_named(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        build({}, **env)
+
+
+def test_cli_host_and_port_override_only_when_given(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nhost = "10.0.0.1"\nport = 1000\n')
+    env = {"SLUICE_SERVER_PORT": "2000"}
+    assert load_config(path, env=env).server.port == 2000
+    config = load_config(path, env=env, host="::", port=0)
+    assert (config.server.host, config.server.port) == ("::", 0)
+    config = load_config(path, env=env, host="0.0.0.0")
+    assert (config.server.host, config.server.port) == ("0.0.0.0", 2000)
+    with pytest.raises(ConfigError, match="port"):
+        load_config(path, env=env, port=70000)
+
+
+def test_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml", env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[server\nport = 1\n"), env={})
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"server": {"port": 65536}}, "'port'"),
+        ({"server": {"port": -1}}, "'port'"),
+        ({"server": {"max_body_bytes": 0}}, "'max_body_bytes'"),
+        ({"server": {"keep_alive_timeout": 0}}, "'keep_alive_timeout'"),
+        ({"relay": {"channel_capacity": 0}}, "'channel_capacity'"),
+        ({"relay": {"stall_timeout": -1}}, "'stall_timeout'"),
+        ({"relay": {"max_event_bytes": 0}}, "'max_event_bytes'"),
+        ({"relay": {"max_response_bytes": 0}}, "'max_response_bytes'"),
+        ({"upstream": {"max_connections": 0}}, "'max_connections'"),
+        ({"upstream": {"keepalive_expiry": 0}}, "'keepalive_expiry'"),
+        ({"upstream": {"max_keepalive_connections": -1}}, "'max_keepalive_connections'"),
+        ({"models": {"m": {**MODEL, "connect_timeout": 0}}}, "'connect_timeout'"),
+        ({"models": {"m": {**MODEL, "first_token_timeout": -1}}}, "'first_token_timeout'"),
+        ({"models": {"m": {**MODEL, "idle_timeout": 0}}}, "'idle_timeout'"),
+        ({"models": {"m": {**MODEL, "total_timeout": 0}}}, "'total_timeout'"),
+        ({"models": {"m": {**MODEL, "max_attempts": 0}}}, "'max_attempts'"),
+        ({"upstream": {"total_timeout": 0}, "models": {"m": MODEL}}, "'total_timeout'"),
+        ({"models": {"m": {}}}, "'upstreams'"),
+        ({"models": {"m": {"upstreams": []}}}, "'upstreams'"),
+        ({"models": {"m": {"upstreams": ["ftp://h"]}}}, "ftp://h"),
+        ({"models": {"m": {"upstreams": ["127.0.0.1:8000"]}}}, "127.0.0.1:8000"),
+        ({"models": {"m": {"upstreams": ["http://"]}}}, "not an http"),
+        ({"models": {"m": {"upstreams": ["fake:"]}}}, r"\[fake_upstream\]"),
+        (
+            {"fake_upstream": {"enabled": False}, "models": {"m": {"upstreams": ["fake:"]}}},
+            r"\[fake_upstream\]",
+        ),
+    ],
+)
+def test_validation(data: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        build(data)
+
+
+def test_validation_boundaries_that_are_allowed() -> None:
+    data = {
+        "server": {"port": 0},
+        "upstream": {"max_keepalive_connections": 0},
+        "fake_upstream": {"enabled": True},
+        "models": {"m": {"upstreams": ["fake:", "https://api.example.com/v1"]}},
+    }
+    config = build(data)
+    assert config.server.port == 0 and config.upstream.max_keepalive_connections == 0
+    assert config.models[0].upstreams == ("fake:", "https://api.example.com/v1")
+
+
+@pytest.mark.parametrize("where", ["toml", "env"])
+def test_nan_timeout_is_rejected(tmp_path: Path, where: str) -> None:
+    if where == "toml":  # TOML has a literal for it
+        path, env = write(tmp_path, "[relay]\nstall_timeout = nan\n"), {}
+    else:
+        path, env = None, {"SLUICE_RELAY_STALL_TIMEOUT": "nan"}
+    with pytest.raises(ConfigError, match="stall_timeout"):
+        load_config(path, env=env)
+
+
+def test_negative_graceful_timeout_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="graceful_timeout"):
+        build({"server": {"graceful_timeout": -1}})

@@ -1,0 +1,377 @@
+"""The relay over real sockets: endpoints, streaming shape, errors, retries, headers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+
+import httpx
+import trio
+
+from tests.support import (
+    DEADLINE,
+    Fake,
+    Proxy,
+    chat_body,
+    sse_payloads,
+    start_fake,
+    start_proxy,
+    stream_text,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_stream_delivers_each_event_as_it_is_produced(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.05, interval=0.1, tokens=4)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        arrivals: list[tuple[float, str]] = []
+        async with client.stream("POST", proxy.url + CHAT, json=chat_body()) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["cache-control"] == "no-cache"
+            assert response.headers["x-accel-buffering"] == "no"
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((trio.current_time(), line[6:]))
+        payloads = [payload for _, payload in arrivals]
+        assert payloads[-1] == "[DONE]"
+        assert stream_text(payloads) == "The quick brown fox "
+        # Token events 1..3 are 100 ms apart upstream; a buffering relay would deliver them
+        # together. Each must arrive on its own, roughly one interval after the previous one.
+        token_times = [when for when, payload in arrivals[1:4]]
+        gaps = [later - earlier for earlier, later in itertools.pairwise(token_times)]
+        assert all(gap > 0.05 for gap in gaps), gaps
+
+
+async def test_non_streaming_chat_and_completions(proxy: Proxy, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        response = await client.post(proxy.url + CHAT, json=chat_body(stream=False))
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/json"
+        body = response.json()
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["content"] == "The quick brown fox jumps "
+        assert body["usage"]["completion_tokens"] == 5
+
+        response = await client.post(
+            proxy.url + "/v1/completions",
+            json={"model": "fake-model", "prompt": "Once", "max_tokens": 3},
+        )
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["text"] == "The quick brown "
+
+
+async def test_streaming_completions_with_usage(proxy: Proxy, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        response = await client.post(
+            proxy.url + "/v1/completions",
+            json={
+                "model": "fake-model",
+                "prompt": "Once upon",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        assert response.status_code == 200
+        payloads = sse_payloads(response.text)
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 5
+        assert stream_text(payloads) == "The quick brown fox jumps "
+
+
+async def test_models_and_health(proxy: Proxy, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        models = (await client.get(proxy.url + "/v1/models")).json()
+        assert [model["id"] for model in models["data"]] == ["fake-model"]
+        health = await client.get(proxy.url + "/healthz")
+        assert health.status_code == 200
+        assert health.json()["status"] == "ok"
+
+
+def _error(response: httpx.Response) -> dict[str, object]:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "code"}, body
+    error = body["error"]
+    assert isinstance(error, dict)
+    return error
+
+
+async def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url]}, server={"max_body_bytes": 2048}
+        )
+        url = proxy.url + CHAT
+        cases: list[tuple[httpx.Response, int, str]] = [
+            (await client.post(url, content=b"{not json"), 400, "invalid_json"),
+            (await client.post(url, content=b"[1, 2]"), 400, "invalid_request"),
+            (await client.post(url, json={"messages": []}), 400, "invalid_request"),
+            (await client.post(url, json=chat_body(stream="yes")), 400, "invalid_request"),
+            (await client.post(url, json=chat_body(max_tokens=-1)), 400, "invalid_request"),
+            (await client.post(url, json=chat_body("no-such-model")), 404, "model_not_found"),
+            (
+                await client.post(url, json=chat_body(padding="x" * 4096)),
+                413,
+                "request_too_large",
+            ),
+            (await client.get(url), 405, "method_not_allowed"),
+        ]
+        for response, status, code in cases:
+            assert response.status_code == status, response.text
+            assert _error(response)["code"] == code
+        assert _error(cases[2][0])["param"] == "model"
+        # Nothing above reached the upstream, and the server still serves.
+        assert fake.recorder.records == []
+        response = await client.post(url, json=chat_body(stream=False))
+        assert response.status_code == 200
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_upstream_refused_is_502(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"m": [f"http://127.0.0.1:{_closed_port()}"]})
+        response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 502
+        assert _error(response)["code"] == "upstream_connect_error"
+
+
+async def test_upstream_connect_timeout_is_504(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    # A listener that never accepts, with its backlog full: the kernel drops further SYNs, so
+    # connecting hangs exactly like an unreachable host, without leaving loopback.
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        filler.connect(listener.getsockname())
+        port = listener.getsockname()[1]
+        with trio.fail_after(DEADLINE):
+            proxy = await start_proxy(
+                nursery,
+                {"m": {"upstreams": [f"http://127.0.0.1:{port}"], "connect_timeout": 0.3}},
+            )
+            response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 504
+        assert _error(response)["code"] == "upstream_connect_timeout"
+
+
+async def test_first_token_timeout_is_504(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery, {"fake-model": {"upstreams": [fake.url], "first_token_timeout": 0.2}}
+        )
+        response = await client.post(proxy.url + CHAT, json=chat_body(fake={"ttft": 5}))
+        assert response.status_code == 504
+        assert _error(response)["code"] == "upstream_first_token_timeout"
+        record = fake.recorder.last()
+        assert record.disconnected_at is not None  # the proxy hung up on the slow upstream
+
+
+async def test_total_timeout(nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery, {"fake-model": {"upstreams": [fake.url], "total_timeout": 0.3}}
+        )
+        # Non-streaming: nothing was sent yet, so the status says it.
+        response = await client.post(
+            proxy.url + CHAT, json=chat_body(stream=False, fake={"ttft": 5})
+        )
+        assert response.status_code == 504
+        assert _error(response)["code"] == "upstream_total_timeout"
+        # Streaming: the stream started, so the error comes in-band and the stream ends.
+        response = await client.post(
+            proxy.url + CHAT, json=chat_body(fake={"interval": 0.1, "tokens": 50})
+        )
+        assert response.status_code == 200
+        payloads = sse_payloads(response.text)
+        assert json.loads(payloads[-1])["error"]["code"] == "upstream_total_timeout"
+        assert "[DONE]" not in payloads
+
+
+async def test_mid_stream_failures_are_reported_in_band(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery, {"fake-model": {"upstreams": [fake.url], "idle_timeout": 0.3}}
+        )
+        expectations = {
+            "stall": "upstream_idle_timeout",
+            "reset": "upstream_protocol_error",
+            "eof": "upstream_protocol_error",
+            "malformed": "upstream_malformed",
+        }
+        for mode, code in expectations.items():
+            response = await client.post(
+                proxy.url + CHAT, json=chat_body(fake={"mode": mode, "at": 2})
+            )
+            assert response.status_code == 200, mode
+            payloads = sse_payloads(response.text)
+            # The two tokens before the fault were delivered, then exactly one error event.
+            assert stream_text(payloads[:-1]) == "The quick ", (mode, payloads)
+            error = json.loads(payloads[-1])["error"]
+            assert error["code"] == code, (mode, error)
+            assert set(error) >= {"message", "type", "code"}
+        assert (await client.post(proxy.url + CHAT, json=chat_body())).status_code == 200
+
+
+async def test_upstream_errors_before_streaming(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        # The upstream's own 4xx is passed through, body and all.
+        response = await client.post(
+            proxy.url + CHAT, json=chat_body(fake={"mode": "status", "status": 400})
+        )
+        assert response.status_code == 400
+        assert _error(response)["message"] == "fake upstream error"
+        # A 5xx, a refused request, or a stream that ends before its first event: 502.
+        for fake_mode in ({"mode": "status", "status": 500}, {"mode": "refuse"}):
+            response = await client.post(proxy.url + CHAT, json=chat_body(fake=fake_mode))
+            assert response.status_code == 502, fake_mode
+            assert _error(response)["code"] in {"upstream_http_error", "upstream_protocol_error"}
+        response = await client.post(proxy.url + CHAT, json=chat_body(fake={"mode": "malformed"}))
+        assert response.status_code == 502
+        assert _error(response)["code"] == "upstream_malformed"
+
+
+async def test_retry_on_another_replica_before_the_first_byte(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        failing = await start_fake(nursery, mode="status", status=503, ttft=0)
+        healthy = await start_fake(nursery, ttft=0.01, interval=0.01, tokens=3)
+        dead = f"http://127.0.0.1:{_closed_port()}"
+        proxy = await start_proxy(
+            nursery,
+            {
+                "a": {"upstreams": [failing.url, healthy.url]},
+                "b": {"upstreams": [dead, healthy.url]},
+            },
+        )
+        for model in ("a", "b"):
+            response = await client.post(proxy.url + CHAT, json=chat_body(model, stream=True))
+            assert response.status_code == 200, response.text
+            assert stream_text(sse_payloads(response.text)) == "The quick brown "
+        assert len(failing.recorder.records) == 1
+        assert len(healthy.recorder.records) == 2
+
+
+async def test_no_retry_after_the_first_byte(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        breaking = await start_fake(nursery, mode="reset", at=2, ttft=0, interval=0.01)
+        healthy = await start_fake(nursery, ttft=0, interval=0.01, tokens=3)
+        proxy = await start_proxy(nursery, {"m": [breaking.url, healthy.url]})
+        response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 200
+        payloads = sse_payloads(response.text)
+        assert json.loads(payloads[-1])["error"]["code"] == "upstream_protocol_error"
+        assert stream_text(payloads[:-1]) == "The quick "
+        # Tokens reached the client, so the other replica must not have been asked.
+        assert healthy.recorder.records == []
+
+
+async def test_least_busy_replica_gets_the_request(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        first = await start_fake(nursery, ttft=0.01, interval=0.05, tokens=40)
+        second = await start_fake(nursery, ttft=0.01, interval=0.05, tokens=40)
+        proxy = await start_proxy(nursery, {"m": [first.url, second.url]})
+
+        async def one_stream() -> None:
+            response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+            assert response.status_code == 200
+
+        async with trio.open_nursery() as streams:
+            for _ in range(4):
+                streams.start_soon(one_stream)
+                await trio.sleep(0.05)
+        # Each new stream went to the replica with fewer in flight: an even split.
+        assert len(first.recorder.records) == 2
+        assert len(second.recorder.records) == 2
+
+
+async def test_client_authorization_is_never_forwarded(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        plain = await start_fake(nursery, ttft=0, interval=0, tokens=1)
+        proxy = await start_proxy(
+            nursery,
+            {
+                "keyed": {"upstreams": [fake.url], "api_key_env": "UPSTREAM_KEY"},
+                "plain": [plain.url],
+            },
+            env={"UPSTREAM_KEY": "upstream-secret"},
+        )
+        headers = {"Authorization": "Bearer client-secret", "X-Request-ID": "req-42"}
+        for model in ("keyed", "plain"):
+            response = await client.post(
+                proxy.url + CHAT, json=chat_body(model, stream=False), headers=headers
+            )
+            assert response.status_code == 200
+            assert response.headers["x-request-id"] == "req-42"
+        keyed = fake.recorder.last().headers
+        assert keyed["authorization"] == "Bearer upstream-secret"
+        assert keyed["x-request-id"] == "req-42"
+        assert "authorization" not in plain.recorder.last().headers
+
+
+async def test_streams_outlive_quarts_response_timeout(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=20)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        # Quart would cut every response at RESPONSE_TIMEOUT, silently; relays opt out.
+        proxy.app.config["RESPONSE_TIMEOUT"] = 0.3
+        response = await client.post(proxy.url + CHAT, json=chat_body())
+        payloads = sse_payloads(response.text)
+        assert payloads[-1] == "[DONE]"
+        assert len(stream_text(payloads).split()) == 20
+
+
+async def test_concurrent_streams_interleave(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.05, interval=0.05, tokens=10)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        count = 30
+        first_token: list[float] = []
+        done: list[float] = []
+        started = trio.current_time()
+
+        async def one_stream() -> None:
+            async with client.stream("POST", proxy.url + CHAT, json=chat_body()) as response:
+                async for line in response.aiter_lines():
+                    if '"content":"The ' in line:
+                        first_token.append(trio.current_time() - started)
+            done.append(trio.current_time() - started)
+
+        async with trio.open_nursery() as streams:
+            for _ in range(count):
+                streams.start_soon(one_stream)
+        assert len(done) == count and len(first_token) == count
+        # One stream takes ~0.5 s. If any waited for another, the last would finish after
+        # several streams' worth of time; interleaved, all finish together.
+        assert max(first_token) < 0.5, first_token
+        assert max(done) < 1.5, done
