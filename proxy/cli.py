@@ -69,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every upstream request at INFO: a synchronous write per request on the hot path.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if args.command == "serve" and args.config is None and os.path.exists(DEFAULT_CONFIG):
         args.config = DEFAULT_CONFIG
     try:

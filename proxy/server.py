@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -28,6 +29,9 @@ def hypercorn_config(config: Config) -> HypercornConfig:
     hyper.graceful_timeout = server.graceful_timeout
     # The access log would be one synchronous write per request on the event loop.
     hyper.accesslog = None
+    # A Logger (not a path) makes hypercorn use it as it is, through our logging set-up,
+    # instead of adding a second handler that prints every line twice.
+    hyper.errorlog = logging.getLogger("hypercorn.error")
     return hyper
 
 

@@ -1,0 +1,758 @@
+"""The fake upstream, seen from a real client over 127.0.0.1.
+
+Policy: port 0, real httpx (pooled, keep-alive) or raw trio sockets where the exact bytes
+matter, a ``fail_after`` on every I/O test, millisecond ttft/interval so the file stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import struct
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from proxy.fake_upstream import (
+    MALFORMED_EVENT,
+    WORDS,
+    FakeSettings,
+    FakeUpstream,
+    NoRecordsYet,
+    Recorder,
+    RequestRecord,
+    add_arguments,
+    run_from_args,
+    settings_from_args,
+    token_text,
+)
+
+FAST: dict[str, Any] = {"ttft": 0.01, "interval": 0.002, "tokens": 5}
+# How soon the fake must notice that its client left.
+DISCONNECT_BUDGET = 0.05
+
+
+async def start(nursery: trio.Nursery, **settings: Any) -> tuple[FakeUpstream, int]:
+    fake = FakeUpstream(FakeSettings(**{**FAST, **settings}))
+    port: int = await nursery.start(fake.serve)
+    return fake, port
+
+
+def client(port: int, **kwargs: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", **kwargs)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": "one two three"}]} | (
+        extra
+    )
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "one two"} | extra
+
+
+async def sse_events(response: httpx.Response) -> list[str]:
+    """The payloads of ``data:`` lines, and any other non-empty line verbatim."""
+    events = []
+    async for line in response.aiter_lines():
+        if line:
+            events.append(line.removeprefix("data: "))
+    return events
+
+
+async def settled(recorder: Recorder) -> RequestRecord:
+    """The newest record once its outcome is final.
+
+    The fake stamps ``finished_at`` when its last ``send_all`` returns, and the client may be
+    scheduled first and already hold every byte: so wait, do not assert at once.
+    """
+    await recorder.wait_for(lambda r: r.last().outcome != "pending")
+    return recorder.last()
+
+
+async def raw_exchange(port: int, request: bytes) -> bytes:
+    """Send raw bytes, read until the server closes."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(request)
+        received = bytearray()
+        while data := await stream.receive_some():
+            received += data
+    return bytes(received)
+
+
+def split_chunked(raw: bytes) -> tuple[bytes, list[bytes], bytes]:
+    """(head, chunks, rest after the terminating chunk) of one chunked response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    chunks: list[bytes] = []
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert body.startswith(b"\r\n")
+            return head, chunks, body[2:]
+        chunks.append(body[:size])
+        assert body[size : size + 2] == b"\r\n"
+        body = body[size + 2 :]
+
+
+def post(path: str, body: bytes, *, extra: bytes = b"") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n".encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+async def test_streaming_chat_shape_and_order(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            body = chat(stream=True, stream_options={"include_usage": True})
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                events = await sse_events(r)
+        record = await settled(fake.recorder)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    role, tokens, finish, usage = chunks[0], chunks[1:6], chunks[6], chunks[7]
+    assert len(chunks) == 8
+    for chunk in chunks:
+        assert chunk["id"] == "chatcmpl-0"
+        assert chunk["object"] == "chat.completion.chunk"
+        assert chunk["model"] == "fake-model"
+        assert isinstance(chunk["created"], int)
+    assert role["choices"] == [
+        {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+    ]
+    for i, chunk in enumerate(tokens):
+        assert chunk["choices"] == [
+            {
+                "index": 0,
+                "delta": {"content": WORDS[i] + " "},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
+    assert finish["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    ]
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+    assert record.path == "/v1/chat/completions"
+    assert record.body == body
+    assert record.headers["content-type"] == "application/json"
+    assert record.outcome == "completed"
+    assert record.tokens_sent == 5
+    assert record.disconnected_at is None
+    assert record.first_token_at is not None
+    assert record.finished_at is not None
+    assert record.first_token_at - record.received_at >= FAST["ttft"]
+    assert record.finished_at - record.received_at >= FAST["ttft"] + 4 * FAST["interval"]
+
+
+async def test_max_tokens_caps_and_says_length(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            body = chat(stream=True, max_tokens=2)
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                events = await sse_events(r)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[1:3]] == [
+        token_text(0),
+        token_text(1),
+    ]
+    assert chunks[3]["choices"][0]["finish_reason"] == "length"
+    assert len(chunks) == 4  # no usage chunk without include_usage
+    assert fake.recorder.last().tokens_sent == 2
+
+
+async def test_streaming_completions(nursery: trio.Nursery) -> None:
+    _, port = await start(nursery, tokens=20)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            body = completion(stream=True, stream_options={"include_usage": True})
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"] == "cmpl-0" for c in chunks)
+    texts = [c["choices"][0]["text"] for c in chunks[:20]]
+    assert texts == [WORDS[i % len(WORDS)] + " " for i in range(20)]
+    assert chunks[0]["choices"][0] == {
+        "index": 0,
+        "text": "The ",
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    assert chunks[20]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[20]["choices"][0]["text"] == ""
+    assert chunks[21]["usage"] == {"prompt_tokens": 2, "completion_tokens": 20, "total_tokens": 22}
+
+
+async def test_non_streaming(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            before = trio.current_time()
+            r = await c.post("/v1/chat/completions", json=chat())
+            elapsed = trio.current_time() - before
+            assert elapsed >= FAST["ttft"] + 4 * FAST["interval"]
+            assert r.status_code == 200
+            answer = r.json()
+            assert answer["object"] == "chat.completion"
+            assert answer["choices"] == [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "The quick brown fox jumps "},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
+            ]
+            assert answer["usage"] == {
+                "prompt_tokens": 3,
+                "completion_tokens": 5,
+                "total_tokens": 8,
+            }
+            record = fake.recorder.last()
+            assert (record.outcome, record.tokens_sent) == ("completed", 5)
+
+            r = await c.post("/v1/completions", json=completion(max_tokens=3))
+            answer = r.json()
+            assert answer["object"] == "text_completion"
+            assert answer["choices"][0]["text"] == "The quick brown "
+            assert answer["choices"][0]["finish_reason"] == "length"
+            assert answer["usage"]["completion_tokens"] == 3
+
+
+async def test_one_http_chunk_per_sse_event(nursery: trio.Nursery) -> None:
+    _, port = await start(nursery, tokens=3)
+    body = json.dumps(chat(stream=True, stream_options={"include_usage": True})).encode()
+    with trio.fail_after(10):
+        raw = await raw_exchange(
+            port, post("/v1/chat/completions", body, extra=b"connection: close\r\n")
+        )
+    head, chunks, rest = split_chunked(raw)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"transfer-encoding: chunked" in head
+    assert b"connection: close" in head
+    assert rest == b""
+    # role, 3 tokens, finish, usage, [DONE]: each its own chunk, each one whole event.
+    assert len(chunks) == 7
+    for chunk in chunks:
+        assert chunk.startswith(b"data: ")
+        assert chunk.endswith(b"\n\n")
+        assert chunk.count(b"\n\n") == 1
+    assert chunks[-1] == b"data: [DONE]\n\n"
+
+
+async def test_keep_alive_reuses_one_connection(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port, limits=httpx.Limits(max_connections=1)) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                await sse_events(r)
+            r = await c.post("/v1/completions", json=completion())
+            assert r.status_code == 200
+            first, second = fake.recorder.records
+            assert first.connection == second.connection
+            assert fake.recorder.connections_accepted == 1
+            assert fake.recorder.open_connections == 1
+        # The pooled connection closed between requests: not a disconnect of any request.
+        await fake.recorder.wait_for(lambda rec: rec.open_connections == 0)
+    assert [r.outcome for r in fake.recorder.records] == ["completed", "completed"]
+
+
+async def test_pipelined_requests_answered_in_order(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    one = post("/v1/completions", json.dumps(completion(max_tokens=1)).encode())
+    two = post(
+        "/v1/completions",
+        json.dumps(completion(max_tokens=2)).encode(),
+        extra=b"connection: close\r\n",
+    )
+    with trio.fail_after(10):
+        raw = await raw_exchange(port, one + two)
+    first, _, rest = raw.partition(b"\r\n\r\n")
+    length = int(first.split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert json.loads(rest[:length])["usage"]["completion_tokens"] == 1
+    second_head, _, second_body = rest[length:].partition(b"\r\n\r\n")
+    assert b"connection: close" in second_head
+    assert json.loads(second_body)["usage"]["completion_tokens"] == 2
+    assert [r.outcome for r in fake.recorder.records] == ["completed", "completed"]
+    assert fake.recorder.connections_accepted == 1
+
+
+async def test_models_health_and_unknown_path(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, models=["a", "b"])
+    with trio.fail_after(10):
+        async with client(port) as c:
+            r = await c.get("/health")
+            assert (r.status_code, r.content) == (200, b"")
+            r = await c.get("/v1/models")
+            assert [m["id"] for m in r.json()["data"]] == ["a", "b"]
+            assert r.json()["object"] == "list"
+            r = await c.get("/v2/nothing")
+            assert r.status_code == 404
+            assert r.json()["error"]["type"] == "NotFoundError"
+            assert r.json()["error"]["code"] == 404
+            r = await c.get("/v1/chat/completions")
+            assert r.status_code == 405
+    assert [r.path for r in fake.recorder.records] == [
+        "/health",
+        "/v1/models",
+        "/v2/nothing",
+        "/v1/chat/completions",
+    ]
+
+
+async def test_per_request_override_and_bad_requests(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            r = await c.post("/v1/completions", json=completion(fake={"tokens": 2, "ttft": 0}))
+            assert r.json()["usage"]["completion_tokens"] == 2
+            r = await c.post("/v1/chat/completions", content=b"{not json")
+            assert r.status_code == 400
+            assert r.json() == {
+                "error": {
+                    "message": "request body must be a JSON object",
+                    "type": "BadRequestError",
+                    "code": 400,
+                }
+            }
+            assert fake.recorder.last().body is None
+            r = await c.post("/v1/chat/completions", json=chat(fake={"mode": "explode"}))
+            assert r.status_code == 400
+            assert "mode" in r.json()["error"]["message"]
+            r = await c.post("/v1/chat/completions", json=chat(fake={"bogus": 1}))
+            assert r.status_code == 400
+            r = await c.post("/v1/chat/completions", json=chat(max_tokens=-1))
+            assert r.status_code == 400
+            r = await c.post("/v1/completions", json={"model": "m"})
+            assert r.status_code == 400
+            # The connection survives a 400.
+            assert fake.recorder.connections_accepted == 1
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n", 411),
+        (b"POST /v1/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n", 411),
+        (b"POST /v1/completions HTTP/1.1\r\ncontent-length: 999999999\r\n\r\n", 413),
+        (b"GET /health HTTP/1.1\r\nx: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        (b"GET /health HTTP/1.1\r\nbad header\r\n\r\n", 400),
+        (b"NONSENSE\r\n\r\n", 400),
+        (b"GET /health HTTP/2.0\r\n\r\n", 505),
+    ],
+)
+async def test_framing_errors_answered_and_closed(
+    nursery: trio.Nursery, request_bytes: bytes, status: int
+) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        raw = await raw_exchange(port, request_bytes)
+    assert raw.startswith(f"HTTP/1.1 {status} ".encode())
+    assert b"connection: close" in raw
+    assert json.loads(raw.partition(b"\r\n\r\n")[2])["error"]["code"] == status
+    assert fake.recorder.records == []
+
+
+async def test_http_1_0_stream_is_close_delimited(nursery: trio.Nursery) -> None:
+    _, port = await start(nursery, tokens=2)
+    body = json.dumps(completion(stream=True)).encode()
+    request = f"POST /v1/completions HTTP/1.0\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+    with trio.fail_after(10):
+        raw = await raw_exchange(port, request + body)
+    head, _, events = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head
+    assert events.count(b"data: ") == 4
+    assert events.endswith(b"data: [DONE]\n\n")
+
+
+# --------------------------------------------------------------------------- failure modes
+
+
+async def test_mode_refuse(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, mode="refuse")
+    with trio.fail_after(10):
+        async with client(port) as c:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await c.post("/v1/chat/completions", json=chat(stream=True))
+            # The fake's own endpoints and health never take part in fault injection.
+            assert (await c.get("/health")).status_code == 200
+    assert fake.recorder.last("/v1/chat/completions").outcome == "failed_injected"
+
+
+async def test_mode_status(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            for stream in (True, False):
+                body = chat(stream=stream, fake={"mode": "status", "status": 503})
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 503
+                assert r.json() == {
+                    "error": {
+                        "message": "fake upstream error",
+                        "type": "ServiceUnavailableError",
+                        "code": 503,
+                    }
+                }
+                record = await settled(fake.recorder)
+                assert record.outcome == "failed_injected"
+                assert record.finished_at is not None
+                assert record.finished_at - record.received_at >= FAST["ttft"]
+            # Default status is 500, and the connection is kept.
+            r = await c.post("/v1/completions", json=completion(fake={"mode": "status"}))
+            assert r.status_code == 500
+            assert r.json()["error"]["type"] == "InternalServerError"
+            assert fake.recorder.connections_accepted == 1
+
+
+async def _stream_until_error(
+    port: int, body: dict[str, Any], error: type[Exception], read_timeout: float = 5.0
+) -> list[str]:
+    events: list[str] = []
+    async with client(port, timeout=read_timeout) as c:
+        with pytest.raises(error):
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line:
+                        events.append(line.removeprefix("data: "))
+    return events
+
+
+def _contents(events: list[str]) -> list[str]:
+    return [json.loads(e)["choices"][0]["delta"].get("content") for e in events]
+
+
+async def test_mode_reset(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        body = chat(stream=True, fake={"mode": "reset", "at": 2})
+        events = await _stream_until_error(port, body, httpx.ReadError)
+    assert _contents(events) == ["", token_text(0), token_text(1)]
+    record = fake.recorder.last()
+    assert (record.outcome, record.tokens_sent, record.disconnected_at) == (
+        "failed_injected",
+        2,
+        None,
+    )
+
+
+async def test_mode_eof(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        body = chat(stream=True, fake={"mode": "eof", "at": 3})
+        events = await _stream_until_error(port, body, httpx.RemoteProtocolError)
+    assert _contents(events) == ["", token_text(0), token_text(1), token_text(2)]
+    assert fake.recorder.last().outcome == "failed_injected"
+
+
+async def test_mode_stall_after_last_token(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        body = chat(stream=True, fake={"mode": "stall", "at": 99})
+        events = await _stream_until_error(port, body, httpx.ReadTimeout, read_timeout=0.2)
+        # All tokens, then silence where the finish chunk belongs.
+        assert _contents(events) == [""] + [token_text(i) for i in range(5)]
+        await fake.recorder.wait_for(lambda r: r.last().outcome == "client_disconnected")
+
+
+async def test_mode_stall_headers(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, mode="stall_headers")
+    with trio.fail_after(10):
+        async with client(port, timeout=0.1) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/chat/completions", json=chat(stream=True))
+        await fake.recorder.wait_for(lambda r: r.last().outcome == "client_disconnected")
+
+
+async def test_mode_malformed(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            body = chat(stream=True, fake={"mode": "malformed", "at": 1})
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                events = await sse_events(r)
+            # role, token 0, then the garbage where token 1 belongs, then token 1 and on.
+            assert events[2] == MALFORMED_EVENT.decode().strip()
+            del events[2]
+            assert _contents(events[:-1]) == [""] + [token_text(i) for i in range(5)] + [None]
+            assert events[-1] == "[DONE]"
+            assert (await settled(fake.recorder)).outcome == "failed_injected"
+
+            r = await c.post("/v1/chat/completions", json=chat(fake={"mode": "malformed"}))
+            with pytest.raises(json.JSONDecodeError):
+                r.json()
+
+
+async def test_non_streaming_faults(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await c.post("/v1/completions", json=completion(fake={"mode": "eof"}))
+            with pytest.raises(httpx.ReadError):
+                await c.post("/v1/completions", json=completion(fake={"mode": "reset"}))
+    assert [r.outcome for r in fake.recorder.records] == ["failed_injected"] * 2
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+async def _leave_during_ttft(c: httpx.AsyncClient, recorder: Recorder) -> float:
+    body = chat(stream=True, fake={"ttft": 5})
+    async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200  # vLLM sends its headers before the first token
+        left = trio.current_time()
+    return left
+
+
+async def _leave_mid_stream(c: httpx.AsyncClient, recorder: Recorder) -> float:
+    body = chat(stream=True, fake={"interval": 0.02, "tokens": 1000})
+    async with c.stream("POST", "/v1/chat/completions", json=body):
+        # Not reading: breaking out of httpx's nested line iterators leaves inner async
+        # generators to the garbage collector, which trio reports as a ResourceWarning.
+        await recorder.wait_for(lambda r: r.last().tokens_sent >= 3)
+        left = trio.current_time()
+    return left
+
+
+async def _leave_while_stalled(c: httpx.AsyncClient, recorder: Recorder) -> float:
+    body = chat(stream=True, fake={"mode": "stall", "at": 0})
+    async with c.stream("POST", "/v1/chat/completions", json=body):
+        await trio.sleep(0.05)
+        left = trio.current_time()
+    return left
+
+
+async def _leave_before_headers(c: httpx.AsyncClient, recorder: Recorder) -> float:
+    body = chat(stream=True, fake={"mode": "stall_headers"})
+    with trio.move_on_after(0.05) as scope:
+        await c.post("/v1/chat/completions", json=body)
+    assert scope.cancelled_caught
+    return scope.deadline
+
+
+async def _leave_non_streaming(c: httpx.AsyncClient, recorder: Recorder) -> float:
+    with trio.move_on_after(0.05) as scope:
+        await c.post("/v1/chat/completions", json=chat(fake={"ttft": 5}))
+    assert scope.cancelled_caught
+    return scope.deadline
+
+
+@pytest.mark.parametrize(
+    "leave",
+    [
+        _leave_during_ttft,
+        _leave_mid_stream,
+        _leave_while_stalled,
+        _leave_before_headers,
+        _leave_non_streaming,
+    ],
+    ids=["ttft", "mid-stream", "stall", "stall_headers", "non-stream"],
+)
+async def test_disconnect_noticed_in_every_phase(nursery: trio.Nursery, leave: Any) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            left = await leave(c, fake.recorder)
+        with trio.fail_after(1):
+            await fake.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
+        record = fake.recorder.last()
+        assert record.outcome == "client_disconnected"
+        assert record.finished_at is None
+        assert record.disconnected_at is not None
+        assert record.disconnected_at - left < DISCONNECT_BUDGET
+        assert record.disconnected_at_mono is not None
+        # The response work was cancelled: nothing more goes out.
+        sent = record.tokens_sent
+        await trio.sleep(0.05)
+        assert record.tokens_sent == sent
+        await fake.recorder.wait_for(lambda r: r.open_connections == 0)
+
+
+async def test_backpressure_reaches_the_fake(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, sndbuf=4096, ttft=0, interval=0, tokens=5000)
+    body = json.dumps(completion(stream=True)).encode()
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect(("127.0.0.1", port))
+    stream = trio.SocketStream(sock)
+    with trio.fail_after(10):
+        async with stream:
+            await stream.send_all(post("/v1/completions", body, extra=b"connection: close\r\n"))
+            await trio.sleep(0.1)
+            stuck = fake.recorder.last().tokens_sent
+            assert 0 < stuck < 1000
+            assert fake.recorder.last().outcome == "pending"
+            while await stream.receive_some():
+                pass
+    assert fake.recorder.last().outcome == "completed"
+    assert fake.recorder.last().tokens_sent == 5000
+
+
+# --------------------------------------------------------------------------- recording
+
+
+async def test_fake_requests_endpoint(nursery: trio.Nursery) -> None:
+    _, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            await c.post("/v1/completions", json=completion(max_tokens=2))
+            await c.post("/v1/chat/completions", json=chat(max_tokens=1))
+            records = (await c.get("/_fake/requests")).json()
+            assert [r["id"] for r in records] == [0, 1]
+            assert [r["path"] for r in records] == ["/v1/completions", "/v1/chat/completions"]
+            assert records[0]["body"]["max_tokens"] == 2
+            assert records[0]["tokens_sent"] == 2
+            assert records[0]["outcome"] == "completed"
+            for r in records:
+                assert r["received_at_mono"] <= r["first_token_at_mono"] <= r["finished_at_mono"]
+                assert r["disconnected_at_mono"] is None
+            newer = (await c.get("/_fake/requests?since=1")).json()
+            assert [r["id"] for r in newer] == [1]
+            # Control endpoints are not recorded.
+            assert len((await c.get("/_fake/requests")).json()) == 2
+
+
+async def test_wait_for_wakes_on_changes(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, tokens=3)
+    recorder = fake.recorder
+    seen: list[int] = []
+
+    async def watch_tokens() -> None:
+        # last() before any request raises NoRecordsYet, which wait_for reads as "not yet".
+        for n in (1, 2, 3):
+
+            def reached(r: Recorder, n: int = n) -> bool:
+                return r.last().tokens_sent >= n
+
+            await recorder.wait_for(reached)
+            seen.append(recorder.last().tokens_sent)
+
+    with pytest.raises(NoRecordsYet):
+        recorder.last()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(watch_tokens)
+            async with client(port) as c:
+                body = completion(stream=True, fake={"interval": 0.02})
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    await sse_events(r)
+    assert seen == [1, 2, 3]
+    with trio.fail_after(1):
+        await recorder.wait_for(lambda r: r.last().outcome == "completed")
+
+
+async def test_recorder_keeps_a_bounded_history(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, max_records=4)
+    with pytest.raises(NoRecordsYet):
+        fake.recorder.last("/health")
+    with trio.fail_after(10):
+        async with client(port) as c:
+            for _ in range(6):
+                await c.get("/health")
+    ids = [r.id for r in fake.recorder.records]
+    assert len(ids) <= 4
+    assert ids == sorted(ids)
+    assert ids[-1] == 5
+    assert fake.recorder.last("/health").id == 5
+
+
+def test_settings_validate() -> None:
+    with pytest.raises(ValueError, match="mode"):
+        FakeSettings(mode="nope")
+    with pytest.raises(ValueError, match="ttft"):
+        FakeSettings(ttft=-1)
+    with pytest.raises(ValueError, match="models"):
+        FakeSettings(models=[])
+
+
+async def test_command_line(nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = "--port 0 --model a --model b --tokens 3 --mode eof --at 1 --ttft 0"
+    args = parser.parse_args([*argv.split(), "--interval", "0.001", "--sndbuf", "65536"])
+    settings = settings_from_args(args)
+    assert settings == FakeSettings(
+        ttft=0, interval=0.001, tokens=3, models=["a", "b"], mode="eof", at=1, sndbuf=65536
+    )
+    assert settings_from_args(parser.parse_args([])).models == ["fake-model"]
+
+    nursery.start_soon(run_from_args, args)
+    with trio.fail_after(10):
+        # run_from_args announces itself on stdout only; poll for the line as a script would.
+        while not (out := capsys.readouterr().out):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+        prefix = "fake upstream listening on http://127.0.0.1:"
+        assert out.startswith(prefix)
+        assert out.endswith("\n")
+        port = int(out.removeprefix(prefix))
+        async with client(port) as c:
+            r = await c.get("/v1/models")
+            assert [m["id"] for m in r.json()["data"]] == ["a", "b"]
+
+
+async def test_client_reset_mid_stream(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, tokens=1000, interval=0.005)
+    body = json.dumps(completion(stream=True)).encode()
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(post("/v1/completions", body))
+        await fake.recorder.wait_for(lambda r: r.last().tokens_sent >= 3)
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        left = trio.current_time()
+        await stream.aclose()
+        await fake.recorder.wait_for(lambda r: r.last().outcome != "pending")
+    record = fake.recorder.last()
+    assert record.outcome == "client_disconnected"
+    assert record.disconnected_at is not None
+    assert record.disconnected_at - left < DISCONNECT_BUDGET
+
+
+async def test_many_streams_share_the_clock(nursery: trio.Nursery) -> None:
+    """Streams leaving early must not disturb the others the ticker is writing."""
+    fake, port = await start(nursery, tokens=30, interval=0.003)
+    results: dict[int, list[str]] = {}
+
+    async def run(i: int, c: httpx.AsyncClient) -> None:
+        body = completion(stream=True, max_tokens=30 if i % 2 else 200)
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            if i % 2:
+                events = await sse_events(r)
+                results[i] = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+            else:
+                await trio.sleep(0.02)
+
+    with trio.fail_after(10):
+        limits = httpx.Limits(max_connections=40)
+        async with client(port, limits=limits) as c, trio.open_nursery() as inner:
+            for i in range(40):
+                inner.start_soon(run, i, c)
+        await fake.recorder.wait_for(lambda r: r.open_connections == 0)
+    expected = [token_text(i) for i in range(30)] + [""]
+    assert len(results) == 20
+    assert all(texts == expected for texts in results.values())
+    outcomes = sorted(r.outcome for r in fake.recorder.records)
+    assert outcomes == ["client_disconnected"] * 20 + ["completed"] * 20
