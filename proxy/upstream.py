@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import trio
@@ -243,7 +243,7 @@ class UpstreamBackend:
         splitter = SSESplitter(self._relay.max_event_bytes)
         saw_done = False
         # aclosing: an error mid-stream must close the generator now, not at garbage collection.
-        async with aclosing(response.aiter_raw()) as chunks:
+        async with aclosing(_raw_chunks(response)) as chunks:
             async for chunk in chunks:
                 events = splitter.feed(chunk)
                 if not events:
@@ -298,10 +298,16 @@ class UpstreamBackend:
         await sink.send(body)
 
 
+def _raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
+    # httpx types aiter_raw as an AsyncIterator; it is an async generator, and aclosing it is
+    # what ends the stream promptly when we stop early.
+    return cast(AsyncGenerator[bytes, None], response.aiter_raw())
+
+
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
-    async with aclosing(response.aiter_raw()) as chunks:
+    async with aclosing(_raw_chunks(response)) as chunks:
         async for chunk in chunks:
             size += len(chunk)
             if size > limit:

@@ -25,6 +25,7 @@ from proxy.server import serve
 # Generous enough for a loaded 2-core CI machine; every I/O test runs under a fail_after.
 DEADLINE = 15
 
+
 @dataclass
 class Fake:
     upstream: FakeUpstream
