@@ -159,6 +159,7 @@ async def test_slow_reader_applies_backpressure_then_is_cut_off(nursery: trio.Nu
         )
         raw = await RawClient.post(proxy, CHAT, chat_body(), rcvbuf=4096)
         await raw.read_until(b"data: ", count=3)
+        stopped_reading = trio.current_time()
         # The client stops reading. The proxy's socket buffers fill, then the channel, then
         # the producer blocks, then the upstream read stops: the fake stops sending.
         (relay,) = proxy.state.tracker.active
@@ -177,8 +178,18 @@ async def test_slow_reader_applies_backpressure_then_is_cut_off(nursery: trio.Nu
         record = fake.recorder.last()
         assert record.outcome == "client_disconnected"
         await proxy.state.tracker.wait_idle()
+        # hypercorn's send_all is shielded, so only the kernel can free the handler: the
+        # listening socket's TCP_USER_TIMEOUT (stall_timeout + 1 s) does, a little later.
+        assert trio.current_time() - stopped_reading < stall_timeout + 1 + 2
         assert proxy.state.tracker.stalled == 1
         assert producer_tasks() == []
+        # The connection itself is dropped too (TCP_USER_TIMEOUT on a zero window), even
+        # though this client never closed it: draining what was buffered ends in EOF or reset.
+        try:
+            while await raw.stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass
         await raw.stream.aclose()
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import socket
+import subprocess
 
 import httpx
+import pytest
 import trio
 
 from tests.support import (
@@ -375,3 +378,44 @@ async def test_concurrent_streams_interleave(
         # several streams' worth of time; interleaved, all finish together.
         assert max(first_token) < 0.5, first_token
         assert max(done) < 1.5, done
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
+    """What the README promises: `curl -N` through the proxy shows each token as it comes."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.05, interval=0.1, tokens=5)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        arrivals: list[float] = []
+        process = await trio.lowlevel.open_process(
+            [
+                "curl",
+                "-sN",
+                proxy.url + CHAT,
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                json.dumps(chat_body()),
+            ],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert process.stdout is not None
+            buffer = b""
+            while chunk := await process.stdout.receive_some():
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if b'"content":"' in event and b'"content":""' not in event:
+                        arrivals.append(trio.current_time())
+            await process.wait()
+        finally:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+            assert process.stdout is not None
+            await process.stdout.aclose()
+        assert process.returncode == 0
+        assert len(arrivals) == 5
+        gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+        assert all(gap > 0.05 for gap in gaps), gaps
