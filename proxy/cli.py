@@ -14,7 +14,7 @@ import trio
 
 from .config import ConfigError, load_config
 
-DEFAULT_CONFIG = "conf/default.toml"
+DEFAULT_CONFIG = "conf/local.toml"
 
 
 async def _wait_for_signal() -> None:
@@ -55,12 +55,23 @@ def _add_fake_upstream(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     parser.set_defaults(handler=fake_upstream.run_from_args)
 
 
+def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from . import bench
+
+    parser = subparsers.add_parser(
+        "bench", help="load-test the proxy against a fake upstream (and, with --direct, without)"
+    )
+    bench.add_arguments(parser)
+    parser.set_defaults(handler=bench.run_from_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_fake_upstream(subparsers)
+    _add_bench(subparsers)
     return parser
 
 

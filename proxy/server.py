@@ -27,6 +27,7 @@ def hypercorn_config(config: Config) -> HypercornConfig:
     hyper.bind = [f"{host}:{server.port}"]
     hyper.keep_alive_timeout = server.keep_alive_timeout
     hyper.graceful_timeout = server.graceful_timeout
+    hyper.backlog = server.backlog
     # The access log would be one synchronous write per request on the event loop.
     hyper.accesslog = None
     # A Logger (not a path) makes hypercorn use it as it is, through our logging set-up,

@@ -64,6 +64,7 @@ async def start_proxy(
     models: dict[str, Any],
     *,
     env: dict[str, str] | None = None,
+    local_models: dict[str, Any] | None = None,
     **sections: dict[str, Any],
 ) -> Proxy:
     """Serve a proxy; ``models`` maps a name to a list of upstream URLs or a full model table."""
@@ -74,7 +75,7 @@ async def start_proxy(
         for name, spec in models.items()
     }
     config = config_from_mapping(data, "test", env={})
-    app = create_app(config, env=env or {})
+    app = create_app(config, env=env or {}, local_models=local_models)
     binds = await nursery.start(serve, app, config)
     return Proxy(binds[0], app, config)
 

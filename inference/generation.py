@@ -1,0 +1,269 @@
+"""The generation loop that runs in a worker thread, one decode step at a time.
+
+It owns nothing async: the caller passes ``emit`` (hand text to the client; may block, which is
+how a slow reader pauses the model, and may raise, which is how a disconnect stops it) and
+``checkpoint`` (raises when the request is cancelled). Both are called between decode steps, so
+generation stops within one step of a cancellation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chunks import Usage
+from .detokenize import IncrementalDetokenizer
+from .loading import LoadedModel
+from .stops import StopMatcher
+
+log = logging.getLogger("sluice.inference")
+
+_SEED_RANGE = 2**63
+
+
+class PromptError(ValueError):
+    """The request cannot be turned into a prompt for this model (the client's fault)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # vLLM's extension: keep generating past end-of-sequence (benchmarks use it).
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerationResult:
+    finish_reason: str
+    usage: Usage
+    text: str = ""
+    # Seconds per model step; the first is the prompt's prefill.
+    step_seconds: list[float] = field(default_factory=list)
+    slow_steps: int = 0
+
+
+def sampling_from_body(
+    body: Mapping[str, Any], *, default_max_tokens: int, default_temperature: float
+) -> SamplingParams:
+    """OpenAI sampling fields (types already validated by the proxy) with this model's defaults."""
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
+    temperature = body.get("temperature")
+    top_p = body.get("top_p")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > 4:
+        raise PromptError("'stop' takes at most 4 sequences.", param="stop")
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise PromptError("'temperature' must be between 0 and 2.", param="temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise PromptError("'top_p' must be greater than 0 and at most 1.", param="top_p")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise PromptError("'ignore_eos' must be a boolean.", param="ignore_eos")
+    return SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=default_temperature if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        # Any JSON integer is accepted; torch takes 64 bits, so fold it into range.
+        seed=None if body.get("seed") is None else int(body["seed"]) % _SEED_RANGE,
+        stop=stops,
+        ignore_eos=ignore_eos,
+    )
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise PromptError(
+                    "Only text content parts are supported by this model.",
+                    param=f"messages[{index}].content",
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise PromptError(
+        "Message content must be a string or an array of text parts.",
+        param=f"messages[{index}].content",
+    )
+
+
+class Generator:
+    """Turns requests into prompts and prompts into tokens, for one loaded model."""
+
+    def __init__(self, loaded: LoadedModel, *, slow_step_seconds: float = 1.0) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.slow_step_seconds = slow_step_seconds
+        config = getattr(self.model, "config", None)
+        self.context_length = int(getattr(config, "max_position_embeddings", 2048) or 2048)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(
+            self.tokenizer.decode(
+                list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        )
+
+    def chat_prompt(self, messages: Sequence[Any]) -> list[int]:
+        conversation = []
+        for index, message in enumerate(messages):
+            role = message.get("role")
+            if role not in {"system", "user", "assistant", "tool", "developer"}:
+                raise PromptError(f"Unknown role {role!r}.", param=f"messages[{index}].role")
+            conversation.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _message_text(message.get("content"), index),
+                }
+            )
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise PromptError("This model has no chat template; use /v1/completions.")
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        )
+        return self.text_prompt(str(text))
+
+    def text_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise PromptError("This server takes one prompt per request.", param="prompt")
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise PromptError("'prompt' must be a string.", param="prompt")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(i) for i in ids]
+
+    def check_length(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """Refuse prompts that leave no room; clamp max_tokens to the context that is left."""
+        if not prompt_ids:
+            raise PromptError("The prompt is empty.", param="prompt")
+        room = self.context_length - len(prompt_ids)
+        if room <= 0:
+            raise PromptError(
+                f"The prompt is {len(prompt_ids)} tokens; this model's context is "
+                f"{self.context_length} tokens.",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        if params.max_tokens > room:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        emit: Callable[[str], None],
+        checkpoint: Callable[[], None],
+        request_id: str = "",
+    ) -> GenerationResult:
+        """Run the decode loop, calling ``emit`` with each piece of complete text."""
+        import torch
+
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        detokenizer = IncrementalDetokenizer(self._decode)
+        stops = StopMatcher(params.stop)
+        steps: list[float] = []
+        slow_logged = False
+        slow_steps = 0
+        completion_tokens = 0
+        finish_reason = "length"
+        stop_hit = False
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        cache: Any = None
+        with torch.inference_mode():
+            for _ in range(params.max_tokens):
+                checkpoint()
+                started = time.perf_counter()
+                # logits_to_keep=1: the prefill needs only the last position's logits.
+                output = self.model(
+                    input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1
+                )
+                cache = output.cache
+                token = _sample(output.logits[0, -1], params, generator)
+                elapsed = time.perf_counter() - started
+                steps.append(elapsed)
+                # The first step is the prefill of the whole prompt: slow by nature, not a
+                # symptom. The watch is for decode steps.
+                if len(steps) > 1 and elapsed > self.slow_step_seconds:
+                    slow_steps += 1
+                    if not slow_logged:
+                        # Once per request: a slow step is the symptom (memory pressure,
+                        # swapping, a noisy neighbour), not something to log per token.
+                        slow_logged = True
+                        log.warning(
+                            "request %s: decode step took %.2fs (threshold %.2fs)",
+                            request_id,
+                            elapsed,
+                            self.slow_step_seconds,
+                        )
+                if token in self.eos_token_ids and not params.ignore_eos:
+                    finish_reason = "stop"
+                    break
+                completion_tokens += 1
+                text, stopped = stops.push(detokenizer.push(token))
+                if text:
+                    emit(text)
+                if stopped:
+                    stop_hit = True
+                    finish_reason = "stop"
+                    break
+                input_ids = torch.tensor([[token]], dtype=torch.long)
+        if not stop_hit:
+            # The detokenizer may hold the bytes of an unfinished character, and the matcher
+            # text that could have begun a stop string; neither is coming now.
+            tail, stop_hit = stops.push(detokenizer.flush())
+            if stop_hit:
+                finish_reason = "stop"
+            else:
+                tail += stops.flush()
+            if tail:
+                emit(tail)
+        return GenerationResult(
+            finish_reason=finish_reason,
+            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens),
+            step_seconds=steps,
+            slow_steps=slow_steps,
+        )
+
+
+def _sample(logits: Any, params: SamplingParams, generator: Any) -> int:
+    import torch
+
+    if params.temperature <= 0:
+        return int(torch.argmax(logits).item())
+    logits = logits.float()
+    # Shift so the best logit is 0 before dividing: a tiny temperature then sends the others
+    # to -inf (probability 0) instead of overflowing everything to inf (NaN probabilities).
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest set of tokens whose probability reaches top_p (always >= 1 token).
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > params.top_p
+        sorted_probs[outside] = 0.0
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice].item())
+    return int(torch.multinomial(probs, 1, generator=generator).item())

