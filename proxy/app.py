@@ -221,7 +221,13 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "active_streams": len(state.tracker.active)}
+        return {
+            "status": "ok",
+            "active_streams": len(state.tracker.active),
+            "local_models": {
+                name: backend.describe() for name, backend in state.local_backends.items()
+            },
+        }
 
     return app
 

@@ -9,10 +9,13 @@ import signal
 import sys
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import trio
 
-from .config import ConfigError, load_config
+from inference.loading import ModelLoadError
+
+from .config import Config, ConfigError, load_config
 
 DEFAULT_CONFIG = "conf/local.toml"
 
@@ -23,12 +26,27 @@ async def _wait_for_signal() -> None:
             return
 
 
+async def load_local_models(config: Config) -> dict[str, Any]:
+    models = [model for model in config.models if model.backend == "local"]
+    if not models:
+        return {}  # torch is never imported for a proxy without local models
+    from inference import load_model
+
+    loaded = {}
+    for model in models:
+        loaded[model.name] = await trio.to_thread.run_sync(load_model, model.path, model.name)
+    return loaded
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from .app import create_app
     from .server import serve
 
     config = load_config(args.config, host=args.host, port=args.port)
-    app = create_app(config)
+    # Local models load before the server binds, so a missing or broken model ends start-up
+    # with one clear line instead of a server that cannot answer.
+    local_models = await load_local_models(config)
+    app = create_app(config, local_models=local_models)
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, app, config, shutdown_trigger=_wait_for_signal))
         names = ", ".join(model.name for model in config.models) or "(none configured)"
@@ -88,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         trio.run(args.handler, args)
     except ConfigError as error:
         print(f"sluice: configuration error: {error}", file=sys.stderr)
+        return 2
+    except ModelLoadError as error:
+        print(f"sluice: model error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0

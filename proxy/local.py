@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import deque
 from typing import Any
 
 import trio
@@ -18,6 +19,7 @@ import trio
 from inference import (
     DONE,
     ChunkFormatter,
+    GenerationResult,
     Generator,
     LoadedModel,
     PromptError,
@@ -31,6 +33,8 @@ from .openai import CompletionRequest, Endpoint
 from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelaySink
 
 log = logging.getLogger("sluice.local")
+
+_STEP_HISTORY = 4096
 
 
 class LocalBackend:
@@ -47,6 +51,10 @@ class LocalBackend:
         # many threads run (trio's default limiter is shared with every other thread user).
         self.threads = trio.CapacityLimiter(model.slots)
         self.active_threads = 0
+        # Recent per-token decode latencies (bounded), and prefill times: the step-time watch.
+        self.decode_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
+        self.prefill_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
+        self.slow_steps = 0
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
         async with self.admission.slot():
@@ -66,6 +74,12 @@ class LocalBackend:
             self._generate(request, request_id, sink)
         finally:
             self.active_threads -= 1
+
+    def _record_steps(self, result: GenerationResult) -> None:
+        if result.step_seconds:
+            self.prefill_seconds.append(result.step_seconds[0])
+            self.decode_seconds.extend(result.step_seconds[1:])
+        self.slow_steps += result.slow_steps
 
     def _generate(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
         model = self.model
@@ -107,6 +121,7 @@ class LocalBackend:
                 checkpoint=trio.from_thread.check_cancelled,
                 request_id=request_id,
             )
+            self._record_steps(result)
             send(formatter.finish(result.finish_reason))
             if request.include_usage:
                 send(formatter.usage(result.usage))
@@ -120,6 +135,7 @@ class LocalBackend:
             checkpoint=trio.from_thread.check_cancelled,
             request_id=request_id,
         )
+        self._record_steps(result)
         whole = formatter.whole("".join(pieces), result.finish_reason, result.usage)
 
         def begin_whole() -> None:
@@ -129,8 +145,16 @@ class LocalBackend:
         send(whole)
 
     def describe(self) -> dict[str, Any]:
+        decode = sorted(self.decode_seconds)
+
+        def quantile_ms(q: float) -> float | None:
+            return round(decode[int(q * (len(decode) - 1))] * 1000, 2) if decode else None
+
         return {
             "slots": self.admission.limiter.total_tokens,
             "busy": self.admission.limiter.borrowed_tokens,
             "queued": self.admission.waiting,
+            "decode_step_ms_p50": quantile_ms(0.5),
+            "decode_step_ms_p99": quantile_ms(0.99),
+            "slow_steps": self.slow_steps,
         }

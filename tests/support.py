@@ -7,7 +7,7 @@ Testing policy (after trio-websocket's): real sockets on loopback only, port 0, 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -133,6 +133,18 @@ def producer_tasks() -> list[trio.lowlevel.Task]:
     return found
 
 
+OPEN_RAW_CLIENTS: list[RawClient] = []
+
+
+@pytest.fixture(autouse=True)
+def close_raw_clients() -> Iterator[None]:
+    """A failing test must not leave its raw sockets for the GC to warn about in the next.
+    (Synchronous, so that it serves sync tests too; closing a socket needs no await.)"""
+    yield
+    while OPEN_RAW_CLIENTS:
+        OPEN_RAW_CLIENTS.pop().stream.socket.close()
+
+
 class RawClient:
     """A client that speaks HTTP/1.1 by hand, so a test controls exactly when it reads and when
     it leaves (httpx cannot leave while it waits for response headers)."""
@@ -163,7 +175,9 @@ class RawClient:
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         ).encode()
         await stream.send_all(head + payload + extra)
-        return cls(stream)
+        client = cls(stream)
+        OPEN_RAW_CLIENTS.append(client)
+        return client
 
     async def read_until(self, marker: bytes, count: int = 1) -> None:
         while self.received.count(marker) < count:
@@ -176,3 +190,14 @@ class RawClient:
         """Leave abruptly; returns the time at which the connection was closed."""
         await self.stream.aclose()
         return trio.current_time()
+
+
+async def wait_until_steady(sample: Callable[[], int], *, interval: float = 0.1) -> list[int]:
+    """Sample until three samples in a row are equal (the producer is paused); returns them.
+    No deadline of its own: callers run under fail_after. A busy machine only makes it take
+    longer, never pass wrongly."""
+    samples = [sample()]
+    while len(samples) < 3 or len(set(samples[-3:])) > 1:
+        await trio.sleep(interval)
+        samples.append(sample())
+    return samples
