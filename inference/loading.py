@@ -129,7 +129,10 @@ def load_model(spec: str, name: str) -> LoadedModel:
         model: Any = AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=torch.float32, **kwargs
         )
-    except (OSError, ValueError, KeyError, RuntimeError) as error:
+    except Exception as error:
+        # Readers of damaged files fail in many ways (struct, index, key, value errors); each
+        # becomes the one start-up error that says which file and what to do. This runs in a
+        # worker thread at start-up, where no trio.Cancelled can arrive.
         raise ModelLoadError(
             f"could not load {source.describe()}: {type(error).__name__}: {error}. "
             + (

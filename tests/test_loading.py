@@ -1,0 +1,35 @@
+"""Loading paths other than the packaged SmolLM2: a Hugging Face directory, a broken GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inference import Generator, ModelLoadError, SamplingParams, load_model
+
+
+def test_hugging_face_directory_loads_and_generates(tmp_path: Path, tiny_loaded_model: Any) -> None:
+    tiny_loaded_model.model.save_pretrained(tmp_path)
+    tiny_loaded_model.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), "tiny-dir")
+    assert loaded.source == f"hf_dir {tmp_path}"
+    assert loaded.load_seconds > 0
+    generator = Generator(loaded)
+    pieces: list[str] = []
+    result = generator.generate(
+        generator.text_prompt("Hello"),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        emit=pieces.append,
+        checkpoint=lambda: None,
+    )
+    assert result.usage.completion_tokens == 4
+    assert "".join(pieces)
+
+
+def test_broken_gguf_fails_with_a_message(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match=r"could not load gguf .*broken\.gguf"):
+        load_model(str(broken), "broken")
