@@ -35,6 +35,7 @@ test-full: lint typecheck
 
 # Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m proxy.bench --streams 100 --direct --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --direct --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench_local --markdown docs/benchmarks.md

@@ -19,6 +19,7 @@ that sends the response, plus the one producer task the nursery visibly owns.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -86,6 +87,9 @@ class RelayTracker:
 
     def __init__(self) -> None:
         self.active: set[RelayBody] = set()
+        # Every body not yet garbage collected: after a request ends, its body (and the
+        # channel, buffers and producer state it holds) must become unreachable.
+        self.alive: weakref.WeakSet[RelayBody] = weakref.WeakSet()
         self.started = 0
         self.finished = 0
         self.cancelled = 0
@@ -98,6 +102,7 @@ class RelayTracker:
 
     def opened(self, body: RelayBody) -> None:
         self.active.add(body)
+        self.alive.add(body)
         self.started += 1
         self._notify()
 
