@@ -19,6 +19,7 @@ from .asgi import SluiceQuart
 from .backend import Backend
 from .config import FAKE_UPSTREAM_URL, Config, ConfigError
 from .errors import ApiError, internal_error, model_not_found, request_too_large
+from .metrics import Metrics
 from .openai import Endpoint, models_list, parse_completion_request
 from .relay import JSON_CONTENT_TYPE, RelayBody, RelayTracker
 from .upstream import UpstreamBackend, UpstreamReplica
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.app")
 
+COMPLETION_PATHS = frozenset(endpoint.value for endpoint in Endpoint)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -58,7 +60,8 @@ class SluiceState:
     ) -> None:
         self.config = config
         self.api_keys = resolve_api_keys(config, env)
-        self.tracker = RelayTracker()
+        self.metrics = Metrics()
+        self.tracker = RelayTracker(self.metrics)
         self.replicas: dict[str, UpstreamReplica] = {}
         self.backends: dict[str, Backend] = {}
         self.local_backends: dict[str, LocalBackend] = {}
@@ -159,8 +162,15 @@ def create_app(
     async def stop() -> None:
         await state.aclose()
 
+    def count_refused(status: int) -> None:
+        # Refused before a relay started. The model label stays within the configured names:
+        # a client must not be able to grow the metrics by inventing model names.
+        model = getattr(request, "sluice_model", "-")
+        state.metrics.requests.labels(model, str(status)).inc()
+
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
+        count_refused(error.status)
         return _json_response(error.body(), error.status, error.headers)
 
     @app.errorhandler(HTTPException)
@@ -174,6 +184,8 @@ def create_app(
                 f"{error.name}: {error.description}",
                 code=error.name.lower().replace(" ", "_"),
             )
+        if request.path in COMPLETION_PATHS:
+            count_refused(status)
         return _json_response(api.body(), status)
 
     @app.errorhandler(Exception)
@@ -192,6 +204,7 @@ def create_app(
         backend = state.backends.get(parsed.model)
         if backend is None:
             raise model_not_found(parsed.model)
+        request.sluice_model = parsed.model  # type: ignore[attr-defined]
         body = RelayBody(
             partial(backend.produce, parsed, request_id),
             streaming=parsed.stream,
@@ -199,6 +212,8 @@ def create_app(
             stall_timeout=config.relay.stall_timeout,
             tracker=state.tracker,
             description=request_id,
+            model=parsed.model,
+            backend="local" if parsed.model in state.local_backends else "upstream",
         )
         response = Response(body)
         response.headers["X-Request-ID"] = request_id
@@ -218,6 +233,11 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return models_list([model.name for model in config.models])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        payload, content_type = state.metrics.render()
+        return Response(payload, content_type=content_type)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from hypercorn.typing import ASGISendCallable
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
+from quart.asgi import ASGIHTTPConnection
 from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
@@ -21,11 +23,22 @@ from .relay import RelayBody
 
 
 class RelayHTTPConnection(TrioASGIHTTPConnection):
+    disconnected_at: float | None = None
+
+    async def handle_messages(  # type: ignore[override]
+        self, nursery: trio.Nursery, request: Any, receive: ASGIReceiveCallable
+    ) -> None:
+        # As quart-trio's, plus a timestamp: the start of cancel propagation, for metrics.
+        await ASGIHTTPConnection.handle_messages(self, request, receive)
+        self.disconnected_at = trio.current_time()
+        nursery.cancel_scope.cancel()
+
     async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
         body = getattr(response, "response", None)
         if not isinstance(body, RelayBody):
             await super()._send_response(send, response)
             return
+        body.disconnected_at = lambda: self.disconnected_at
         async with body:
             response.status_code = body.status
             for name, value in body.headers.items():

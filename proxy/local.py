@@ -58,6 +58,7 @@ class LocalBackend:
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
         async with self.admission.slot():
+            sink.set_phase("awaiting_first_token")
             await trio.to_thread.run_sync(
                 self._work,
                 request,

@@ -28,6 +28,7 @@ import trio
 from quart.wrappers.response import ResponseBody
 
 from .errors import ApiError, internal_error
+from .metrics import Metrics
 from .sse import error_event
 
 log = logging.getLogger("sluice.relay")
@@ -51,6 +52,11 @@ class RelaySink:
 
     def __init__(self, body: RelayBody) -> None:
         self._body = body
+
+    def set_phase(self, phase: str) -> None:
+        """Where the producer is now (before the head: "queued", "connecting",
+        "awaiting_first_token"); reported with cancellations."""
+        self._body.phase = phase
 
     @property
     def started(self) -> bool:
@@ -85,7 +91,8 @@ Producer = Callable[[RelaySink], Awaitable[None]]
 class RelayTracker:
     """Live relays and lifetime counters: what the tests and metrics look at."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
         self.active: set[RelayBody] = set()
         # Every body not yet garbage collected: after a request ends, its body (and the
         # channel, buffers and producer state it holds) must become unreachable.
@@ -104,6 +111,8 @@ class RelayTracker:
         self.active.add(body)
         self.alive.add(body)
         self.started += 1
+        if self.metrics is not None:
+            self.metrics.active_streams.inc()
         self._notify()
 
     def closed(self, body: RelayBody) -> None:
@@ -113,7 +122,22 @@ class RelayTracker:
             self.cancelled += 1
         if body.stalled:
             self.stalled += 1
+        if self.metrics is not None:
+            self._observe(self.metrics, body)
         self._notify()
+
+    @staticmethod
+    def _observe(metrics: Metrics, body: RelayBody) -> None:
+        metrics.active_streams.dec()
+        status = "499" if body.cancelled and not body.head_ready.is_set() else str(body.status)
+        metrics.requests.labels(body.model, status).inc()
+        if body.stalled:
+            metrics.stalled_clients.inc()
+        if body.cancelled:
+            metrics.cancellations.labels(body.backend, body.phase).inc()
+            if body.cancel_seconds is not None:
+                metrics.cancel_propagation.labels(body.backend).observe(body.cancel_seconds)
+            metrics.wasted_tokens.labels(body.backend).observe(body.undelivered)
 
     async def wait_until(self, predicate: Callable[[RelayTracker], bool]) -> None:
         """Return once ``predicate(self)`` holds; re-checked on every change. No timeout of
@@ -137,6 +161,8 @@ class RelayBody(ResponseBody):
         stall_timeout: float,
         tracker: RelayTracker | None = None,
         description: str = "",
+        model: str = "",
+        backend: str = "",
     ) -> None:
         self._produce = produce
         self.streaming = streaming
@@ -154,6 +180,17 @@ class RelayBody(ResponseBody):
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
         self._producer_finished = False
+        self.model = model
+        self.backend = backend
+        # Where the request was when it ended; producers advance it (a plain attribute: no
+        # cost on the hot path). "streaming" once the head is sent.
+        self.phase = "queued"
+        # Filled in for a cancelled request: disconnect -> work gone, and what was produced
+        # for the client but never handed to its socket.
+        self.cancel_seconds: float | None = None
+        self.undelivered = 0
+        # When the HTTP layer saw the client disconnect (set by asgi.RelayHTTPConnection).
+        self.disconnected_at: Callable[[], float | None] = lambda: None
 
     # -- what the producer drives (through RelaySink) --------------------------------------
 
@@ -167,6 +204,7 @@ class RelayBody(ResponseBody):
         if self.head_ready.is_set():
             raise RuntimeError("the response head was already decided")
         self.status = status
+        self.phase = "streaming"
         self.headers = {"Content-Type": content_type}
         if content_type.startswith("text/event-stream"):
             self.headers.update(STREAM_HEADERS)
@@ -236,12 +274,18 @@ class RelayBody(ResponseBody):
     ) -> bool:
         assert self._nursery is not None
         self.cancelled = not self._producer_finished
+        if self.cancelled:
+            exit_started = trio.current_time()
+            self.undelivered = self.buffered()
         # The producer must never outlive the response, whatever ended it.
         self._nursery.cancel_scope.cancel()
         try:
             suppressed: bool = await self._nursery_manager.__aexit__(exc_type, exc_value, tb)
         finally:
             self._receive_channel.close()
+            if self.cancelled:
+                started = self.disconnected_at() or exit_started
+                self.cancel_seconds = trio.current_time() - started
             if self.tracker is not None:
                 self.tracker.closed(self)
         return suppressed

@@ -139,7 +139,9 @@ class UpstreamBackend:
             replica = self._by_load[load]
             load.in_flight += 1
             try:
+                sink.set_phase("queued")
                 async with replica.slots:
+                    sink.set_phase("awaiting_headers")
                     await self._exchange(replica, request, request_id, sink)
                 return
             except ApiError as error:
@@ -179,6 +181,7 @@ class UpstreamBackend:
                     headers=self._headers(request, request_id),
                     timeout=self._timeout,
                 ) as response:
+                    sink.set_phase("awaiting_first_token")
                     if response.status_code != 200:
                         await self._relay_error_response(replica, response, sink)
                     elif request.stream:

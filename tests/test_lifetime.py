@@ -183,6 +183,7 @@ async def test_slow_reader_applies_backpressure_then_is_cut_off(nursery: trio.Nu
         # listening socket's TCP_USER_TIMEOUT (stall_timeout + 1 s) does, a little later.
         assert trio.current_time() - stopped_reading < stall_timeout + 1 + 2
         assert proxy.state.tracker.stalled == 1
+        assert proxy.state.metrics.registry.get_sample_value("sluice_stalled_clients_total") == 1
         assert producer_tasks() == []
         # The connection itself is dropped too (TCP_USER_TIMEOUT on a zero window), even
         # though this client never closed it: draining what was buffered ends in EOF or reset.

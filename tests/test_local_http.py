@@ -116,6 +116,13 @@ async def test_disconnect_mid_generation_stops_the_thread_within_one_step(
         assert worker_threads_busy() == 0
         await proxy.state.tracker.wait_idle()
         assert producer_tasks() == []
+        registry = proxy.state.metrics.registry
+        labels = {"backend": "local", "phase": "streaming"}
+        assert registry.get_sample_value("sluice_cancellations_total", labels) == 1
+        propagation = registry.get_sample_value(
+            "sluice_cancel_propagation_seconds_sum", {"backend": "local"}
+        )
+        assert propagation is not None and 0 < propagation < step + 0.1
         # The slot is free: the next request is served at once.
         response = await client.post(
             proxy.url + CHAT, json=chat_body("tiny", stream=False, max_tokens=2)
