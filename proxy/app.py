@@ -16,13 +16,15 @@ from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
 from .asgi import SluiceQuart
+from .auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing, limited_producer
 from .backend import Backend
 from .config import FAKE_UPSTREAM_URL, Config, ConfigError
 from .errors import ApiError, internal_error, model_not_found, request_too_large
 from .metrics import Metrics
 from .openai import Endpoint, models_list, parse_completion_request
-from .relay import JSON_CONTENT_TYPE, RelayBody, RelayTracker
-from .upstream import UpstreamBackend, UpstreamReplica
+from .relay import JSON_CONTENT_TYPE, Producer, RelayBody, RelayTracker
+from .routing import HealthPolicy
+from .upstream import UpstreamBackend, UpstreamReplica, check_replicas
 
 if TYPE_CHECKING:
     from .local import LocalBackend
@@ -60,6 +62,8 @@ class SluiceState:
     ) -> None:
         self.config = config
         self.api_keys = resolve_api_keys(config, env)
+        # The clients' keys (not the upstreams' above) and their per-process counters.
+        self.keys = KeyRing(config.keys)
         self.metrics = Metrics()
         self.tracker = RelayTracker(self.metrics)
         self.replicas: dict[str, UpstreamReplica] = {}
@@ -80,6 +84,11 @@ class SluiceState:
             self.local_models[model.name] = await trio.to_thread.run_sync(
                 load_model, model.path, model.name
             )
+
+    @property
+    def health_policy(self) -> HealthPolicy:
+        upstream = self.config.upstream
+        return HealthPolicy(upstream.failure_threshold, upstream.ejection_seconds)
 
     def start_backends(self, fake_upstream_url: str | None) -> None:
         upstream = self.config.upstream
@@ -107,7 +116,11 @@ class SluiceState:
                     )
                 replicas.append(self.replicas[url])
             self.backends[model.name] = UpstreamBackend(
-                model, replicas, self.config.relay, api_key=self.api_keys.get(model.name)
+                model,
+                replicas,
+                self.config.relay,
+                api_key=self.api_keys.get(model.name),
+                policy=self.health_policy,
             )
 
     async def aclose(self) -> None:
@@ -157,6 +170,15 @@ def create_app(
             log.info("embedded fake upstream on %s", fake_url)
         await state.load_local_models()
         state.start_backends(fake_url)
+        upstream = config.upstream
+        if upstream.health_check_path and state.replicas:
+            app.nursery.start_soon(
+                check_replicas,
+                list(state.replicas.values()),
+                upstream.health_check_path,
+                upstream.health_check_interval,
+                state.health_policy,
+            )
 
     @app.after_serving
     async def stop() -> None:
@@ -170,7 +192,8 @@ def create_app(
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
-        count_refused(error.status)
+        if request.path in COMPLETION_PATHS:  # the metric counts completion requests only
+            count_refused(error.status)
         return _json_response(error.body(), error.status, error.headers)
 
     @app.errorhandler(HTTPException)
@@ -194,6 +217,38 @@ def create_app(
         api = internal_error()
         return _json_response(api.body(), api.status)
 
+    cors = CorsPolicy(config.server.cors_origins)
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        if request.method == "OPTIONS":
+            # Browsers send preflights without credentials, so they are answered unauthenticated
+            # (they reveal nothing and start no work); other OPTIONS get Quart's Allow answer.
+            preflight = request.headers.get("Access-Control-Request-Method")
+            if preflight and cors.allow_origin(request.headers.get("Origin")):
+                return Response("", status=204, headers=cors.preflight_headers())
+            return None
+        # Only the API needs a key: /healthz and /metrics stay open to probes and scrapers.
+        if state.keys.enabled and request.path.startswith("/v1/"):
+            # Before the body is read: an unauthenticated client costs no parsing.
+            key = state.keys.identify(request.headers.get("Authorization"))
+            request.sluice_key = key  # type: ignore[attr-defined]
+        return None
+
+    if cors.enabled:
+
+        @app.after_request
+        async def cors_headers(response: Response) -> Response:
+            # Runs for every response, errors and relayed streams included: asgi.py sends
+            # response.headers (plus the relay's own) when the relay's head is ready.
+            allowed = cors.allow_origin(request.headers.get("Origin"))
+            if allowed is not None:
+                response.headers["Access-Control-Allow-Origin"] = allowed
+                response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED_HEADERS
+            if cors.varies:
+                response.vary.add("Origin")
+            return response
+
     async def completions(endpoint: Endpoint) -> Response:
         request_id = request.headers.get("X-Request-ID", "")
         if not _REQUEST_ID.match(request_id):
@@ -205,8 +260,14 @@ def create_app(
         if backend is None:
             raise model_not_found(parsed.model)
         request.sluice_model = parsed.model  # type: ignore[attr-defined]
+        produce: Producer = partial(backend.produce, parsed, request_id)
+        key = getattr(request, "sluice_key", None)
+        if key is not None and state.keys.limited(key):
+            # Admitted inside the relay, so that its 429 is counted like any relayed status
+            # and the concurrency it holds is released when the body closes.
+            produce = limited_producer(state.keys, key, produce)
         body = RelayBody(
-            partial(backend.produce, parsed, request_id),
+            produce,
             streaming=parsed.stream,
             channel_capacity=config.relay.channel_capacity,
             stall_timeout=config.relay.stall_timeout,

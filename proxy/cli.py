@@ -1,8 +1,10 @@
-"""``sluice``: serve the proxy, or run the fake upstream."""
+"""``sluice``: serve the proxy, run the fake upstream, or hash a client API key."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import json
 import logging
 import os
 import signal
@@ -15,7 +17,7 @@ import trio
 
 from inference.loading import ModelLoadError
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_public_bind, load_config
 
 DEFAULT_CONFIG = "conf/local.toml"
 
@@ -43,6 +45,9 @@ async def _serve(args: argparse.Namespace) -> None:
     from .server import serve
 
     config = load_config(args.config, host=args.host, port=args.port)
+    # Checked here too (serve checks it again): before a model takes seconds to load, and
+    # outside the nursery, so that the error stays one clear line.
+    check_public_bind(config)
     # Local models load before the server binds, so a missing or broken model ends start-up
     # with one clear line instead of a server that cannot answer.
     local_models = await load_local_models(config)
@@ -83,6 +88,55 @@ def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(handler=bench.run_from_args)
 
 
+def hash_key_snippet(name: str, digest: str) -> str:
+    """A ``[[keys]]`` table to paste into the config."""
+    # A JSON string is a valid TOML basic string: the name is quoted and escaped for free.
+    return (
+        "[[keys]]\n"
+        f"name = {json.dumps(name)}\n"
+        f'sha256 = "{digest}"\n'
+        "requests_per_minute = 0      # 0 = unlimited\n"
+        "max_concurrent_streams = 0   # 0 = unlimited\n"
+    )
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    from .auth import hash_key
+
+    if args.key is not None:
+        key = args.key
+    elif sys.stdin.isatty():
+        key = getpass.getpass("API key (not echoed): ")
+    else:
+        key = sys.stdin.read()
+    # A trailing newline from `echo` or a file is not part of the key.
+    key = key.strip()
+    if not key or any(character.isspace() for character in key):
+        print(
+            "sluice: an API key must be non-empty and contain no whitespace "
+            "(clients send it as 'Authorization: Bearer <key>')",
+            file=sys.stderr,
+        )
+        return 2
+    digest = hash_key(key)
+    print(digest)
+    print()
+    print(hash_key_snippet(args.name, digest), end="")
+    return 0
+
+
+def _add_hash_key(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "hash-key",
+        help="print the SHA-256 of a client API key and a [[keys]] table for the config",
+        description="Reads the key from stdin (prompting without echo on a terminal), so that it "
+        "stays out of shell history and the process list; --key is for scripts.",
+    )
+    parser.add_argument("--key", help="the key itself (default: read it from stdin)")
+    parser.add_argument("--name", default="client", help="the name in the [[keys]] table")
+    parser.set_defaults(handler=_hash_key)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -90,11 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subparsers)
     _add_fake_upstream(subparsers)
     _add_bench(subparsers)
+    _add_hash_key(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "hash-key":
+        return _hash_key(args)  # no event loop, no logging set-up: a pure filter
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

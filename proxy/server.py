@@ -14,7 +14,7 @@ from hypercorn.utils import wrap_app
 
 from .app import state_of
 from .asgi import SluiceQuart
-from .config import Config
+from .config import Config, check_public_bind
 
 _CLEANUP_SECONDS = 5.0
 _MAX_SOCKOPT_INT = 2**31 - 1
@@ -57,7 +57,11 @@ async def serve(
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled or ``shutdown_trigger`` returns; ``started`` gets the bound URLs."""
+    """Serve until cancelled or ``shutdown_trigger`` returns; ``started`` gets the bound URLs.
+
+    Raises :class:`ConfigError` before binding when the config would serve other machines
+    without client keys (see :func:`check_public_bind`)."""
+    check_public_bind(config)
     hyper = hypercorn_config(config)
     sockets = listen_sockets(hyper, config.relay.stall_timeout)
     try:

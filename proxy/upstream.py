@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, cast
 
@@ -24,8 +24,8 @@ import trio
 from .config import ModelConfig, RelayConfig, UpstreamConfig
 from .errors import UPSTREAM_ERROR, ApiError
 from .openai import CompletionRequest, Endpoint
-from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelaySink
-from .routing import LeastBusyRouter, ReplicaLoad
+from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelaySink, Sink
+from .routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
 from .sse import SSEProtocolError, SSESplitter, check_event, is_done
 
 log = logging.getLogger("sluice.upstream")
@@ -70,6 +70,11 @@ class UpstreamReplica:
             return self.url[:-3] + endpoint.value
         return self.url + endpoint.value
 
+    @property
+    def root_url(self) -> str:
+        """The server's root, where health endpoints live, whichever way the base was given."""
+        return self.url[:-3] if self.url.endswith("/v1") else self.url
+
     def pool_connections(self) -> list[Any]:
         """httpcore's connection objects in this pool (for tests and diagnostics)."""
         # httpx exposes no public accessor for its pool; httpcore's is the one that matters.
@@ -90,6 +95,7 @@ class UpstreamBackend:
         relay: RelayConfig,
         *,
         api_key: str | None = None,
+        policy: HealthPolicy | None = None,
     ) -> None:
         if not replicas:
             raise ValueError(f"model {model.name!r} has no replicas")
@@ -97,7 +103,7 @@ class UpstreamBackend:
         self.replicas = list(replicas)
         self._by_load = {replica.load: replica for replica in self.replicas}
         self._loads = [replica.load for replica in self.replicas]
-        self._router = LeastBusyRouter()
+        self._router = LeastBusyRouter(policy)
         self._relay = relay
         self._api_key = api_key
         self._timeout = httpx.Timeout(
@@ -129,43 +135,145 @@ class UpstreamBackend:
         )
 
     async def _attempts(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+        if self.model.hedge_after > 0:
+            await self._hedged(request, request_id, sink)
+            return
         tried: list[ReplicaLoad] = []
         last_error: ApiError | None = None
         for _ in range(self.model.max_attempts):
-            load = self._router.choose(self._loads, tried)
+            load = self._router.choose(self._loads, tried, trio.current_time())
             if load is None:
                 break
             tried.append(load)
-            replica = self._by_load[load]
-            load.in_flight += 1
             try:
-                sink.set_phase("queued")
-                async with replica.slots:
-                    sink.set_phase("awaiting_headers")
-                    await self._exchange(replica, request, request_id, sink)
+                await self._attempt(load, request, request_id, sink)
                 return
             except ApiError as error:
                 if sink.started or not error.retryable:
                     raise
                 last_error = error
-                log.warning(
-                    "request %s: %s failed before the first byte (%s); %s",
-                    request_id,
-                    replica.url,
-                    error.code,
-                    "retrying on another replica" if len(tried) < len(self._loads) else "giving up",
+                self._log_retry(request_id, load, error, len(tried))
+        raise last_error or self._no_healthy_replica()
+
+    async def _hedged(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+        """Attempts that may overlap: after hedge_after without a first token another replica
+        gets the same request; the first to send an event wins and the others are cancelled
+        (their streams closed, so their servers abort the work)."""
+        race = _Race(sink)
+        tried: list[ReplicaLoad] = []
+        outcomes_send, outcomes = trio.open_memory_channel[ApiError | None](self.model.max_attempts)
+        final_error: ApiError | None = None
+        async with trio.open_nursery() as nursery:
+            running = 0
+
+            def launch() -> bool:
+                nonlocal running
+                load = self._router.choose(self._loads, tried, trio.current_time())
+                if load is None:
+                    return False
+                tried.append(load)
+                running += 1
+                nursery.start_soon(
+                    self._race_attempt, load, request, request_id, race, outcomes_send
                 )
-            finally:
-                load.in_flight -= 1
-        assert last_error is not None
-        raise last_error
+                return True
+
+            if not launch():
+                final_error = self._no_healthy_replica()
+            hedge_at = trio.current_time() + self.model.hedge_after
+            while running and final_error is None:
+                with trio.move_on_at(hedge_at if race.winner is None else math.inf):
+                    outcome = await outcomes.receive()
+                    running -= 1
+                    if outcome is None:
+                        break  # the winner streamed to the end
+                    if race.winner is not None or not outcome.retryable:
+                        # Failed mid-stream, or in a way no other replica would fix.
+                        final_error = outcome
+                    elif running:
+                        pass  # the other attempt is still in the race
+                    elif len(tried) < self.model.max_attempts and launch():
+                        self._log_retry(request_id, tried[-2], outcome, len(tried) - 1)
+                    else:
+                        final_error = outcome
+                    continue
+                # No first token within hedge_after: hedge, once.
+                hedge_at = math.inf
+                if len(tried) < self.model.max_attempts and launch():
+                    log.info("request %s: hedging on %s", request_id, tried[-1].url)
+            if final_error is not None:
+                nursery.cancel_scope.cancel()
+        if final_error is not None:
+            raise final_error
+
+    async def _race_attempt(
+        self,
+        load: ReplicaLoad,
+        request: CompletionRequest,
+        request_id: str,
+        race: _Race,
+        outcomes: trio.MemorySendChannel[ApiError | None],
+    ) -> None:
+        with trio.CancelScope() as scope:
+            entrant = race.enter(scope)
+            outcome: ApiError | None = None
+            try:
+                await self._attempt(load, request, request_id, entrant)
+            except ApiError as error:
+                outcome = error
+            # Capacity max_attempts: never blocks. A loser was cancelled and reports nothing.
+            outcomes.send_nowait(outcome)
+
+    async def _attempt(
+        self, load: ReplicaLoad, request: CompletionRequest, request_id: str, sink: Sink
+    ) -> None:
+        """One try on one replica, with its health verdict."""
+        replica = self._by_load[load]
+        load.in_flight += 1
+        verdict = False
+        try:
+            sink.set_phase("queued")
+            async with replica.slots:
+                sink.set_phase("awaiting_headers")
+                await self._exchange(replica, request, request_id, sink)
+            self._router.success(load)
+            verdict = True
+        except ApiError:
+            self._router.failure(load, trio.current_time())
+            verdict = True
+            raise
+        finally:
+            load.in_flight -= 1
+            if not verdict:
+                # Cancelled (client left, lost a hedge race) or stalled: says nothing about
+                # the replica, but a probe slot it held must be released.
+                self._router.release_probe(load)
+
+    def _log_retry(self, request_id: str, load: ReplicaLoad, error: ApiError, tries: int) -> None:
+        log.warning(
+            "request %s: %s failed before the first byte (%s); %s",
+            request_id,
+            load.url,
+            error.code,
+            "trying another replica" if tries < self.model.max_attempts else "giving up",
+        )
+
+    def _no_healthy_replica(self) -> ApiError:
+        wait = self._router.next_recovery(self._loads, trio.current_time())
+        return ApiError(
+            503,
+            f"no healthy upstream replica for model '{self.model.name}'",
+            type=UPSTREAM_ERROR,
+            code="no_healthy_upstream",
+            headers={"Retry-After": str(max(1, math.ceil(wait))) if wait < math.inf else "10"},
+        )
 
     async def _exchange(
         self,
         replica: UpstreamReplica,
         request: CompletionRequest,
         request_id: str,
-        sink: RelaySink,
+        sink: Sink,
     ) -> None:
         url = replica.endpoint_url(request.endpoint)
         model = self.model
@@ -235,7 +343,7 @@ class UpstreamBackend:
         replica: UpstreamReplica,
         response: httpx.Response,
         read_scope: trio.CancelScope,
-        sink: RelaySink,
+        sink: Sink,
     ) -> None:
         content_type = response.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
@@ -270,14 +378,14 @@ class UpstreamBackend:
                 retryable=not sink.started,
             )
 
-    async def _relay_whole(self, response: httpx.Response, sink: RelaySink) -> None:
+    async def _relay_whole(self, response: httpx.Response, sink: Sink) -> None:
         body = await _read_bounded(response, self._relay.max_response_bytes)
         content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
         sink.begin(200, content_type, content_length=len(body))
         await sink.send(body)
 
     async def _relay_error_response(
-        self, replica: UpstreamReplica, response: httpx.Response, sink: RelaySink
+        self, replica: UpstreamReplica, response: httpx.Response, sink: Sink
     ) -> None:
         body = await _read_bounded(response, _MAX_ERROR_BODY)
         status = response.status_code
@@ -322,3 +430,99 @@ async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
                 )
             parts.append(chunk)
     return b"".join(parts)
+
+
+class _Race:
+    """Hedged attempts racing for one client: the first to produce its response head wins."""
+
+    def __init__(self, sink: RelaySink) -> None:
+        self.sink = sink
+        self.winner: _Entrant | None = None
+        self.entrants: list[_Entrant] = []
+
+    def enter(self, scope: trio.CancelScope) -> _Entrant:
+        entrant = _Entrant(self, scope)
+        self.entrants.append(entrant)
+        return entrant
+
+    def claim(self, entrant: _Entrant) -> bool:
+        if self.winner is None:
+            self.winner = entrant
+            for other in self.entrants:
+                if other is not entrant:
+                    other.scope.cancel()
+        return self.winner is entrant
+
+
+class _Entrant:
+    """The sink one hedged attempt sees: it forwards only once it has won the race."""
+
+    def __init__(self, race: _Race, scope: trio.CancelScope) -> None:
+        self.race = race
+        self.scope = scope
+
+    @property
+    def started(self) -> bool:
+        return self.race.winner is self
+
+    def set_phase(self, phase: str) -> None:
+        if self.race.winner is None:
+            self.race.sink.set_phase(phase)
+
+    def begin(
+        self,
+        status: int,
+        content_type: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        content_length: int | None = None,
+    ) -> None:
+        if self.race.claim(self):
+            self.race.sink.begin(status, content_type, headers, content_length=content_length)
+        else:
+            self.scope.cancel()
+
+    async def send(self, chunk: bytes) -> None:
+        if self.race.winner is self:
+            await self.race.sink.send(chunk)
+        else:
+            await trio.lowlevel.checkpoint()  # lost: our scope is cancelled, this raises
+
+
+async def check_replicas(
+    replicas: Sequence[UpstreamReplica], path: str, interval: float, policy: HealthPolicy
+) -> None:
+    """Active health checks, forever: GET ``path`` on every replica each ``interval``; a 200 is
+    a success, anything else (or no answer within the interval) a failure. One task per
+    replica, so a hanging replica never delays the others' checks. Runs under the app's
+    nursery and ends with it."""
+    router = LeastBusyRouter(policy)
+    # Its own small client: a check must never wait behind streams for a pool slot.
+    async with (
+        httpx.AsyncClient(trust_env=False, timeout=interval) as client,
+        trio.open_nursery() as nursery,
+    ):
+        for replica in replicas:
+            nursery.start_soon(_check_replica, client, router, replica, path, interval)
+
+
+async def _check_replica(
+    client: httpx.AsyncClient,
+    router: LeastBusyRouter,
+    replica: UpstreamReplica,
+    path: str,
+    interval: float,
+) -> None:
+    while True:
+        healthy = False
+        with trio.move_on_after(interval):
+            try:
+                response = await client.get(replica.root_url + path)
+                healthy = response.status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+        if healthy:
+            router.success(replica.load)
+        else:
+            router.failure(replica.load, trio.current_time())
+        await trio.sleep(interval)

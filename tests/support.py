@@ -65,10 +65,14 @@ async def start_proxy(
     *,
     env: dict[str, str] | None = None,
     local_models: dict[str, Any] | None = None,
+    keys: list[dict[str, Any]] | None = None,
     **sections: dict[str, Any],
 ) -> Proxy:
-    """Serve a proxy; ``models`` maps a name to a list of upstream URLs or a full model table."""
+    """Serve a proxy; ``models`` maps a name to a list of upstream URLs or a full model table;
+    ``keys`` are ``[[keys]]`` tables."""
     data: dict[str, Any] = {name: dict(table) for name, table in sections.items()}
+    if keys is not None:
+        data["keys"] = [dict(table) for table in keys]
     data.setdefault("server", {})["port"] = 0
     data["models"] = {
         name: {"upstreams": spec} if isinstance(spec, list) else spec
@@ -201,3 +205,56 @@ async def wait_until_steady(sample: Callable[[], int], *, interval: float = 0.1)
         await trio.sleep(interval)
         samples.append(sample())
     return samples
+
+
+class SlowModel:
+    """A loaded model's network, slowed: each generation's first call (the prefill; the
+    generator passes no cache yet) sleeps ``prefill_seconds``, every later call (a decode step)
+    ``step_seconds``. Counts both. The delays may be changed between requests."""
+
+    def __init__(
+        self, inner: Any, step_seconds: float = 0.0, prefill_seconds: float | None = None
+    ) -> None:
+        self.inner = inner
+        self.config = inner.config
+        self.step_seconds = step_seconds
+        self.prefill_seconds = step_seconds if prefill_seconds is None else prefill_seconds
+        self.steps = 0
+        self.prefills = 0
+
+    def __call__(self, **kwargs: Any) -> Any:
+        import time
+
+        # Counted before the sleep: a test that sees the count go up knows the step is running.
+        self.steps += 1
+        if kwargs.get("cache") is None:
+            self.prefills += 1
+            time.sleep(self.prefill_seconds)
+        else:
+            time.sleep(self.step_seconds)
+        return self.inner(**kwargs)
+
+
+def slowed(loaded: Any, step_seconds: float = 0.0, prefill_seconds: float | None = None) -> Any:
+    """A copy of ``loaded`` (an ``inference.LoadedModel``) whose model is a :class:`SlowModel`."""
+    import dataclasses
+
+    return dataclasses.replace(loaded, model=SlowModel(loaded.model, step_seconds, prefill_seconds))
+
+
+async def wait_for(predicate: Callable[[], object], *, interval: float = 0.005) -> None:
+    """Poll ``predicate`` until it is true, for state that has no event to wait on (a worker
+    thread's counters, a semaphore's queue). No deadline of its own: callers run under one."""
+    while True:
+        if predicate():
+            return
+        await trio.sleep(interval)
+
+
+async def poll_until(predicate: Callable[[], bool], *, interval: float = 0.02) -> None:
+    """For state that has no event to wait on (e.g. health set by a background check).
+    No deadline of its own: callers run under fail_after."""
+    while True:
+        if predicate():
+            return
+        await trio.sleep(interval)

@@ -209,8 +209,11 @@ async def test_mid_stream_failures_are_reported_in_band(
     nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
 ) -> None:
     with trio.fail_after(DEADLINE):
+        # Health ejection is tested elsewhere; here the same replica must take every fault.
         proxy = await start_proxy(
-            nursery, {"fake-model": {"upstreams": [fake.url], "idle_timeout": 0.3}}
+            nursery,
+            {"fake-model": {"upstreams": [fake.url], "idle_timeout": 0.3}},
+            upstream={"failure_threshold": 100},
         )
         expectations = {
             "stall": "upstream_idle_timeout",
@@ -222,7 +225,7 @@ async def test_mid_stream_failures_are_reported_in_band(
             response = await client.post(
                 proxy.url + CHAT, json=chat_body(fake={"mode": mode, "at": 2})
             )
-            assert response.status_code == 200, mode
+            assert response.status_code == 200, (mode, response.text)
             payloads = sse_payloads(response.text)
             # The two tokens before the fault were delivered, then exactly one error event.
             assert stream_text(payloads[:-1]) == "The quick ", (mode, payloads)
@@ -236,7 +239,9 @@ async def test_upstream_errors_before_streaming(
     nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
 ) -> None:
     with trio.fail_after(DEADLINE):
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url]}, upstream={"failure_threshold": 100}
+        )
         # The upstream's own 4xx is passed through, body and all.
         response = await client.post(
             proxy.url + CHAT, json=chat_body(fake={"mode": "status", "status": 400})

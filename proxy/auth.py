@@ -1,0 +1,247 @@
+"""Client API keys, their limits, and CORS: who may use the proxy, how often, how much at once.
+
+Keys are configured as SHA-256 digests (``[[keys]]`` in the config, printed by ``sluice
+hash-key``). A presented key is hashed, then compared in constant time with *every* configured
+digest, so neither the comparison nor the loop tells a caller how close a guess came or which
+entry matched.
+
+Limits are per key and per process: requests per minute (an exact sliding window of 60 s) and
+concurrent relays (held from the relay's start until its body closes, disconnects included).
+
+Everything here is sans-IO: decisions take the time as an argument (``app.py`` passes
+``trio.current_time()``), so the window arithmetic is tested with explicit times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import trio
+
+from .config import KeyConfig
+from .errors import INVALID_REQUEST, RATE_LIMIT, ApiError
+
+if TYPE_CHECKING:
+    from .relay import Producer, RelaySink
+
+RATE_PERIOD = 60.0
+# A refused concurrent stream may retry as soon as one of the key's streams ends; we cannot
+# know when that is, so suggest a short pause rather than an estimate.
+CONCURRENCY_RETRY_AFTER = 1
+UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
+
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_REQUEST_HEADERS = "Authorization, Content-Type, X-Request-ID"
+# Response headers a browser script may read besides the CORS-safelisted ones.
+CORS_EXPOSED_HEADERS = "X-Request-ID, Retry-After"
+# How long a browser may cache a preflight answer.
+CORS_MAX_AGE = "600"
+
+
+def hash_key(key: str) -> str:
+    """The hex SHA-256 of a key, as configured in ``[[keys]] sha256``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header; None when absent or another
+    scheme. The scheme is case-insensitive (RFC 9110 section 11.1)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+def invalid_api_key(message: str) -> ApiError:
+    return ApiError(
+        401,
+        message,
+        type=INVALID_REQUEST,
+        code="invalid_api_key",
+        headers=UNAUTHORIZED_HEADERS,
+    )
+
+
+class RateWindow:
+    """At most ``limit`` admissions in any ``period`` seconds (a sliding log).
+
+    Exact, unlike a token bucket (which lets a full bucket plus a minute's refill through in
+    one minute), and bounded: it keeps one timestamp per admission still inside the window,
+    never more than ``limit``.
+    """
+
+    def __init__(self, limit: int, period: float = RATE_PERIOD) -> None:
+        if limit <= 0:
+            raise ValueError("limit must be > 0; 0 (unlimited) needs no window")
+        self.limit = limit
+        self.period = period
+        self._admitted: deque[float] = deque(maxlen=limit)
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until the window admits one more; 0.0 when it admits now."""
+        admitted = self._admitted
+        # An admission at t leaves the window at t + period exactly.
+        while admitted and admitted[0] <= now - self.period:
+            admitted.popleft()
+        if len(admitted) < self.limit:
+            return 0.0
+        return admitted[0] + self.period - now
+
+    def admit(self, now: float) -> None:
+        """Record an admission; the caller has seen ``wait(now) == 0``."""
+        self._admitted.append(now)
+
+    def __len__(self) -> int:
+        return len(self._admitted)
+
+
+class Lease:
+    """One admitted request's hold on its key's concurrency; released exactly once."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: _KeyState | None) -> None:
+        self._state = state
+
+    def release(self) -> None:
+        state, self._state = self._state, None
+        if state is not None:
+            state.streams -= 1
+
+
+class _KeyState:
+    __slots__ = ("config", "streams", "window")
+
+    def __init__(self, config: KeyConfig) -> None:
+        self.config = config
+        self.window = RateWindow(config.requests_per_minute) if config.requests_per_minute else None
+        self.streams = 0
+
+
+class KeyRing:
+    """The configured keys and each key's live counters. Empty: no authentication at all."""
+
+    def __init__(self, keys: Sequence[KeyConfig]) -> None:
+        self._digests = [(bytes.fromhex(key.sha256), key) for key in keys]
+        self._states = {key.name: _KeyState(key) for key in keys}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def identify(self, authorization: str | None) -> KeyConfig:
+        """The key an ``Authorization`` header presents; a 401 :class:`ApiError` otherwise."""
+        token = bearer_token(authorization)
+        if token is None:
+            raise invalid_api_key(
+                "Missing API key: send it as the header 'Authorization: Bearer <key>'."
+            )
+        # Header values reach us decoded as latin-1 (ASGI): encoding back to latin-1 recovers
+        # the bytes on the wire, which are the UTF-8 bytes `sluice hash-key` hashed.
+        presented = hashlib.sha256(token.encode("latin-1", errors="replace")).digest()
+        found: KeyConfig | None = None
+        for digest, key in self._digests:
+            # No break: every digest is compared, whichever one matches (digests are unique).
+            if hmac.compare_digest(presented, digest):
+                found = key
+        if found is None:
+            raise invalid_api_key("Incorrect API key provided.")
+        return found
+
+    @staticmethod
+    def limited(key: KeyConfig) -> bool:
+        return bool(key.requests_per_minute or key.max_concurrent_streams)
+
+    def admit(self, key: KeyConfig, now: float) -> Lease:
+        """Admit one request for ``key`` at ``now``, or raise a 429 :class:`ApiError`.
+
+        Both limits are checked before either is charged: a request refused for concurrency
+        does not use up the key's requests per minute.
+        """
+        state = self._states[key.name]
+        if state.window is not None:
+            wait = state.window.wait(now)
+            if wait > 0:
+                raise ApiError(
+                    429,
+                    f"Rate limit reached for key {key.name!r}: {key.requests_per_minute} "
+                    f"requests per minute. Retry in {wait:.1f}s.",
+                    type=RATE_LIMIT,
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
+                )
+        if key.max_concurrent_streams and state.streams >= key.max_concurrent_streams:
+            raise ApiError(
+                429,
+                f"Concurrency limit reached for key {key.name!r}: "
+                f"{key.max_concurrent_streams} request(s) in flight. Retry when one ends.",
+                type=RATE_LIMIT,
+                code="concurrency_limit_exceeded",
+                headers={"Retry-After": str(CONCURRENCY_RETRY_AFTER)},
+            )
+        if state.window is not None:
+            state.window.admit(now)
+        state.streams += 1
+        return Lease(state)
+
+    def streams(self, name: str) -> int:
+        """Requests of the key ``name`` in flight now (tests, diagnostics)."""
+        return self._states[name].streams
+
+
+def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Producer:
+    """``produce``, admitted against ``key``'s limits first.
+
+    Admission runs inside the relay, so the concurrency lease exists only once the relay body
+    has been entered, and the body's close (normal end, error, or client disconnect) always
+    releases it. A refusal is an ApiError before the head: the relay turns it into the 429.
+    """
+
+    async def admitted(sink: RelaySink) -> None:
+        lease = keys.admit(key, trio.current_time())
+        sink.on_close(lease.release)
+        await produce(sink)
+
+    return admitted
+
+
+class CorsPolicy:
+    """Which browser origins may read responses. Empty: CORS is off and no header is sent."""
+
+    def __init__(self, origins: Iterable[str]) -> None:
+        origins = tuple(origins)
+        self.any_origin = "*" in origins
+        # Browsers send scheme and host in lowercase; config may not.
+        self._origins = frozenset(origin.lower() for origin in origins)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._origins)
+
+    def allow_origin(self, origin: str | None) -> str | None:
+        """The ``Access-Control-Allow-Origin`` value for a request from ``origin``, if any."""
+        if not origin or not self._origins:
+            return None
+        if self.any_origin:
+            return "*"
+        return origin if origin.lower() in self._origins else None
+
+    @property
+    def varies(self) -> bool:
+        """Whether responses depend on the request's Origin (caches must key on it)."""
+        return self.enabled and not self.any_origin
+
+    def preflight_headers(self) -> dict[str, str]:
+        return {
+            "Access-Control-Allow-Methods": CORS_METHODS,
+            "Access-Control-Allow-Headers": CORS_REQUEST_HEADERS,
+            "Access-Control-Max-Age": CORS_MAX_AGE,
+        }

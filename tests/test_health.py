@@ -1,0 +1,154 @@
+"""Replica health and hedging: ejection, half-open recovery, active checks, 503 when none is
+healthy, and a hedged request whose loser's connection is closed."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import trio
+
+from proxy.routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
+from tests.support import (
+    DEADLINE,
+    chat_body,
+    poll_until,
+    sse_payloads,
+    start_fake,
+    start_proxy,
+    stream_text,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+def test_consecutive_failures_eject_then_a_probe_brings_back() -> None:
+    router = LeastBusyRouter(HealthPolicy(failure_threshold=2, ejection_seconds=10))
+    a, b = ReplicaLoad("a"), ReplicaLoad("b")
+    router.failure(a, now=0)
+    assert router.choose([a, b], now=0) is not None and not a.ejected(0)
+    router.failure(a, now=1)
+    assert a.ejected(1)
+    assert {router.choose([a, b], now=2) for _ in range(3)} == {b}
+    assert router.choose([a], now=2) is None  # only an ejected replica: nothing to try
+    assert router.next_recovery([a, b], now=2) == 9
+    # Ejection over: one probe at a time goes to the half-open replica.
+    assert router.choose([a], now=11) is a and a.probing
+    assert router.choose([a], now=11) is None
+    router.failure(a, now=11.5)  # the probe failed: ejected again at once
+    assert a.ejected(12) and not a.probing
+    assert router.choose([a], now=22) is a
+    router.success(a)
+    assert a.healthy() and a.consecutive_failures == 0 and not a.probing
+
+
+def test_a_half_open_replica_gets_one_probe_then_waits_for_its_verdict() -> None:
+    router = LeastBusyRouter(HealthPolicy(failure_threshold=1, ejection_seconds=1))
+    a, b = ReplicaLoad("a"), ReplicaLoad("b")
+    router.failure(a, now=0)
+    assert router.choose([a, b], now=0.5) is b  # still ejected
+    assert router.choose([a, b], now=5) is a  # the probe, even though b is healthy
+    assert router.choose([a, b], now=5) is b  # one probe at a time
+    router.release_probe(a)  # the probe's client left: no verdict, another may probe
+    assert not a.probing
+    assert router.choose([a, b], now=5) is a
+
+
+async def test_ejection_and_recovery(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        flaky = await start_fake(nursery, mode="status", status=500, ttft=0)
+        steady = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(
+            nursery,
+            {"m": [flaky.url, steady.url]},
+            upstream={"failure_threshold": 2, "ejection_seconds": 0.5},
+        )
+        for _ in range(2):  # each fails on the flaky replica, then succeeds on the other
+            response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+            assert response.status_code == 200
+        assert len(flaky.recorder.records) == 2
+        for _ in range(3):  # ejected: not even tried
+            assert (await client.post(proxy.url + CHAT, json=chat_body("m"))).status_code == 200
+        assert len(flaky.recorder.records) == 2
+        flaky.upstream.settings.mode = "ok"  # it recovers...
+        await trio.sleep(0.6)  # ...and once the ejection is over, a probe finds out
+        for _ in range(4):
+            assert (await client.post(proxy.url + CHAT, json=chat_body("m"))).status_code == 200
+        assert len(flaky.recorder.records) >= 4  # back in rotation
+
+
+async def test_no_healthy_replica_is_503(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        broken = await start_fake(nursery, mode="status", status=500, ttft=0)
+        proxy = await start_proxy(
+            nursery,
+            {"m": [broken.url]},
+            upstream={"failure_threshold": 1, "ejection_seconds": 30},
+        )
+        assert (await client.post(proxy.url + CHAT, json=chat_body("m"))).status_code == 502
+        response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_healthy_upstream"
+        assert 25 <= int(response.headers["retry-after"]) <= 30
+        assert len(broken.recorder.records) == 1
+
+
+async def test_active_health_checks(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        late_port = probe.getsockname()[1]
+    with trio.fail_after(DEADLINE):
+        steady = await start_fake(nursery, ttft=0, interval=0, tokens=1)
+        proxy = await start_proxy(
+            nursery,
+            {"m": [f"http://127.0.0.1:{late_port}", steady.url]},
+            upstream={
+                "health_check_path": "/health",
+                "health_check_interval": 0.05,
+                "failure_threshold": 1,
+                "ejection_seconds": 0.1,
+            },
+        )
+        late = proxy.state.replicas[f"http://127.0.0.1:{late_port}"].load
+        # Nothing listens there yet: the checks eject it before any client is hurt.
+        await poll_until(lambda: late.ejected(trio.current_time()))
+        assert (await client.post(proxy.url + CHAT, json=chat_body("m"))).status_code == 200
+        # It comes up: the next successful check brings it back.
+        await start_fake_on(nursery, late_port)
+        await poll_until(late.healthy)
+
+
+async def start_fake_on(nursery: trio.Nursery, port: int) -> None:
+    from proxy.fake_upstream import FakeSettings, FakeUpstream
+
+    await nursery.start(FakeUpstream(FakeSettings()).serve, "127.0.0.1", port)
+
+
+async def test_hedged_first_token_closes_the_loser(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        slow = await start_fake(nursery, ttft=10, interval=0.01, tokens=3)
+        fast = await start_fake(nursery, ttft=0.01, interval=0.01, tokens=3)
+        proxy = await start_proxy(
+            nursery, {"m": {"upstreams": [slow.url, fast.url], "hedge_after": 0.2}}
+        )
+        started = trio.current_time()
+        response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 200
+        assert stream_text(sse_payloads(response.text)) == "The quick brown "
+        assert trio.current_time() - started < 2  # not the slow replica's 10 s
+        # The slow replica got the request first, then saw its connection closed as soon as
+        # the hedge won.
+        await slow.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
+        loser = slow.recorder.last()
+        winner = fast.recorder.last()
+        assert winner.first_token_at is not None
+        assert loser.disconnected_at - winner.first_token_at < 0.05
+        assert loser.received_at < winner.received_at
+        await proxy.state.tracker.wait_idle()
+        assert proxy.state.replicas[slow.url].pool_connections() == []
+        # A replica that answers within hedge_after is never hedged.
+        response = await client.post(proxy.url + CHAT, json=chat_body("m", fake={"ttft": 0.01}))
+        assert response.status_code == 200
+        assert len(slow.recorder.records) + len(fast.recorder.records) == 3
