@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -72,6 +73,13 @@ class SluiceState:
         # Preloaded local models by name (tests); the others are loaded at start-up.
         self.local_models: dict[str, Any] = dict(local_models or {})
         self.fake_upstream: Any = None
+        # Serving (backends started) and not draining: what /readyz reports.
+        self.started = False
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.draining
 
     async def load_local_models(self) -> None:
         """Load every configured local model not given preloaded, one at a time, in a thread
@@ -170,6 +178,7 @@ def create_app(
             log.info("embedded fake upstream on %s", fake_url)
         await state.load_local_models()
         state.start_backends(fake_url)
+        state.started = True
         upstream = config.upstream
         if upstream.health_check_path and state.replicas:
             app.nursery.start_soon(
@@ -300,10 +309,19 @@ def create_app(
         payload, content_type = state.metrics.render()
         return Response(payload, content_type=content_type)
 
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        # Load balancers stop sending here as soon as a drain begins, while /healthz (the
+        # process is alive) stays green until the in-flight streams are done.
+        ready = state.ready
+        payload = json.dumps({"ready": ready, "draining": state.draining}).encode()
+        return _json_response(payload, 200 if ready else 503)
+
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {
             "status": "ok",
+            "pid": os.getpid(),  # which worker answered, with --workers
             "active_streams": len(state.tracker.active),
             "local_models": {
                 name: backend.describe() for name, backend in state.local_backends.items()

@@ -7,10 +7,8 @@ import getpass
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import trio
@@ -20,12 +18,6 @@ from inference.loading import ModelLoadError
 from .config import Config, ConfigError, check_public_bind, load_config
 
 DEFAULT_CONFIG = "conf/local.toml"
-
-
-async def _wait_for_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            return
 
 
 async def load_local_models(config: Config) -> dict[str, Any]:
@@ -42,9 +34,9 @@ async def load_local_models(config: Config) -> dict[str, Any]:
 
 async def _serve(args: argparse.Namespace) -> None:
     from .app import create_app
-    from .server import serve
+    from .server import serve_until_signalled
 
-    config = load_config(args.config, host=args.host, port=args.port)
+    config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
     # Checked here too (serve checks it again): before a model takes seconds to load, and
     # outside the nursery, so that the error stays one clear line.
     check_public_bind(config)
@@ -53,9 +45,43 @@ async def _serve(args: argparse.Namespace) -> None:
     local_models = await load_local_models(config)
     app = create_app(config, local_models=local_models)
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=_wait_for_signal))
-        names = ", ".join(model.name for model in config.models) or "(none configured)"
-        print(f"sluice serving {names} on {' '.join(binds)} (config: {config.source})", flush=True)
+        binds = await nursery.start(serve_until_signalled, app, config)
+        announce(config, binds)
+
+
+def announce(config: Config, binds: list[str], workers: int = 1) -> None:
+    names = ", ".join(model.name for model in config.models) or "(none configured)"
+    processes = f" with {workers} workers" if workers > 1 else ""
+    print(
+        f"sluice serving {names} on {' '.join(binds)}{processes} (config: {config.source})",
+        flush=True,
+    )
+
+
+def _worker_count(args: argparse.Namespace) -> int:
+    if args.workers is not None:
+        return int(args.workers)
+    return load_config(args.config, host=args.host, port=args.port).server.workers
+
+
+def _serve_workers(args: argparse.Namespace) -> int:
+    """More than one worker: the parent binds, then supervises worker processes."""
+    from .server import hypercorn_config, listen_sockets
+    from .workers import serve_workers
+
+    config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
+    check_public_bind(config)
+    sockets = listen_sockets(hypercorn_config(config), config.relay.stall_timeout)
+    host, port = sockets.insecure_sockets[0].getsockname()[:2]
+    announce(config, [f"http://{host}:{port}"], config.server.workers)
+    return serve_workers(
+        config,
+        sockets,
+        config_path=args.config,
+        host=args.host,
+        port=port,
+        log_level=args.log_level,
+    )
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -65,6 +91,9 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--host", help="bind address (overrides config and environment)")
     parser.add_argument("--port", type=int, help="bind port (overrides config and environment)")
+    parser.add_argument(
+        "--workers", type=int, help="server processes sharing the port (default: [server] workers)"
+    )
     parser.set_defaults(handler=_serve)
 
 
@@ -137,6 +166,14 @@ def _add_hash_key(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     parser.set_defaults(handler=_hash_key)
 
 
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # httpx logs every upstream request at INFO: a synchronous write per request on the hot path.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -152,14 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "hash-key":
         return _hash_key(args)  # no event loop, no logging set-up: a pure filter
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # httpx logs every upstream request at INFO: a synchronous write per request on the hot path.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(args.log_level)
     if args.command == "serve" and args.config is None and os.path.exists(DEFAULT_CONFIG):
         args.config = DEFAULT_CONFIG
     try:
+        if args.command == "serve" and _worker_count(args) > 1:
+            return _serve_workers(args)
         trio.run(args.handler, args)
     except ConfigError as error:
         print(f"sluice: configuration error: {error}", file=sys.stderr)

@@ -35,7 +35,13 @@ class ServerConfig:
     # Largest request body accepted; larger gets 413 before any work is done.
     max_body_bytes: int = 4 * 1024 * 1024
     keep_alive_timeout: float = 5.0
+    # On SIGTERM/SIGINT: /readyz turns 503 at once; after drain_delay the listeners close
+    # (time for a load balancer to notice); in-flight requests then have graceful_timeout to
+    # finish before the rest are cancelled (their upstreams closed, their models stopped).
     graceful_timeout: float = 10.0
+    drain_delay: float = 0.0
+    # Server processes sharing the listening socket (`sluice serve --workers N`).
+    workers: int = 1
     # Pending connections the kernel queues before accept. hypercorn's default of 100
     # overflows when many clients connect at once: their SYNs are dropped and retried
     # after 1, 2, 4 s, which shows up as seconds of time to first token.
@@ -284,7 +290,10 @@ def _validate(config: Config) -> None:
         keep_alive_timeout=server.keep_alive_timeout,
         backlog=server.backlog,
     )
-    _check_not_negative("[server]", graceful_timeout=server.graceful_timeout)
+    _check_not_negative(
+        "[server]", graceful_timeout=server.graceful_timeout, drain_delay=server.drain_delay
+    )
+    _check_positive("[server]", workers=server.workers)
     _check_positive(
         "[relay]",
         channel_capacity=relay.channel_capacity,
@@ -541,6 +550,7 @@ def load_config(
     env: Mapping[str, str] | None = None,
     host: str | None = None,
     port: int | None = None,
+    workers: int | None = None,
 ) -> Config:
     """Read a TOML file (or defaults when None), apply env, then the CLI flags that were given."""
     if path is None:
@@ -561,6 +571,8 @@ def load_config(
         server_overrides["host"] = host
     if port is not None:
         server_overrides["port"] = port
+    if workers is not None:
+        server_overrides["workers"] = workers
     if server_overrides:
         config = dataclasses.replace(
             config, server=dataclasses.replace(config.server, **server_overrides)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -17,6 +18,7 @@ from .asgi import SluiceQuart
 from .config import Config, check_public_bind
 
 _CLEANUP_SECONDS = 5.0
+log = logging.getLogger("sluice.server")
 _MAX_SOCKOPT_INT = 2**31 - 1
 
 
@@ -55,6 +57,7 @@ async def serve(
     config: Config,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    sockets: Sockets | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until cancelled or ``shutdown_trigger`` returns; ``started`` gets the bound URLs.
@@ -63,7 +66,8 @@ async def serve(
     without client keys (see :func:`check_public_bind`)."""
     check_public_bind(config)
     hyper = hypercorn_config(config)
-    sockets = listen_sockets(hyper, config.relay.stall_timeout)
+    if sockets is None:
+        sockets = listen_sockets(hyper, config.relay.stall_timeout)
     try:
         await worker_serve(
             wrap_app(app, hyper.wsgi_max_body_size, "asgi"),
@@ -78,3 +82,53 @@ async def serve(
         with trio.CancelScope(shield=True) as cleanup:
             cleanup.deadline = trio.current_time() + _CLEANUP_SECONDS
             await state_of(app).aclose()
+
+
+async def serve_until_signalled(
+    app: SluiceQuart,
+    config: Config,
+    *,
+    sockets: Sockets | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: /readyz turns 503 at once, the listeners close
+    after ``drain_delay``, in-flight requests get ``graceful_timeout`` to finish and the rest
+    are cancelled (hypercorn's graceful shutdown, with our relays inside it). A second signal
+    cancels everything at once."""
+    stop_accepting = trio.Event()
+    server = config.server
+
+    async with trio.open_nursery() as nursery:
+
+        async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+            await serve(
+                app,
+                config,
+                shutdown_trigger=stop_accepting.wait,
+                sockets=sockets,
+                task_status=task_status,
+            )
+            nursery.cancel_scope.cancel()  # served and drained: stop watching signals
+
+        async def close_listeners_later() -> None:
+            await trio.sleep(server.drain_delay)
+            stop_accepting.set()
+
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    if state_of(app).draining:
+                        log.warning("second signal: cancelling in-flight requests now")
+                        nursery.cancel_scope.cancel()
+                        return
+                    state_of(app).draining = True
+                    log.info(
+                        "%s: draining; listeners close in %gs, in-flight requests then have %gs",
+                        signal.Signals(signum).name,
+                        server.drain_delay,
+                        server.graceful_timeout,
+                    )
+                    nursery.start_soon(close_listeners_later)
+
+        nursery.start_soon(watch_signals)
+        task_status.started(await nursery.start(run_server))

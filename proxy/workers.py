@@ -1,0 +1,121 @@
+"""``sluice serve --workers N``: N server processes sharing one listening socket.
+
+The parent binds the socket (so all workers share one port and the kernel spreads connections
+among them), starts the workers with the ``spawn`` method (a fresh interpreter each: no trio
+state or threads copied by fork), forwards SIGTERM/SIGINT, restarts a worker that dies on its
+own, and exits 0 once every worker has drained. Each worker is a whole Sluice: its own
+upstream pools, limits and, for local models, its own copy of the model (see the README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+import trio
+from hypercorn.config import Sockets
+
+from .config import Config
+
+log = logging.getLogger("sluice.workers")
+
+# A worker that dies on its own this soon after starting is not restarted again and again.
+_MIN_UPTIME = 5.0
+
+
+def _worker_main(
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    log_level: str,
+    sockets: Sockets,
+) -> None:
+    """Runs in each worker process."""
+    from .app import create_app
+    from .cli import configure_logging, load_local_models
+    from .config import load_config
+    from .server import serve_until_signalled
+
+    # Our own process group: a terminal's Ctrl-C reaches the parent only, which forwards it
+    # once, so the first signal drains and only a second one cancels.
+    os.setpgrp()
+    configure_logging(log_level)
+    config = load_config(config_path, host=host, port=port)
+
+    async def run() -> None:
+        local_models = await load_local_models(config)
+        app = create_app(config, local_models=local_models)
+        await serve_until_signalled(app, config, sockets=sockets)
+
+    trio.run(run)
+
+
+def serve_workers(
+    config: Config,
+    sockets: Sockets,
+    *,
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    log_level: str,
+) -> int:
+    """Start ``config.server.workers`` processes and supervise them; returns the exit status."""
+    context = multiprocessing.get_context("spawn")
+    arguments = (config_path, host, port, log_level, sockets)
+    workers: list[tuple[BaseProcess, float]] = []
+    stopping = False
+
+    def start() -> tuple[BaseProcess, float]:
+        process = context.Process(target=_worker_main, args=arguments, name="sluice worker")
+        process.start()
+        return process, time.monotonic()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        # Forwarded as it came: the workers drain on the first signal and stop at once on
+        # the second, exactly like a single server.
+        stopping = True
+        for process, _ in workers:
+            if process.is_alive() and process.pid is not None:
+                signal_process(process.pid, signum)
+
+    previous: dict[int, Any] = {
+        signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        workers = [start() for _ in range(config.server.workers)]
+        status = 0
+        while workers:
+            time.sleep(0.2)
+            for index, (process, started) in enumerate(list(workers)):
+                if process.is_alive():
+                    continue
+                process.join()
+                if stopping:
+                    workers.remove((process, started))
+                    status = status or (process.exitcode or 0)
+                elif time.monotonic() - started < _MIN_UPTIME:
+                    log.error("worker %s exited with %s at start-up", process.pid, process.exitcode)
+                    stopping = True
+                    status = 1
+                    on_signal(signal.SIGTERM, None)
+                    workers.remove((process, started))
+                else:
+                    log.error("worker %s died (%s); restarting it", process.pid, process.exitcode)
+                    workers[index] = start()
+        return status
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def signal_process(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+        os.kill(pid, signum)

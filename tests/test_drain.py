@@ -1,0 +1,125 @@
+"""Graceful drain and worker processes, on a real `sluice serve` process.
+
+SIGTERM: /readyz turns 503 at once; after drain_delay the listeners close; streams that finish
+within graceful_timeout finish; the rest are cancelled (their upstream connections closed) and
+the process exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import trio
+
+from tests.support import chat_body, sse_payloads, start_fake
+
+CHAT = "/v1/chat/completions"
+
+
+async def start_sluice(config: Path, *extra: str) -> tuple[trio.Process, str]:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config), *extra],
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    received = b""
+    while b"sluice serving" not in received:
+        chunk = await process.stdout.receive_some()
+        assert chunk, f"sluice serve exited: {received!r}"
+        received += chunk
+    line = received.split(b"sluice serving", 1)[1].split(b"\n", 1)[0].decode()
+    url = next(word for word in line.split() if word.startswith("http://"))
+    return process, url
+
+
+async def stop(process: trio.Process) -> None:
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        assert process.stdout is not None
+        await process.stdout.aclose()
+
+
+async def test_sigterm_drains_then_cancels_the_rest(nursery: trio.Nursery, tmp_path: Path) -> None:
+    fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=1000)
+    config = tmp_path / "drain.toml"
+    config.write_text(
+        "[server]\nport = 0\ngraceful_timeout = 1.5\ndrain_delay = 0.5\n"
+        f'[models.fake-model]\nupstreams = ["{fake.url}"]\n'
+    )
+    with trio.fail_after(30):
+        process, url = await start_sluice(config)
+        try:
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+                assert (await client.get(url + "/readyz")).status_code == 200
+                results: dict[str, str] = {}
+
+                async def stream(name: str, tokens: int) -> None:
+                    body = chat_body(fake={"tokens": tokens})
+                    text = ""
+                    try:
+                        async with client.stream("POST", url + CHAT, json=body) as response:
+                            async for chunk in response.aiter_text():
+                                text += chunk
+                    except httpx.RemoteProtocolError:
+                        text += "<cut>"  # a cancelled stream ends without its last chunk
+                    results[name] = text
+
+                async with trio.open_nursery() as streams:
+                    # 0.5 s of tokens: ends within the grace period. 50 s: cannot.
+                    streams.start_soon(stream, "short", 10)
+                    streams.start_soon(stream, "long", 1000)
+                    await fake.recorder.wait_for(lambda r: len(r.records) == 2)
+                    signalled_at = trio.current_time()
+                    process.send_signal(signal.SIGTERM)
+                    await trio.sleep(0.2)
+                    # Draining: not ready, though still accepting for drain_delay.
+                    ready = await client.get(url + "/readyz")
+                    assert ready.status_code == 503
+                    assert ready.json() == {"ready": False, "draining": True}
+                assert await process.wait() == 0
+                exited_after = trio.current_time() - signalled_at
+            assert sse_payloads(results["short"])[-1] == "[DONE]"
+            assert results["long"].endswith("<cut>")
+            long_payloads = sse_payloads(results["long"])
+            assert "[DONE]" not in long_payloads
+            assert 5 < len(long_payloads) < 1000
+            # drain_delay + graceful_timeout, then the long stream's upstream was closed.
+            long_record = next(r for r in fake.recorder.records if r.tokens_sent > 10)
+            await fake.recorder.wait_for(lambda r: long_record.disconnected_at is not None)
+            assert long_record.disconnected_at - signalled_at < 0.5 + 1.5 + 1.0
+            assert exited_after < 0.5 + 1.5 + 3.0
+        finally:
+            await stop(process)
+
+
+async def test_workers_share_the_port(tmp_path: Path) -> None:
+    config = tmp_path / "workers.toml"
+    config.write_text(
+        "[server]\nport = 0\n[fake_upstream]\nenabled = true\nttft = 0\ninterval = 0\n"
+        'tokens = 3\n[models.fake-model]\nupstreams = ["fake:"]\n'
+    )
+    with trio.fail_after(60):
+        process, url = await start_sluice(config, "--workers", "2")
+        try:
+            pids: set[int] = set()
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+                while len(pids) < 2:
+                    # A fresh connection each time, so the kernel may pick either worker.
+                    health = await client.get(url + "/healthz", headers={"Connection": "close"})
+                    pids.add(health.json()["pid"])
+                    if len(pids) < 2:
+                        await trio.sleep(0.05)
+                response = await client.post(url + CHAT, json=chat_body())
+                assert sse_payloads(response.text)[-1] == "[DONE]"
+            assert process.pid not in pids and os.getpid() not in pids
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+        finally:
+            await stop(process)
