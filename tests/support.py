@@ -6,7 +6,10 @@ Testing policy (after trio-websocket's): real sockets on loopback only, port 0, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -146,7 +149,11 @@ def close_raw_clients() -> Iterator[None]:
     (Synchronous, so that it serves sync tests too; closing a socket needs no await.)"""
     yield
     while OPEN_RAW_CLIENTS:
-        OPEN_RAW_CLIENTS.pop().stream.socket.close()
+        sock = OPEN_RAW_CLIENTS.pop().stream.socket
+        if sock.fileno() >= 0:
+            # The test's trio run is over: close the descriptor directly (a trio socket's
+            # close() would notify a run that no longer exists).
+            os.close(sock.detach())
 
 
 class RawClient:
@@ -223,8 +230,6 @@ class SlowModel:
         self.prefills = 0
 
     def __call__(self, **kwargs: Any) -> Any:
-        import time
-
         # Counted before the sleep: a test that sees the count go up knows the step is running.
         self.steps += 1
         if kwargs.get("cache") is None:
@@ -237,23 +242,13 @@ class SlowModel:
 
 def slowed(loaded: Any, step_seconds: float = 0.0, prefill_seconds: float | None = None) -> Any:
     """A copy of ``loaded`` (an ``inference.LoadedModel``) whose model is a :class:`SlowModel`."""
-    import dataclasses
-
     return dataclasses.replace(loaded, model=SlowModel(loaded.model, step_seconds, prefill_seconds))
 
 
-async def wait_for(predicate: Callable[[], object], *, interval: float = 0.005) -> None:
+async def poll_until(predicate: Callable[[], object], *, interval: float = 0.005) -> None:
     """Poll ``predicate`` until it is true, for state that has no event to wait on (a worker
-    thread's counters, a semaphore's queue). No deadline of its own: callers run under one."""
-    while True:
-        if predicate():
-            return
-        await trio.sleep(interval)
-
-
-async def poll_until(predicate: Callable[[], bool], *, interval: float = 0.02) -> None:
-    """For state that has no event to wait on (e.g. health set by a background check).
-    No deadline of its own: callers run under fail_after."""
+    thread's counters, a semaphore's queue, health set by a background check). No deadline of
+    its own: callers run under one."""
     while True:
         if predicate():
             return

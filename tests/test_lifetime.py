@@ -20,6 +20,7 @@ from tests.support import (
     Proxy,
     RawClient,
     chat_body,
+    poll_until,
     producer_tasks,
     sse_payloads,
     start_fake,
@@ -164,6 +165,7 @@ async def test_slow_reader_applies_backpressure_then_is_cut_off(nursery: trio.Nu
         # The client stops reading. The proxy's socket buffers fill, then the channel, then
         # the producer blocks, then the upstream read stops: the fake stops sending.
         (relay,) = proxy.state.tracker.active
+        await poll_until(lambda: relay.buffered() == capacity)
         buffered: list[int] = []
 
         def sample_sent() -> int:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -16,7 +14,9 @@ from tests.support import (
     Proxy,
     RawClient,
     chat_body,
+    poll_until,
     producer_tasks,
+    slowed,
     sse_payloads,
     start_proxy,
     stream_text,
@@ -74,25 +74,6 @@ async def test_local_stream_and_non_stream(
         assert (health["slots"], health["busy"], health["queued"]) == (1, 0, 0)
 
 
-class SlowModel:
-    """The tiny model, with a fixed time per decode step, counting its steps."""
-
-    def __init__(self, inner: Any, step_seconds: float) -> None:
-        self.inner = inner
-        self.config = inner.config
-        self.step_seconds = step_seconds
-        self.steps = 0
-
-    def __call__(self, **kwargs: Any) -> Any:
-        self.steps += 1
-        time.sleep(self.step_seconds)
-        return self.inner(**kwargs)
-
-
-def slowed(loaded: Any, step_seconds: float) -> Any:
-    return dataclasses.replace(loaded, model=SlowModel(loaded.model, step_seconds))
-
-
 async def test_disconnect_mid_generation_stops_the_thread_within_one_step(
     nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
 ) -> None:
@@ -143,6 +124,7 @@ async def test_slow_reader_blocks_the_model_itself(
         raw = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=100_000), rcvbuf=4096)
         await raw.read_until(b'"content":"', count=2)
         (relay,) = proxy.state.tracker.active
+        await poll_until(lambda: relay.buffered() == capacity)
         # The model pauses (the thread waits in from_thread.run(send)), its output held in
         # the bounded channel, far from the 100k tokens it was asked for.
         steps = await wait_until_steady(lambda: loaded.model.steps)
