@@ -9,7 +9,7 @@ long slots have recently been held. A client that leaves while queued frees its 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -21,8 +21,19 @@ _EWMA_WEIGHT = 0.2
 
 
 class Admission:
-    def __init__(self, name: str, *, slots: int, max_queue: int, queue_timeout: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        slots: int,
+        max_queue: int,
+        queue_timeout: float,
+        on_leave: Callable[[float, str], None] | None = None,
+    ) -> None:
         self.name = name
+        # Called once per request as it leaves the queue, with the seconds it waited and how
+        # it left: "admitted", "queue_timeout", "cancelled", or "queue_full" (never queued).
+        self.on_leave = on_leave
         self.limiter = trio.CapacityLimiter(slots)
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
@@ -61,6 +72,8 @@ class Admission:
     async def slot(self) -> AsyncIterator[None]:
         borrower = object()
         if self.limiter.available_tokens == 0 and self.waiting >= self.max_queue:
+            if self.on_leave is not None:
+                self.on_leave(0.0, "queue_full")
             raise ApiError(
                 429,
                 f"{self.name} is busy: {self.limiter.total_tokens} slot(s) in use and "
@@ -70,12 +83,18 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after())},
             )
         self._set_waiting(self._waiting + 1)
+        entered = trio.current_time()
+        outcome = "cancelled"
         try:
             with trio.move_on_after(self.queue_timeout):
                 await self.limiter.acquire_on_behalf_of(borrower)
+            admitted = borrower in self.limiter.statistics().borrowers
+            outcome = "admitted" if admitted else "queue_timeout"
         finally:
             self._set_waiting(self._waiting - 1)
-        if borrower not in self.limiter.statistics().borrowers:
+            if self.on_leave is not None:
+                self.on_leave(trio.current_time() - entered, outcome)
+        if not admitted:
             raise ApiError(
                 503,
                 f"{self.name} had no free slot within queue_timeout={self.queue_timeout:g}s; "

@@ -21,11 +21,13 @@ from .auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing, limited_producer
 from .backend import Backend
 from .config import FAKE_UPSTREAM_URL, Config, ConfigError
 from .errors import ApiError, internal_error, model_not_found, request_too_large
+from .logs import AccessRecord
 from .metrics import Metrics
 from .openai import Endpoint, models_list, parse_completion_request
 from .relay import JSON_CONTENT_TYPE, Producer, RelayBody, RelayTracker
 from .routing import HealthPolicy
 from .upstream import UpstreamBackend, UpstreamReplica, check_replicas
+from .ws import serve_websocket
 
 if TYPE_CHECKING:
     from .local import LocalBackend
@@ -109,7 +111,7 @@ class SluiceState:
             if model.backend == "local":
                 from .local import LocalBackend
 
-                local = LocalBackend(model, self.local_models[model.name])
+                local = LocalBackend(model, self.local_models[model.name], self.metrics)
                 self.local_backends[model.name] = local
                 self.backends[model.name] = local
                 continue
@@ -129,6 +131,7 @@ class SluiceState:
                 self.config.relay,
                 api_key=self.api_keys.get(model.name),
                 policy=self.health_policy,
+                metrics=self.metrics,
             )
 
     async def aclose(self) -> None:
@@ -199,10 +202,17 @@ def create_app(
         model = getattr(request, "sluice_model", "-")
         state.metrics.requests.labels(model, str(status)).inc()
 
+    def refused(error: ApiError) -> None:
+        """What every refusal does besides answering: the access line's outcome."""
+        access: AccessRecord | None = getattr(request, "sluice_access", None)
+        if access is not None:
+            access.outcome = error.code or "error"
+
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
         if request.path in COMPLETION_PATHS:  # the metric counts completion requests only
             count_refused(error.status)
+        refused(error)
         return _json_response(error.body(), error.status, error.headers)
 
     @app.errorhandler(HTTPException)
@@ -218,15 +228,51 @@ def create_app(
             )
         if request.path in COMPLETION_PATHS:
             count_refused(status)
+        refused(api)
         return _json_response(api.body(), status)
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
         log.exception("unhandled error", exc_info=error)
         api = internal_error()
+        refused(api)
         return _json_response(api.body(), api.status)
 
     cors = CorsPolicy(config.server.cors_origins)
+
+    @app.before_request
+    async def begin_request() -> None:
+        # First of the before_request hooks, so that a refusal by any later one (a 401) has
+        # its request id and access line too. The client's id is kept when it is sane.
+        request_id = request.headers.get("X-Request-ID", "")
+        if not _REQUEST_ID.match(request_id):
+            request_id = uuid.uuid4().hex
+        request.sluice_access = AccessRecord(  # type: ignore[attr-defined]
+            request_id,
+            request.method,
+            request.path,
+            request.remote_addr or "-",
+            trio.current_time(),
+        )
+
+    @app.after_request
+    async def end_request(response: Response) -> Response:
+        # Runs for every response, refusals included (Quart finalizes error-handler responses
+        # too); a relayed response's line is written by its body when the stream ends.
+        access: AccessRecord | None = getattr(request, "sluice_access", None)
+        if access is None:
+            return response
+        response.headers["X-Request-ID"] = access.request_id
+        if not isinstance(response.response, RelayBody):
+            key = getattr(request, "sluice_key", None)
+            access.key = None if key is None else key.name
+            access.emit(
+                status=response.status_code,
+                model=getattr(request, "sluice_model", "-"),
+                outcome=access.outcome,
+                ended=trio.current_time(),
+            )
+        return response
 
     @app.before_request
     async def authenticate() -> Response | None:
@@ -259,9 +305,8 @@ def create_app(
             return response
 
     async def completions(endpoint: Endpoint) -> Response:
-        request_id = request.headers.get("X-Request-ID", "")
-        if not _REQUEST_ID.match(request_id):
-            request_id = uuid.uuid4().hex
+        access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
+        request_id = access.request_id
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
         parsed = parse_completion_request(raw, endpoint)
@@ -271,6 +316,8 @@ def create_app(
         request.sluice_model = parsed.model  # type: ignore[attr-defined]
         produce: Producer = partial(backend.produce, parsed, request_id)
         key = getattr(request, "sluice_key", None)
+        if key is not None:
+            access.key = key.name
         if key is not None and state.keys.limited(key):
             # Admitted inside the relay, so that its 429 is counted like any relayed status
             # and the concurrency it holds is released when the body closes.
@@ -284,9 +331,9 @@ def create_app(
             description=request_id,
             model=parsed.model,
             backend="local" if parsed.model in state.local_backends else "upstream",
+            access=access,
         )
         response = Response(body)
-        response.headers["X-Request-ID"] = request_id
         # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's own
         # deadlines (upstream total, client stall) bound it instead.
         response.timeout = None
@@ -308,6 +355,10 @@ def create_app(
     async def metrics() -> Response:
         payload, content_type = state.metrics.render()
         return Response(payload, content_type=content_type)
+
+    @app.websocket("/v1/ws")
+    async def chat_websocket() -> None:
+        await serve_websocket(state)
 
     @app.get("/readyz")
     async def readyz() -> Response:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Protocol
 
 from .openai import CompletionRequest
-from .relay import RelaySink
+from .relay import Sink
 
 
 class Backend(Protocol):
-    async def produce(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+    async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         """Decide the response head, then send its body; raise ApiError for failures."""
         ...

@@ -172,6 +172,9 @@ def configure_logging(level: str) -> None:
     )
     # httpx logs every upstream request at INFO: a synchronous write per request on the hot path.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from .logs import configure_access_log
+
+    configure_access_log()  # one bare JSON line per request, without the root prefix
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,8 +29,9 @@ from inference import (
 from .admission import Admission
 from .config import ModelConfig
 from .errors import ApiError
+from .metrics import Metrics
 from .openai import CompletionRequest, Endpoint
-from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelaySink
+from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 
 log = logging.getLogger("sluice.local")
 
@@ -38,15 +39,22 @@ _STEP_HISTORY = 4096
 
 
 class LocalBackend:
-    def __init__(self, model: ModelConfig, loaded: LoadedModel) -> None:
+    def __init__(
+        self, model: ModelConfig, loaded: LoadedModel, metrics: Metrics | None = None
+    ) -> None:
         self.model = model
+        self.metrics = metrics
         self.generator = Generator(loaded, slow_step_seconds=model.slow_step_seconds)
         self.admission = Admission(
             f"model '{model.name}'",
             slots=model.slots,
             max_queue=model.max_queue,
             queue_timeout=model.queue_timeout,
+            on_leave=None if metrics is None else self._left_queue,
         )
+        if metrics is not None:
+            # Read at scrape time: nothing to update as requests come and go.
+            metrics.queue_depth.labels(model.name).set_function(lambda: self.admission.waiting)
         # Admission already bounds concurrency to `slots`; this limiter only has to let that
         # many threads run (trio's default limiter is shared with every other thread user).
         self.threads = trio.CapacityLimiter(model.slots)
@@ -56,7 +64,7 @@ class LocalBackend:
         self.prefill_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
         self.slow_steps = 0
 
-    async def produce(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+    async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         async with self.admission.slot():
             sink.set_phase("awaiting_first_token")
             await trio.to_thread.run_sync(
@@ -68,7 +76,11 @@ class LocalBackend:
                 limiter=self.threads,
             )
 
-    def _work(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+    def _left_queue(self, seconds: float, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_wait.labels(self.model.name, outcome).observe(seconds)
+
+    def _work(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         """Runs in the worker thread."""
         self.active_threads += 1
         try:
@@ -77,12 +89,20 @@ class LocalBackend:
             self.active_threads -= 1
 
     def _record_steps(self, result: GenerationResult) -> None:
-        if result.step_seconds:
-            self.prefill_seconds.append(result.step_seconds[0])
-            self.decode_seconds.extend(result.step_seconds[1:])
+        """Runs in the worker thread, once per finished generation."""
+        steps = result.step_seconds
+        if steps:
+            self.prefill_seconds.append(steps[0])
+            self.decode_seconds.extend(steps[1:])
+            if self.metrics is not None:
+                name = self.model.name
+                self.metrics.local_prefill.labels(name).observe(steps[0])
+                if len(steps) > 1:
+                    # Bucketed here, off the event loop, and merged under one lock.
+                    self.metrics.local_steps.observe_all((name,), steps[1:])
         self.slow_steps += result.slow_steps
 
-    def _generate(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+    def _generate(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         model = self.model
         generator = self.generator
         body = request.body

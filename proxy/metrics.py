@@ -1,15 +1,109 @@
 """Prometheus metrics, one registry per app: what the tests and benchmarks measure, visible in
 production too. Updated once per request (never per event), so they cost nothing on the hot path.
+
+Per-event quantities (the gap between writes, the local model's decode steps) are counted by
+their owner in a plain list of bucket counts (:meth:`BucketHistogram.new_counts`, ``bisect``),
+and merged into a :class:`BucketHistogram` once, when the request ends: one ``observe`` per
+event would take a lock per token.
 """
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+# How prometheus-client spells a bucket bound in "le" (untyped upstream).
+_le_text = cast(Callable[[float], str], floatToGoString)
 
 # Cancel propagation is measured in milliseconds on a healthy server; seconds mean trouble.
 _CANCEL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+# Time to first token: tens of milliseconds on an idle server, seconds under load or in a queue.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Between two writes of a stream: a model's decode step (ms to tens of ms) up to a stall.
+GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# One decode step of a local model: sub-millisecond (tiny test models) to a slow CPU's 100s of ms.
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Waiting for a local model's slot: none at all, up to queue_timeout (seconds to minutes).
+_QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class BucketHistogram:
+    """A Prometheus histogram fed with bucket counts kept by its users, merged once per request.
+
+    A user takes ``counts = histogram.new_counts()``, then per observation does
+    ``counts[bisect_left(histogram.bounds, value)] += 1`` and adds ``value`` to its own sum (a
+    list index and an add, no lock), and finally calls :meth:`merge` once. Bounds are upper
+    bounds (``le``), as in Prometheus; the last slot is ``+Inf``. Thread-safe: a local model's
+    worker thread merges while the event loop may be scraping.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(float(bound) for bound in buckets)
+        self._le = [_le_text(bound) for bound in self.bounds] + ["+Inf"]
+        # label values -> (non-cumulative counts per bucket, sum)
+        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def new_counts(self) -> list[int]:
+        return [0] * (len(self.bounds) + 1)
+
+    def observe_all(self, labelvalues: Sequence[str], values: Sequence[float]) -> None:
+        """Merge many observations at once (counted here, off the event loop if called from a
+        worker thread)."""
+        counts = self.new_counts()
+        bounds = self.bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        self.merge(labelvalues, counts, sum(values))
+
+    def merge(self, labelvalues: Sequence[str], counts: Sequence[int], total: float) -> None:
+        if len(counts) != len(self._le):
+            raise ValueError(f"{self.name}: expected {len(self._le)} bucket counts")
+        key = tuple(labelvalues)
+        with self._lock:
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = ([0] * len(self._le), [0.0])
+            mine, sums = series
+            for index, count in enumerate(counts):
+                mine[index] += count
+            sums[0] += total
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with self._lock:
+            series = [(key, list(counts), sums[0]) for key, (counts, sums) in self._series.items()]
+        for key, counts, total in series:
+            cumulative = 0
+            buckets: list[tuple[str, float]] = []
+            for le, count in zip(self._le, counts, strict=True):
+                cumulative += count
+                buckets.append((le, float(cumulative)))
+            family.add_metric(list(key), buckets, total)
+        yield family
 
 
 class Metrics:
@@ -49,6 +143,67 @@ class Metrics:
         self.stalled_clients = Counter(
             "sluice_stalled_clients",
             "Clients cut off for not reading within stall_timeout.",
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "sluice_ttft_seconds",
+            "Streamed responses: from the start of the request's relay (admission included) "
+            "to its first body chunk handed to the HTTP layer. For chat that chunk is often "
+            "the assistant role delta, which the local backend sends before the prefill.",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.token_gaps = BucketHistogram(
+            "sluice_token_gap_seconds",
+            "Streamed responses: time between consecutive body writes handed to the HTTP "
+            "layer. Events already waiting are coalesced into one write, so a burst counts "
+            "as one gap, not one per token.",
+            ["model"],
+            GAP_BUCKETS,
+            registry,
+        )
+        self.tokens_out = Counter(
+            "sluice_tokens_out",
+            "SSE data events (~tokens; role, finish, usage and in-band error events included, "
+            "[DONE] excluded) handed to the HTTP layer, by model.",
+            ["model"],
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "sluice_upstream_errors",
+            "Failed upstream attempts by model and error code, retried ones included "
+            "(upstream_connect_error, upstream_first_token_timeout, no_healthy_upstream, ...).",
+            ["model", "code"],
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "sluice_queue_depth",
+            "Requests waiting for a local model's slot now.",
+            ["model"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "sluice_queue_wait_seconds",
+            "Time a request waited for a local model's slot, observed when it left the queue, "
+            "by outcome: admitted, queue_timeout (503), cancelled (the client left), or "
+            "queue_full (429 at once, 0 s).",
+            ["model", "outcome"],
+            buckets=_QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self.local_steps = BucketHistogram(
+            "sluice_local_step_seconds",
+            "Local models: duration of each decode step (one token), merged per request.",
+            ["model"],
+            STEP_BUCKETS,
+            registry,
+        )
+        self.local_prefill = Histogram(
+            "sluice_local_prefill_seconds",
+            "Local models: duration of the prefill step (the whole prompt), per request.",
+            ["model"],
+            buckets=_PREFILL_BUCKETS,
             registry=registry,
         )
 

@@ -23,8 +23,9 @@ import trio
 
 from .config import ModelConfig, RelayConfig, UpstreamConfig
 from .errors import UPSTREAM_ERROR, ApiError
+from .metrics import Metrics
 from .openai import CompletionRequest, Endpoint
-from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelaySink, Sink
+from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from .routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
 from .sse import SSEProtocolError, SSESplitter, check_event, is_done
 
@@ -96,6 +97,7 @@ class UpstreamBackend:
         *,
         api_key: str | None = None,
         policy: HealthPolicy | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         if not replicas:
             raise ValueError(f"model {model.name!r} has no replicas")
@@ -106,6 +108,7 @@ class UpstreamBackend:
         self._router = LeastBusyRouter(policy)
         self._relay = relay
         self._api_key = api_key
+        self._metrics = metrics
         self._timeout = httpx.Timeout(
             connect=model.connect_timeout, read=None, write=model.connect_timeout, pool=None
         )
@@ -123,18 +126,26 @@ class UpstreamBackend:
             headers["authorization"] = f"Bearer {self._api_key}"
         return headers
 
-    async def produce(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+    async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         with trio.move_on_after(self.model.total_timeout):
             await self._attempts(request, request_id, sink)
             return
-        raise upstream_error(
+        error = upstream_error(
             504,
             "upstream_total_timeout",
             f"the upstream did not finish within total_timeout={self.model.total_timeout:g}s",
             retryable=False,
         )
+        self._count_error(error)
+        raise error
 
-    async def _attempts(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+    def _count_error(self, error: ApiError) -> None:
+        """Once per failed attempt (a retried one too), per total timeout, and per request
+        that found no replica to try."""
+        if self._metrics is not None:
+            self._metrics.upstream_errors.labels(self.model.name, error.code or "error").inc()
+
+    async def _attempts(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         if self.model.hedge_after > 0:
             await self._hedged(request, request_id, sink)
             return
@@ -155,7 +166,7 @@ class UpstreamBackend:
                 self._log_retry(request_id, load, error, len(tried))
         raise last_error or self._no_healthy_replica()
 
-    async def _hedged(self, request: CompletionRequest, request_id: str, sink: RelaySink) -> None:
+    async def _hedged(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         """Attempts that may overlap: after hedge_after without a first token another replica
         gets the same request; the first to send an event wins and the others are cancelled
         (their streams closed, so their servers abort the work)."""
@@ -238,8 +249,9 @@ class UpstreamBackend:
                 await self._exchange(replica, request, request_id, sink)
             self._router.success(load)
             verdict = True
-        except ApiError:
+        except ApiError as error:
             self._router.failure(load, trio.current_time())
+            self._count_error(error)
             verdict = True
             raise
         finally:
@@ -260,13 +272,15 @@ class UpstreamBackend:
 
     def _no_healthy_replica(self) -> ApiError:
         wait = self._router.next_recovery(self._loads, trio.current_time())
-        return ApiError(
+        error = ApiError(
             503,
             f"no healthy upstream replica for model '{self.model.name}'",
             type=UPSTREAM_ERROR,
             code="no_healthy_upstream",
             headers={"Retry-After": str(max(1, math.ceil(wait))) if wait < math.inf else "10"},
         )
+        self._count_error(error)
+        return error
 
     async def _exchange(
         self,
@@ -435,7 +449,7 @@ async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
 class _Race:
     """Hedged attempts racing for one client: the first to produce its response head wins."""
 
-    def __init__(self, sink: RelaySink) -> None:
+    def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.winner: _Entrant | None = None
         self.entrants: list[_Entrant] = []

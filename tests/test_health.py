@@ -106,7 +106,8 @@ async def test_active_health_checks(nursery: trio.Nursery, client: httpx.AsyncCl
                 "health_check_path": "/health",
                 "health_check_interval": 0.05,
                 "failure_threshold": 1,
-                "ejection_seconds": 0.1,
+                # Long: only a successful active check may bring it back, not a probe.
+                "ejection_seconds": 30,
             },
         )
         late = proxy.state.replicas[f"http://127.0.0.1:{late_port}"].load

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import socket
+from bisect import bisect_left
+from typing import Any
+
 import httpx
+import pytest
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import DEADLINE, Fake, Proxy, RawClient, chat_body, start_proxy
+from proxy.metrics import BucketHistogram
+from tests.support import (
+    DEADLINE,
+    Fake,
+    Proxy,
+    RawClient,
+    chat_body,
+    slowed,
+    sse_payloads,
+    start_fake,
+    start_proxy,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -22,6 +39,12 @@ async def scrape(
         for sample in family.samples:
             samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
     return samples
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def value(
@@ -74,3 +97,158 @@ async def test_cancellations_are_measured_by_phase(
         # Nothing was produced for the first client, so nothing was wasted there.
         assert value(samples, "sluice_wasted_tokens_bucket", backend="upstream", le="0.0") >= 1
         assert value(samples, "sluice_requests_total", model="fake-model", status="499") == 1
+
+
+def data_events(text: str) -> int:
+    """SSE data events in a response body, [DONE] excluded: what sluice_tokens_out counts."""
+    return sum(1 for payload in sse_payloads(text) if payload != "[DONE]")
+
+
+async def test_stream_metrics_move(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.05, interval=0.03, tokens=8)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        before = await scrape(client, proxy)
+        assert value(before, "sluice_ttft_seconds_count", model="fake-model") == 0
+        streamed = 0
+        for _ in range(2):
+            response = await client.post(proxy.url + CHAT, json=chat_body())
+            assert response.status_code == 200
+            streamed += data_events(response.text)
+        # A response that is not streamed has no first token and no gaps.
+        whole = await client.post(proxy.url + CHAT, json=chat_body(stream=False))
+        assert whole.status_code == 200
+        await proxy.state.tracker.wait_idle()
+        after = await scrape(client, proxy)
+        assert value(after, "sluice_ttft_seconds_count", model="fake-model") == 2
+        ttft_sum = value(after, "sluice_ttft_seconds_sum", model="fake-model")
+        assert 2 * 0.05 <= ttft_sum < 2 * 2.0
+        assert streamed >= 2 * 8
+        assert value(after, "sluice_tokens_out_total", model="fake-model") == streamed
+        # The tokens come 30 ms apart: each stream has gaps, most of them between 10 and 100 ms
+        # (a write may carry several events, so there are at most events - 1 gaps).
+        gaps = value(after, "sluice_token_gap_seconds_count", model="fake-model")
+        assert 2 * 4 <= gaps <= streamed
+        assert (
+            value(after, "sluice_token_gap_seconds_bucket", model="fake-model", le="+Inf") == gaps
+        )
+        at_10ms = value(after, "sluice_token_gap_seconds_bucket", model="fake-model", le="0.01")
+        at_100ms = value(after, "sluice_token_gap_seconds_bucket", model="fake-model", le="0.1")
+        assert at_100ms - at_10ms >= gaps / 2
+        gap_sum = value(after, "sluice_token_gap_seconds_sum", model="fake-model")
+        assert 2 * 4 * 0.02 < gap_sum < 2 * 3.0
+
+
+async def test_upstream_errors_count_retried_attempts(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        refusing = f"http://127.0.0.1:{closed_port()}"
+        # Listed first: with both idle, the first replica is tried first.
+        proxy = await start_proxy(nursery, {"fake-model": [refusing, fake.url]})
+        response = await client.post(proxy.url + CHAT, json=chat_body())
+        assert response.status_code == 200  # retried on the healthy replica
+        assert len(fake.recorder.records) == 1
+        samples = await scrape(client, proxy)
+        assert (
+            value(
+                samples,
+                "sluice_upstream_errors_total",
+                model="fake-model",
+                code="upstream_connect_error",
+            )
+            == 1
+        )
+        assert value(samples, "sluice_requests_total", model="fake-model", status="200") == 1
+        # A model whose only replica refuses: its one failure is counted too.
+        proxy = await start_proxy(nursery, {"m": [refusing]})
+        response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 502
+        samples = await scrape(client, proxy)
+        assert (
+            value(samples, "sluice_upstream_errors_total", model="m", code="upstream_connect_error")
+            == 1
+        )
+
+
+async def test_local_queue_and_step_metrics(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
+) -> None:
+    loaded = slowed(tiny_loaded_model, 0.02)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery,
+            {
+                "tiny": {
+                    "backend": "local",
+                    "path": "unused-preloaded",
+                    "slots": 1,
+                    "max_queue": 1,
+                    "queue_timeout": 30,
+                }
+            },
+            local_models={"tiny": loaded},
+        )
+        backend = proxy.state.local_backends["tiny"]
+        samples = await scrape(client, proxy)
+        assert value(samples, "sluice_queue_depth", model="tiny") == 0
+        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        await running.read_until(b'"content":"')
+        queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=4))
+        await backend.admission.wait_queued(1)
+        refused = await client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=2))
+        assert refused.status_code == 429
+        samples = await scrape(client, proxy)
+        assert value(samples, "sluice_queue_depth", model="tiny") == 1
+        assert (
+            value(samples, "sluice_queue_wait_seconds_count", model="tiny", outcome="admitted") == 1
+        )
+        assert (
+            value(samples, "sluice_queue_wait_seconds_count", model="tiny", outcome="queue_full")
+            == 1
+        )
+        await trio.sleep(0.05)  # the queued one has waited at least this long
+        await running.close()  # its slot goes to the queued request
+        await queued.read_until(b"data: [DONE]")
+        await queued.close()
+        await proxy.state.tracker.wait_idle()
+        samples = await scrape(client, proxy)
+        assert value(samples, "sluice_queue_depth", model="tiny") == 0
+        assert (
+            value(samples, "sluice_queue_wait_seconds_count", model="tiny", outcome="admitted") == 2
+        )
+        waited = value(samples, "sluice_queue_wait_seconds_sum", model="tiny", outcome="admitted")
+        assert 0.05 <= waited < DEADLINE
+        # Only the finished generation reports its steps (the cancelled one raised out of
+        # generate): one prefill and 3 decode steps for 4 tokens, each slowed to >= 20 ms.
+        assert value(samples, "sluice_local_prefill_seconds_count", model="tiny") == 1
+        assert value(samples, "sluice_local_step_seconds_count", model="tiny") == 3
+        assert value(samples, "sluice_local_step_seconds_bucket", model="tiny", le="0.01") == 0
+        assert value(samples, "sluice_local_step_seconds_sum", model="tiny") >= 3 * 0.02
+        # The local streams are in the stream metrics too.
+        assert value(samples, "sluice_ttft_seconds_count", model="tiny") == 2
+        assert value(samples, "sluice_tokens_out_total", model="tiny") >= 4
+
+
+def test_bucket_histogram_merges_counts() -> None:
+    registry = CollectorRegistry()
+    histogram = BucketHistogram("demo_seconds", "A demo.", ["model"], (0.1, 1.0), registry)
+    counts = histogram.new_counts()
+    for seconds in (0.05, 0.1, 0.5, 3.0):
+        counts[bisect_left(histogram.bounds, seconds)] += 1
+    histogram.merge(("a",), counts, 3.65)
+    histogram.observe_all(("a",), [0.2])
+    text = generate_latest(registry).decode()
+    samples = {
+        (sample.name, sample.labels.get("le")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    # le is inclusive, as in Prometheus: 0.1 falls in the 0.1 bucket.
+    assert samples[("demo_seconds_bucket", "0.1")] == 2
+    assert samples[("demo_seconds_bucket", "1.0")] == 4
+    assert samples[("demo_seconds_bucket", "+Inf")] == 5
+    assert samples[("demo_seconds_count", None)] == 5
+    assert samples[("demo_seconds_sum", None)] == pytest.approx(3.85)
+    with pytest.raises(ValueError, match="bucket counts"):
+        histogram.merge(("a",), [1], 1.0)

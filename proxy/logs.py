@@ -1,0 +1,99 @@
+"""The access log: one JSON line per request, on the ``sluice.access`` logger at INFO.
+
+Written once, when the request ends (for a relayed request when its relay closes, so that the
+line knows how the stream ended), formatted with one ``json.dumps``. Nothing is built when the
+logger is disabled for INFO.
+
+The line is the record's whole message, so a handler with :class:`BareFormatter` writes exactly
+the JSON; :func:`configure_access_log` installs such a handler (the CLI's logging set-up should
+call it: the root handler's format would otherwise prefix the line with time and level).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+ACCESS_LOGGER = "sluice.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+
+class AccessRecord:
+    """What is known of a request when it arrives; completed by whoever sees it end."""
+
+    __slots__ = ("client", "key", "method", "outcome", "path", "request_id", "started")
+
+    def __init__(
+        self, request_id: str, method: str, path: str, client: str, started: float
+    ) -> None:
+        self.request_id = request_id
+        self.method = method
+        self.path = path
+        self.client = client
+        # trio.current_time() at arrival: durations use the same clock as the relay.
+        self.started = started
+        self.key: str | None = None
+        # Set by the error handlers (the error code) for a response that is not relayed.
+        self.outcome = "completed"
+
+    def emit(
+        self,
+        *,
+        status: int,
+        model: str,
+        outcome: str,
+        ended: float,
+        ttft: float | None = None,
+        events: int = 0,
+    ) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        now = time.time()
+        fields: dict[str, Any] = {
+            "timestamp": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds"),
+            "request_id": self.request_id,
+            "method": self.method,
+            "path": self.path,
+            "model": model,
+            "status": status,
+            "duration_s": round(ended - self.started, 6),
+            "ttft_s": None if ttft is None else round(ttft, 6),
+            "events": events,
+            "outcome": outcome,
+            "client": self.client,
+            "key": self.key,
+        }
+        access_log.info(json.dumps(fields, separators=(",", ":")))
+
+
+class BareFormatter(logging.Formatter):
+    """The message and nothing else: the access line is already a complete JSON object."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return record.getMessage()
+
+
+class _StderrHandler(logging.StreamHandler[TextIO]):
+    """Writes to whatever ``sys.stderr`` is at the time (test runners replace it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def configure_access_log(stream: TextIO | None = None) -> logging.Handler:
+    """Send ``sluice.access`` lines, bare, to ``stream`` (default: the current stderr) instead
+    of through the root logger's format. Idempotent: a second call replaces the handler."""
+    for handler in list(access_log.handlers):
+        if getattr(handler, "sluice_access", False):
+            access_log.removeHandler(handler)
+    handler = _StderrHandler() if stream is None else logging.StreamHandler(stream)
+    handler.setFormatter(BareFormatter())
+    handler.sluice_access = True  # type: ignore[attr-defined]
+    access_log.addHandler(handler)
+    access_log.propagate = False
+    return handler
