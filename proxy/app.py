@@ -16,6 +16,7 @@ import trio
 from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
+from . import web
 from .asgi import SluiceQuart
 from .auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing, limited_producer
 from .backend import Backend
@@ -157,7 +158,10 @@ def create_app(
     """The app. ``local_models`` maps model names to preloaded ``inference.LoadedModel``s;
     local models not given are loaded when the server starts."""
     state = SluiceState(config, os.environ if env is None else env, local_models)
-    app = SluiceQuart("sluice")
+    # static_folder=None: Quart would otherwise serve ./static from the working directory.
+    # The chat page's files come from the package, through the web blueprint.
+    app = SluiceQuart("sluice", static_folder=None)
+    app.register_blueprint(web.blueprint)
     app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
     app.extensions["sluice"] = state
 
