@@ -253,3 +253,20 @@ async def poll_until(predicate: Callable[[], object], *, interval: float = 0.005
         if predicate():
             return
         await trio.sleep(interval)
+
+
+async def cancel_while_waiting_then_mid_stream(proxy: Proxy, fake: Fake) -> None:
+    """Two clients leave: one while the upstream thinks (before the first token), one in the
+    middle of its stream. Returns once the proxy is idle again."""
+    waiting = await RawClient.post(proxy, "/v1/chat/completions", chat_body(fake={"ttft": 30}))
+    await fake.recorder.wait_for(lambda r: len(r.records) == 1)
+    await waiting.close()
+    await proxy.state.tracker.wait_idle()
+    streaming = await RawClient.post(
+        proxy,
+        "/v1/chat/completions",
+        chat_body(fake={"ttft": 0, "interval": 0.01, "tokens": 1000}),
+    )
+    await streaming.read_until(b"data: ", count=3)
+    await streaming.close()
+    await proxy.state.tracker.wait_idle()

@@ -20,7 +20,7 @@ from tests.support import (
     DEADLINE,
     Fake,
     Proxy,
-    RawClient,
+    cancel_while_waiting_then_mid_stream,
     chat_body,
     sse_payloads,
     start_proxy,
@@ -131,16 +131,7 @@ async def test_cancelled_streams(
     proxy: Proxy, fake: Fake, client: httpx.AsyncClient, access: pytest.LogCaptureFixture
 ) -> None:
     with trio.fail_after(DEADLINE):
-        waiting = await RawClient.post(proxy, CHAT, chat_body(fake={"ttft": 30}))
-        await fake.recorder.wait_for(lambda r: len(r.records) == 1)
-        await waiting.close()
-        await proxy.state.tracker.wait_idle()
-        streaming = await RawClient.post(
-            proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.01, "tokens": 1000})
-        )
-        await streaming.read_until(b"data: ", count=3)
-        await streaming.close()
-        await proxy.state.tracker.wait_idle()
+        await cancel_while_waiting_then_mid_stream(proxy, fake)
     assert len(lines(access)) == 2
     line = only_line(access, outcome="cancelled(awaiting_first_token)")
     assert (line["status"], line["ttft_s"], line["events"]) == (499, None, 0)

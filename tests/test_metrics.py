@@ -18,6 +18,7 @@ from tests.support import (
     Fake,
     Proxy,
     RawClient,
+    cancel_while_waiting_then_mid_stream,
     chat_body,
     slowed,
     sse_payloads,
@@ -74,16 +75,7 @@ async def test_cancellations_are_measured_by_phase(
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         # One client leaves while the upstream thinks, one in the middle of the stream.
-        waiting = await RawClient.post(proxy, CHAT, chat_body(fake={"ttft": 30}))
-        await fake.recorder.wait_for(lambda r: len(r.records) == 1)
-        await waiting.close()
-        await proxy.state.tracker.wait_idle()
-        streaming = await RawClient.post(
-            proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.01, "tokens": 1000})
-        )
-        await streaming.read_until(b"data: ", count=3)
-        await streaming.close()
-        await proxy.state.tracker.wait_idle()
+        await cancel_while_waiting_then_mid_stream(proxy, fake)
         samples = await scrape(client, proxy)
         for phase in ("awaiting_first_token", "streaming"):
             assert (
