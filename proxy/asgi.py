@@ -10,6 +10,10 @@ client no latency.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+import struct
 from typing import Any, cast
 
 import trio
@@ -20,6 +24,8 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from .relay import RelayBody
+
+log = logging.getLogger("sluice.asgi")
 
 
 class RelayHTTPConnection(TrioASGIHTTPConnection):
@@ -39,6 +45,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             await super()._send_response(send, response)
             return
         body.disconnected_at = lambda: self.disconnected_at
+        body.abort_connection = lambda: abort_transport(send)
         async with body:
             response.status_code = body.status
             for name, value in body.headers.items():
@@ -62,3 +69,29 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
 
 class SluiceQuart(QuartTrio):
     asgi_http_class = RelayHTTPConnection
+
+
+def transport_socket(send: Any) -> Any:
+    """The TCP socket under hypercorn's ASGI ``send``, or None where the chain differs.
+
+    hypercorn offers no public way to drop a connection from the app, and its socket writes
+    are shielded from cancellation, so a client that stops reading can hold a write forever.
+    The chain is HTTPStream.app_send -> H11Protocol.stream_send -> TCPServer.protocol_send ->
+    TCPServer.stream.socket (hypercorn 0.17/0.18; tested in test_lifetime)."""
+    stream = getattr(send, "__self__", None)
+    protocol = getattr(getattr(stream, "send", None), "__self__", None)
+    server = getattr(getattr(protocol, "send", None), "__self__", None)
+    return getattr(getattr(server, "stream", None), "socket", None)
+
+
+def abort_transport(send: Any) -> None:
+    """Reset the client's connection: the blocked write wakes with ClosedResourceError,
+    hypercorn treats the connection as closed, and the kernel frees its buffers at once."""
+    sock = transport_socket(send)
+    if sock is None or sock.fileno() < 0:
+        log.warning("cannot drop a stalled client's connection: hypercorn's layout changed")
+        return
+    with contextlib.suppress(OSError):
+        # Linger 0: close with RST, discarding the unsent bytes the client would not take.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()

@@ -227,6 +227,9 @@ class RelayBody(ResponseBody):
         self.undelivered = 0
         # When the HTTP layer saw the client disconnect (set by asgi.RelayHTTPConnection).
         self.disconnected_at: Callable[[], float | None] = lambda: None
+        # Drops the client's connection (set by asgi.RelayHTTPConnection): after a stall the
+        # body's writer is stuck in a write the client will not take.
+        self.abort_connection: Callable[[], None] = lambda: None
         # Registered by the producer (RelaySink.on_close); run when the body closes.
         self.close_callbacks: list[Callable[[], None]] = []
         # The access log line, written when the body closes (None: no line).
@@ -273,6 +276,7 @@ class RelayBody(ResponseBody):
             except ClientStalled:
                 self.stalled = True
                 log.warning("client stalled for %.1fs; cancelled %s", self.stall_timeout, self)
+                self.abort_connection()
             except ApiError as error:
                 await self._fail(error)
             except Exception:
@@ -299,6 +303,7 @@ class RelayBody(ResponseBody):
                 await RelaySink(self).send(error_event(error))
             except ClientStalled:
                 self.stalled = True
+                self.abort_connection()
 
     # -- what the HTTP layer drives ---------------------------------------------------------
 

@@ -172,12 +172,17 @@ class RawClient:
         body: dict[str, Any] | bytes,
         *,
         rcvbuf: int | None = None,
+        mss: int | None = None,
         extra: bytes = b"",
     ) -> RawClient:
         host, port = proxy.host_port
         sock = trio.socket.socket()
         if rcvbuf is not None:
             sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, rcvbuf)
+        if mss is not None:
+            # Loopback's 64 KiB MSS lets the kernel buffer megabytes toward a slow reader; a
+            # network-sized MSS keeps the sender's buffer small, so backpressure shows.
+            sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_MAXSEG, mss)
         await sock.connect((host, port))
         stream = trio.SocketStream(sock)
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()

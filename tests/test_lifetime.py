@@ -181,14 +181,14 @@ async def test_slow_reader_applies_backpressure_then_is_cut_off(nursery: trio.Nu
         record = fake.recorder.last()
         assert record.outcome == "client_disconnected"
         await proxy.state.tracker.wait_idle()
-        # hypercorn's send_all is shielded, so only the kernel can free the handler: the
-        # listening socket's TCP_USER_TIMEOUT (stall_timeout + 1 s) does, a little later.
+        # hypercorn's send_all is shielded, so the relay frees the handler by resetting the
+        # client's connection (asgi.abort_transport) when it detects the stall.
         assert trio.current_time() - stopped_reading < stall_timeout + 1 + 2
         assert proxy.state.tracker.stalled == 1
         assert proxy.state.metrics.registry.get_sample_value("sluice_stalled_clients_total") == 1
         assert producer_tasks() == []
-        # The connection itself is dropped too (TCP_USER_TIMEOUT on a zero window), even
-        # though this client never closed it: draining what was buffered ends in EOF or reset.
+        # The connection itself is dropped too, though this client never closed it:
+        # draining what was buffered ends in EOF or reset.
         try:
             while await raw.stream.receive_some(65536):
                 pass
@@ -220,3 +220,29 @@ async def test_many_clients_leaving_mid_stream_leave_nothing_behind(
             proxy.url + CHAT, json=chat_body(stream=False, fake={"tokens": 2})
         )
         assert json.loads(response.text)["usage"]["completion_tokens"] == 2
+
+
+async def test_a_slow_reader_that_keeps_reading_is_not_cut_off(nursery: trio.Nursery) -> None:
+    """Stalled means no progress for stall_timeout, not slow: a client that reads a little at
+    a time, for much longer than stall_timeout in all, gets its whole answer."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=600, sndbuf=4096)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            relay={"channel_capacity": 2, "stall_timeout": 0.5},
+            upstream={"socket_rcvbuf": 4096},
+        )
+        raw = await RawClient.post(proxy, CHAT, chat_body(), rcvbuf=4096, mss=1460)
+        started = trio.current_time()
+        fullest = 0
+        while b"data: [DONE]" not in raw.received:
+            chunk = await raw.stream.receive_some(2048)
+            assert chunk, "the proxy cut a client that was still reading"
+            raw.received += chunk
+            fullest = max([fullest, *(relay.buffered() for relay in proxy.state.tracker.active)])
+            await trio.sleep(0.02)
+        assert trio.current_time() - started > 1.0  # far longer than stall_timeout in all
+        assert fullest == 2  # and the proxy was held back by this reader all along
+        await proxy.state.tracker.wait_idle()
+        assert proxy.state.tracker.stalled == 0
