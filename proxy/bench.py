@@ -9,10 +9,15 @@ slowly), and reports:
 * cancel propagation: from a client's ``close()`` to the moment the fake upstream saw its own
   connection go (both ``time.monotonic()``, which is one clock for every process on the
   machine), and how many tokens the upstream generated for nobody;
-* the proxy's CPU time per relayed event and its peak RSS, read from ``/proc``.
+* the proxy's CPU time per relayed event and its peak RSS, read from ``/proc``, and its RSS
+  (and the fake's) sampled every 50 ms over the run;
+* for slow readers: whether they finished, and how far backpressure held the upstream back.
 
 With ``--direct`` the identical load also runs straight at the fake upstream, and every figure
-is printed for proxy, direct and proxy/direct.
+is printed for proxy, direct and proxy/direct. With ``--baseline`` the same load also runs
+through the same proxy with the slow readers reading at full speed (proxy/baseline): the
+proxy's memory with and without clients that stop reading. ``--plots DIR`` (on by default
+next to ``--markdown``) draws latency CDFs and RSS over time with matplotlib.
 
 The client must stay cheap at 1000 streams on a 2-core machine, or it would measure itself: it
 is a tiny HTTP/1.1 client on raw trio sockets (one request per connection, ``Connection:
@@ -27,6 +32,8 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import hashlib
+import importlib
 import json
 import math
 import os
@@ -58,32 +65,55 @@ __all__ = [
     "EventCounter",
     "ProtocolError",
     "ResponseParser",
+    "RssStats",
     "RunData",
     "RunSummary",
+    "Samples",
     "StreamResult",
     "add_arguments",
+    "all_ratios",
     "assign_roles",
+    "cdf_points",
     "classify",
+    "collect_samples",
     "format_table",
+    "latency_series",
+    "load_pyplot",
     "main",
     "markdown_section",
     "merge_runs",
+    "minor_tick_label",
     "parse_cpu_seconds",
     "parse_meminfo_total",
     "parse_schedstat_wait",
     "parse_vm_hwm",
+    "parse_vm_rss",
     "percentile",
+    "plots_dir",
+    "pooled_rss",
+    "process_rss",
     "ratios",
+    "relative_link",
+    "rss_series",
+    "rss_stats",
     "run_bench",
     "run_from_args",
+    "sample_rss",
     "settings_from_args",
     "summarize",
     "upsert_section",
+    "upstream_held",
+    "write_plots",
 ]
 
 Role = Literal["normal", "drop", "slow"]
 _E = TypeVar("_E", bound=BaseException)
-Mode = Literal["proxy", "direct"]
+# "baseline": the proxy again, with every slow reader reading at full speed.
+Mode = Literal["proxy", "direct", "baseline"]
+MODES: Final[tuple[Mode, ...]] = ("proxy", "direct", "baseline")
+# One run's RSS samples per process ("proxy", "fake_upstream"): (seconds since the run
+# began, bytes).
+RssTrace = dict[str, list[tuple[float, int]]]
 
 RECV_SIZE: Final = 64 * 1024
 MAX_HEAD_BYTES: Final = 64 * 1024
@@ -94,6 +124,9 @@ READY_TIMEOUT: Final = 30.0
 # is set to 1 s in the config we write, so this is rarely reached.
 STOP_TIMEOUT: Final = 5.0
 RECORDS_POLL: Final = 0.2
+RSS_PERIOD: Final = 0.05
+# Points per CDF line in a plot: enough to be smooth, few enough for a small PNG.
+CDF_POINTS: Final = 2000
 
 _DONE: Final = b"data: [DONE]"
 _ERROR: Final = b'data: {"error"'
@@ -383,6 +416,7 @@ class StreamResult:
     error_events: int = 0
     error: str | None = None  # a socket or protocol failure
     ended: bool = False  # False: still running when the run's deadline hit
+    ended_at: float | None = None  # the socket closed, for whatever reason
 
 
 def classify(result: StreamResult) -> str | None:
@@ -424,12 +458,20 @@ async def run_stream(
     start_at: float,
     drop_at: int,
     slow_delay: float,
+    slow_rcvbuf: int = 0,
+    slow_mss: int = 0,
     progress: _Progress | None = None,
 ) -> None:
     """Run one client at ``start_at`` (trio clock), filling ``result`` as it goes.
 
     Never raises for what the server did: a refused connection or a garbled response is the
     result's ``error``; only cancellation leaves (with ``ended`` False).
+
+    A slow reader's ``slow_rcvbuf`` (SO_RCVBUF) and ``slow_mss`` (TCP_MAXSEG) are set before
+    connect, where they shape the connection: a small receive window fills after a few events,
+    and an MSS like a real network's keeps the proxy's send buffer at the size it would have
+    there (on loopback's 64 KiB MSS the kernel grows it to ~4 MiB, which absorbs a whole
+    stream before the proxy ever sees a full socket).
     """
     await trio.sleep_until(start_at)
     if progress is not None:
@@ -439,6 +481,11 @@ async def run_stream(
     try:
         # The request is one small write; without NODELAY it could wait for a delayed ACK.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if result.role == "slow":
+            if slow_rcvbuf:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, slow_rcvbuf)
+            if slow_mss:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, slow_mss)
         result.started = time.monotonic()
         await sock.connect(address)
         result.connected = time.monotonic()
@@ -484,6 +531,7 @@ async def run_stream(
         result.ended = True
     finally:
         sock.close()
+        result.ended_at = time.monotonic()
         result.status = parser.status
         counter = parser.events
         result.events, result.content = counter.events, counter.content
@@ -525,12 +573,23 @@ def parse_cpu_seconds(stat: str, ticks_per_second: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks_per_second
 
 
-def parse_vm_hwm(status: str) -> int | None:
-    """Peak resident set size (VmHWM) in bytes from ``/proc/PID/status``."""
+def _status_kib(status: str, name: str) -> int | None:
+    prefix = name + ":"
     for line in status.splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(prefix):
             return int(line.split()[1]) * 1024
     return None
+
+
+def parse_vm_hwm(status: str) -> int | None:
+    """Peak resident set size (VmHWM) in bytes from ``/proc/PID/status``."""
+    return _status_kib(status, "VmHWM")
+
+
+def parse_vm_rss(status: str) -> int | None:
+    """Resident set size now (VmRSS) in bytes from ``/proc/PID/status``; None for a zombie
+    or a kernel thread, which have no such line."""
+    return _status_kib(status, "VmRSS")
 
 
 def parse_meminfo_total(meminfo: str) -> int | None:
@@ -602,6 +661,77 @@ def process_peak_rss(pid: int) -> int | None:
     return sum(known) if known else None
 
 
+def process_rss(pid: int) -> int | None:
+    """Sum of VmRSS over the tree (pages shared between workers count once per worker)."""
+    sizes = [parse_vm_rss(_read(f"/proc/{each}/status") or "") for each in _process_tree(pid)]
+    known = [size for size in sizes if size is not None]
+    return sum(known) if known else None
+
+
+@dataclass(frozen=True)
+class RssStats:
+    """One process's RSS over a run, from its samples, in bytes."""
+
+    start: int
+    peak: int
+    end: int
+    samples: int
+
+    @property
+    def growth(self) -> int:
+        """How far above its level at the start the process went: what the run cost."""
+        return self.peak - self.start
+
+
+def rss_stats(samples: Sequence[tuple[float, int]]) -> RssStats | None:
+    """First, largest and last of (time, bytes) samples in time order; None for none."""
+    if not samples:
+        return None
+    sizes = [size for _, size in samples]
+    return RssStats(start=sizes[0], peak=max(sizes), end=sizes[-1], samples=len(sizes))
+
+
+def pooled_rss(traces: Sequence[RssTrace], process: str) -> RssStats | None:
+    """Over repeats: the lowest start, the highest peak, the last end; the samples summed."""
+    stats = [s for s in (rss_stats(trace.get(process, [])) for trace in traces) if s]
+    if not stats:
+        return None
+    return RssStats(
+        start=min(s.start for s in stats),
+        peak=max(s.peak for s in stats),
+        end=stats[-1].end,
+        samples=sum(s.samples for s in stats),
+    )
+
+
+async def sample_rss(
+    pids: dict[str, int],
+    trace: RssTrace,
+    *,
+    since: float,
+    period: float = RSS_PERIOD,
+    read: Callable[[int], int | None] = process_rss,
+) -> None:
+    """Append ``(time.monotonic() - since, RSS)`` for each process tree every ``period``
+    seconds until cancelled. A sample is stamped when taken: a busy bench takes them late,
+    never at the wrong time."""
+    for name in pids:
+        trace.setdefault(name, [])
+    next_at = trio.current_time()
+    while True:
+        now = time.monotonic() - since
+        for name, pid in pids.items():
+            size = read(pid)
+            if size is not None:
+                trace[name].append((now, size))
+        next_at += period
+        current = trio.current_time()
+        if next_at <= current:
+            # Behind schedule (the load generator is busy): skip ahead rather than burst.
+            next_at = current + period
+        await trio.sleep_until(next_at)
+
+
 def reset_peak_rss(pid: int) -> None:
     """Start VmHWM afresh (``clear_refs`` 5), so each run reports its own peak."""
     for each in _process_tree(pid):
@@ -657,6 +787,10 @@ class RunData:
     proxy_peak_rss: int | None = None
     upstream_cpu_s: float | None = None
     records_known: bool = True  # False: no fake upstream to match with (a --target alone)
+    rss: list[RssTrace] = field(default_factory=list)  # one trace per pooled run
+    # The upstream's seconds per token, to tell a fake held back by backpressure from one on
+    # schedule; None: unknown (not ours, or pooled over different settings).
+    interval: float | None = None
 
 
 def merge_runs(runs: Sequence[RunData]) -> RunData:
@@ -681,6 +815,8 @@ def merge_runs(runs: Sequence[RunData]) -> RunData:
         proxy_peak_rss=max(peaks) if peaks else None,
         upstream_cpu_s=total([run.upstream_cpu_s for run in runs]),
         records_known=all(run.records_known for run in runs),
+        rss=[trace for run in runs for trace in run.rss],
+        interval=first.interval if all(r.interval == first.interval for r in runs) else None,
     )
 
 
@@ -716,6 +852,24 @@ class RunSummary:
     proxy_peak_rss_mib: float | None
     upstream_cpu_us_per_event: float | None
     client_cpu_us_per_event: float | None
+    # From the RSS samples: the proxy's RSS as the run began and how far it rose above that;
+    # the fake's highest.
+    proxy_rss_start_mib: float | None = None
+    proxy_rss_growth_mib: float | None = None
+    upstream_peak_rss_mib: float | None = None
+    # Slow readers (None where the load has none).
+    slow_streams: int | None = None
+    slow_completed: int | None = None  # got [DONE], no error
+    slow_read_p50_s: float | None = None  # request written to [DONE]
+    slow_read_max_s: float | None = None
+    # How much later than its own schedule the upstream finished a slow reader's answer:
+    # ~0 when everything was buffered somewhere on the way, seconds when a full socket held
+    # the upstream back (backpressure reached it).
+    slow_upstream_held_min_s: float | None = None
+    slow_upstream_held_p50_s: float | None = None
+    slow_upstream_held_max_s: float | None = None
+    # The same for every other stream that completed: what "on schedule" looks like here.
+    other_upstream_held_p99_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -725,72 +879,136 @@ def _per_event_us(cpu_s: float | None, events: int) -> float | None:
     return None if cpu_s is None or not events else cpu_s * 1e6 / events
 
 
-def summarize(run: RunData) -> RunSummary:
-    results = run.results
-    kinds: Counter[str] = Counter()
-    connects: list[float] = []
-    ttfts: list[float] = []
-    gaps: list[float] = []
-    cancels: list[float] = []
-    wasted: list[int] = []
-    completed = dropped = unseen = unmatched = 0
-    for result in results:
+@dataclass
+class Samples:
+    """Every measured value of one run, before percentiles: what summaries and plots share.
+
+    Latencies are seconds. ``cancels`` and ``wasted`` cover the dropped streams whose upstream
+    record was found; ``held`` the slow readers whose upstream record says when it finished.
+    """
+
+    connects: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    cancels: list[float] = field(default_factory=list)
+    wasted: list[int] = field(default_factory=list)
+    slow_reads: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)
+    other_held: list[float] = field(default_factory=list)
+    kinds: Counter[str] = field(default_factory=Counter)
+    completed: int = 0
+    dropped: int = 0
+    unseen: int = 0
+    unmatched: int = 0
+    slow: int = 0
+    slow_completed: int = 0
+
+
+def upstream_held(record: dict[str, Any], interval: float) -> float | None:
+    """Seconds the upstream finished an answer after its own schedule (first token, then one
+    every ``interval``); None when the record lacks the times."""
+    first, finished = record.get("first_token_at_mono"), record.get("finished_at_mono")
+    tokens = int(record.get("tokens_sent", 0))
+    if first is None or finished is None or tokens < 1:
+        return None
+    return float(finished) - float(first) - (tokens - 1) * interval
+
+
+def collect_samples(run: RunData) -> Samples:
+    out = Samples()
+    for result in run.results:
         kind = classify(result)
         if kind is not None:
-            kinds[kind] += 1
+            out.kinds[kind] += 1
+        if result.role == "slow":
+            out.slow += 1
         if result.started is not None and result.connected is not None:
-            connects.append(result.connected - result.started)
+            out.connects.append(result.connected - result.started)
         if result.sent is not None and result.first_token is not None:
-            ttfts.append(result.first_token - result.sent)
-        gaps.extend(result.gaps)
+            out.ttfts.append(result.first_token - result.sent)
+        out.gaps.extend(result.gaps)
         if kind is not None:
             continue
-        if result.role != "drop":
-            completed += 1
-            continue
-        dropped += 1
-        assert result.closed_at is not None  # classify() said it left as planned
         record = run.records.get(result.tag)
+        if result.role != "drop":
+            out.completed += 1
+            slow = result.role == "slow"
+            if slow:
+                out.slow_completed += 1
+                if result.sent is not None and result.ended_at is not None:
+                    out.slow_reads.append(result.ended_at - result.sent)
+            if record is not None and run.interval is not None:
+                held = upstream_held(record, run.interval)
+                if held is not None:
+                    (out.held if slow else out.other_held).append(held)
+            continue
+        out.dropped += 1
+        assert result.closed_at is not None  # classify() said it left as planned
         if record is None:
-            unmatched += 1
+            out.unmatched += 1
             continue
         seen = record.get("disconnected_at_mono")
         if seen is None:
-            unseen += 1
+            out.unseen += 1
         else:
-            cancels.append(float(seen) - result.closed_at)
-        wasted.append(int(record.get("tokens_sent", 0)) - result.content)
+            out.cancels.append(float(seen) - result.closed_at)
+        out.wasted.append(int(record.get("tokens_sent", 0)) - result.content)
+    return out
+
+
+def _mib(size: int | None) -> float | None:
+    return None if size is None else size / 2**20
+
+
+def summarize(run: RunData) -> RunSummary:
+    results = run.results
+    samples = collect_samples(run)
+    cancels, wasted, kinds = samples.cancels, samples.wasted, samples.kinds
     events = sum(result.events for result in results)
     known = run.records_known
+    proxy_rss = pooled_rss(run.rss, "proxy")
+    upstream_rss = pooled_rss(run.rss, "fake_upstream")
+    slow = samples.slow or None
     return RunSummary(
         streams=len(results),
-        completed=completed,
-        dropped=dropped,
+        completed=samples.completed,
+        dropped=samples.dropped,
         errors=sum(kinds.values()),
         error_kinds=dict(kinds),
         wall_s=run.wall_s,
         events=events,
         tokens=sum(result.content for result in results),
         events_per_s=events / run.wall_s if run.wall_s > 0 else None,
-        connect_p50_ms=_ms(percentile(connects, 50)),
-        connect_p99_ms=_ms(percentile(connects, 99)),
-        ttft_p50_ms=_ms(percentile(ttfts, 50)),
-        ttft_p99_ms=_ms(percentile(ttfts, 99)),
-        gap_p50_ms=_ms(percentile(gaps, 50)),
-        gap_p99_ms=_ms(percentile(gaps, 99)),
+        connect_p50_ms=_ms(percentile(samples.connects, 50)),
+        connect_p99_ms=_ms(percentile(samples.connects, 99)),
+        ttft_p50_ms=_ms(percentile(samples.ttfts, 50)),
+        ttft_p99_ms=_ms(percentile(samples.ttfts, 99)),
+        gap_p50_ms=_ms(percentile(samples.gaps, 50)),
+        gap_p99_ms=_ms(percentile(samples.gaps, 99)),
         cancel_p50_ms=_ms(percentile(cancels, 50)),
         cancel_p99_ms=_ms(percentile(cancels, 99)),
         cancel_max_ms=_ms(max(cancels)) if cancels else None,
-        cancel_unseen=unseen if known else None,
-        cancel_unmatched=unmatched if known else None,
+        cancel_unseen=samples.unseen if known else None,
+        cancel_unmatched=samples.unmatched if known else None,
         wasted_tokens_mean=_mean(wasted),
         wasted_tokens_max=max(wasted) if wasted else None,
         proxy_cpu_s=run.proxy_cpu_s,
         proxy_cpu_wait_s=run.proxy_cpu_wait_s,
         proxy_cpu_us_per_event=_per_event_us(run.proxy_cpu_s, events),
-        proxy_peak_rss_mib=None if run.proxy_peak_rss is None else run.proxy_peak_rss / 2**20,
+        proxy_peak_rss_mib=_mib(run.proxy_peak_rss),
         upstream_cpu_us_per_event=_per_event_us(run.upstream_cpu_s, events),
         client_cpu_us_per_event=_per_event_us(run.client_cpu_s, events),
+        proxy_rss_start_mib=_mib(proxy_rss.start) if proxy_rss else None,
+        proxy_rss_growth_mib=_mib(proxy_rss.growth) if proxy_rss else None,
+        upstream_peak_rss_mib=_mib(upstream_rss.peak) if upstream_rss else None,
+        slow_streams=slow,
+        slow_completed=samples.slow_completed if slow else None,
+        slow_read_p50_s=percentile(samples.slow_reads, 50),
+        slow_read_max_s=max(samples.slow_reads) if samples.slow_reads else None,
+        slow_upstream_held_min_s=min(samples.held) if samples.held else None,
+        slow_upstream_held_p50_s=percentile(samples.held, 50),
+        slow_upstream_held_max_s=max(samples.held) if samples.held else None,
+        other_upstream_held_p99_s=percentile(samples.other_held, 99),
     )
 
 
@@ -820,15 +1038,37 @@ FIGURES: Final[tuple[tuple[str, str, str], ...]] = (
     ("proxy_cpu_wait_s", "proxy waiting for a core (s)", ".2f"),
     ("proxy_cpu_us_per_event", "proxy CPU per event (µs)", ".0f"),
     ("proxy_peak_rss_mib", "proxy peak RSS (MiB)", ".1f"),
+    ("proxy_rss_start_mib", "proxy RSS as the run began (MiB)", ".1f"),
+    ("proxy_rss_growth_mib", "proxy RSS rise during the run (MiB)", ".1f"),
+    ("upstream_peak_rss_mib", "fake upstream peak RSS (MiB)", ".1f"),
     ("upstream_cpu_us_per_event", "fake upstream CPU per event (µs)", ".1f"),
     ("client_cpu_us_per_event", "load generator CPU per event (µs)", ".1f"),
+    ("slow_streams", "slow readers", "d"),
+    ("slow_completed", "slow readers completed", "d"),
+    ("slow_read_p50_s", "slow reader's read time p50 (s)", ".2f"),
+    ("slow_read_max_s", "slow reader's read time max (s)", ".2f"),
+    ("slow_upstream_held_min_s", "upstream held back by a slow reader, min (s)", ".2f"),
+    ("slow_upstream_held_p50_s", "upstream held back by a slow reader, p50 (s)", ".2f"),
+    ("slow_upstream_held_max_s", "upstream held back by a slow reader, max (s)", ".2f"),
+    ("other_upstream_held_p99_s", "upstream held back, other streams, p99 (s)", ".2f"),
 )
 # Counts of the load itself: the same on both sides by construction, no ratio.
-_NO_RATIO: Final = frozenset({"streams", "completed", "dropped"})
+_NO_RATIO: Final = frozenset({"streams", "completed", "dropped", "slow_streams"})
+# Rows of a load with slow readers only.
+_SLOW_ROWS: Final = frozenset(
+    name for name, _, _ in FIGURES if name.startswith(("slow_", "other_upstream"))
+)
+# Rows about dropped streams: nothing to say where none left as planned (a load without drops).
+_DROP_ROWS: Final = frozenset(
+    name for name, _, _ in FIGURES if name.startswith(("cancel_", "wasted_"))
+)
+# Modes a proxy run is compared with, in the order of their ratio columns.
+_REFERENCES: Final[tuple[Mode, ...]] = ("direct", "baseline")
 
 
 def ratios(proxy: RunSummary, direct: RunSummary) -> dict[str, float | None]:
-    """proxy / direct for every figure both sides measured (None where direct is 0)."""
+    """proxy / reference (direct or baseline) for every figure both sides measured (None
+    where the reference is 0)."""
     out: dict[str, float | None] = {}
     for name, _, _ in FIGURES:
         if name in _NO_RATIO:
@@ -848,17 +1088,30 @@ def _fmt(value: float | int | None, spec: str) -> str:
     return format(value, spec)
 
 
+def all_ratios(summaries: dict[str, RunSummary]) -> dict[str, dict[str, float | None]]:
+    """``{"proxy/direct": ..., "proxy/baseline": ...}`` for the references present."""
+    if "proxy" not in summaries:
+        return {}
+    return {
+        f"proxy/{ref}": ratios(summaries["proxy"], summaries[ref])
+        for ref in _REFERENCES
+        if ref in summaries
+    }
+
+
 def table_rows(summaries: dict[str, RunSummary]) -> tuple[list[str], list[list[str]]]:
     modes = list(summaries)
-    header = ["figure", *modes]
-    both = "proxy" in summaries and "direct" in summaries
-    if both:
-        header.append("proxy/direct")
-        rate = ratios(summaries["proxy"], summaries["direct"])
+    rates = all_ratios(summaries)
+    header = ["figure", *modes, *rates]
+    slow = any(summary.slow_streams for summary in summaries.values())
+    dropped = any(summary.dropped for summary in summaries.values())
     rows = []
     for name, label, spec in FIGURES:
-        row = [label, *(_fmt(getattr(summaries[mode], name), spec) for mode in modes)]
-        if both:
+        if (name in _SLOW_ROWS and not slow) or (name in _DROP_ROWS and not dropped):
+            continue
+        values = [getattr(summaries[mode], name) for mode in modes]
+        row = [label, *(_fmt(value, spec) for value in values)]
+        for rate in rates.values():
             value = rate.get(name)
             row.append("—" if value is None else f"{value:.2f}x")
         rows.append(row)
@@ -889,15 +1142,26 @@ def _errors_line(summaries: dict[str, RunSummary]) -> str:
 # --------------------------------------------------------------------------- markdown
 
 
-def markdown_section(report: BenchReport) -> str:
+def _title(report: BenchReport) -> str:
+    settings = report.settings
+    title = f"{settings.streams} streams"
+    if settings.slow:
+        title += f", {settings.slow:.0%} slow readers"
+    others = [mode for mode in report.summaries if mode != "proxy"]
+    if "proxy" in report.summaries and others:
+        title += ", proxy vs " + " and ".join(others)
+    return title
+
+
+def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ()) -> str:
+    """The section of one load; ``plots`` are (description, link relative to the file)."""
     settings = report.settings
     machine = report.machine
     ram = machine.get("ram_bytes")
     ram_text = f"{ram / 2**30:.1f} GiB RAM" if ram else "RAM unknown"
     header, rows = table_rows(report.summaries)
     lines = [
-        f"## {settings.streams} streams"
-        + (", proxy vs direct" if "direct" in report.summaries else ""),
+        f"## {_title(report)}",
         "",
         f"- Machine: {machine.get('cores')} cores ({machine.get('cpu') or 'unknown CPU'}), "
         f"{ram_text}, {machine.get('system')}, Python {machine.get('python')}; "
@@ -906,6 +1170,11 @@ def markdown_section(report: BenchReport) -> str:
         f"- Command: `{report.command}`",
         f"- Load: {settings.describe()}",
     ]
+    if "baseline" in report.summaries:
+        lines.append(
+            "- baseline: the same load through the same proxy, run just before, with the slow "
+            "readers reading at full speed"
+        )
     if report.env:
         env = " ".join(f"{k}={v}" for k, v in sorted(report.env.items()))
         lines.append(f"- Environment: `{env}`")
@@ -914,6 +1183,9 @@ def markdown_section(report: BenchReport) -> str:
     errors = _errors_line(report.summaries)
     if errors:
         lines += ["", errors]
+    if plots:
+        lines.append("")
+        lines += [f"![{alt}]({link})" for alt, link in plots]
     return "\n".join(lines) + "\n"
 
 
@@ -933,8 +1205,177 @@ def upsert_section(text: str, key: str, section: str) -> str:
     start = text.find(begin)
     stop = text.find(end, start) if start >= 0 else -1
     if start >= 0 and stop >= 0:
-        return text[:start] + block + text[stop + len(end) :].lstrip("\n")
+        rest = text[stop + len(end) :].lstrip("\n")
+        # A blank line before whatever follows (another section, bench_local's), as appended.
+        return text[:start] + block + ("\n" + rest if rest else "")
     return text.rstrip("\n") + "\n\n" + block
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def cdf_points(
+    values: Iterable[float], max_points: int = CDF_POINTS
+) -> tuple[list[float], list[float]]:
+    """An empirical CDF as a step line's points: sorted values, and the fraction of values at
+    or below each. More than ``max_points`` values are thinned to evenly spaced ranks (the
+    first and the last always kept), so a line of 50,000 gaps costs what one of 2,000 does."""
+    data = sorted(values)
+    n = len(data)
+    if not n:
+        return [], []
+    if n <= max_points:
+        ranks = list(range(n))
+    else:
+        step = (n - 1) / (max(max_points, 2) - 1)
+        ranks = sorted({round(i * step) for i in range(max(max_points, 2))})
+    return [data[r] for r in ranks], [(r + 1) / n for r in ranks]
+
+
+def latency_series(run: RunData) -> dict[str, list[float]]:
+    """What the latency CDF plot draws for one mode, in milliseconds."""
+    samples = collect_samples(run)
+    return {
+        "ttft": [v * 1000 for v in samples.ttfts],
+        "gap": [v * 1000 for v in samples.gaps],
+        "cancel": [v * 1000 for v in samples.cancels],
+    }
+
+
+def rss_series(run: RunData, process: str = "proxy") -> list[tuple[list[float], list[float]]]:
+    """One (seconds, MiB) line per pooled run in which ``process`` was sampled."""
+    lines = []
+    for trace in run.rss:
+        samples = trace.get(process)
+        if samples:
+            lines.append(([t for t, _ in samples], [size / 2**20 for _, size in samples]))
+    return lines
+
+
+def load_pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported here and only
+    here: the bench runs without matplotlib unless plots are asked for."""
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError:
+        raise BenchError(
+            "plots need matplotlib: pip install -e '.[bench]' (or pass --no-plots)"
+        ) from None
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+LOG_FLOOR_MS: Final = 0.01
+_PANELS: Final = (
+    ("ttft", "time to first token (ms)"),
+    ("gap", "inter-token gap (ms)"),
+    ("cancel", "cancel propagation (ms)"),
+)
+
+
+def log_axis_left(lines: Sequence[Sequence[float]]) -> float | None:
+    """Where a log axis for these lines should begin: half the lowest 0.5th percentile of
+    their positive values (so one outlier near 0 does not squash the rest); None for none."""
+    lows = [
+        low
+        for values in lines
+        if (low := percentile((v for v in values if v > 0), 0.5)) is not None
+    ]
+    return max(min(lows) / 2, LOG_FLOOR_MS) if lows else None
+
+
+def cdf_label(mode: str, values: Sequence[float]) -> str:
+    zeros = sum(1 for v in values if v <= 0)
+    return f"{mode} (n={len(values)}" + (f", {zeros} of them 0)" if zeros else ")")
+
+
+_STYLE: Final[dict[str, dict[str, Any]]] = {
+    "proxy": {"color": "tab:blue"},
+    "direct": {"color": "tab:gray", "linestyle": "--"},
+    "baseline": {"color": "tab:green", "linestyle": "--"},
+}
+
+
+def _log_axis(ax: Any, ticker: Any, left: float | None) -> None:
+    """A log x axis from ``left``, labelled in plain numbers (50, not 5x10^1); within a decade
+    and a half, the minor ticks get labels too, or a narrow axis would have none."""
+    ax.set_xscale("log")
+    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    ax.xaxis.set_major_formatter(plain)
+    if left is None:
+        return
+    ax.set_xlim(left=left)
+    low, high = ax.get_xlim()
+    if high / low < 10**1.5:
+        ax.xaxis.set_minor_formatter(ticker.FuncFormatter(minor_tick_label))
+    else:
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+
+
+def minor_tick_label(value: float, _: object = None) -> str:
+    """2, 3 and 5 times a power of ten get a label; the others would crowd the axis."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return f"{value:g}" if round(mantissa, 6) in (2, 3, 5) else ""
+
+
+def write_plots(report: BenchReport, directory: Path) -> list[tuple[str, Path]]:
+    """Draw the latency CDFs and the proxy's RSS over time as PNGs in ``directory``; return
+    (description, path) of each file written."""
+    plt = load_pyplot()
+    ticker = importlib.import_module("matplotlib.ticker")
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"bench-{report.settings.slug()}"
+    title = _title(report)
+    written: list[tuple[str, Path]] = []
+
+    series = {mode: latency_series(run) for mode, run in report.runs.items()}
+    # A panel per latency that was measured (no drops: no cancel propagation).
+    panels = [(k, label) for k, label in _PANELS if any(v[k] for v in series.values())]
+    if panels:
+        fig, axes = plt.subplots(
+            1, len(panels), figsize=(5 * len(panels), 4.2), layout="constrained", squeeze=False
+        )
+        for ax, (key, label) in zip(axes[0], panels, strict=True):
+            for mode, values in series.items():
+                # Latencies span orders of magnitude: a log axis, left of which lie the gaps
+                # of 0 (tokens that arrived in one read): the line starts at their share.
+                xs, ys = cdf_points(max(v, LOG_FLOOR_MS) for v in values[key])
+                if xs:
+                    label_ = cdf_label(mode, values[key])
+                    ax.step(xs, ys, where="post", label=label_, **_STYLE[mode])
+            _log_axis(ax, ticker, log_axis_left([values[key] for values in series.values()]))
+            ax.set_xlabel(label)
+            ax.set_ylabel("fraction of samples ≤ x")
+            ax.set_ylim(0, 1.02)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(loc="lower right")
+        fig.suptitle(f"{title}: latency CDFs")
+        path = directory / f"{stem}-latency.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        names = ", ".join(label.split(" (")[0] for _, label in panels)
+        written.append((f"Latency CDFs: {names}", path))
+
+    lines = {mode: rss_series(run) for mode, run in report.runs.items()}
+    if any(lines.values()):
+        fig, ax = plt.subplots(figsize=(9, 4.2), layout="constrained")
+        for mode, runs in lines.items():
+            for i, (xs, ys) in enumerate(runs):
+                name = mode if len(runs) == 1 else f"{mode} #{i + 1}"
+                ax.plot(xs, ys, label=f"proxy RSS, {name} run", **_STYLE[mode])
+        ax.set_xlabel("seconds since the run began")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.suptitle(f"{title}: proxy RSS, sampled every {RSS_PERIOD * 1000:g} ms")
+        path = directory / f"{stem}-rss.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(("Proxy RSS over time", path))
+    return written
 
 
 # --------------------------------------------------------------------------- settings
@@ -951,8 +1392,14 @@ class BenchSettings:
     drop_at: int = 15
     slow: float = 0.0
     slow_delay: float = 0.2
+    slow_rcvbuf: int = 0  # SO_RCVBUF of slow readers' sockets; 0: the OS default
+    slow_mss: int = 0  # TCP_MAXSEG of slow readers' sockets; 0: the OS default
+    upstream_sndbuf: int = 0  # the fake's SO_SNDBUF; 0: the OS default
+    proxy_rcvbuf: int = 0  # the proxy's SO_RCVBUF towards the upstream; 0: the OS default
+    event_pad: int = 0  # bytes added to every event (through the model name, which each repeats)
     seed: int = 1
     direct: bool = False
+    baseline: bool = False
     repeat: int = 1
     grace: float = 2.0
     timeout: float = 120.0
@@ -975,6 +1422,17 @@ class BenchSettings:
                 raise BenchError(f"--{name.replace('_', '-')} must be a finite number >= 0")
         if not (0 < self.timeout < math.inf):
             raise BenchError("--timeout must be a finite number > 0")
+        for name in ("slow_rcvbuf", "slow_mss", "upstream_sndbuf", "proxy_rcvbuf", "event_pad"):
+            if getattr(self, name) < 0:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.slow_mss and not 88 <= self.slow_mss <= 65535:
+            raise BenchError("--slow-mss must be in [88, 65535] (or 0 for the OS default)")
+        if self.baseline and self.slow == 0:
+            raise BenchError("--baseline compares with the slow readers reading fast: needs --slow")
+        if self.upstream_sndbuf and (self.upstream is not None or self.target is not None):
+            raise BenchError("--upstream-sndbuf applies to the fake upstream the bench starts")
+        if (self.proxy_rcvbuf or self.event_pad) and self.target is not None:
+            raise BenchError("--proxy-rcvbuf and --event-pad need the proxy the bench starts")
         if self.drop > 0 and not 1 <= self.drop_at < self.tokens:
             raise BenchError("--drop-at must be in [1, --tokens) when --drop > 0")
         assign_roles(self.streams, self.drop, self.slow, self.seed)  # validates the fractions
@@ -990,12 +1448,38 @@ class BenchSettings:
             f"upstream TTFT {self.ttft * 1000:g} ms, {self.tokens} tokens "
             f"every {self.interval * 1000:g} ms",
             f"{self.drop:.0%} leave after token {self.drop_at}",
-            f"{self.slow:.0%} read slowly ({self.slow_delay * 1000:g} ms between reads)",
+            f"{self.slow:.0%} read slowly ({self.slow_delay * 1000:g} ms between reads"
+            + "".join(
+                f", {label} {value} B"
+                for label, value in (("SO_RCVBUF", self.slow_rcvbuf), ("MSS", self.slow_mss))
+                if value
+            )
+            + ")",
             f"seed {self.seed}",
         ]
+        buffers = [
+            f"{label} {value} B"
+            for label, value in (
+                ("fake's SO_SNDBUF", self.upstream_sndbuf),
+                ("proxy's upstream SO_RCVBUF", self.proxy_rcvbuf),
+            )
+            if value
+        ]
+        if buffers:
+            parts.append(", ".join(buffers))
+        if self.event_pad:
+            parts.append(f"events padded by {self.event_pad} B")
         if self.repeat > 1:
             parts.append(f"{self.repeat} repeats pooled")
         return "; ".join(parts)
+
+    @property
+    def model_name(self) -> str:
+        """The model requested: ``model``, ``event_pad`` bytes longer. Every event repeats the
+        model name, so this is how events get the size of real ones with logprobs."""
+        if not self.event_pad:
+            return self.model
+        return self.model + "-" + "p" * (self.event_pad - 1)
 
     def key(self) -> str:
         """What identifies a load in the markdown file: the settings that shape it."""
@@ -1003,7 +1487,30 @@ class BenchSettings:
             f"streams={self.streams} ramp={self.ramp:g} ttft={self.ttft:g} "
             f"interval={self.interval:g} tokens={self.tokens} drop={self.drop:g}@{self.drop_at} "
             f"slow={self.slow:g} seed={self.seed} direct={int(self.direct)} repeat={self.repeat}"
+            + self._key_extra()
         )
+
+    def _key_extra(self) -> str:
+        # Only what is not at its default, so that the keys of older sections stay valid.
+        extra = [f"delay={self.slow_delay:g}"] if self.slow else []
+        for name, short in (
+            ("slow_rcvbuf", "rcvbuf"),
+            ("slow_mss", "mss"),
+            ("upstream_sndbuf", "usndbuf"),
+            ("proxy_rcvbuf", "prcvbuf"),
+            ("event_pad", "pad"),
+        ):
+            if getattr(self, name):
+                extra.append(f"{short}={getattr(self, name)}")
+        if self.baseline:
+            extra.append("baseline=1")
+        return "".join(" " + part for part in extra)
+
+    def slug(self) -> str:
+        """A file-name part for this load: readable, and unique per key."""
+        digest = hashlib.sha1(self.key().encode(), usedforsecurity=False).hexdigest()[:6]
+        slow = f"-slow{round(self.slow * 100)}" if self.slow else ""
+        return f"{self.streams}-streams{slow}-{digest}"
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -1023,7 +1530,8 @@ class BenchReport:
     date: str
     env: dict[str, str]
     pids: dict[str, int]  # the children the bench started (gone once it returns)
-    # The raw material, pooled per mode (not in the JSON: one entry per stream and token).
+    # The raw material, pooled per mode (in the JSON only its RSS samples: the rest is one
+    # entry per stream and token).
     runs: dict[str, RunData] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -1036,8 +1544,22 @@ class BenchReport:
             "settings": dataclasses.asdict(self.settings),
             "runs": {mode: summary.to_json() for mode, summary in self.summaries.items()},
         }
-        if "proxy" in self.summaries and "direct" in self.summaries:
-            out["ratios"] = ratios(self.summaries["proxy"], self.summaries["direct"])
+        rates = all_ratios(self.summaries)
+        if "proxy/direct" in rates:
+            out["ratios"] = rates["proxy/direct"]
+        if "proxy/baseline" in rates:
+            out["ratios_baseline"] = rates["proxy/baseline"]
+        # RSS over time, per mode and run: [seconds since the run began, bytes].
+        out["rss_samples"] = {
+            mode: [
+                {
+                    name: [[round(at, 3), size] for at, size in samples]
+                    for name, samples in trace.items()
+                }
+                for trace in run.rss
+            ]
+            for mode, run in self.runs.items()
+        }
         return out
 
 
@@ -1151,8 +1673,10 @@ def _proxy_config(port: int, upstream: str, settings: BenchSettings) -> str:
         "graceful_timeout = 1.0\n\n"
         "[upstream]\n"
         # Nothing of the bench's own load may queue in front of the pool.
-        f"max_connections = {max(256, settings.streams + 16)}\n\n"
-        f"[models.{json.dumps(settings.model)}]\n"
+        f"max_connections = {max(256, settings.streams + 16)}\n"
+        + (f"socket_rcvbuf = {settings.proxy_rcvbuf}\n" if settings.proxy_rcvbuf else "")
+        + "\n"
+        f"[models.{json.dumps(settings.model_name)}]\n"
         f"upstreams = [{json.dumps(upstream)}]\n"
     )
 
@@ -1237,17 +1761,22 @@ async def _run_once(
     endpoints: _Endpoints,
     cursor: int,
 ) -> tuple[RunData, int]:
-    address = endpoints.proxy if mode == "proxy" else endpoints.upstream
+    through_proxy = mode != "direct"
+    address = endpoints.proxy if through_proxy else endpoints.upstream
     assert address is not None
-    roles = assign_roles(settings.streams, settings.drop, settings.slow, settings.seed)
+    # The baseline's slow readers read at full speed: the same draw with slow = 0 gives the
+    # same leavers, and everyone else normal.
+    slow = 0.0 if mode == "baseline" else settings.slow
+    roles = assign_roles(settings.streams, settings.drop, slow, settings.seed)
     host, port = address
     results, requests = [], []
+    model = settings.model_name
     for i, role in enumerate(roles):
         tag = f"{label}-{i}"
         results.append(StreamResult(index=i, tag=tag, role=role))
-        body = chat_body(settings.model, tag, settings.ttft, settings.interval, settings.tokens)
+        body = chat_body(model, tag, settings.ttft, settings.interval, settings.tokens)
         requests.append(build_request(host, port, "/v1/chat/completions", body))
-    proxy_pid = endpoints.proxy_pid if mode == "proxy" else None
+    proxy_pid = endpoints.proxy_pid if through_proxy else None
     if proxy_pid is not None:
         reset_peak_rss(proxy_pid)
     proxy_cpu0 = process_cpu_seconds(proxy_pid) if proxy_pid is not None else None
@@ -1260,9 +1789,15 @@ async def _run_once(
     # A short lead so that creating the tasks is not counted against the first streams.
     t0 = trio.current_time() + 0.05
     wall0 = time.monotonic() + 0.05
+    watched = {"proxy": proxy_pid} if proxy_pid is not None else {}
+    if upstream_pid is not None:
+        watched["fake_upstream"] = upstream_pid
+    trace: RssTrace = {}
     async with trio.open_nursery() as nursery:
         if settings.progress:
             nursery.start_soon(_show_progress, mode, progress, settings.streams, sys.stderr)
+        if watched:
+            nursery.start_soon(partial(sample_rss, watched, trace, since=wall0))
         with trio.move_on_after(settings.ramp + settings.timeout):
             async with trio.open_nursery() as streams:
                 for i, result in enumerate(results):
@@ -1275,6 +1810,8 @@ async def _run_once(
                             start_at=t0 + i * step,
                             drop_at=settings.drop_at,
                             slow_delay=settings.slow_delay,
+                            slow_rcvbuf=settings.slow_rcvbuf,
+                            slow_mss=settings.slow_mss,
                             progress=progress,
                         )
                     )
@@ -1299,6 +1836,9 @@ async def _run_once(
         proxy_peak_rss=process_peak_rss(proxy_pid) if proxy_pid is not None else None,
         upstream_cpu_s=delta(upstream_pid, upstream_cpu0, process_cpu_seconds),
         records_known=endpoints.upstream is not None,
+        rss=[trace] if trace else [],
+        # Only a fake we started is known to keep the bench's schedule.
+        interval=settings.interval if upstream_pid is not None else None,
     )
     if endpoints.upstream is not None:
         run.records, cursor = await _collect_records(
@@ -1311,7 +1851,9 @@ async def _warm_up(address: tuple[str, int], settings: BenchSettings, tag: str) 
     """One unmeasured stream, so that first-request costs (imports, pool set-up) are not
     counted as TTFT."""
     host, port = address
-    body = chat_body(settings.model, tag, settings.ttft, settings.interval, min(settings.tokens, 3))
+    body = chat_body(
+        settings.model_name, tag, settings.ttft, settings.interval, min(settings.tokens, 3)
+    )
     result = StreamResult(index=-1, tag=tag, role="normal")
     request = build_request(host, port, "/v1/chat/completions", body)
     with trio.move_on_after(READY_TIMEOUT):
@@ -1346,12 +1888,19 @@ async def _git_commit() -> str | None:
 
 
 def _schedule(settings: BenchSettings) -> list[Mode]:
-    """Alternate the modes across repeats, so that neither always runs on a cold machine."""
-    if not settings.direct:
-        return ["proxy"] * settings.repeat
+    """Alternate direct and proxy across repeats, so that neither always runs on a cold
+    machine. The baseline runs right before each proxy run: the proxy's memory is then at its
+    lowest for the baseline, and whatever the slow readers add shows in the proxy run (the
+    other way round, the baseline would inherit the slow run's heap)."""
+    proxy: list[Mode] = ["baseline", "proxy"] if settings.baseline else ["proxy"]
     order: list[Mode] = []
     for rep in range(settings.repeat):
-        order += ["direct", "proxy"] if rep % 2 == 0 else ["proxy", "direct"]
+        if not settings.direct:
+            order += proxy
+        elif rep % 2 == 0:
+            order += ["direct", *proxy]
+        else:
+            order += [*proxy, "direct"]
     return order
 
 
@@ -1379,6 +1928,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 argv += ["--host", "127.0.0.1", "--port", str(upstream[1])]
                 argv += ["--ttft", str(settings.ttft), "--interval", str(settings.interval)]
                 argv += ["--tokens", str(settings.tokens)]
+                if settings.upstream_sndbuf:
+                    argv += ["--sndbuf", str(settings.upstream_sndbuf)]
                 process = await nursery.start(_supervise, "fake upstream", argv, log)
                 upstream_pid = pids["fake_upstream"] = process.pid
                 await _wait_ready("fake upstream", upstream, "/health", log)
@@ -1418,9 +1969,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    pooled: dict[str, RunData] = {
-        mode: merge_runs(runs[mode]) for mode in ("proxy", "direct") if mode in runs
-    }
+    pooled: dict[str, RunData] = {mode: merge_runs(runs[mode]) for mode in MODES if mode in runs}
     summaries: dict[str, RunSummary] = {mode: summarize(run) for mode, run in pooled.items()}
     return BenchReport(
         settings=settings,
@@ -1455,8 +2004,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--drop-at", type=int, default=d.drop_at, help="a leaving client closes after token K")
     add("--slow", type=float, default=d.slow, help="fraction of clients that read slowly")
     add("--slow-delay", type=float, default=d.slow_delay, help="a slow reader's sleep per read")
+    add(
+        "--slow-rcvbuf",
+        type=int,
+        default=d.slow_rcvbuf,
+        help="SO_RCVBUF of slow readers' sockets, bytes (0: OS default)",
+    )
+    add(
+        "--slow-mss",
+        type=int,
+        default=d.slow_mss,
+        help="TCP_MAXSEG of slow readers' sockets, e.g. 1460 as on Ethernet (0: OS default)",
+    )
+    add(
+        "--upstream-sndbuf",
+        type=int,
+        default=d.upstream_sndbuf,
+        help="SO_SNDBUF of the fake upstream's sockets, bytes (0: OS default)",
+    )
+    add(
+        "--proxy-rcvbuf",
+        type=int,
+        default=d.proxy_rcvbuf,
+        help="the proxy's SO_RCVBUF towards the upstream, bytes (0: OS default)",
+    )
+    add(
+        "--event-pad",
+        type=int,
+        default=d.event_pad,
+        help="make every event this many bytes longer (via the model name)",
+    )
     add("--seed", type=int, default=d.seed, help="seed of who leaves and who reads slowly")
     add("--direct", action="store_true", help="also run the same load straight at the upstream")
+    add(
+        "--baseline",
+        action="store_true",
+        help="also run the same load through the proxy with the slow readers reading fast",
+    )
     add("--repeat", type=int, default=d.repeat, help="runs per mode, alternating, pooled")
     add("--grace", type=float, default=d.grace, help="seconds to wait for upstream to see closes")
     add("--timeout", type=float, default=d.timeout, help="seconds a run may take after its ramp")
@@ -1466,6 +2050,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default=d.model, help="model name to request")
     add("--json", type=Path, help="write every figure as JSON here")
     add("--markdown", type=Path, help="write (or replace) this load's section in this file")
+    add(
+        "--plots",
+        type=Path,
+        metavar="DIR",
+        help="write PNG plots here (default with --markdown: next to the markdown file)",
+    )
+    add("--no-plots", action="store_true", help="no plots, even with --markdown")
     add("--quiet", action="store_true", help="no progress line on stderr")
 
 
@@ -1480,8 +2071,14 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         drop_at=args.drop_at,
         slow=args.slow,
         slow_delay=args.slow_delay,
+        slow_rcvbuf=args.slow_rcvbuf,
+        slow_mss=args.slow_mss,
+        upstream_sndbuf=args.upstream_sndbuf,
+        proxy_rcvbuf=args.proxy_rcvbuf,
+        event_pad=args.event_pad,
         seed=args.seed,
         direct=args.direct,
+        baseline=args.baseline,
         repeat=args.repeat,
         grace=args.grace,
         timeout=args.timeout,
@@ -1502,9 +2099,28 @@ def _command_line(argv: Sequence[str] | None = None) -> str:
     return " ".join([program, shlex.join(sys.argv[1:])]).strip()
 
 
+def relative_link(path: Path, base: Path) -> str:
+    """``path`` as a markdown link from a file in ``base``."""
+    return Path(os.path.relpath(path, base)).as_posix()
+
+
+def plots_dir(args: argparse.Namespace) -> Path | None:
+    """Where plots go: ``--plots``, else next to ``--markdown``; None with ``--no-plots``."""
+    if getattr(args, "no_plots", False):
+        return None
+    plots: Path | None = getattr(args, "plots", None)
+    if plots is not None:
+        return plots
+    markdown: Path | None = getattr(args, "markdown", None)
+    return markdown.parent if markdown is not None else None
+
+
 async def run_from_args(args: argparse.Namespace) -> None:
+    plots = plots_dir(args)
     try:
         settings = settings_from_args(args)
+        if plots is not None:
+            load_pyplot()  # no matplotlib: say so now, not after minutes of load
         command = getattr(args, "bench_command", None) or _command_line()
         report = await run_bench(settings, command=command)
     except BenchError as error:
@@ -1518,9 +2134,16 @@ async def run_from_args(args: argparse.Namespace) -> None:
     # Small local files, written once at the end: a blocking write is fine here.
     if args.json is not None:
         _write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
+    # After the figures are out: a plot that fails must not take them along.
+    written = write_plots(report, plots) if plots is not None else []
+    for _, path in written:
+        print(f"plot: {path}")
     if args.markdown is not None:
+        base = args.markdown.parent
+        links = [(alt, relative_link(path, base)) for alt, path in written]
         old = _read(str(args.markdown)) or ""
-        _write_text(args.markdown, upsert_section(old, settings.key(), markdown_section(report)))
+        section = markdown_section(report, links)
+        _write_text(args.markdown, upsert_section(old, settings.key(), section))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

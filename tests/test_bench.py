@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from proxy.bench import (
     parse_cpu_seconds,
     parse_meminfo_total,
     parse_vm_hwm,
+    parse_vm_rss,
     percentile,
     ratios,
     summarize,
@@ -103,6 +107,55 @@ def test_settings_are_checked() -> None:
     with pytest.raises(BenchError, match="http"):
         BenchSettings(target="https://example.com")
     assert "direct=1" in BenchSettings(direct=True).key()
+    with pytest.raises(BenchError, match="--slow"):
+        BenchSettings(baseline=True)
+    with pytest.raises(BenchError, match="slow-mss"):
+        BenchSettings(slow=0.3, slow_mss=20)
+    with pytest.raises(BenchError, match="slow-rcvbuf"):
+        BenchSettings(slow_rcvbuf=-1)
+    with pytest.raises(BenchError, match="upstream-sndbuf"):
+        BenchSettings(upstream_sndbuf=4096, upstream="http://127.0.0.1:1")
+    with pytest.raises(BenchError, match="event-pad"):
+        BenchSettings(event_pad=10, target="http://127.0.0.1:1")
+
+
+def test_new_settings_extend_the_key_only_when_set() -> None:
+    # Sections written before these settings existed keep their keys.
+    plain = BenchSettings()
+    assert plain.key() == (
+        "streams=100 ramp=1 ttft=0.05 interval=0.02 tokens=50 drop=0.3@15 slow=0 seed=1 "
+        "direct=0 repeat=1"
+    )
+    slow = BenchSettings(slow=0.3, slow_delay=0.5, slow_rcvbuf=4096, baseline=True)
+    assert slow.key().endswith(" delay=0.5 rcvbuf=4096 baseline=1")
+    assert slow.slug().startswith("100-streams-slow30-")
+    assert slow.slug() != BenchSettings(slow=0.3).slug()
+    assert plain.slug() == BenchSettings().slug()
+    padded = BenchSettings(model="m", event_pad=5)
+    assert padded.model_name == "m-pppp"
+    assert len(padded.model_name) == len("m") + 5
+    assert "SO_RCVBUF 4096 B" in slow.describe()
+
+
+def test_schedule_runs_the_baseline_right_before_each_proxy_run() -> None:
+    settings = BenchSettings(slow=0.3, baseline=True, direct=True, repeat=2)
+    assert bench._schedule(settings) == [
+        "direct",
+        "baseline",
+        "proxy",
+        "baseline",
+        "proxy",
+        "direct",
+    ]
+    assert bench._schedule(BenchSettings(repeat=2)) == ["proxy", "proxy"]
+
+
+def test_proxy_config_carries_buffers_and_the_padded_model() -> None:
+    settings = BenchSettings(proxy_rcvbuf=4096, event_pad=3, model="m")
+    config = bench._proxy_config(8000, "http://127.0.0.1:9000", settings)
+    assert "socket_rcvbuf = 4096\n" in config
+    assert '[models."m-pp"]' in config
+    assert "socket_rcvbuf" not in bench._proxy_config(8000, "http://x:1", BenchSettings())
 
 
 # --------------------------------------------------------------------------- HTTP parsing
@@ -261,6 +314,52 @@ def test_merge_pools_repeats_and_ratios_compare_modes() -> None:
     assert "TTFT p50 (ms)" in table
 
 
+def test_slow_readers_figures_and_the_upstream_they_held_back() -> None:
+    # The fake's own schedule: first token at 200.0, then one every 0.1 s (5 tokens: 200.4).
+    def record(finished: float) -> dict[str, Any]:
+        return {"first_token_at_mono": 200.0, "finished_at_mono": finished, "tokens_sent": 5}
+
+    results = [
+        result(0, "slow", sent=100.0, ended_at=110.0),
+        result(1, "slow", sent=100.0, ended_at=106.0),
+        result(2, "slow", sent=100.0, ended_at=107.0, done=False),  # truncated: not counted
+        result(3),
+    ]
+    records = {"t0": record(203.4), "t1": record(201.4), "t3": record(200.41)}
+    run = RunData("proxy", results, records, wall_s=10.0, client_cpu_s=0.1, interval=0.1)
+    s = summarize(run)
+    assert (s.slow_streams, s.slow_completed) == (3, 2)
+    assert s.slow_read_p50_s == pytest.approx(8.0)
+    assert s.slow_read_max_s == pytest.approx(10.0)
+    assert s.slow_upstream_held_min_s == pytest.approx(1.0)
+    assert s.slow_upstream_held_max_s == pytest.approx(3.0)
+    assert s.other_upstream_held_p99_s == pytest.approx(0.01)
+    assert bench.upstream_held({"tokens_sent": 0}, 0.1) is None
+    # No interval known (an upstream not ours): nothing to compare with.
+    run.interval = None
+    assert summarize(run).slow_upstream_held_p50_s is None
+    # No slow readers: no slow figures at all.
+    plain = summarize(RunData("proxy", [result(0)], {}, 1.0, 0.1))
+    assert plain.slow_streams is None and plain.slow_completed is None
+
+
+def test_tables_show_slow_rows_with_slow_readers_and_a_baseline_ratio() -> None:
+    dropped = {"events": 16, "content": 15, "done": False, "complete": False}
+    plain = summarize(
+        RunData("proxy", [result(0), result(1, "drop", closed_at=101.0, **dropped)], {}, 1.0, 0.1)
+    )
+    table = format_table({"proxy": plain})
+    assert "slow readers" not in table
+    assert "cancel propagation p50" in table
+    slow = summarize(RunData("proxy", [result(0, "slow", ended_at=101.0)], {}, 1.0, 0.1))
+    base = summarize(RunData("baseline", [result(0)], {}, 1.0, 0.1))
+    table = format_table({"proxy": slow, "baseline": base})
+    assert "proxy/baseline" in table
+    assert "slow readers completed" in table
+    assert "cancel propagation" not in table  # nobody left: nothing to show
+    assert set(bench.all_ratios({"proxy": slow, "baseline": base})) == {"proxy/baseline"}
+
+
 def test_upsert_section_replaces_its_own_block_only() -> None:
     text = upsert_section("", "k=1", "## one\n")
     assert text.startswith("# Benchmarks")
@@ -272,6 +371,25 @@ def test_upsert_section_replaces_its_own_block_only() -> None:
     assert upsert_section(text, "k=2", "## two\n") == text
 
 
+def test_upsert_and_bench_local_leave_each_others_sections_alone(tmp_path: Path) -> None:
+    from proxy import bench_local
+
+    path = tmp_path / "benchmarks.md"
+    text = upsert_section("", "k=1", "## one\n")
+    path.write_text(text)
+    bench_local.write_markdown(path, bench_local.SECTION_MARK + "\n## local, first\n")
+    text = upsert_section(path.read_text(), "k=2", "## two\n")
+    text = upsert_section(text, "k=1", "## one, again\n")
+    path.write_text(text)
+    bench_local.write_markdown(path, bench_local.SECTION_MARK + "\n## local, again\n")
+    text = path.read_text()
+    for kept in ("## one, again", "## local, again", "## two", "<!-- bench:end k=1 -->"):
+        assert text.count(kept) == 1, kept
+    assert "## local, first" not in text
+    assert "## one\n" not in text
+    assert text.index("## one, again") < text.index("## local, again") < text.index("## two")
+
+
 def test_proc_parsers() -> None:
     # A command name with spaces and parentheses must not shift the fields.
     stat = "42 (my (odd) proc) S 1 42 42 0 -1 4194304 10 0 0 0 150 50 0 0 20 0 1 0 1 0 0"
@@ -279,9 +397,162 @@ def test_proc_parsers() -> None:
     assert parse_vm_hwm("Name:\tx\nVmHWM:\t  2048 kB\nVmRSS:\t1 kB\n") == 2048 * 1024
     assert parse_vm_hwm("Name:\tx\n") is None
     assert parse_meminfo_total("MemTotal:       1024 kB\nMemFree: 1 kB\n") == 1024 * 1024
+    assert parse_vm_rss("VmHWM:\t  2048 kB\nVmRSS:\t  1536 kB\n") == 1536 * 1024
+    assert parse_vm_rss("Name:\tkthreadd\n") is None
+    rss = bench.process_rss(os.getpid())
+    assert rss is not None and rss > 1 << 20
     assert bench.parse_schedstat_wait("123456 2500000000 17\n") == pytest.approx(2.5)
     cpu = bench.process_cpu_seconds(os.getpid())
     assert cpu is not None and cpu > 0
+
+
+# --------------------------------------------------------------------------- RSS and plots
+
+
+def test_rss_stats_and_pooling() -> None:
+    assert bench.rss_stats([]) is None
+    stats = bench.rss_stats([(0.0, 50), (0.05, 80), (0.1, 60)])
+    assert stats == bench.RssStats(start=50, peak=80, end=60, samples=3)
+    assert stats.growth == 30
+    traces = [{"proxy": [(0.0, 50), (0.1, 70)]}, {"proxy": [(0.0, 40), (0.1, 45)]}, {}]
+    pooled = bench.pooled_rss(traces, "proxy")
+    assert pooled == bench.RssStats(start=40, peak=70, end=45, samples=4)
+    assert bench.pooled_rss(traces, "fake_upstream") is None
+    run = RunData("proxy", [result(0)], {}, 1.0, 0.1, rss=[{"proxy": [(0.0, 2**20), (1, 3 << 20)]}])
+    s = summarize(run)
+    assert (s.proxy_rss_start_mib, s.proxy_rss_growth_mib) == (1.0, 2.0)
+    assert s.upstream_peak_rss_mib is None
+    merged = merge_runs([run, run])
+    assert len(merged.rss) == 2
+    assert bench.rss_series(merged) == [([0.0, 1], [1.0, 3.0])] * 2
+
+
+async def test_rss_sampler_stamps_each_sample(autojump_clock: trio.abc.Clock) -> None:
+    sizes = iter(range(100, 10_000, 100))
+    trace: bench.RssTrace = {}
+
+    def read(pid: int) -> int | None:
+        return None if pid == 2 else next(sizes)  # pid 2: gone, no samples, no error
+
+    since = time.monotonic()
+    with trio.move_on_after(0.22):
+        await bench.sample_rss(
+            {"proxy": 1, "fake_upstream": 2}, trace, since=since, period=0.05, read=read
+        )
+    assert [size for _, size in trace["proxy"]] == [100, 200, 300, 400, 500]
+    assert trace["fake_upstream"] == []
+    times = [t for t, _ in trace["proxy"]]
+    assert times == sorted(times) and times[0] >= 0
+
+
+def test_cdf_points() -> None:
+    assert bench.cdf_points([]) == ([], [])
+    assert bench.cdf_points([3.0, 1.0, 2.0, 2.0]) == ([1.0, 2.0, 2.0, 3.0], [0.25, 0.5, 0.75, 1.0])
+    values = [float(i) for i in range(10_001)]
+    xs, ys = bench.cdf_points(reversed(values), max_points=101)
+    assert len(xs) == 101
+    assert (xs[0], xs[-1], ys[-1]) == (0.0, 10_000.0, 1.0)
+    assert xs[50] == 5000.0 and ys[50] == pytest.approx(0.5, abs=1e-3)
+    assert xs == sorted(xs) and ys == sorted(ys)
+
+
+def test_latency_series_and_axis_helpers() -> None:
+    dropped = {"events": 16, "content": 15, "done": False, "complete": False}
+    results = [result(0, gaps=[0.0, 0.02]), result(1, "drop", closed_at=101.0, **dropped)]
+    records = {"t1": {"disconnected_at_mono": 101.003, "tokens_sent": 15}}
+    series = bench.latency_series(RunData("proxy", results, records, 1.0, 0.1))
+    assert series["ttft"] == pytest.approx([50.0, 50.0])
+    assert series["gap"] == pytest.approx([0.0, 20.0, 0.02 * 1000, 0.02 * 1000])
+    assert series["cancel"] == pytest.approx([3.0])
+    assert bench.log_axis_left([[0.0, 0.0], []]) is None
+    assert bench.log_axis_left([[0.0, 10.0, 20.0], [4.0]]) == pytest.approx(2.0)
+    assert bench.log_axis_left([[1e-6]]) == bench.LOG_FLOOR_MS
+    assert bench.cdf_label("proxy", [0.0, 1.0, 2.0, 3.0]) == "proxy (n=4, 1 of them 0)"
+    assert [bench.minor_tick_label(v) for v in (20.0, 30.0, 40.0, 0.5, 0.0)] == [
+        "20",
+        "30",
+        "",
+        "0.5",
+        "",
+    ]
+    assert bench.cdf_label("direct", [1.0]) == "direct (n=1)"
+
+
+def test_plots_dir_follows_the_markdown_unless_told() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.plots_dir(parser.parse_args([])) is None
+    args = parser.parse_args(["--markdown", "docs/benchmarks.md"])
+    assert bench.plots_dir(args) == Path("docs")
+    args = parser.parse_args(["--markdown", "docs/b.md", "--plots", "out"])
+    assert bench.plots_dir(args) == Path("out")
+    assert bench.plots_dir(parser.parse_args(["--markdown", "b.md", "--no-plots"])) is None
+    assert bench.relative_link(Path("docs/x.png"), Path("docs")) == "x.png"
+
+
+async def test_plots_without_matplotlib_fail_at_once_and_clearly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    real = importlib.import_module
+
+    def no_matplotlib(name: str, package: str | None = None) -> Any:
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", no_matplotlib)
+
+    async def must_not_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the load ran before the plots were known to be impossible")
+
+    monkeypatch.setattr(bench, "run_bench", must_not_run)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--markdown", str(tmp_path / "b.md")])
+    with pytest.raises(SystemExit):
+        await bench.run_from_args(args)
+    assert "plots need matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "b.md").exists()
+
+
+def test_write_plots_draws_pngs_the_markdown_links(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    dropped = {"events": 16, "content": 15, "done": False, "complete": False}
+    results = [
+        result(0, gaps=[0.0, 0.02, 0.021]),
+        result(1, first_token=100.3, gaps=[0.5]),
+        result(2, "drop", closed_at=101.0, **dropped),
+    ]
+    records = {"t2": {"disconnected_at_mono": 101.002, "tokens_sent": 16}}
+    trace: bench.RssTrace = {"proxy": [(0.05 * i, (50 + i) << 20) for i in range(20)]}
+    runs = {
+        "proxy": RunData("proxy", results, records, 1.0, 0.1, rss=[trace]),
+        "direct": RunData("direct", results, records, 1.0, 0.1),
+    }
+    report = bench.BenchReport(
+        settings=BenchSettings(direct=True),
+        summaries={mode: summarize(run) for mode, run in runs.items()},
+        machine=bench.machine_info(),
+        command="test",
+        commit=None,
+        date="today",
+        env={},
+        pids={},
+        runs=dict(runs),
+    )
+    written = bench.write_plots(report, tmp_path / "plots")
+    names = [path.name for _, path in written]
+    slug = BenchSettings(direct=True).slug()
+    assert names == [f"bench-{slug}-latency.png", f"bench-{slug}-rss.png"]
+    for _, path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert path.stat().st_size > 10_000
+    links = [(alt, bench.relative_link(path, tmp_path)) for alt, path in written]
+    section = bench.markdown_section(report, links)
+    assert f"](plots/bench-{slug}-rss.png)" in section
+    json_out = report.to_json()
+    assert json_out["rss_samples"]["proxy"][0]["proxy"][1] == [0.05, 51 << 20]
+    assert json_out["rss_samples"]["direct"] == []
 
 
 # --------------------------------------------------------------------------- children
@@ -348,3 +619,43 @@ async def test_tiny_bench_against_real_subprocesses() -> None:
     assert set(report.pids) == {"proxy", "fake_upstream"}
     for pid in report.pids.values():
         assert not alive(pid), "a child outlived the bench"
+    # RSS was sampled from both children during the proxy run, from the fake alone direct.
+    assert set(report.runs["proxy"].rss[0]) == {"proxy", "fake_upstream"}
+    assert set(report.runs["direct"].rss[0]) == {"fake_upstream"}
+    assert proxy.proxy_rss_start_mib is not None and proxy.proxy_rss_start_mib > 10
+    assert report.summaries["direct"].proxy_rss_start_mib is None
+
+
+async def test_tiny_slow_reader_bench_with_small_buffers_and_a_baseline() -> None:
+    settings = BenchSettings(
+        streams=4,
+        ramp=0.05,
+        ttft=0.02,
+        interval=0.01,
+        tokens=8,
+        drop=0.0,
+        slow=0.5,
+        slow_delay=0.01,
+        slow_rcvbuf=4096,
+        slow_mss=1460,
+        upstream_sndbuf=4096,
+        proxy_rcvbuf=4096,
+        event_pad=200,
+        baseline=True,
+        grace=2.0,
+        timeout=10.0,
+        progress=False,
+    )
+    with trio.fail_after(40):
+        report = await bench.run_bench(settings, command="test")
+    assert set(report.summaries) == {"proxy", "baseline"}
+    proxy, base = report.summaries["proxy"], report.summaries["baseline"]
+    for s in (proxy, base):
+        assert s.errors == 0, s.error_kinds
+        assert s.completed == 4
+        assert s.proxy_rss_growth_mib is not None and s.proxy_rss_growth_mib >= 0
+    assert (proxy.slow_streams, proxy.slow_completed) == (2, 2)
+    assert proxy.slow_upstream_held_p50_s is not None
+    assert base.slow_streams is None
+    # The padded model name went all the way: through the proxy to the fake and back.
+    assert proxy.events > 0 and proxy.tokens == 4 * 8
