@@ -85,14 +85,22 @@ class RelaySink:
 
     async def send(self, chunk: bytes) -> None:
         """Queue a chunk for the client; block (bounded) while the client is not reading."""
-        channel = self._body.send_channel
-        try:
-            channel.send_nowait(chunk)
-        except trio.WouldBlock:
-            with trio.move_on_after(self._body.stall_timeout):
-                await channel.send(chunk)
-                return
-            raise ClientStalled from None
+        await send_within(self._body.send_channel, chunk, self._body.stall_timeout)
+
+
+async def send_within(
+    channel: trio.MemorySendChannel[bytes], chunk: bytes, stall_timeout: float
+) -> None:
+    """Send ``chunk`` into a client's bounded channel; raise :class:`ClientStalled` if the
+    client takes nothing for ``stall_timeout``. The common case (room in the channel) costs
+    no cancel scope."""
+    try:
+        channel.send_nowait(chunk)
+    except trio.WouldBlock:
+        with trio.move_on_after(stall_timeout):
+            await channel.send(chunk)
+            return
+        raise ClientStalled from None
 
 
 class Sink(Protocol):

@@ -26,7 +26,7 @@ from quart import websocket
 
 from .errors import ApiError, bad_request, model_not_found
 from .openai import Endpoint, parse_completion_request
-from .relay import ClientStalled
+from .relay import ClientStalled, send_within
 from .sse import SSESplitter, is_done
 
 if TYPE_CHECKING:
@@ -78,13 +78,7 @@ class WebSocketSink:
         self.status = status
 
     async def send(self, chunk: bytes) -> None:
-        try:
-            self.send_channel.send_nowait(chunk)
-        except trio.WouldBlock:
-            with trio.move_on_after(self.stall_timeout):
-                await self.send_channel.send(chunk)
-                return
-            raise ClientStalled from None
+        await send_within(self.send_channel, chunk, self.stall_timeout)
 
 
 class _Translator:
