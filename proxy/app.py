@@ -285,7 +285,8 @@ def create_app(
             # (they reveal nothing and start no work); other OPTIONS get Quart's Allow answer.
             preflight = request.headers.get("Access-Control-Request-Method")
             if preflight and cors.allow_origin(request.headers.get("Origin")):
-                return Response("", status=204, headers=cors.preflight_headers())
+                requested = request.headers.get("Access-Control-Request-Headers")
+                return Response("", status=204, headers=cors.preflight_headers(requested))
             return None
         # Only the API needs a key: /healthz and /metrics stay open to probes and scrapers.
         if state.keys.enabled and request.path.startswith("/v1/"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import re
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -37,6 +38,8 @@ UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
 
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_REQUEST_HEADERS = "Authorization, Content-Type, X-Request-ID"
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+_MAX_REQUESTED_HEADERS = 32
 # Response headers a browser script may read besides the CORS-safelisted ones.
 CORS_EXPOSED_HEADERS = "X-Request-ID, Retry-After"
 # How long a browser may cache a preflight answer.
@@ -239,9 +242,19 @@ class CorsPolicy:
         """Whether responses depend on the request's Origin (caches must key on it)."""
         return self.enabled and not self.any_origin
 
-    def preflight_headers(self) -> dict[str, str]:
+    def preflight_headers(self, requested: str | None = None) -> dict[str, str]:
+        """The answer to a preflight from an allowed origin. The headers the browser asks for
+        are allowed too (well-formed names only, a bounded number): SDKs add their own, such
+        as the OpenAI JS SDK's x-stainless-*, and the origin is trusted already."""
+        allowed = [name.strip() for name in CORS_REQUEST_HEADERS.split(",")]
+        known = {name.lower() for name in allowed}
+        for name in (requested or "").split(",")[:_MAX_REQUESTED_HEADERS]:
+            name = name.strip()
+            if _HEADER_NAME.match(name) and name.lower() not in known:
+                known.add(name.lower())
+                allowed.append(name)
         return {
             "Access-Control-Allow-Methods": CORS_METHODS,
-            "Access-Control-Allow-Headers": CORS_REQUEST_HEADERS,
+            "Access-Control-Allow-Headers": ", ".join(allowed),
             "Access-Control-Max-Age": CORS_MAX_AGE,
         }

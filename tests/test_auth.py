@@ -517,7 +517,9 @@ async def test_cors_preflight_and_headers_on_streamed_and_refused_responses(
             headers={
                 "Origin": app_origin,
                 "Access-Control-Request-Method": "POST",
-                "Access-Control-Request-Headers": "authorization, content-type, x-request-id",
+                "Access-Control-Request-Headers": (
+                    "authorization, content-type, x-request-id, x-stainless-os, bad header!"
+                ),
             },
         )
         assert preflight.status_code == 204
@@ -528,6 +530,9 @@ async def test_cors_preflight_and_headers_on_streamed_and_refused_responses(
             h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")
         }
         assert allowed >= {"authorization", "content-type", "x-request-id"}
+        # An SDK's own headers are allowed; a malformed name is not echoed.
+        assert "x-stainless-os" in allowed
+        assert not any("bad" in name for name in allowed)
         assert "origin" in preflight.headers["vary"].lower()
 
         # A streamed response: the headers reach the relayed head.
