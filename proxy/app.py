@@ -358,7 +358,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        payload, content_type = state.metrics.render()
+        payload, content_type = state.metrics.render(request.headers.get("Accept", ""))
         return Response(payload, content_type=content_type)
 
     @app.websocket("/v1/ws")

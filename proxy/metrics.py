@@ -17,6 +17,7 @@ from typing import cast
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.utils import floatToGoString
 
 # How prometheus-client spells a bucket bound in "le" (untyped upstream).
@@ -207,5 +208,11 @@ class Metrics:
             registry=registry,
         )
 
-    def render(self) -> tuple[bytes, str]:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition a scraper asked for: OpenMetrics when its Accept header names it
+        (Prometheus sends that), else the classic text format."""
+        if "application/openmetrics-text" in accept:
+            # prometheus-client leaves this one function unannotated.
+            payload: bytes = openmetrics.generate_latest(self.registry)  # type: ignore[no-untyped-call]
+            return payload, openmetrics.CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

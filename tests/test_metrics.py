@@ -244,3 +244,25 @@ def test_bucket_histogram_merges_counts() -> None:
     assert samples[("demo_seconds_sum", None)] == pytest.approx(3.85)
     with pytest.raises(ValueError, match="bucket counts"):
         histogram.merge(("a",), [1], 1.0)
+
+
+async def test_openmetrics_when_asked(proxy: Proxy, client: httpx.AsyncClient) -> None:
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as parse_openmetrics,
+    )
+
+    with trio.fail_after(DEADLINE):
+        assert (await client.post(proxy.url + CHAT, json=chat_body())).status_code == 200
+        response = await client.get(
+            proxy.url + "/metrics", headers={"Accept": "application/openmetrics-text"}
+        )
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    assert response.text.endswith("# EOF\n")
+    families = {family.name: family for family in parse_openmetrics(response.text)}
+    requests = families["sluice_requests"]
+    assert requests.type == "counter"
+    assert any(
+        sample.labels == {"model": "fake-model", "status": "200"} and sample.value == 1
+        for sample in requests.samples
+    )
+    assert families["sluice_token_gap_seconds"].type == "histogram"
