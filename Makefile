@@ -50,6 +50,11 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --streams 200 --ramp 2 --drop 0 --tokens 70 --interval 0.1 \
 		--event-pad 3800 --slow 0.3 --slow-delay 0.45 --slow-rcvbuf 4096 --slow-mss 1460 \
 		--upstream-sndbuf 4096 --proxy-rcvbuf 16384 --baseline --markdown docs/benchmarks.md
+	# Side by side with the FastAPI + uvicorn peer in ../shared/peers (skipped where absent).
+	if [ -x ../shared/peers/run-fastapi-gateway ]; then \
+	  $(BIN)/python -m proxy.bench --streams 100 --peer auto --markdown docs/benchmarks.md && \
+	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --markdown docs/benchmarks.md; \
+	else echo "no ../shared/peers: skipping the peer comparison"; fi
 	$(BIN)/python -m proxy.bench_local --markdown docs/benchmarks.md
 
 fake-upstream: $(STAMP)

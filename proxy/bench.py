@@ -16,7 +16,11 @@ slowly), and reports:
 With ``--direct`` the identical load also runs straight at the fake upstream, and every figure
 is printed for proxy, direct and proxy/direct. With ``--baseline`` the same load also runs
 through the same proxy with the slow readers reading at full speed (proxy/baseline): the
-proxy's memory with and without clients that stop reading. ``--plots DIR`` (on by default
+proxy's memory with and without clients that stop reading. With ``--peer auto`` (or ``--peer
+URL --peer-pid PID``) the same load also runs through the peer to beat, a FastAPI + httpx
+gateway (``shared/peers/``) relaying to the same fake upstream, alternating with Sluice, and
+every figure is printed for both and proxy/peer: above all CPU per relayed event, the figure
+that survives a noisy machine. ``--plots DIR`` (on by default
 next to ``--markdown``) draws latency CDFs and RSS over time with matplotlib.
 
 The client must stay cheap at 1000 streams on a 2-core machine, or it would measure itself: it
@@ -108,9 +112,10 @@ __all__ = [
 
 Role = Literal["normal", "drop", "slow"]
 _E = TypeVar("_E", bound=BaseException)
-# "baseline": the proxy again, with every slow reader reading at full speed.
-Mode = Literal["proxy", "direct", "baseline"]
-MODES: Final[tuple[Mode, ...]] = ("proxy", "direct", "baseline")
+# "baseline": the proxy again, with every slow reader reading at full speed. "peer": the same
+# load through the peer to beat (another relay in front of the same fake upstream).
+Mode = Literal["proxy", "peer", "direct", "baseline"]
+MODES: Final[tuple[Mode, ...]] = ("proxy", "peer", "direct", "baseline")
 # One run's RSS samples per process ("proxy", "fake_upstream"): (seconds since the run
 # began, bytes).
 RssTrace = dict[str, list[tuple[float, int]]]
@@ -120,6 +125,11 @@ MAX_HEAD_BYTES: Final = 64 * 1024
 # A chunk-size line is a few hex digits (plus rare extensions); anything longer is garbage.
 MAX_CHUNK_LINE: Final = 1024
 READY_TIMEOUT: Final = 30.0
+# The peer's first start builds its own venv with pip: minutes, not seconds.
+PEER_READY_TIMEOUT: Final = 600.0
+# Where ``--peer auto`` finds the peer's starter: ``shared/peers`` beside the repository.
+PEERS_DIR: Final = Path(__file__).resolve().parents[2] / "shared" / "peers"
+PEER_SCRIPT: Final = "run-fastapi-gateway"
 # How long a child gets to exit after SIGTERM before SIGKILL. The proxy's own graceful shutdown
 # is set to 1 s in the config we write, so this is rarely reached.
 STOP_TIMEOUT: Final = 5.0
@@ -1063,7 +1073,7 @@ _DROP_ROWS: Final = frozenset(
     name for name, _, _ in FIGURES if name.startswith(("cancel_", "wasted_"))
 )
 # Modes a proxy run is compared with, in the order of their ratio columns.
-_REFERENCES: Final[tuple[Mode, ...]] = ("direct", "baseline")
+_REFERENCES: Final[tuple[Mode, ...]] = ("peer", "direct", "baseline")
 
 
 def ratios(proxy: RunSummary, direct: RunSummary) -> dict[str, float | None]:
@@ -1089,7 +1099,8 @@ def _fmt(value: float | int | None, spec: str) -> str:
 
 
 def all_ratios(summaries: dict[str, RunSummary]) -> dict[str, dict[str, float | None]]:
-    """``{"proxy/direct": ..., "proxy/baseline": ...}`` for the references present."""
+    """``{"proxy/peer": ..., "proxy/direct": ..., "proxy/baseline": ...}`` for the references
+    present."""
     if "proxy" not in summaries:
         return {}
     return {
@@ -1174,6 +1185,13 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
         lines.append(
             "- baseline: the same load through the same proxy, run just before, with the slow "
             "readers reading at full speed"
+        )
+    if "peer" in report.summaries:
+        how = "started by the bench" if report.settings.peer == "auto" else "already running"
+        lines.append(
+            "- peer: the FastAPI + httpx gateway on uvicorn/uvloop/httptools "
+            f"(`shared/peers/fastapi_gateway.py`, {how}), relaying to the same fake upstream, "
+            "alternating with the proxy; its CPU and RSS rows are the peer's process tree"
         )
     if report.env:
         env = " ".join(f"{k}={v}" for k, v in sorted(report.env.items()))
@@ -1293,6 +1311,7 @@ _STYLE: Final[dict[str, dict[str, Any]]] = {
     "proxy": {"color": "tab:blue"},
     "direct": {"color": "tab:gray", "linestyle": "--"},
     "baseline": {"color": "tab:green", "linestyle": "--"},
+    "peer": {"color": "tab:orange"},
 }
 
 
@@ -1364,7 +1383,8 @@ def write_plots(report: BenchReport, directory: Path) -> list[tuple[str, Path]]:
         for mode, runs in lines.items():
             for i, (xs, ys) in enumerate(runs):
                 name = mode if len(runs) == 1 else f"{mode} #{i + 1}"
-                ax.plot(xs, ys, label=f"proxy RSS, {name} run", **_STYLE[mode])
+                who = "peer" if mode == "peer" else "proxy"
+                ax.plot(xs, ys, label=f"{who} RSS, {name} run", **_STYLE[mode])
         ax.set_xlabel("seconds since the run began")
         ax.set_ylabel("RSS (MiB)")
         ax.set_ylim(bottom=0)
@@ -1406,6 +1426,8 @@ class BenchSettings:
     target: str | None = None
     upstream: str | None = None
     proxy_pid: int | None = None
+    peer: str | None = None  # "auto": start the FastAPI peer; else a running one's URL
+    peer_pid: int | None = None
     model: str = "fake-model"
     progress: bool = True
 
@@ -1438,7 +1460,17 @@ class BenchSettings:
         assign_roles(self.streams, self.drop, self.slow, self.seed)  # validates the fractions
         if self.direct and self.target is not None and self.upstream is None:
             raise BenchError("--direct with --target needs --upstream (the proxy's upstream)")
-        for url in (self.target, self.upstream):
+        if self.peer_pid is not None and (self.peer is None or self.peer == "auto"):
+            raise BenchError("--peer-pid goes with --peer URL (a peer already running)")
+        if self.peer is not None and self.peer != "auto" and self.upstream is None:
+            raise BenchError(
+                "--peer URL needs --upstream: the fake upstream that peer relays to, so that "
+                "both relays stream the same answers"
+            )
+        if self.peer == "auto" and self.target is not None and self.upstream is None:
+            raise BenchError("--peer auto with --target needs --upstream (the proxy's upstream)")
+        peer_url = self.peer if self.peer != "auto" else None
+        for url in (self.target, self.upstream, peer_url):
             if url is not None:
                 _address(url)
 
@@ -1504,6 +1536,8 @@ class BenchSettings:
                 extra.append(f"{short}={getattr(self, name)}")
         if self.baseline:
             extra.append("baseline=1")
+        if self.peer is not None:
+            extra.append("peer=1")
         return "".join(" " + part for part in extra)
 
     def slug(self) -> str:
@@ -1549,6 +1583,8 @@ class BenchReport:
             out["ratios"] = rates["proxy/direct"]
         if "proxy/baseline" in rates:
             out["ratios_baseline"] = rates["proxy/baseline"]
+        if "proxy/peer" in rates:
+            out["ratios_peer"] = rates["proxy/peer"]
         # RSS over time, per mode and run: [seconds since the run began, bytes].
         out["rss_samples"] = {
             mode: [
@@ -1642,9 +1678,15 @@ async def _supervise(
         await _stop_child(process)
 
 
-async def _wait_ready(name: str, address: tuple[str, int], path: str, log: Path | None) -> None:
+async def _wait_ready(
+    name: str,
+    address: tuple[str, int],
+    path: str,
+    log: Path | None,
+    patience: float = READY_TIMEOUT,
+) -> None:
     """Poll ``path`` until it answers 200 (or, with no path, until a TCP connect succeeds)."""
-    with trio.move_on_after(READY_TIMEOUT):
+    with trio.move_on_after(patience):
         while True:
             try:
                 if path:
@@ -1659,9 +1701,20 @@ async def _wait_ready(name: str, address: tuple[str, int], path: str, log: Path 
                 pass  # not listening yet: that is what we are waiting for
             await trio.sleep(0.05)
     tail = f"; its log ends:\n{_log_tail(log)}" if log is not None else ""
-    raise BenchError(
-        f"the {name} at {address[0]}:{address[1]} not ready in {READY_TIMEOUT} s{tail}"
-    )
+    raise BenchError(f"the {name} at {address[0]}:{address[1]} not ready in {patience:g} s{tail}")
+
+
+def peer_script(peers_dir: Path | None = None) -> Path:
+    """The FastAPI peer's starter (``run-fastapi-gateway UPSTREAM_URL PORT``), or a clear
+    error where this checkout has no ``shared/peers`` beside it."""
+    script = (PEERS_DIR if peers_dir is None else peers_dir) / PEER_SCRIPT
+    if not (script.is_file() and os.access(script, os.X_OK)):
+        raise BenchError(
+            f"--peer auto: no executable {script} on this machine (it lives in shared/peers/ "
+            "beside the repository); start a peer yourself and pass --peer URL --peer-pid PID "
+            "--upstream URL"
+        )
+    return script
 
 
 def _proxy_config(port: int, upstream: str, settings: BenchSettings) -> str:
@@ -1752,6 +1805,8 @@ class _Endpoints:
     upstream: tuple[str, int] | None
     proxy_pid: int | None
     upstream_pid: int | None
+    peer: tuple[str, int] | None = None
+    peer_pid: int | None = None
 
 
 async def _run_once(
@@ -1761,8 +1816,7 @@ async def _run_once(
     endpoints: _Endpoints,
     cursor: int,
 ) -> tuple[RunData, int]:
-    through_proxy = mode != "direct"
-    address = endpoints.proxy if through_proxy else endpoints.upstream
+    address = {"direct": endpoints.upstream, "peer": endpoints.peer}.get(mode, endpoints.proxy)
     assert address is not None
     # The baseline's slow readers read at full speed: the same draw with slow = 0 gives the
     # same leavers, and everyone else normal.
@@ -1776,7 +1830,8 @@ async def _run_once(
         results.append(StreamResult(index=i, tag=tag, role=role))
         body = chat_body(model, tag, settings.ttft, settings.interval, settings.tokens)
         requests.append(build_request(host, port, "/v1/chat/completions", body))
-    proxy_pid = endpoints.proxy_pid if through_proxy else None
+    # The relay measured: the proxy, or the peer in its place (its figures fill the same rows).
+    proxy_pid = {"direct": None, "peer": endpoints.peer_pid}.get(mode, endpoints.proxy_pid)
     if proxy_pid is not None:
         reset_peak_rss(proxy_pid)
     proxy_cpu0 = process_cpu_seconds(proxy_pid) if proxy_pid is not None else None
@@ -1888,19 +1943,24 @@ async def _git_commit() -> str | None:
 
 
 def _schedule(settings: BenchSettings) -> list[Mode]:
-    """Alternate direct and proxy across repeats, so that neither always runs on a cold
-    machine. The baseline runs right before each proxy run: the proxy's memory is then at its
-    lowest for the baseline, and whatever the slow readers add shows in the proxy run (the
-    other way round, the baseline would inherit the slow run's heap)."""
+    """Alternate direct, proxy and peer across repeats (direct, proxy, peer; then peer, proxy,
+    direct), so that none always runs first on a cold machine or last on a warm one. The
+    baseline runs right before each proxy run: the proxy's memory is then at its lowest for
+    the baseline, and whatever the slow readers add shows in the proxy run (the other way
+    round, the baseline would inherit the slow run's heap)."""
     proxy: list[Mode] = ["baseline", "proxy"] if settings.baseline else ["proxy"]
+    one: list[Mode] = ["direct"] if settings.direct else []
+    one += proxy
+    if settings.peer is not None:
+        one.append("peer")
     order: list[Mode] = []
     for rep in range(settings.repeat):
-        if not settings.direct:
-            order += proxy
-        elif rep % 2 == 0:
-            order += ["direct", *proxy]
+        if rep % 2 == 0:
+            order += one
         else:
-            order += [*proxy, "direct"]
+            # Reversed, keeping the baseline right before its proxy run.
+            back = [m for m in reversed(one) if m != "baseline"]
+            order += [x for m in back for x in (proxy if m == "proxy" else [m])]
     return order
 
 
@@ -1912,6 +1972,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     nonce = os.urandom(4).hex()  # tags unique even against an upstream reused across benches
     runs: dict[Mode, list[RunData]] = {}
     pids: dict[str, int] = {}
+    # Before anything starts: no peer to start here is a plain error, not a half-run bench.
+    peer_starter = peer_script() if settings.peer == "auto" else None
     try:
         async with trio.open_nursery() as nursery:
             upstream_pid: int | None = None
@@ -1948,7 +2010,23 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 proxy_pid = pids["proxy"] = process.pid
                 await _wait_ready("proxy", proxy, "/healthz", log)
             endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
+            if peer_starter is not None:
+                assert upstream_url is not None  # settings refuse --peer auto without one
+                endpoints.peer = ("127.0.0.1", _free_port("127.0.0.1"))
+                log = workdir / "peer.log"
+                argv = [str(peer_starter), upstream_url, str(endpoints.peer[1])]
+                process = await nursery.start(_supervise, "FastAPI peer", argv, log)
+                endpoints.peer_pid = pids["peer"] = process.pid
+                await _wait_ready(
+                    "FastAPI peer", endpoints.peer, "/v1/models", log, PEER_READY_TIMEOUT
+                )
+            elif settings.peer is not None:
+                endpoints.peer = _address(settings.peer)
+                endpoints.peer_pid = settings.peer_pid
+                await _wait_ready("peer", endpoints.peer, "", None)
             await _warm_up(proxy, settings, f"bench-{nonce}-warmup-proxy")
+            if endpoints.peer is not None:
+                await _warm_up(endpoints.peer, settings, f"bench-{nonce}-warmup-peer")
             if settings.direct:
                 assert upstream is not None
                 await _warm_up(upstream, settings, f"bench-{nonce}-warmup-direct")
@@ -2047,6 +2125,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--target", help="an already running proxy (http://host:port) instead of starting one")
     add("--upstream", help="an already running fake upstream (http://host:port)")
     add("--proxy-pid", type=int, help="with --target: its PID, for CPU and RSS figures")
+    add(
+        "--peer",
+        metavar="URL_OR_auto",
+        help="also run the load through the FastAPI peer: 'auto' starts it (shared/peers/), a "
+        "URL targets one already running (with --upstream, the fake it relays to)",
+    )
+    add("--peer-pid", type=int, help="with --peer URL: its PID, for CPU and RSS figures")
     add("--model", default=d.model, help="model name to request")
     add("--json", type=Path, help="write every figure as JSON here")
     add("--markdown", type=Path, help="write (or replace) this load's section in this file")
@@ -2085,6 +2170,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         target=args.target,
         upstream=args.upstream,
         proxy_pid=args.proxy_pid,
+        peer=args.peer,
+        peer_pid=args.peer_pid,
         model=args.model,
         progress=not args.quiet,
     )

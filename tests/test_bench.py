@@ -659,3 +659,102 @@ async def test_tiny_slow_reader_bench_with_small_buffers_and_a_baseline() -> Non
     assert base.slow_streams is None
     # The padded model name went all the way: through the proxy to the fake and back.
     assert proxy.events > 0 and proxy.tokens == 4 * 8
+
+
+# --------------------------------------------------------------------------- the peer
+
+
+def test_peer_settings_are_checked() -> None:
+    up = "http://127.0.0.1:9000"
+    with pytest.raises(BenchError, match="--peer-pid"):
+        BenchSettings(peer_pid=42)
+    with pytest.raises(BenchError, match="--peer-pid"):
+        BenchSettings(peer="auto", peer_pid=42)
+    # A running peer relays to some upstream: the bench must use that same one.
+    with pytest.raises(BenchError, match="--upstream"):
+        BenchSettings(peer="http://127.0.0.1:9100")
+    with pytest.raises(BenchError, match="--upstream"):
+        BenchSettings(peer="auto", target="http://127.0.0.1:8000")
+    with pytest.raises(BenchError, match="http"):
+        BenchSettings(peer="https://127.0.0.1:9100", upstream=up)
+    BenchSettings(peer="http://127.0.0.1:9100", peer_pid=42, upstream=up)
+    BenchSettings(peer="auto", target="http://127.0.0.1:8000", upstream=up, direct=True)
+    # Its own section: the same load without the peer keeps its key.
+    assert BenchSettings(peer="auto").key() == BenchSettings().key() + " peer=1"
+    args = argparse.ArgumentParser()
+    bench.add_arguments(args)
+    parsed = args.parse_args(["--peer", "http://h:1", "--peer-pid", "7", "--upstream", up])
+    settings = bench.settings_from_args(parsed)
+    assert (settings.peer, settings.peer_pid) == ("http://h:1", 7)
+
+
+def test_schedule_alternates_proxy_and_peer() -> None:
+    assert bench._schedule(BenchSettings(peer="auto", repeat=3)) == [
+        "proxy",
+        "peer",
+        "peer",
+        "proxy",
+        "proxy",
+        "peer",
+    ]
+    settings = BenchSettings(peer="auto", direct=True, slow=0.3, baseline=True, repeat=2)
+    assert bench._schedule(settings) == [
+        "direct",
+        "baseline",
+        "proxy",
+        "peer",
+        "peer",
+        "baseline",
+        "proxy",
+        "direct",
+    ]
+
+
+def test_peer_auto_without_shared_peers_fails_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(BenchError, match=r"no executable .*run-fastapi-gateway.*--peer URL"):
+        bench.peer_script(tmp_path)
+    script = tmp_path / "run-fastapi-gateway"
+    script.write_text("#!/bin/sh\n")
+    with pytest.raises(BenchError, match="no executable"):
+        bench.peer_script(tmp_path)  # there, but not executable
+    script.chmod(0o755)
+    assert bench.peer_script(tmp_path) == script
+    # run_bench says so before starting anything.
+    monkeypatch.setattr(bench, "PEERS_DIR", tmp_path / "nowhere")
+    with pytest.raises(BenchError, match="--peer auto"):
+        trio.run(bench.run_bench, BenchSettings(peer="auto"))
+
+
+def test_peer_column_ratio_and_json() -> None:
+    dropped = {"events": 16, "content": 15, "done": False, "complete": False}
+    results = [result(0), result(1, "drop", closed_at=101.0, **dropped)]
+    proxy = summarize(RunData("proxy", results, {}, 1.0, 0.1, proxy_cpu_s=0.0138))
+    peer = summarize(RunData("peer", results, {}, 1.0, 0.1, proxy_cpu_s=0.0276))
+    direct = summarize(RunData("direct", results, {}, 1.0, 0.1))
+    summaries = {"proxy": proxy, "peer": peer, "direct": direct}
+    header, rows = bench.table_rows(summaries)
+    assert header == ["figure", "proxy", "peer", "direct", "proxy/peer", "proxy/direct"]
+    cpu = next(row for row in rows if row[0] == "proxy CPU per event (µs)")
+    # 69 events; CPU per event is what the peer comparison is about.
+    assert cpu == ["proxy CPU per event (µs)", "200", "400", "—", "0.50x", "—"]
+    assert bench.all_ratios(summaries)["proxy/peer"]["proxy_cpu_us_per_event"] == 0.5
+    report = bench.BenchReport(
+        settings=BenchSettings(peer="auto", direct=True),
+        summaries=summaries,
+        machine={},
+        command="test",
+        commit=None,
+        date="today",
+        env={},
+        pids={},
+    )
+    out = report.to_json()
+    assert set(out["runs"]) == {"proxy", "peer", "direct"}
+    assert out["ratios_peer"]["proxy_cpu_us_per_event"] == 0.5
+    assert out["settings"]["peer"] == "auto"
+    section = bench.markdown_section(report)
+    assert "## 100 streams, proxy vs peer and direct" in section
+    assert "| figure | proxy | peer | direct | proxy/peer | proxy/direct |" in section
+    assert "- peer: the FastAPI + httpx gateway" in section
