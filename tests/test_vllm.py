@@ -1,0 +1,94 @@
+"""Sluice in front of a real vLLM server (opt-in: `make test-vllm` starts one and sets
+SLUICE_VLLM_URL; deselected from `make test` by the `vllm` mark).
+
+What a fake upstream cannot prove: that vLLM itself aborts the sequence when Sluice drops the
+stream. vLLM logs "Aborted request" (with --enable-log-requests) and its /metrics gauge
+vllm:num_requests_running returns to 0; the time that takes is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import httpx
+import pytest
+import trio
+
+from tests.support import RawClient, chat_body, sse_payloads, start_proxy, stream_text
+
+pytestmark = pytest.mark.vllm
+
+VLLM_URL = os.environ.get("SLUICE_VLLM_URL", "")
+VLLM_LOG = os.environ.get("SLUICE_VLLM_LOG", "")
+MODEL = os.environ.get("SLUICE_VLLM_MODEL", "smollm2")
+CHAT = "/v1/chat/completions"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def vllm_url() -> str:
+    if not VLLM_URL:
+        pytest.fail("SLUICE_VLLM_URL is not set: run these through `make test-vllm`")
+    return VLLM_URL
+
+
+async def running_requests(client: httpx.AsyncClient, url: str) -> float:
+    text = (await client.get(url + "/metrics")).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    ]
+    return sum(values)
+
+
+async def test_stream_non_stream_and_usage_through_sluice(
+    nursery: trio.Nursery, vllm_url: str
+) -> None:
+    with trio.fail_after(120):
+        proxy = await start_proxy(nursery, {MODEL: [vllm_url]})
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            body = chat_body(MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+            response = await client.post(
+                proxy.url + CHAT, json={**body, "stream_options": {"include_usage": True}}
+            )
+            assert response.status_code == 200
+            payloads = sse_payloads(response.text)
+            assert payloads[-1] == "[DONE]"
+            assert json.loads(payloads[-2])["usage"]["completion_tokens"] > 0
+            answer = stream_text(payloads)
+            print(f"\nvLLM via Sluice, streamed: {answer!r}")
+            assert "Paris" in answer
+            whole = await client.post(proxy.url + CHAT, json={**body, "stream": False})
+            assert whole.status_code == 200
+            assert "Paris" in whole.json()["choices"][0]["message"]["content"]
+
+
+async def test_disconnect_mid_stream_makes_vllm_abort(nursery: trio.Nursery, vllm_url: str) -> None:
+    with trio.fail_after(180):
+        proxy = await start_proxy(nursery, {MODEL: [vllm_url]})
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            assert await running_requests(client, vllm_url) == 0
+            body = chat_body(
+                MODEL,
+                messages=[{"role": "user", "content": "Write a very long story about the sea."}],
+                max_tokens=1500,
+                ignore_eos=True,
+            )
+            raw = await RawClient.post(proxy, CHAT, body)
+            await raw.read_until(b"data: ", count=5)
+            assert await running_requests(client, vllm_url) == 1
+            closed_at = trio.current_time()
+            await raw.close()
+            while True:
+                if await running_requests(client, vllm_url) == 0:
+                    break
+                await trio.sleep(0.01)
+            seconds = trio.current_time() - closed_at
+        print(f"\nclient close -> vllm:num_requests_running == 0 in {seconds * 1000:.0f} ms")
+        assert seconds < 5
+        if VLLM_LOG:
+            log = await trio.Path(VLLM_LOG).read_text(errors="replace")
+            assert re.search(r"Aborted request", log), "vLLM did not log the abort"
