@@ -292,30 +292,19 @@ def _validate(config: Config) -> None:
         max_event_bytes=relay.max_event_bytes,
         max_response_bytes=relay.max_response_bytes,
     )
+    _check_request_settings("[upstream]", upstream)
     _check_positive(
         "[upstream]",
         max_connections=upstream.max_connections,
         keepalive_expiry=upstream.keepalive_expiry,
-    )
-    _check_positive(
-        "[upstream]",
-        connect_timeout=upstream.connect_timeout,
-        first_token_timeout=upstream.first_token_timeout,
-        idle_timeout=upstream.idle_timeout,
-        total_timeout=upstream.total_timeout,
-        max_attempts=upstream.max_attempts,
+        failure_threshold=upstream.failure_threshold,
+        ejection_seconds=upstream.ejection_seconds,
+        health_check_interval=upstream.health_check_interval,
     )
     _check_not_negative(
         "[upstream]",
         max_keepalive_connections=upstream.max_keepalive_connections,
         socket_rcvbuf=upstream.socket_rcvbuf,
-        hedge_after=upstream.hedge_after,
-    )
-    _check_positive(
-        "[upstream]",
-        failure_threshold=upstream.failure_threshold,
-        ejection_seconds=upstream.ejection_seconds,
-        health_check_interval=upstream.health_check_interval,
     )
     if upstream.health_check_path and not upstream.health_check_path.startswith("/"):
         raise ConfigError(
@@ -415,15 +404,20 @@ def _validate_upstream_model(model: ModelConfig, fake_enabled: bool) -> None:
         parts = urlsplit(url)
         if parts.scheme not in {"http", "https"} or not parts.netloc:
             raise ConfigError(f"{where} upstream {url!r} is not an http(s):// base URL")
+    _check_request_settings(where, model)
+
+
+def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None:
+    """The per-request upstream settings, as [upstream] sets them or a model overrides them."""
     _check_positive(
         where,
-        connect_timeout=model.connect_timeout,
-        first_token_timeout=model.first_token_timeout,
-        idle_timeout=model.idle_timeout,
-        total_timeout=model.total_timeout,
-        max_attempts=model.max_attempts,
+        connect_timeout=settings.connect_timeout,
+        first_token_timeout=settings.first_token_timeout,
+        idle_timeout=settings.idle_timeout,
+        total_timeout=settings.total_timeout,
+        max_attempts=settings.max_attempts,
     )
-    _check_not_negative(where, hedge_after=model.hedge_after)
+    _check_not_negative(where, hedge_after=settings.hedge_after)
 
 
 def _build_models(
