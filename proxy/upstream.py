@@ -1,9 +1,10 @@
 """The upstream backend: relay an OpenAI-compatible server (vLLM, llama.cpp, ...) through httpx.
 
-One :class:`UpstreamReplica` per base URL owns one httpx pool. Each request runs inside the
-relay's nursery, so its ``async with client.stream(...)`` is inside the request's cancel scope:
-when the client leaves, the stream is closed (the connection is dropped, never pooled half-read)
-and the upstream server sees the disconnect and aborts the generation.
+One :class:`UpstreamReplica` per base URL owns one httpx client over its own connection pool.
+Each request runs inside the relay's nursery, so its ``async with client.stream(...)`` is inside
+the request's cancel scope: when the client leaves, the stream is closed (the connection is
+dropped, never pooled half-read) and the upstream server sees the disconnect and aborts the
+generation.
 
 Deadlines are trio cancel scopes, each with its own error: connect (httpx's connect timeout),
 first token, idle between chunks, and total. Retries go to another replica and happen only
@@ -28,6 +29,7 @@ from .openai import CompletionRequest, Endpoint
 from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from .routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
 from .sse import SSEProtocolError, SSESplitter, check_event, is_done
+from .upstream_pool import KeepAlivePool, LeanTrioBackend
 
 log = logging.getLogger("sluice.upstream")
 
@@ -42,27 +44,28 @@ def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> 
 
 
 class UpstreamReplica:
-    """One upstream server: its httpx pool, and a semaphore that keeps requests out of it.
+    """One upstream server: its pool (upstream_pool.KeepAlivePool), and a semaphore that
+    bounds the requests in it.
 
-    httpcore #1093: a request cancelled while waiting for a pool slot leaks a connection in
-    CONNECTING state; enough of them and every request gets PoolTimeout. Waiting on our own
-    semaphore (never larger than the pool) first means nothing ever waits inside httpcore.
+    Waiting happens on the semaphore only, never inside the pool: a request that gets a slot
+    always gets a connection (an idle one, or a new one). That also keeps clear of httpcore
+    #1093 (a request cancelled while waiting in httpcore's own pool leaked a connection).
     """
 
     def __init__(self, url: str, settings: UpstreamConfig, *, socket_options: Any = None) -> None:
         self.url = url.rstrip("/")
         self.load = ReplicaLoad(self.url)
-        limits = httpx.Limits(
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_keepalive_connections,
+        # A TLS upstream keeps httpcore's own trio backend (it does the handshake); a plain
+        # one gets the lean socket stream (see upstream_pool).
+        backend = LeanTrioBackend() if self.url.startswith("http://") else None
+        self._pool = KeepAlivePool(
+            max_keepalive=settings.max_keepalive_connections,
             keepalive_expiry=settings.keepalive_expiry,
-        )
-        transport = httpx.AsyncHTTPTransport(
-            limits=limits, retries=0, socket_options=socket_options
+            socket_options=socket_options,
+            network_backend=backend,
         )
         # trust_env=False: an HTTP(S)_PROXY in the environment must not reroute model traffic.
-        self._transport = transport
-        self.client = httpx.AsyncClient(transport=transport, trust_env=False)
+        self.client = httpx.AsyncClient(transport=self._pool, trust_env=False)
         self.slots = trio.Semaphore(settings.max_connections)
 
     def endpoint_url(self, endpoint: Endpoint) -> str:
@@ -78,9 +81,7 @@ class UpstreamReplica:
 
     def pool_connections(self) -> list[Any]:
         """httpcore's connection objects in this pool (for tests and diagnostics)."""
-        # httpx exposes no public accessor for its pool; httpcore's is the one that matters.
-        pool = getattr(self._transport, "_pool", None)
-        return list(getattr(pool, "connections", []))
+        return self._pool.connections()
 
     async def aclose(self) -> None:
         await self.client.aclose()
