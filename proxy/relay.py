@@ -83,9 +83,22 @@ class RelaySink:
         including events still waiting for the client after the producer returned."""
         self._body.close_callbacks.append(callback)
 
+    def offer(self, chunk: bytes) -> bool:
+        """Queue a chunk if the channel has room now; False (nothing queued) if it is full."""
+        return offer_to(self._body.send_channel, chunk)
+
     async def send(self, chunk: bytes) -> None:
         """Queue a chunk for the client; block (bounded) while the client is not reading."""
         await send_within(self._body.send_channel, chunk, self._body.stall_timeout)
+
+
+def offer_to(channel: trio.MemorySendChannel[bytes], chunk: bytes) -> bool:
+    """Put ``chunk`` in a client's channel if there is room now; False if it is full."""
+    try:
+        channel.send_nowait(chunk)
+    except trio.WouldBlock:
+        return False
+    return True
 
 
 async def send_within(
@@ -110,6 +123,8 @@ class Sink(Protocol):
     def started(self) -> bool: ...
 
     def set_phase(self, phase: str) -> None: ...
+
+    def offer(self, chunk: bytes) -> bool: ...
 
     def begin(
         self,

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from contextlib import aclosing
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from importlib.metadata import version
+from typing import Any
 
+import httpcore
 import httpx
 import trio
 
@@ -29,7 +30,7 @@ from .openai import CompletionRequest, Endpoint
 from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from .routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
 from .sse import SSEProtocolError, SSESplitter, check_event, is_done
-from .upstream_pool import KeepAlivePool, LeanTrioBackend
+from .upstream_pool import KeepAlivePool, LeanTrioBackend, UpstreamResponse
 
 log = logging.getLogger("sluice.upstream")
 
@@ -37,6 +38,9 @@ log = logging.getLogger("sluice.upstream")
 _MAX_ERROR_BODY = 64 * 1024
 # Response headers of an upstream 4xx worth passing on to the client.
 _PASSED_ERROR_HEADERS = ("retry-after",)
+# The most an idle deadline fires after idle_timeout (see _relay_stream).
+_IDLE_SLACK = 1.0
+USER_AGENT = f"sluice/{version('sluice')}".encode()
 
 
 def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> ApiError:
@@ -64,15 +68,25 @@ class UpstreamReplica:
             socket_options=socket_options,
             network_backend=backend,
         )
-        # trust_env=False: an HTTP(S)_PROXY in the environment must not reroute model traffic.
-        self.client = httpx.AsyncClient(transport=self._pool, trust_env=False)
         self.slots = trio.Semaphore(settings.max_connections)
+        parsed = httpx.URL(self.url)
+        # Sent as the Host header (with the port unless it is the scheme's default).
+        self.host_header = parsed.netloc
+        # The request targets, parsed once: "http://host:8000" and "http://host:8000/v1" both
+        # name the server whose /v1/... endpoints we call.
+        root = httpx.URL(self.root_url)
+        self._targets = {
+            endpoint: httpcore.URL(
+                scheme=root.raw_scheme,
+                host=root.raw_host,
+                port=root.port,
+                target=root.raw_path.rstrip(b"/") + endpoint.value.encode(),
+            )
+            for endpoint in Endpoint
+        }
 
-    def endpoint_url(self, endpoint: Endpoint) -> str:
-        # Accept base URLs written either way: "http://host:8000" or "http://host:8000/v1".
-        if self.url.endswith("/v1"):
-            return self.url[:-3] + endpoint.value
-        return self.url + endpoint.value
+    def endpoint_url(self, endpoint: Endpoint) -> httpcore.URL:
+        return self._targets[endpoint]
 
     @property
     def root_url(self) -> str:
@@ -83,8 +97,12 @@ class UpstreamReplica:
         """httpcore's connection objects in this pool (for tests and diagnostics)."""
         return self._pool.connections()
 
+    @property
+    def pool(self) -> KeepAlivePool:
+        return self._pool
+
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self._pool.aclose()
 
 
 class UpstreamBackend:
@@ -110,22 +128,40 @@ class UpstreamBackend:
         self._relay = relay
         self._api_key = api_key
         self._metrics = metrics
-        self._timeout = httpx.Timeout(
-            connect=model.connect_timeout, read=None, write=model.connect_timeout, pool=None
-        )
-
-    def _headers(self, request: CompletionRequest, request_id: str) -> dict[str, str]:
-        # Built from scratch: nothing of the client's headers (its Authorization above all)
-        # reaches the upstream.
-        headers = {
-            "content-type": "application/json",
-            "accept": "text/event-stream" if request.stream else "application/json",
-            "accept-encoding": "identity",
-            "x-request-id": request_id,
+        # httpcore's per-request timeouts: reads are bounded by the relay's own deadlines.
+        self._extensions = {
+            "timeout": {
+                "connect": model.connect_timeout,
+                "read": None,
+                "write": model.connect_timeout,
+                "pool": None,
+            }
         }
-        if self._api_key:
-            headers["authorization"] = f"Bearer {self._api_key}"
-        return headers
+        self._authorization = f"Bearer {api_key}".encode() if api_key else None
+
+    def _request(
+        self, replica: UpstreamReplica, request: CompletionRequest, request_id: str
+    ) -> httpcore.Request:
+        # Headers built from scratch: nothing of the client's (its Authorization above all)
+        # reaches the upstream. The body is the client's bytes, as they came.
+        headers = [
+            (b"host", replica.host_header),
+            (b"user-agent", USER_AGENT),
+            (b"content-type", b"application/json"),
+            (b"accept", b"text/event-stream" if request.stream else b"application/json"),
+            (b"accept-encoding", b"identity"),
+            (b"content-length", str(len(request.raw)).encode()),
+            (b"x-request-id", request_id.encode()),
+        ]
+        if self._authorization is not None:
+            headers.append((b"authorization", self._authorization))
+        return httpcore.Request(
+            b"POST",
+            replica.endpoint_url(request.endpoint),
+            headers=headers,
+            content=request.raw,
+            extensions=self._extensions,
+        )
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         with trio.move_on_after(self.model.total_timeout):
@@ -290,19 +326,14 @@ class UpstreamBackend:
         request_id: str,
         sink: Sink,
     ) -> None:
-        url = replica.endpoint_url(request.endpoint)
         model = self.model
         first_token_deadline = (
             trio.current_time() + model.first_token_timeout if request.stream else math.inf
         )
         try:
             with trio.CancelScope(deadline=first_token_deadline) as read_scope:
-                async with replica.client.stream(
-                    "POST",
-                    url,
-                    content=request.raw,
-                    headers=self._headers(request, request_id),
-                    timeout=self._timeout,
+                async with replica.pool.stream(
+                    self._request(replica, request, request_id)
                 ) as response:
                     sink.set_phase("awaiting_first_token")
                     if response.status_code != 200:
@@ -356,7 +387,7 @@ class UpstreamBackend:
     async def _relay_stream(
         self,
         replica: UpstreamReplica,
-        response: httpx.Response,
+        response: UpstreamResponse,
         read_scope: trio.CancelScope,
         sink: Sink,
     ) -> None:
@@ -366,25 +397,33 @@ class UpstreamBackend:
                 f"answered a streaming request with content-type {content_type!r}"
             )
         idle_timeout = self.model.idle_timeout
+        # The idle deadline is moved only once it is closer than idle_timeout, and then to
+        # idle_timeout + slack from now: a stream is cut between idle_timeout and
+        # idle_timeout + slack after its last chunk, and a deadline change (a context manager
+        # and a heap push in trio) happens about once per slack, not per chunk.
+        slack = min(idle_timeout / 10, _IDLE_SLACK)
         splitter = SSESplitter(self._relay.max_event_bytes)
         saw_done = False
-        # aclosing: an error mid-stream must close the generator now, not at garbage collection.
-        async with aclosing(_raw_chunks(response)) as chunks:
-            async for chunk in chunks:
-                events = splitter.feed(chunk)
-                if not events:
-                    continue
-                if not sink.started:
-                    check_event(events[0])
-                    sink.begin(200, SSE_CONTENT_TYPE)
-                # While we wait on the client, the upstream is not the one being idle.
-                read_scope.deadline = math.inf
-                for event in events:
-                    check_event(event)
-                    if is_done(event):
-                        saw_done = True
+        async for chunk in response.chunks():
+            events = splitter.feed(chunk)
+            if not events:
+                continue
+            if not sink.started:
+                check_event(events[0])
+                sink.begin(200, SSE_CONTENT_TYPE)
+            for event in events:
+                check_event(event)
+                if is_done(event):
+                    saw_done = True
+                if not sink.offer(event):
+                    # Waiting on the client now: the upstream is not the one being idle.
+                    read_scope.deadline = math.inf
                     await sink.send(event)
-                read_scope.deadline = trio.current_time() + idle_timeout
+            # Outside [now + idle_timeout, now + idle_timeout + slack]: still the first-token
+            # deadline, inf after waiting on the client, or due for its move.
+            now = trio.current_time()
+            if not 0.0 <= read_scope.deadline - now - idle_timeout <= slack:
+                read_scope.deadline = now + idle_timeout + slack
         if not saw_done:
             raise upstream_error(
                 502,
@@ -393,14 +432,14 @@ class UpstreamBackend:
                 retryable=not sink.started,
             )
 
-    async def _relay_whole(self, response: httpx.Response, sink: Sink) -> None:
+    async def _relay_whole(self, response: UpstreamResponse, sink: Sink) -> None:
         body = await _read_bounded(response, self._relay.max_response_bytes)
         content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
         sink.begin(200, content_type, content_length=len(body))
         await sink.send(body)
 
     async def _relay_error_response(
-        self, replica: UpstreamReplica, response: httpx.Response, sink: Sink
+        self, replica: UpstreamReplica, response: UpstreamResponse, sink: Sink
     ) -> None:
         body = await _read_bounded(response, _MAX_ERROR_BODY)
         status = response.status_code
@@ -424,26 +463,19 @@ class UpstreamBackend:
         await sink.send(body)
 
 
-def _raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
-    # httpx types aiter_raw as an AsyncIterator; it is an async generator, and aclosing it is
-    # what ends the stream promptly when we stop early.
-    return cast(AsyncGenerator[bytes, None], response.aiter_raw())
-
-
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+async def _read_bounded(response: UpstreamResponse, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
-    async with aclosing(_raw_chunks(response)) as chunks:
-        async for chunk in chunks:
-            size += len(chunk)
-            if size > limit:
-                raise upstream_error(
-                    502,
-                    "upstream_response_too_large",
-                    f"the upstream response exceeds this proxy's limit of {limit} bytes",
-                    retryable=False,
-                )
-            parts.append(chunk)
+    async for chunk in response.chunks():
+        size += len(chunk)
+        if size > limit:
+            raise upstream_error(
+                502,
+                "upstream_response_too_large",
+                f"the upstream response exceeds this proxy's limit of {limit} bytes",
+                retryable=False,
+            )
+        parts.append(chunk)
     return b"".join(parts)
 
 
@@ -496,6 +528,9 @@ class _Entrant:
             self.race.sink.begin(status, content_type, headers, content_length=content_length)
         else:
             self.scope.cancel()
+
+    def offer(self, chunk: bytes) -> bool:
+        return self.race.winner is self and self.race.sink.offer(chunk)
 
     async def send(self, chunk: bytes) -> None:
         if self.race.winner is self:

@@ -231,22 +231,41 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         return [*self._busy, *self._idle]
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """As an httpx transport (health checks, tests)."""
+        url = request.url
+        response, body = await self.send(
+            httpcore.Request(
+                method=request.method,
+                url=httpcore.URL(
+                    scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
+                ),
+                headers=request.headers.raw,
+                content=request.stream,
+                extensions=request.extensions,
+            )
+        )
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.headers,
+            stream=body,
+            extensions=response.extensions,
+        )
+
+    def stream(self, request: httpcore.Request) -> Exchange:
+        """``async with pool.stream(request) as response``: the relay's way in, without the
+        httpx client's per-request machinery (URL and header models, auth and redirect flows,
+        cookies, three more wrappers per body chunk). Errors are httpx's all the same."""
+        return Exchange(self, request)
+
+    async def send(self, request: httpcore.Request) -> tuple[httpcore.Response, PooledBody]:
+        """Send ``request`` on an idle connection or a new one; the response's body gives the
+        connection back when it is closed."""
         if self._closed:
             raise RuntimeError("the upstream pool is closed")
-        url = request.url
-        core_request = httpcore.Request(
-            method=request.method,
-            url=httpcore.URL(
-                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
-            ),
-            headers=request.headers.raw,
-            content=request.stream,
-            extensions=request.extensions,
-        )
-        connection = await self._take(core_request.url.origin)
+        connection = await self._take(request.url.origin)
         self._busy.add(connection)
         try:
-            response = await connection.handle_async_request(core_request)
+            response = await connection.handle_async_request(request)
         except BaseException as error:
             # Whatever state it is in (httpcore closes a connection whose exchange failed or
             # was cancelled), it serves nobody else.
@@ -254,12 +273,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
             if isinstance(error, _CORE_ERRORS):
                 raise as_httpx_error(error) from None
             raise
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.headers,
-            stream=_PooledBody(self, connection, response.stream),
-            extensions=response.extensions,
-        )
+        return response, PooledBody(self, connection, response.stream)
 
     async def _take(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection:
         idle = self._idle
@@ -305,7 +319,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
             await self._close(connection)
 
 
-class _PooledBody(httpx.AsyncByteStream):
+class PooledBody(httpx.AsyncByteStream):
     """A response body that gives its connection back to the pool when closed."""
 
     def __init__(
@@ -317,12 +331,14 @@ class _PooledBody(httpx.AsyncByteStream):
         self._pool = pool
         self._connection = connection
         self._stream = stream
+        self._chunks: Any = None
         self._released = False
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         # An iterator object, not an async generator: nothing of ours is left for the garbage
         # collector to finalize when a relay stops reading mid-stream.
-        return _Chunks(self._stream.__aiter__())
+        self._chunks = self._stream.__aiter__()
+        return _Chunks(self._chunks)
 
     async def aclose(self) -> None:
         if self._released:
@@ -334,9 +350,52 @@ class _PooledBody(httpx.AsyncByteStream):
         with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
             try:
                 with contextlib.suppress(httpcore.NetworkError, httpcore.ProtocolError):
+                    if self._chunks is not None and hasattr(self._chunks, "aclose"):
+                        # httpcore's body generator, finalized now rather than by the GC.
+                        await self._chunks.aclose()
                     await self._stream.aclose()
             finally:
                 await self._pool.release(self._connection)
+
+
+class UpstreamResponse:
+    """What the relay reads of an upstream response: status, headers, body chunks."""
+
+    __slots__ = ("_body", "headers", "status_code")
+
+    def __init__(self, response: httpcore.Response, body: PooledBody) -> None:
+        self.status_code = response.status
+        # Lower-case names; of a repeated header the last value (the relay reads only
+        # single-valued ones: content-type, retry-after).
+        self.headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in response.headers
+        }
+        self._body = body
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, chunk by chunk (transfer framing removed, no decoding)."""
+        return self._body.__aiter__()
+
+
+class Exchange:
+    """One request on a pool, as an async context manager: the response is closed when the
+    block ends, however it ends (its connection kept if fully read, else closed)."""
+
+    __slots__ = ("_body", "_pool", "_request")
+
+    def __init__(self, pool: KeepAlivePool, request: httpcore.Request) -> None:
+        self._pool = pool
+        self._request = request
+        self._body: PooledBody | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        response, self._body = await self._pool.send(self._request)
+        return UpstreamResponse(response, self._body)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._body is not None
+        await self._body.aclose()
 
 
 class _Chunks:

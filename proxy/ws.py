@@ -26,7 +26,7 @@ from quart import websocket
 
 from .errors import ApiError, bad_request, model_not_found
 from .openai import Endpoint, parse_completion_request
-from .relay import ClientStalled, send_within
+from .relay import ClientStalled, offer_to, send_within
 from .sse import SSESplitter, is_done
 
 if TYPE_CHECKING:
@@ -76,6 +76,9 @@ class WebSocketSink:
         content_length: int | None = None,
     ) -> None:
         self.status = status
+
+    def offer(self, chunk: bytes) -> bool:
+        return offer_to(self.send_channel, chunk)
 
     async def send(self, chunk: bytes) -> None:
         await send_within(self.send_channel, chunk, self.stall_timeout)
