@@ -3,9 +3,9 @@
 Quart sends ``http.response.start`` (status and headers) before it enters the response body.
 A relay only knows its status once the producer has reached the upstream: whether the stream
 started (200), the upstream refused (502), or timed out (504). So for a :class:`RelayBody`, the
-body is entered first (starting its producer and waiting for the head), then the head is sent.
-hypercorn writes nothing to the socket before the first body event anyway, so this costs the
-client no latency.
+body is entered first (starting its producer and waiting for the head), then the head is sent;
+the head is ready the moment the upstream's first event is, so this costs the client no latency.
+The body's chunks then go out through chunk_writer where it applies.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
+from . import chunk_writer
 from .relay import RelayBody
 
 log = logging.getLogger("sluice.asgi")
@@ -50,20 +51,22 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             response.status_code = body.status
             for name, value in body.headers.items():
                 response.headers[name] = value
+            headers = encode_headers(response.headers)
             await send(
                 cast(
                     Any,
-                    {
-                        "type": "http.response.start",
-                        "status": body.status,
-                        "headers": encode_headers(response.headers),
-                    },
+                    {"type": "http.response.start", "status": body.status, "headers": headers},
                 )
             )
-            async for chunk in body:
-                await send(
-                    cast(Any, {"type": "http.response.body", "body": chunk, "more_body": True})
-                )
+            writer = chunk_writer.attach(send, headers)
+            if writer is not None:
+                async for chunk in body:
+                    await writer.write(chunk)
+            else:
+                async for chunk in body:
+                    await send(
+                        cast(Any, {"type": "http.response.body", "body": chunk, "more_body": True})
+                    )
         await send(cast(Any, {"type": "http.response.body", "body": b"", "more_body": False}))
 
 

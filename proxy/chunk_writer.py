@@ -1,0 +1,95 @@
+"""Writing a relayed stream's body chunks straight to the client's socket, under hypercorn.
+
+Each body chunk sent through ASGI costs hypercorn an ``app_send`` state check, a ``Body``
+event, an h11 ``Data`` event framed by h11's ChunkedWriter, a ``RawData`` event, a lock, a
+shielded cancel scope and trio's ``send_all`` (which ends in a full scheduler round trip). In the
+hot-path profile that was a quarter of the proxy's CPU, for what is, once the response head is
+out, one ``write`` of ``<hex length>\\r\\n<chunk>\\r\\n`` per chunk.
+
+:class:`ChunkWriter` writes that frame itself, with one non-blocking ``write`` on the socket,
+when nothing else is writing on the connection (hypercorn's send lock is free); whatever the
+kernel does not take at once (a slow reader) goes through hypercorn's own ``protocol_send``,
+which waits for the socket, serializes with hypercorn's writers and handles a broken
+connection as always. Only chunked HTTP/1.1 responses qualify: h11 keeps no per-chunk state
+for them, so the head (before) and the final ``0\\r\\n\\r\\n`` (after, through ASGI) stay
+hypercorn's and h11's, and h11's view of the connection stays true. Anything else (HTTP/2, TLS,
+HTTP/1.0, a Content-Length body, a hypercorn whose layout differs) gets ``None`` from
+:func:`attach`, and the caller uses ASGI ``send`` as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import h11
+import trio
+from hypercorn.events import RawData
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.trio.tcp_server import TCPServer
+
+log = logging.getLogger("sluice.chunk_writer")
+
+
+def chunk_frame(chunk: bytes) -> bytes:
+    """One chunk of HTTP/1.1 chunked transfer coding, as h11's ChunkedWriter frames it."""
+    return b"%x\r\n%b\r\n" % (len(chunk), chunk)
+
+
+class ChunkWriter:
+    """Writes body chunks of one chunked HTTP/1.1 response on hypercorn's connection."""
+
+    __slots__ = ("_server", "_socket")
+
+    def __init__(self, server: TCPServer, sock: Any) -> None:
+        self._server = server
+        self._socket = sock
+
+    async def write(self, chunk: bytes) -> None:
+        if not chunk:
+            return  # an empty chunk would end the body
+        frame = chunk_frame(chunk)
+        server = self._server
+        # The descriptor is looked up per write: after hypercorn (or asgi.abort_transport)
+        # closes the socket it reads -1, and a stale number could name someone else's socket.
+        fd = self._socket.fileno()
+        if fd >= 0 and not server.send_lock.locked():
+            try:
+                sent = os.write(fd, frame)
+            except OSError:
+                # Full (BlockingIOError) or broken: hypercorn's path waits, or closes.
+                sent = 0
+            if sent == len(frame):
+                return
+            frame = frame[sent:]
+        await server.protocol_send(RawData(data=frame))
+
+
+def attach(send: Any, headers: list[tuple[bytes, bytes]]) -> ChunkWriter | None:
+    """A :class:`ChunkWriter` for the response whose head was just sent through ``send``
+    (hypercorn's ASGI send) with ``headers``, or None where the fast path does not apply."""
+    if any(name.lower() == b"content-length" for name, _ in headers):
+        return None
+    stream = getattr(send, "__self__", None)
+    if not isinstance(stream, HTTPStream):
+        return None
+    protocol = getattr(getattr(stream, "send", None), "__self__", None)
+    if not isinstance(protocol, H11Protocol):
+        return None
+    server = getattr(getattr(protocol, "send", None), "__self__", None)
+    if not isinstance(server, TCPServer):
+        return None
+    transport: Any = server.stream  # typed as an SSLStream; a SocketStream without TLS
+    if not isinstance(transport, trio.SocketStream):
+        return None  # TLS
+    connection = protocol.connection
+    if (
+        not isinstance(connection, h11.Connection)
+        or connection.our_state is not h11.SEND_BODY
+        or connection.their_http_version != b"1.1"
+    ):
+        # No head sent yet, or close-delimited framing for an HTTP/1.0 client.
+        return None
+    return ChunkWriter(server, transport.socket)
