@@ -60,8 +60,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             )
             writer = chunk_writer.attach(send, headers)
             if writer is not None:
-                async for chunk in body:
-                    await writer.write(chunk)
+                await body.write_through(writer)
             else:
                 async for chunk in body:
                     await send(

@@ -41,30 +41,52 @@ def chunk_frame(chunk: bytes) -> bytes:
 class ChunkWriter:
     """Writes body chunks of one chunked HTTP/1.1 response on hypercorn's connection."""
 
-    __slots__ = ("_server", "_socket")
+    __slots__ = ("_pending", "_server", "_socket")
 
     def __init__(self, server: TCPServer, sock: Any) -> None:
         self._server = server
         self._socket = sock
+        # The tail of a frame the socket took only part of (write_nowait); written first.
+        self._pending = b""
 
-    async def write(self, chunk: bytes) -> None:
-        if not chunk:
-            return  # an empty chunk would end the body
-        frame = chunk_frame(chunk)
-        server = self._server
+    def _write_now(self, frame: bytes) -> int:
+        """Bytes of ``frame`` the kernel took at once: 0 while hypercorn is writing (its lock
+        is held), on a full socket, or on a closed or broken one."""
         # The descriptor is looked up per write: after hypercorn (or asgi.abort_transport)
         # closes the socket it reads -1, and a stale number could name someone else's socket.
         fd = self._socket.fileno()
-        if fd >= 0 and not server.send_lock.locked():
-            try:
-                sent = os.write(fd, frame)
-            except OSError:
-                # Full (BlockingIOError) or broken: hypercorn's path waits, or closes.
-                sent = 0
-            if sent == len(frame):
-                return
-            frame = frame[sent:]
-        await server.protocol_send(RawData(data=frame))
+        if fd < 0 or self._server.send_lock.locked():
+            return 0
+        try:
+            return os.write(fd, frame)
+        except OSError:
+            # Full (BlockingIOError) or broken: hypercorn's path waits, or sees it closed.
+            return 0
+
+    def write_nowait(self, chunk: bytes) -> bool | None:
+        """Write ``chunk`` now if the socket takes any of it. True: all of it; None: part,
+        the rest pending for the next :meth:`write`; False: nothing (the caller queues it)."""
+        if self._pending or not chunk:
+            return False
+        frame = chunk_frame(chunk)
+        sent = self._write_now(frame)
+        if sent == len(frame):
+            return True
+        if sent == 0:
+            return False
+        self._pending = frame[sent:]
+        return None
+
+    async def write(self, chunk: bytes) -> None:
+        """Write what is pending and ``chunk`` (an empty chunk would end the body: skipped),
+        waiting for the socket through hypercorn when the kernel does not take it at once."""
+        frame = self._pending + chunk_frame(chunk) if chunk else self._pending
+        self._pending = b""
+        if not frame:
+            return
+        sent = self._write_now(frame)
+        if sent < len(frame):
+            await self._server.protocol_send(RawData(data=frame[sent:]))
 
 
 def attach(send: Any, headers: list[tuple[bytes, bytes]]) -> ChunkWriter | None:

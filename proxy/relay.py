@@ -84,12 +84,16 @@ class RelaySink:
         self._body.close_callbacks.append(callback)
 
     def offer(self, chunk: bytes) -> bool:
-        """Queue a chunk if the channel has room now; False (nothing queued) if it is full."""
-        return offer_to(self._body.send_channel, chunk)
+        """Hand a chunk on if that can be done now: written to the client's socket at once
+        (see RelayBody.write_through) or queued in the channel; False (nothing done) if the
+        channel is full."""
+        return self._body.offer(chunk)
 
     async def send(self, chunk: bytes) -> None:
         """Queue a chunk for the client; block (bounded) while the client is not reading."""
-        await send_within(self._body.send_channel, chunk, self._body.stall_timeout)
+        body = self._body
+        body.direct_ok = False
+        await send_within(body.send_channel, chunk, body.stall_timeout)
 
 
 def offer_to(channel: trio.MemorySendChannel[bytes], chunk: bytes) -> bool:
@@ -139,6 +143,20 @@ class Sink(Protocol):
 
 
 Producer = Callable[[RelaySink], Awaitable[None]]
+
+
+class DirectWriter(Protocol):
+    """Writes body chunks to the client's connection (chunk_writer.ChunkWriter)."""
+
+    def write_nowait(self, chunk: bytes) -> bool | None:
+        """Write ``chunk`` now, without waiting. True: all of it went out; None: part did and
+        the rest is pending, flushed by the next ``write``; False: nothing was written."""
+        ...
+
+    async def write(self, chunk: bytes) -> None:
+        """Write what is pending, then ``chunk`` (empty: only what is pending), waiting for
+        the socket as long as it takes."""
+        ...
 
 
 class RelayTracker:
@@ -268,6 +286,11 @@ class RelayBody(ResponseBody):
         self.events_out = 0
         self._sse = False
         self._last_write: float | None = None
+        # The write-through hand-off (see write_through): the writer, and whether the producer
+        # may use it now. Only the body sets direct_ok (True), when nothing is queued or being
+        # written; anything queued through the channel clears it first.
+        self._writer: DirectWriter | None = None
+        self.direct_ok = False
 
     # -- what the producer drives (through RelaySink) --------------------------------------
 
@@ -405,8 +428,13 @@ class RelayBody(ResponseBody):
         return self
 
     async def __anext__(self) -> bytes:
+        receive_channel = self._receive_channel
+        if self._writer is not None and not receive_channel.statistics().current_buffer_used:
+            # Everything before is written and nothing waits: until something is queued, the
+            # producer may write its chunks itself (offer).
+            self.direct_ok = True
         try:
-            chunk = await self._receive_channel.receive()
+            chunk = await receive_channel.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
         # Events that are already waiting go out in one write: under load this turns many
@@ -414,7 +442,7 @@ class RelayBody(ResponseBody):
         parts: list[bytes] | None = None
         for _ in range(_MAX_COALESCE):
             try:
-                more = self._receive_channel.receive_nowait()
+                more = receive_channel.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
             if parts is None:
@@ -422,23 +450,58 @@ class RelayBody(ResponseBody):
             parts.append(more)
         if parts is not None:
             chunk = b"".join(parts)
-        if self._sse:
-            # Per write, not per event (a coalesced burst is one write, one gap): a clock read,
-            # a bisect on a 13-tuple and a byte scan in C; the metrics take it in at close.
-            now = self._now()
-            last = self._last_write
-            self._last_write = now
-            if last is None:
-                self.ttft = now - self.started_at
-            else:
-                self.gap_counts[bisect_left(_GAP_BOUNDS, now - last)] += 1
-            # Events start at the chunk's start or right after a newline, and a JSON payload
-            # holds no raw newline: this counts data lines, never token text. [DONE] ends the
-            # last write of a stream.
-            self.events_out += (
-                chunk.count(b"\ndata:") + chunk.startswith(b"data:") - chunk.endswith(b"[DONE]\n\n")
-            )
+        if self._sse and chunk:
+            self._account(chunk)
         return chunk
+
+    def _account(self, chunk: bytes) -> None:
+        """Per write, not per event (a coalesced burst is one write, one gap): a clock read,
+        a bisect on a 13-tuple and a byte scan in C; the metrics take it in at close."""
+        now = self._now()
+        last = self._last_write
+        self._last_write = now
+        if last is None:
+            self.ttft = now - self.started_at
+        else:
+            self.gap_counts[bisect_left(_GAP_BOUNDS, now - last)] += 1
+        # Events start at the chunk's start or right after a newline, and a JSON payload
+        # holds no raw newline: this counts data lines, never token text. [DONE] ends the
+        # last write of a stream.
+        self.events_out += (
+            chunk.count(b"\ndata:") + chunk.startswith(b"data:") - chunk.endswith(b"[DONE]\n\n")
+        )
+
+    def offer(self, chunk: bytes) -> bool:
+        """The producer's non-blocking hand-off (RelaySink.offer)."""
+        if self.direct_ok:
+            assert self._writer is not None
+            written = self._writer.write_nowait(chunk)
+            if written is not False:
+                if self._sse:
+                    self._account(chunk)
+                if written is None:
+                    # Part of it is pending: wake the body (an empty chunk) to flush it.
+                    self.direct_ok = False
+                    self.send_channel.send_nowait(b"")
+                return True
+        self.direct_ok = False
+        return offer_to(self.send_channel, chunk)
+
+    async def write_through(self, writer: DirectWriter) -> None:
+        """Send the body with ``writer``, letting the producer write a chunk straight to the
+        socket when the body is idle (nothing queued, nothing being written): under no
+        backpressure a token then costs no wake-up of the body's task. Order holds because
+        the producer writes only while the body waits on an empty channel, and whatever the
+        socket does not take goes back through the channel; backpressure holds because a
+        full socket refuses the direct write, and the channel fills as before."""
+        self._writer = writer
+        try:
+            async for chunk in self:
+                await writer.write(chunk)
+            await writer.write(b"")  # anything still pending, before the body ends
+        finally:
+            self._writer = None
+            self.direct_ok = False
 
     @property
     def gap_sum(self) -> float:
