@@ -271,7 +271,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
             # was cancelled), it serves nobody else.
             await self._discard(connection)
             if isinstance(error, _CORE_ERRORS):
-                raise as_httpx_error(error) from None
+                raise as_httpx_error(error) from error
             raise
         return response, PooledBody(self, connection, response.stream)
 
@@ -413,4 +413,4 @@ class _Chunks:
         try:
             return await self._chunks.__anext__()
         except _CORE_ERRORS as error:
-            raise as_httpx_error(error) from None
+            raise as_httpx_error(error) from error
