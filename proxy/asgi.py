@@ -31,13 +31,19 @@ log = logging.getLogger("sluice.asgi")
 
 class RelayHTTPConnection(TrioASGIHTTPConnection):
     disconnected_at: float | None = None
+    relay_body: RelayBody | None = None
 
     async def handle_messages(  # type: ignore[override]
         self, nursery: trio.Nursery, request: Any, receive: ASGIReceiveCallable
     ) -> None:
-        # As quart-trio's, plus a timestamp: the start of cancel propagation, for metrics.
+        # As quart-trio's, plus a timestamp (the start of cancel propagation, for metrics) and
+        # the relay's disconnect hook.
         await ASGIHTTPConnection.handle_messages(self, request, receive)
         self.disconnected_at = trio.current_time()
+        if self.relay_body is not None:
+            # Before the cancellation: the upstream connection is shut down in this step, not
+            # when the producer's task gets its turn to unwind (a saturated scheduler's turn).
+            self.relay_body.client_disconnected()
         nursery.cancel_scope.cancel()
 
     async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
@@ -46,6 +52,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             await super()._send_response(send, response)
             return
         body.disconnected_at = lambda: self.disconnected_at
+        self.relay_body = body
         body.abort_connection = lambda: abort_transport(send)
         async with body:
             response.status_code = body.status

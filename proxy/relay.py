@@ -89,6 +89,12 @@ class RelaySink:
         channel is full."""
         return self._body.offer(chunk)
 
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` at once (synchronously, before any task unwinds) if the client
+        disconnects while the producer is still at work: to shut the upstream connection down
+        in the same scheduler step that saw the disconnect. It must be safe to call late."""
+        self._body.disconnect_callbacks.append(callback)
+
     async def send(self, chunk: bytes) -> None:
         """Queue a chunk for the client; block (bounded) while the client is not reading."""
         body = self._body
@@ -129,6 +135,8 @@ class Sink(Protocol):
     def set_phase(self, phase: str) -> None: ...
 
     def offer(self, chunk: bytes) -> bool: ...
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None: ...
 
     def begin(
         self,
@@ -273,6 +281,8 @@ class RelayBody(ResponseBody):
         self.abort_connection: Callable[[], None] = lambda: None
         # Registered by the producer (RelaySink.on_close); run when the body closes.
         self.close_callbacks: list[Callable[[], None]] = []
+        # Registered by the producer (RelaySink.on_disconnect); run by client_disconnected.
+        self.disconnect_callbacks: list[Callable[[], None]] = []
         # The access log line, written when the body closes (None: no line).
         self.access = access
         # Accounting of a streamed (200, text/event-stream) response, kept by __anext__ once
@@ -392,6 +402,7 @@ class RelayBody(ResponseBody):
             if self.cancelled:
                 started = self.disconnected_at() or exit_started
                 self.cancel_seconds = trio.current_time() - started
+            self.disconnect_callbacks.clear()
             for callback in self.close_callbacks:
                 callback()
             if self.tracker is not None:
@@ -406,6 +417,15 @@ class RelayBody(ResponseBody):
                     events=self.events_out,
                 )
         return suppressed
+
+    def client_disconnected(self) -> None:
+        """The HTTP layer saw the client go: let the producer's work stop now (its callbacks
+        shut the upstream connection down), ahead of the cancellation that follows."""
+        if self._producer_finished:
+            return
+        callbacks, self.disconnect_callbacks = self.disconnect_callbacks, []
+        for callback in callbacks:
+            callback()
 
     @property
     def final_status(self) -> int:

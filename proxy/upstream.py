@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
 from typing import Any
 
@@ -335,6 +335,7 @@ class UpstreamBackend:
                 async with replica.pool.stream(
                     self._request(replica, request, request_id)
                 ) as response:
+                    sink.on_disconnect(response.abort)
                     sink.set_phase("awaiting_first_token")
                     if response.status_code != 200:
                         await self._relay_error_response(replica, response, sink)
@@ -531,6 +532,10 @@ class _Entrant:
 
     def offer(self, chunk: bytes) -> bool:
         return self.race.winner is self and self.race.sink.offer(chunk)
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        # Every attempt works for the same client: each is shut down if it leaves.
+        self.race.sink.on_disconnect(callback)
 
     async def send(self, chunk: bytes) -> None:
         if self.race.winner is self:

@@ -269,7 +269,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         except BaseException as error:
             # Whatever state it is in (httpcore closes a connection whose exchange failed or
             # was cancelled), it serves nobody else.
-            await self._discard(connection)
+            await self.discard(connection)
             if isinstance(error, _CORE_ERRORS):
                 raise as_httpx_error(error) from error
             raise
@@ -301,7 +301,8 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         else:
             await self._close(connection)
 
-    async def _discard(self, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def discard(self, connection: httpcore.AsyncHTTPConnection) -> None:
+        """Close a connection taken from this pool, whatever its state."""
         self._busy.discard(connection)
         await self._close(connection)
 
@@ -333,12 +334,25 @@ class PooledBody(httpx.AsyncByteStream):
         self._stream = stream
         self._chunks: Any = None
         self._released = False
+        self._aborted = False
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         # An iterator object, not an async generator: nothing of ours is left for the garbage
         # collector to finalize when a relay stops reading mid-stream.
         self._chunks = self._stream.__aiter__()
         return _Chunks(self._chunks)
+
+    def abort(self, network_stream: Any) -> None:
+        """Shut the connection down now, from any task: the upstream sees the close at once
+        (and a server like vLLM aborts the generation) while this request's task has yet to
+        unwind. A no-op once the body is closed: the connection may serve another request."""
+        if self._released or self._aborted:
+            return
+        self._aborted = True
+        sock = network_stream.get_extra_info("socket") if network_stream is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     async def aclose(self) -> None:
         if self._released:
@@ -355,16 +369,21 @@ class PooledBody(httpx.AsyncByteStream):
                         await self._chunks.aclose()
                     await self._stream.aclose()
             finally:
-                await self._pool.release(self._connection)
+                if self._aborted:
+                    await self._pool.discard(self._connection)
+                else:
+                    await self._pool.release(self._connection)
 
 
 class UpstreamResponse:
     """What the relay reads of an upstream response: status, headers, body chunks."""
 
-    __slots__ = ("_body", "headers", "status_code")
+    __slots__ = ("_body", "_network_stream", "headers", "status_code")
 
     def __init__(self, response: httpcore.Response, body: PooledBody) -> None:
         self.status_code = response.status
+        # httpcore's HTTP/1.1 responses name their connection's stream (for upgrades).
+        self._network_stream = response.extensions.get("network_stream")
         # Lower-case names; of a repeated header the last value (the relay reads only
         # single-valued ones: content-type, retry-after).
         self.headers = {
@@ -372,6 +391,10 @@ class UpstreamResponse:
             for name, value in response.headers
         }
         self._body = body
+
+    def abort(self) -> None:
+        """Shut this response's connection down now (see PooledBody.abort)."""
+        self._body.abort(self._network_stream)
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, chunk by chunk (transfer framing removed, no decoding)."""

@@ -80,6 +80,9 @@ class WebSocketSink:
     def offer(self, chunk: bytes) -> bool:
         return offer_to(self.send_channel, chunk)
 
+    def on_disconnect(self, callback: Any) -> None:
+        pass  # a WebSocket's close (or cancel message) cancels the producer directly
+
     async def send(self, chunk: bytes) -> None:
         await send_within(self.send_channel, chunk, self.stall_timeout)
 
