@@ -1156,6 +1156,8 @@ def _errors_line(summaries: dict[str, RunSummary]) -> str:
 def _title(report: BenchReport) -> str:
     settings = report.settings
     title = f"{settings.streams} streams"
+    if settings.workers > 1:
+        title += f", proxy with {settings.workers} workers"
     if settings.slow:
         title += f", {settings.slow:.0%} slow readers"
     others = [mode for mode in report.summaries if mode != "proxy"]
@@ -1430,6 +1432,7 @@ class BenchSettings:
     peer_pid: int | None = None
     model: str = "fake-model"
     progress: bool = True
+    workers: int = 1  # worker processes of the proxy the bench starts
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -1438,6 +1441,10 @@ class BenchSettings:
             raise BenchError("--tokens must be >= 1")
         if self.repeat < 1:
             raise BenchError("--repeat must be >= 1")
+        if self.workers < 1:
+            raise BenchError("--workers must be >= 1")
+        if self.workers > 1 and self.target is not None:
+            raise BenchError("--workers applies to the proxy the bench starts, not --target")
         for name in ("ramp", "ttft", "interval", "slow_delay", "grace"):
             value = getattr(self, name)
             if not (0 <= value < math.inf):
@@ -1501,6 +1508,8 @@ class BenchSettings:
             parts.append(", ".join(buffers))
         if self.event_pad:
             parts.append(f"events padded by {self.event_pad} B")
+        if self.workers > 1:
+            parts.append(f"proxy with {self.workers} workers")
         if self.repeat > 1:
             parts.append(f"{self.repeat} repeats pooled")
         return "; ".join(parts)
@@ -1536,6 +1545,8 @@ class BenchSettings:
                 extra.append(f"{short}={getattr(self, name)}")
         if self.baseline:
             extra.append("baseline=1")
+        if self.workers > 1:
+            extra.append(f"workers={self.workers}")
         if self.peer is not None:
             extra.append("peer=1")
         return "".join(" " + part for part in extra)
@@ -2006,6 +2017,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 _write_text(config, _proxy_config(proxy[1], upstream_url, settings))
                 log = workdir / "proxy.log"
                 argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+                if settings.workers > 1:
+                    argv += ["--workers", str(settings.workers)]
                 process = await nursery.start(_supervise, "proxy", argv, log)
                 proxy_pid = pids["proxy"] = process.pid
                 await _wait_ready("proxy", proxy, "/healthz", log)
@@ -2133,6 +2146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--peer-pid", type=int, help="with --peer URL: its PID, for CPU and RSS figures")
     add("--model", default=d.model, help="model name to request")
+    add(
+        "--workers",
+        type=int,
+        default=d.workers,
+        help="worker processes of the proxy the bench starts (its CPU and RSS: all of them)",
+    )
     add("--json", type=Path, help="write every figure as JSON here")
     add("--markdown", type=Path, help="write (or replace) this load's section in this file")
     add(
@@ -2173,6 +2192,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         peer=args.peer,
         peer_pid=args.peer_pid,
         model=args.model,
+        workers=args.workers,
         progress=not args.quiet,
     )
 

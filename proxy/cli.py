@@ -34,7 +34,7 @@ async def load_local_models(config: Config) -> dict[str, Any]:
 
 async def _serve(args: argparse.Namespace) -> None:
     from .app import create_app
-    from .server import serve_until_signalled
+    from .server import serve_until_signalled, tune_gc
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
     # Checked here too (serve checks it again): before a model takes seconds to load, and
@@ -44,6 +44,7 @@ async def _serve(args: argparse.Namespace) -> None:
     # with one clear line instead of a server that cannot answer.
     local_models = await load_local_models(config)
     app = create_app(config, local_models=local_models)
+    tune_gc()
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(serve_until_signalled, app, config)
         announce(config, binds)

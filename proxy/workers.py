@@ -41,7 +41,7 @@ def _worker_main(
     from .app import create_app
     from .cli import configure_logging, load_local_models
     from .config import load_config
-    from .server import serve_until_signalled
+    from .server import serve_until_signalled, tune_gc
 
     # Our own process group: a terminal's Ctrl-C reaches the parent only, which forwards it
     # once, so the first signal drains and only a second one cancels.
@@ -52,6 +52,7 @@ def _worker_main(
     async def run() -> None:
         local_models = await load_local_models(config)
         app = create_app(config, local_models=local_models)
+        tune_gc()
         await serve_until_signalled(app, config, sockets=sockets)
 
     trio.run(run)

@@ -758,3 +758,17 @@ def test_peer_column_ratio_and_json() -> None:
     assert "## 100 streams, proxy vs peer and direct" in section
     assert "| figure | proxy | peer | direct | proxy/peer | proxy/direct |" in section
     assert "- peer: the FastAPI + httpx gateway" in section
+
+
+def test_workers_start_a_multi_process_proxy_and_get_their_own_section() -> None:
+    two = BenchSettings(workers=2)
+    # A separate section of the markdown file: one worker's figures are not overwritten.
+    assert two.key() == BenchSettings().key() + " workers=2"
+    assert "proxy with 2 workers" in two.describe()
+    with pytest.raises(BenchError, match="--workers"):
+        BenchSettings(workers=0)
+    with pytest.raises(BenchError, match="--target"):
+        BenchSettings(workers=2, target="http://127.0.0.1:8000")
+    args = argparse.ArgumentParser()
+    bench.add_arguments(args)
+    assert bench.settings_from_args(args.parse_args(["--workers", "2"])).workers == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,3 +38,20 @@ def test_missing_model_file_fails_before_serving(
     assert main(["serve", "--config", config]) == 2
     err = capsys.readouterr().err
     assert "model error" in err and "/nope/m.gguf" in err
+
+
+def test_a_serving_process_tunes_its_garbage_collector() -> None:
+    # In a child process: tune_gc changes the whole interpreter, which the test run must not.
+    code = (
+        "import gc\n"
+        "from proxy.server import tune_gc\n"
+        "before = gc.get_threshold()\n"
+        "tune_gc()\n"
+        "print(before[0], gc.get_threshold()[0], gc.get_freeze_count() > 0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    default, tuned, frozen = result.stdout.split()
+    assert int(tuned) > int(default)
+    assert frozen == "True"
