@@ -9,6 +9,7 @@ uses: the lean one (plain http:// upstreams) and httpcore's own trio backend (ht
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -599,3 +600,150 @@ async def test_lean_stream_read_timeout_and_close_wake_a_reader() -> None:
                     tasks.start_soon(read)
                     await trio.testing.wait_all_tasks_blocked()
                     await stream.aclose()
+
+
+def server_sees_eof_now(conn: ServerConnection) -> bool:
+    """Whether the kernel already holds the client's FIN for the server's side of ``conn``: a
+    peek through a duplicate of its descriptor, so no trio task runs (and so the client's
+    request task cannot have closed anything in the meantime)."""
+    stream_socket = conn.stream.socket
+    with socket.fromfd(stream_socket.fileno(), stream_socket.family, stream_socket.type) as peek:
+        try:
+            return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except ConnectionResetError:
+            return True
+
+
+def wait_for_eof_without_yielding(conn: ServerConnection) -> None:
+    """Block the whole trio run (at most CLOSE_BOUND) until the server's side sees EOF.
+    Loopback delivers a FIN within the shutdown call in practice; the loop only covers a kernel
+    that defers it. No checkpoint: every other task stays parked meanwhile."""
+    started = time.monotonic()
+    while not server_sees_eof_now(conn):
+        assert time.monotonic() - started < CLOSE_BOUND, "the server never saw the abort's FIN"
+        time.sleep(0.001)  # blocking on purpose: no other task may run
+
+
+async def test_abort_shuts_the_connection_down_under_a_parked_reader(
+    backend: str, nursery: trio.Nursery
+) -> None:
+    """response.abort() from another task (the relay's disconnect hook runs in hypercorn's
+    message task) closes the upstream's side at once, while the task reading the body is
+    still parked: that task then fails cleanly, and the connection is discarded."""
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, stop_mid_body)
+        async with pooled_client(backend) as (_, pool):
+            responses: list[UpstreamResponse] = []
+            reader_failed: list[BaseException] = []
+            leave = trio.Event()
+
+            async def request() -> None:
+                async with pool.stream(core_get(server.url)) as response:
+                    responses.append(response)
+                    chunks = response.chunks()
+                    assert await anext(chunks) == BODY
+                    try:
+                        await anext(chunks)  # parks: the server sends nothing more
+                    except httpx.TransportError as error:
+                        reader_failed.append(error)
+                    # Still inside the block: the body (and the connection) stay open until
+                    # the test has looked at the pool.
+                    await leave.wait()
+
+            async with trio.open_nursery() as tasks:
+                tasks.start_soon(request)
+                await _request_seen(server)
+                await trio.testing.wait_all_tasks_blocked()
+                (response,) = responses
+                (conn,) = server.connections
+                (connection,) = pool.connections()
+                sock = response._network_stream.get_extra_info("socket")
+                response.abort()
+                # The server sees EOF before any other task has run: the abort itself closed
+                # the upstream's side, not the request task unwinding (it is still parked).
+                wait_for_eof_without_yielding(conn)
+                assert sock.fileno() >= 0  # shut down, not closed: that is the task's job
+                assert pool.connections() == [connection]  # busy still
+                assert reader_failed == []
+                response.abort()  # twice: harmless
+                # Now the parked reader wakes: it reads the end of the stream mid-body, which
+                # is httpx's protocol error (not a hang, not some other exception), the one the
+                # relay maps to upstream_protocol_error.
+                await poll_until(lambda: reader_failed)
+                (error,) = reader_failed
+                assert isinstance(error, httpx.RemoteProtocolError), error
+                await conn.gone.wait()
+                assert pool.connections() == [connection]  # the block has not exited yet
+                leave.set()
+            # Aborted: discarded on the way out, never kept for another request.
+            assert pool.connections() == []
+            assert connection.is_closed()
+            response.abort()  # after the block: a no-op, still harmless
+
+
+async def test_abort_then_leaving_the_block_is_clean(backend: str, nursery: trio.Nursery) -> None:
+    """The relay's order: the hook aborts (here twice), then the cancellation unwinds the
+    request's task through the block; closing the shut-down connection raises nothing."""
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, stop_mid_body)
+        async with pooled_client(backend) as (_, pool):
+            with trio.CancelScope() as scope:
+                async with pool.stream(core_get(server.url)) as response:
+                    async for chunk in response.chunks():
+                        assert chunk == BODY
+                        response.abort()
+                        response.abort()
+                        scope.cancel()
+                        await trio.sleep_forever()  # cancelled at once: never sleeps
+            assert scope.cancelled_caught
+            assert pool.connections() == []
+            (conn,) = server.connections
+            await conn.gone.wait()
+
+
+async def test_abort_of_a_fully_read_response_still_discards_its_connection(
+    backend: str, nursery: trio.Nursery
+) -> None:
+    """httpcore would keep a fully read connection (idle, reusable), but once shut down it
+    serves nobody: an aborted body's connection is discarded, never pooled."""
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, keep_alive)
+        async with pooled_client(backend) as (_, pool):
+            async with pool.stream(core_get(server.url)) as response:
+                assert await read_body(response) == BODY
+                response.abort()
+            assert pool.connections() == []
+            await server.connections[0].gone.wait()
+            # The next request gets a fresh connection, and works.
+            async with pool.stream(core_get(server.url)) as response:
+                assert response.headers["x-conn"] == "1"
+                assert await read_body(response) == BODY
+            assert len(pool.connections()) == 1
+
+
+async def test_abort_after_the_block_exited_is_a_no_op(backend: str, nursery: trio.Nursery) -> None:
+    """A late abort (the disconnect hook of a request that already gave its connection back)
+    must not touch the connection: it may be serving another request by then."""
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, keep_alive)
+        async with pooled_client(backend) as (_, pool):
+            async with pool.stream(core_get(server.url)) as response:
+                assert await read_body(response) == BODY
+            (idle,) = pool.connections()
+            response.abort()
+            response.abort()
+            # Not shut down: the server holds no FIN, and the pool still has it, idle.
+            assert not server_sees_eof_now(server.connections[0])
+            assert pool.connections() == [idle]
+            assert idle.is_idle()
+            # The next request reuses it (a shut-down socket would read as expired, and the
+            # pool would open connection 1 instead) and succeeds.
+            async with pool.stream(core_get(server.url)) as response:
+                assert response.headers["x-conn"] == "0"
+                assert await read_body(response) == BODY
+            assert len(server.connections) == 1
+            assert server.connections[0].requests == 2
+            assert pool.connections() == [idle]
+            assert not server.connections[0].gone.is_set()

@@ -1,0 +1,271 @@
+"""The disconnect hook: the upstream connection is shut down in the step that sees the client go.
+
+When hypercorn reports ``http.disconnect``, RelayHTTPConnection calls the body's
+``client_disconnected()`` before it cancels the request; the callbacks a producer registered with
+``sink.on_disconnect`` run there, synchronously. The upstream producer registers its response's
+``abort`` (a SHUT_RDWR of the upstream socket), so the upstream sees the close without waiting
+for the producer's task to be scheduled and unwind.
+
+The RelayBody tests need no socket: virtual time. The end-to-end tests run a real proxy in front
+of the fake upstream on 127.0.0.1 (port 0), with a wrapper around ``PooledBody.abort`` that
+records each call.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpcore
+import httpx
+import pytest
+import trio
+
+from proxy.relay import RelayBody, RelaySink
+from proxy.upstream_pool import PooledBody
+from tests.support import (
+    DEADLINE,
+    Fake,
+    Proxy,
+    RawClient,
+    chat_body,
+    poll_until,
+    producer_tasks,
+    sse_payloads,
+    start_fake,
+    start_proxy,
+)
+
+CHAT = "/v1/chat/completions"
+
+# ------------------------------------------------------------------------- RelayBody alone
+
+
+def relay_body(produce: Callable[[RelaySink], Any]) -> RelayBody:
+    return RelayBody(produce, streaming=True, channel_capacity=4, stall_timeout=10)
+
+
+class Hook:
+    """A disconnect callback that counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+async def test_client_disconnected_runs_the_callback_once_synchronously(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    hook = Hook()
+    registered = trio.Event()
+
+    async def produce(sink: RelaySink) -> None:
+        sink.begin(200, "text/event-stream")
+        sink.on_disconnect(hook)
+        registered.set()
+        await trio.sleep_forever()  # at work: the upstream still streaming
+
+    body = relay_body(produce)
+    async with body:
+        await registered.wait()
+        body.client_disconnected()
+        # Synchronous: run before client_disconnected returned, with no checkpoint between
+        # (the point of the hook: the upstream is shut down in this very scheduler step).
+        assert hook.calls == 1
+        # Called again (a second disconnect report): the callback is not run twice.
+        body.client_disconnected()
+        assert hook.calls == 1
+        # The hook does not stop the producer itself: the cancellation that follows does.
+        assert producer_tasks() != []
+    assert body.cancelled
+    assert hook.calls == 1
+
+
+async def test_every_registered_callback_runs(autojump_clock: trio.abc.Clock) -> None:
+    """A retried or hedged request registers one abort per upstream attempt: each one runs."""
+    hooks = [Hook(), Hook()]
+    registered = trio.Event()
+
+    async def produce(sink: RelaySink) -> None:
+        for hook in hooks:
+            sink.on_disconnect(hook)
+        sink.begin(200, "text/event-stream")
+        registered.set()
+        await trio.sleep_forever()
+
+    body = relay_body(produce)
+    async with body:
+        await registered.wait()
+        body.client_disconnected()
+        assert [hook.calls for hook in hooks] == [1, 1]
+
+
+async def test_no_callback_once_the_producer_has_finished(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A producer that is done has given its upstream connection back (maybe to another
+    request by now): a disconnect while its last chunks are still going out runs nothing."""
+    hook = Hook()
+
+    async def produce(sink: RelaySink) -> None:
+        sink.begin(200, "text/event-stream")
+        sink.on_disconnect(hook)
+        await sink.send(b"data: last\n\n")
+
+    body = relay_body(produce)
+    async with body:
+        # Read to the end: the producer has returned (it is marked finished before the end
+        # of the stream is visible), while the body itself is still open.
+        assert [chunk async for chunk in body] == [b"data: last\n\n"]
+        assert body.disconnect_callbacks == [hook]  # still registered: the guard must hold
+        body.client_disconnected()
+        assert hook.calls == 0
+    assert not body.cancelled
+    assert hook.calls == 0
+
+
+async def test_no_callback_once_the_body_has_closed(autojump_clock: trio.abc.Clock) -> None:
+    """The producer was cancelled (never finished), and the body closed: a disconnect reported
+    after that (hypercorn reports one for every finished exchange) runs nothing."""
+    hook = Hook()
+    registered = trio.Event()
+
+    async def produce(sink: RelaySink) -> None:
+        sink.begin(200, "text/event-stream")
+        sink.on_disconnect(hook)
+        registered.set()
+        await trio.sleep_forever()
+
+    body = relay_body(produce)
+    async with body:
+        await registered.wait()
+    # Cancelled, not finished: only the close's clearing of the callbacks protects them.
+    assert body.cancelled
+    body.client_disconnected()
+    assert hook.calls == 0
+
+
+# ------------------------------------------------------------------- through a real proxy
+
+
+@dataclass
+class AbortCall:
+    """One call of PooledBody.abort, as the wrapper saw it."""
+
+    body: PooledBody
+    connection: httpcore.AsyncHTTPConnection
+    # The body had not been closed yet: the abort was not a late no-op.
+    body_open: bool
+    # Relay producer tasks alive at the call: the request's task had not unwound yet.
+    producers: int
+    # The upstream socket's TCP state right after the call (None: no socket).
+    tcp_state: int | None = None
+
+
+TCP_ESTABLISHED = 1  # linux/tcp_states.h; the first byte of struct tcp_info
+
+
+def tcp_state(network_stream: Any) -> int | None:
+    sock = network_stream.get_extra_info("socket") if network_stream is not None else None
+    if sock is None or sock.fileno() < 0:
+        return None
+    return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0])
+
+
+@pytest.fixture
+def abort_calls(monkeypatch: pytest.MonkeyPatch) -> list[AbortCall]:
+    calls: list[AbortCall] = []
+    original = PooledBody.abort
+
+    def abort(self: PooledBody, network_stream: Any) -> None:
+        call = AbortCall(self, self._connection, not self._released, len(producer_tasks()))
+        calls.append(call)
+        original(self, network_stream)
+        # Read synchronously, before any task runs: did this call itself shut the socket down?
+        call.tcp_state = tcp_state(network_stream)
+
+    monkeypatch.setattr(PooledBody, "abort", abort)
+    return calls
+
+
+async def request_works(proxy: Proxy, client: httpx.AsyncClient, model: str) -> None:
+    response = await client.post(proxy.url + CHAT, json=chat_body(model, fake={"ttft": 0}))
+    assert response.status_code == 200
+    assert sse_payloads(response.text)[-1] == "[DONE]"
+
+
+async def test_a_client_leaving_mid_stream_aborts_its_upstream_connection(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient, abort_calls: list[AbortCall]
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        (replica,) = proxy.state.replicas.values()
+        # A request that completes: the hook must not fire for it (its connection is kept).
+        await request_works(proxy, client, "fake-model")
+        await proxy.state.tracker.wait_idle()
+        assert abort_calls == []
+        (kept,) = replica.pool_connections()
+        # Then one whose client leaves mid-stream (it takes the kept connection: LIFO).
+        raw = await RawClient.post(
+            proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.02, "tokens": 1000})
+        )
+        await raw.read_until(b"data: ", count=3)
+        await raw.close()
+        await fake.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
+        left = fake.recorder.last()
+        assert left.outcome == "client_disconnected"
+        await proxy.state.tracker.wait_idle()
+        # The hook fired once, for this request, while its body was open and its producer
+        # still alive: the abort is what closed the upstream, ahead of the task's unwinding.
+        (call,) = abort_calls
+        assert call.body_open
+        assert call.producers == 1
+        assert call.connection is kept
+        # And the call itself shut the socket down (FIN sent: out of ESTABLISHED at once).
+        assert call.tcp_state not in (None, TCP_ESTABLISHED)
+        # Aborted, so discarded: the pool holds nothing that served the request.
+        assert call.connection not in replica.pool_connections()
+        assert call.connection.is_closed()
+        assert replica.pool_connections() == []
+        # The next request works, on a new upstream connection, and does not fire the hook.
+        await request_works(proxy, client, "fake-model")
+        assert fake.recorder.last().connection != left.connection
+        await proxy.state.tracker.wait_idle()
+        assert len(abort_calls) == 1
+        assert len(replica.pool_connections()) == 1
+
+
+async def test_a_client_leaving_a_hedged_request_aborts_every_attempt(
+    nursery: trio.Nursery, client: httpx.AsyncClient, abort_calls: list[AbortCall]
+) -> None:
+    """Both hedged attempts are waiting for their first token (headers received, so each has
+    registered its abort through its _Entrant) when the client leaves: both are shut down."""
+    with trio.fail_after(DEADLINE):
+        fakes = [await start_fake(nursery, ttft=30, interval=0.01, tokens=3) for _ in "ab"]
+        proxy = await start_proxy(
+            nursery, {"m": {"upstreams": [fake.url for fake in fakes], "hedge_after": 0.05}}
+        )
+        raw = await RawClient.post(proxy, CHAT, chat_body("m"))
+        for fake in fakes:
+            await fake.recorder.wait_for(lambda r: len(r.records) == 1)
+        (body,) = proxy.state.tracker.active
+        # Registered once each attempt has its response head (the fake sends it before the
+        # first token's wait).
+        await poll_until(lambda: len(body.disconnect_callbacks) == 2)
+        await raw.close()
+        for fake in fakes:
+            await fake.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
+            assert fake.recorder.last().outcome == "client_disconnected"
+        await proxy.state.tracker.wait_idle()
+        assert len(abort_calls) == 2
+        assert len({id(call.body) for call in abort_calls}) == 2  # one per attempt
+        assert all(call.body_open for call in abort_calls)
+        assert all(call.tcp_state not in (None, TCP_ESTABLISHED) for call in abort_calls)
+        for replica in proxy.state.replicas.values():
+            assert replica.pool_connections() == []
+        await request_works(proxy, client, "m")
+        assert len(abort_calls) == 2
