@@ -32,6 +32,9 @@ log = logging.getLogger("sluice.asgi")
 class RelayHTTPConnection(TrioASGIHTTPConnection):
     disconnected_at: float | None = None
     relay_body: RelayBody | None = None
+    # Set as the response's last message is sent: from then on an http.disconnect is
+    # hypercorn closing the stream behind that message, not the client leaving.
+    response_complete = False
 
     async def handle_messages(  # type: ignore[override]
         self, nursery: trio.Nursery, request: Any, receive: ASGIReceiveCallable
@@ -39,6 +42,13 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         # As quart-trio's, plus a timestamp (the start of cancel propagation, for metrics) and
         # the relay's disconnect hook.
         await ASGIHTTPConnection.handle_messages(self, request, receive)
+        if self.response_complete:
+            # hypercorn sends http.disconnect from inside the last send, then (Connection:
+            # close, HTTP/1.0) shuts the socket down, or (keep-alive) arms its idle timer.
+            # Cancelling here cancelled that work at its first checkpoint: connections were
+            # never closed, nor timed out when idle. The response's task ends the request
+            # itself once its send returns.
+            return
         self.disconnected_at = trio.current_time()
         if self.relay_body is not None:
             # Before the cancellation: the upstream connection is shut down in this step, not
@@ -49,7 +59,13 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
     async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
         body = getattr(response, "response", None)
         if not isinstance(body, RelayBody):
-            await super()._send_response(send, response)
+
+            async def send_noting_the_end(message: Any) -> None:
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    self.response_complete = True
+                await send(message)
+
+            await super()._send_response(send_noting_the_end, response)
             return
         body.disconnected_at = lambda: self.disconnected_at
         self.relay_body = body
@@ -73,6 +89,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
                     await send(
                         cast(Any, {"type": "http.response.body", "body": chunk, "more_body": True})
                     )
+        self.response_complete = True
         await send(cast(Any, {"type": "http.response.body", "body": b"", "more_body": False}))
 
 

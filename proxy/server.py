@@ -7,10 +7,12 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+import hypercorn.trio.run as hypercorn_trio_run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
 
 from .app import state_of
@@ -34,6 +36,24 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*_GC_THRESHOLDS)
+
+
+class _ConnectionServer(TCPServer):
+    """hypercorn's per-connection server, minus a linger: once the client has closed, its
+    keep-alive timer kept running, so the connection's task and socket (in CLOSE_WAIT) stayed
+    until keep_alive_timeout. Reading is over: the timer goes too, and the socket closes."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+def _use_connection_server() -> None:
+    # worker_serve builds each connection's server from this module global; no parameter.
+    if getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, _ConnectionServer):
+        log.warning("hypercorn's connection server is not the expected one; left as it is")
+        return
+    setattr(hypercorn_trio_run, "TCPServer", _ConnectionServer)  # noqa: B010
 
 
 def hypercorn_config(config: Config) -> HypercornConfig:
@@ -78,6 +98,7 @@ async def serve(
     hyper = hypercorn_config(config)
     if sockets is None:
         sockets = listen_sockets(hyper, config.relay.stall_timeout)
+    _use_connection_server()
     try:
         await worker_serve(
             wrap_app(app, hyper.wsgi_max_body_size, "asgi"),

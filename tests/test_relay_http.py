@@ -424,3 +424,75 @@ async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
         assert len(arrivals) == 5
         gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
         assert all(gap > 0.05 for gap in gaps), gaps
+
+
+async def _read_until_closed(stream: trio.SocketStream, within: float) -> bytes:
+    received = b""
+    with trio.fail_after(within):
+        while data := await stream.receive_some(65536):
+            received += data
+    return received
+
+
+async def test_an_http10_stream_ends_with_the_connection(nursery: trio.Nursery, fake: Fake) -> None:
+    # An HTTP/1.0 client's streamed body is close-delimited: until the server closes, the
+    # client cannot know the answer is complete. (hypercorn's close used to be cancelled by
+    # the request's own disconnect handling, and the connection stayed open.)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        host, port = proxy.host_port
+        payload = json.dumps(chat_body()).encode()
+        async with await trio.open_tcp_stream(host, port) as stream:
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+            )
+            received = await _read_until_closed(stream, 2)
+    assert received.startswith(b"HTTP/1.1 200")
+    assert received.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"GET /healthz HTTP/1.0\r\n\r\n",
+    ],
+)
+async def test_a_connection_close_response_closes_the_connection(
+    nursery: trio.Nursery, fake: Fake, request_head: bytes
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        async with await trio.open_tcp_stream(*proxy.host_port) as stream:
+            await stream.send_all(request_head)
+            received = await _read_until_closed(stream, 2)
+    assert received.startswith(b"HTTP/1.1 200")
+    assert b'"status":"ok"' in received.replace(b" ", b"")
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/v1/chat/completions"])
+async def test_an_idle_keep_alive_connection_is_closed_after_keep_alive_timeout(
+    nursery: trio.Nursery, fake: Fake, path: str
+) -> None:
+    # Idle client connections must not pile up: after a completed response (a plain route or
+    # a relayed stream), the connection is closed once it has been idle keep_alive_timeout.
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url]}, server={"keep_alive_timeout": 0.5}
+        )
+        async with await trio.open_tcp_stream(*proxy.host_port) as stream:
+            if path == "/healthz":
+                await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            else:
+                payload = json.dumps(chat_body()).encode()
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(payload), payload)
+                )
+            started = trio.current_time()
+            received = await _read_until_closed(stream, 3)
+            idle_for = trio.current_time() - started
+    assert received.startswith(b"HTTP/1.1 200")
+    assert 0.5 <= idle_for < 2.5
