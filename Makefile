@@ -72,9 +72,14 @@ bench: $(STAMP)
 		--event-pad 3800 --slow 0.3 --slow-delay 0.45 --slow-rcvbuf 4096 --slow-mss 1460 \
 		--upstream-sndbuf 4096 --proxy-rcvbuf 16384 --baseline --markdown docs/benchmarks.md
 	# Side by side with the FastAPI + uvicorn peer in ../shared/peers (skipped where absent).
+	# 100 streams run three times each (alternating): single runs of the unsaturated load
+	# vary by ~10%. --workers 2: what using both cores changes (the peer keeps one worker).
 	if [ -x ../shared/peers/run-fastapi-gateway ]; then \
-	  $(BIN)/python -m proxy.bench --streams 100 --peer auto --markdown docs/benchmarks.md && \
-	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --markdown docs/benchmarks.md; \
+	  $(BIN)/python -m proxy.bench --streams 100 --peer auto --repeat 3 --markdown docs/benchmarks.md && \
+	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --markdown docs/benchmarks.md && \
+	  $(BIN)/python -m proxy.bench --streams 100 --peer auto --repeat 3 --workers 2 \
+	    --markdown docs/benchmarks.md && \
+	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --workers 2 --markdown docs/benchmarks.md; \
 	else echo "no ../shared/peers: skipping the peer comparison"; fi
 	$(BIN)/python -m proxy.bench_local --markdown docs/benchmarks.md
 

@@ -55,3 +55,32 @@ def test_a_serving_process_tunes_its_garbage_collector() -> None:
     default, tuned, frozen = result.stdout.split()
     assert int(tuned) > int(default)
     assert frozen == "True"
+
+
+def test_serving_without_a_local_model_never_imports_torch() -> None:
+    # torch and transformers cost ~1 s and hundreds of MB at import: a proxy in front of an
+    # upstream must not pay for them. A fresh interpreter, serving conf/fake.toml briefly.
+    code = (
+        "import sys, trio\n"
+        "from proxy.app import create_app\n"
+        "from proxy.config import load_config\n"
+        "from proxy.server import serve\n"
+        "config = load_config('conf/fake.toml', host='127.0.0.1', port=0)\n"
+        "app = create_app(config)\n"
+        "async def main():\n"
+        "    async with trio.open_nursery() as nursery:\n"
+        "        await nursery.start(serve, app, config)\n"
+        "        nursery.cancel_scope.cancel()\n"
+        "trio.run(main)\n"
+        "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=root,
+    )
+    assert result.stdout.strip().splitlines()[-1] == "[]"
