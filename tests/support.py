@@ -156,6 +156,21 @@ def close_raw_clients() -> Iterator[None]:
             os.close(sock.detach())
 
 
+async def connect_client(
+    proxy: Proxy, *, rcvbuf: int | None = None, mss: int | None = None
+) -> trio.SocketStream:
+    """A client connection to ``proxy``, with a small receive buffer and MSS if asked."""
+    sock = trio.socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, rcvbuf)
+    if mss is not None:
+        # Loopback's 64 KiB MSS lets the kernel buffer megabytes toward a slow reader; a
+        # network-sized MSS keeps the sender's buffer small, so backpressure shows.
+        sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_MAXSEG, mss)
+    await sock.connect(proxy.host_port)
+    return trio.SocketStream(sock)
+
+
 class RawClient:
     """A client that speaks HTTP/1.1 by hand, so a test controls exactly when it reads and when
     it leaves (httpx cannot leave while it waits for response headers)."""
@@ -176,15 +191,7 @@ class RawClient:
         extra: bytes = b"",
     ) -> RawClient:
         host, port = proxy.host_port
-        sock = trio.socket.socket()
-        if rcvbuf is not None:
-            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, rcvbuf)
-        if mss is not None:
-            # Loopback's 64 KiB MSS lets the kernel buffer megabytes toward a slow reader; a
-            # network-sized MSS keeps the sender's buffer small, so backpressure shows.
-            sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_MAXSEG, mss)
-        await sock.connect((host, port))
-        stream = trio.SocketStream(sock)
+        stream = await connect_client(proxy, rcvbuf=rcvbuf, mss=mss)
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"

@@ -34,6 +34,7 @@ from tests.support import (
     Proxy,
     RawClient,
     chat_body,
+    connect_client,
     poll_until,
     start_fake,
     start_proxy,
@@ -158,15 +159,7 @@ class Conn:
     @classmethod
     async def open(cls, proxy: Proxy, *, rcvbuf: int | None = None, mss: int | None = None) -> Conn:
         host, port = proxy.host_port
-        sock = trio.socket.socket()
-        if rcvbuf is not None:
-            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, rcvbuf)
-        if mss is not None:
-            # As in support.RawClient: without it loopback's 64 KiB MSS lets the kernel buffer
-            # far more toward a reader that stopped, and the fill takes much longer.
-            sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_MAXSEG, mss)
-        await sock.connect((host, port))
-        return cls(trio.SocketStream(sock), host, port)
+        return cls(await connect_client(proxy, rcvbuf=rcvbuf, mss=mss), host, port)
 
     async def post(self, body: dict[str, Any], *, version: str = "HTTP/1.1") -> None:
         payload = json.dumps(body).encode()
