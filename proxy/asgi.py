@@ -68,8 +68,16 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             await super()._send_response(send_noting_the_end, response)
             return
         body.disconnected_at = lambda: self.disconnected_at
-        self.relay_body = body
         body.abort_connection = lambda: abort_transport(send)
+        self.relay_body = body
+        try:
+            await self._send_relayed(send, response, body)
+        finally:
+            # The body refers back to this connection (disconnected_at): without this, every
+            # finished relay would wait for the cyclic garbage collector to be freed.
+            self.relay_body = None
+
+    async def _send_relayed(self, send: ASGISendCallable, response: Any, body: RelayBody) -> None:
         async with body:
             response.status_code = body.status
             for name, value in body.headers.items():
@@ -81,7 +89,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
                     {"type": "http.response.start", "status": body.status, "headers": headers},
                 )
             )
-            writer = chunk_writer.attach(send, headers)
+            writer = chunk_writer.attach(send, headers, body.stall_timeout)
             if writer is not None:
                 await body.write_through(writer)
             else:

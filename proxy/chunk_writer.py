@@ -8,19 +8,21 @@ out, one ``write`` of ``<hex length>\\r\\n<chunk>\\r\\n`` per chunk.
 
 :class:`ChunkWriter` writes that frame itself, with one non-blocking ``write`` on the socket,
 when nothing else is writing on the connection (hypercorn's send lock is free); whatever the
-kernel does not take at once (a slow reader) goes through hypercorn's own ``protocol_send``,
-which waits for the socket, serializes with hypercorn's writers and handles a broken
-connection as always. Only chunked HTTP/1.1 responses qualify: h11 keeps no per-chunk state
-for them, so the head (before) and the final ``0\\r\\n\\r\\n`` (after, through ASGI) stay
-hypercorn's and h11's, and h11's view of the connection stays true. Anything else (HTTP/2, TLS,
-HTTP/1.0, a Content-Length body, a hypercorn whose layout differs) gets ``None`` from
-:func:`attach`, and the caller uses ASGI ``send`` as before.
+kernel does not take at once (a slow reader) is written as room comes, under hypercorn's send
+lock and within ``stall_timeout``; a closed or broken connection is left to hypercorn's own
+``protocol_send`` to find out, as always. Only chunked HTTP/1.1 responses qualify: h11 keeps
+no per-chunk state for them, so the head (before) and the final ``0\\r\\n\\r\\n`` (after,
+through ASGI) stay hypercorn's and h11's, and h11's view of the connection stays true.
+Anything else (HTTP/2, TLS, HTTP/1.0, a Content-Length body, a hypercorn whose layout differs)
+gets ``None`` from :func:`attach`, and the caller uses ASGI ``send`` as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 from typing import Any
 
 import h11
@@ -29,6 +31,8 @@ from hypercorn.events import RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
+
+from .relay import ClientStalled
 
 log = logging.getLogger("sluice.chunk_writer")
 
@@ -41,11 +45,12 @@ def chunk_frame(chunk: bytes) -> bytes:
 class ChunkWriter:
     """Writes body chunks of one chunked HTTP/1.1 response on hypercorn's connection."""
 
-    __slots__ = ("_pending", "_server", "_socket")
+    __slots__ = ("_pending", "_server", "_socket", "_stall_timeout")
 
-    def __init__(self, server: TCPServer, sock: Any) -> None:
+    def __init__(self, server: TCPServer, sock: Any, stall_timeout: float) -> None:
         self._server = server
         self._socket = sock
+        self._stall_timeout = stall_timeout
         # The tail of a frame the socket took only part of (write_nowait); written first.
         self._pending = b""
 
@@ -79,17 +84,71 @@ class ChunkWriter:
 
     async def write(self, chunk: bytes) -> None:
         """Write what is pending and ``chunk`` (an empty chunk would end the body: skipped),
-        waiting for the socket through hypercorn when the kernel does not take it at once."""
+        waiting for room in the socket when the kernel does not take it at once. Raises
+        :class:`ClientStalled` if the client takes nothing for ``stall_timeout``."""
         frame = self._pending + chunk_frame(chunk) if chunk else self._pending
         self._pending = b""
         if not frame:
             return
         sent = self._write_now(frame)
-        if sent < len(frame):
-            await self._server.protocol_send(RawData(data=frame[sent:]))
+        if sent == len(frame):
+            return
+        rest = memoryview(frame)[sent:]
+        # Our own wait, not hypercorn's: its write is shielded from cancellation and has no
+        # deadline, so a client that stops reading once the producer is done (nothing left
+        # to fill the channel and trip the producer's stall limit) would hold this task, and
+        # the server's shutdown, forever. Under hypercorn's lock, so its writers wait.
+        with trio.move_on_after(self._stall_timeout) as deadline:
+            async with self._server.send_lock:
+                rest = await self._write_all(rest)
+        if deadline.cancelled_caught:
+            raise ClientStalled(f"the client took nothing for {self._stall_timeout:g}s")
+        if rest:
+            # Closed or broken: hypercorn's own write finds out and closes its side.
+            await self._server.protocol_send(RawData(data=bytes(rest)))
+
+    async def _write_all(self, data: memoryview) -> memoryview:
+        """Write ``data``, waiting for room; what is left unwritten if the socket is closed
+        or broken (empty when all went out)."""
+        while data:
+            fd = self._socket.fileno()
+            if fd < 0:
+                return data
+            try:
+                data = data[os.write(fd, data) :]
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_writable(self._socket)
+                except trio.ClosedResourceError:
+                    return data
+            except OSError:
+                return data
+        return data
+
+    async def wait_for_room(self) -> None:
+        """Return once the socket can take a write (the body's last chunk goes through
+        hypercorn, unbounded); :class:`ClientStalled` after ``stall_timeout``."""
+        fd = self._socket.fileno()
+        if fd < 0 or _writable(fd):
+            return
+        with trio.move_on_after(self._stall_timeout):
+            async with self._server.send_lock:
+                # Closed: hypercorn's write will find out.
+                with contextlib.suppress(trio.ClosedResourceError):
+                    await trio.lowlevel.wait_writable(self._socket)
+            return
+        raise ClientStalled(f"the client took nothing for {self._stall_timeout:g}s")
 
 
-def attach(send: Any, headers: list[tuple[bytes, bytes]]) -> ChunkWriter | None:
+def _writable(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return bool(poller.poll(0))
+
+
+def attach(
+    send: Any, headers: list[tuple[bytes, bytes]], stall_timeout: float
+) -> ChunkWriter | None:
     """A :class:`ChunkWriter` for the response whose head was just sent through ``send``
     (hypercorn's ASGI send) with ``headers``, or None where the fast path does not apply."""
     if any(name.lower() == b"content-length" for name, _ in headers):
@@ -114,4 +173,4 @@ def attach(send: Any, headers: list[tuple[bytes, bytes]]) -> ChunkWriter | None:
     ):
         # No head sent yet, or close-delimited framing for an HTTP/1.0 client.
         return None
-    return ChunkWriter(server, transport.socket)
+    return ChunkWriter(server, transport.socket, stall_timeout)

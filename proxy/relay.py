@@ -163,7 +163,11 @@ class DirectWriter(Protocol):
 
     async def write(self, chunk: bytes) -> None:
         """Write what is pending, then ``chunk`` (empty: only what is pending), waiting for
-        the socket as long as it takes."""
+        the socket; :class:`ClientStalled` if the client takes nothing for a stall timeout."""
+        ...
+
+    async def wait_for_room(self) -> None:
+        """Wait until the socket can take a write; :class:`ClientStalled` likewise."""
         ...
 
 
@@ -330,9 +334,7 @@ class RelayBody(ResponseBody):
             try:
                 await self._produce(RelaySink(self))
             except ClientStalled:
-                self.stalled = True
-                log.warning("client stalled for %.1fs; cancelled %s", self.stall_timeout, self)
-                self.abort_connection()
+                self.stall()
             except ApiError as error:
                 await self._fail(error)
             except Exception:
@@ -358,8 +360,7 @@ class RelayBody(ResponseBody):
             try:
                 await RelaySink(self).send(error_event(error))
             except ClientStalled:
-                self.stalled = True
-                self.abort_connection()
+                self.stall()
 
     # -- what the HTTP layer drives ---------------------------------------------------------
 
@@ -507,6 +508,15 @@ class RelayBody(ResponseBody):
         self.direct_ok = False
         return offer_to(self.send_channel, chunk)
 
+    def stall(self) -> None:
+        """The client took nothing for ``stall_timeout`` (seen by the producer or the body):
+        drop its connection, once; the body's writer is stuck in a write it will not take."""
+        if self.stalled:
+            return
+        self.stalled = True
+        log.warning("client stalled for %.1fs; cancelled %s", self.stall_timeout, self)
+        self.abort_connection()
+
     async def write_through(self, writer: DirectWriter) -> None:
         """Send the body with ``writer``, letting the producer write a chunk straight to the
         socket when the body is idle (nothing queued, nothing being written): under no
@@ -519,6 +529,9 @@ class RelayBody(ResponseBody):
             async for chunk in self:
                 await writer.write(chunk)
             await writer.write(b"")  # anything still pending, before the body ends
+            await writer.wait_for_room()  # for the last chunk, which hypercorn writes
+        except ClientStalled:
+            self.stall()
         finally:
             self._writer = None
             self.direct_ok = False

@@ -11,6 +11,7 @@ import hypercorn.trio.run as hypercorn_trio_run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
+from hypercorn.events import Event, Updated
 from hypercorn.trio.run import worker_serve
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
@@ -43,9 +44,19 @@ class _ConnectionServer(TCPServer):
     keep-alive timer kept running, so the connection's task and socket (in CLOSE_WAIT) stayed
     until keep_alive_timeout. Reading is over: the timer goes too, and the socket closes."""
 
+    _reading_done = False
+
     async def _read_data(self) -> None:
         await super()._read_data()
+        self._reading_done = True
         await self.idle_task.stop()
+
+    async def protocol_send(self, event: Event) -> None:
+        if self._reading_done and isinstance(event, Updated) and event.idle:
+            # A response finishing after the client reset the connection would re-arm the
+            # timer just stopped: nothing more can arrive to be idle for.
+            return
+        await super().protocol_send(event)
 
 
 def _use_connection_server() -> None:

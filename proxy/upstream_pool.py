@@ -82,6 +82,10 @@ class LeanSocketStream(httpcore.AsyncNetworkStream):
     async def _read(self, max_bytes: int) -> bytes:
         sock = self._sock
         while True:
+            if self._closed:
+                # trio cannot wait on a closed socket's descriptor (-1: ValueError).
+                await trio.lowlevel.checkpoint()
+                raise httpcore.ReadError("connection closed")
             # Waiting first: the relay reads right after the previous chunk, so a speculative
             # recv would almost always fail with EAGAIN. The wait is the checkpoint.
             try:

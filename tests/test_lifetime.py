@@ -7,7 +7,9 @@ pool does not keep the connection, and the next request works.
 
 from __future__ import annotations
 
+import gc
 import json
+import socket
 from typing import Any
 
 import httpx
@@ -246,3 +248,61 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cut_off(nursery: trio.Nur
         assert fullest == 2  # and the proxy was held back by this reader all along
         await proxy.state.tracker.wait_idle()
         assert proxy.state.tracker.stalled == 0
+
+
+async def test_a_finished_relay_is_freed_by_reference_counting(nursery: trio.Nursery) -> None:
+    # A finished relay (its channel, the request body, the producer's state) must not wait for
+    # the cyclic garbage collector, which a serving process runs rarely (server.tune_gc): the
+    # connection and the body it sends used to refer to each other.
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=5)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        gc.collect()
+        gc.disable()
+        try:
+            async with httpx.AsyncClient(trust_env=False) as client:
+                for _ in range(3):
+                    response = await client.post(proxy.url + CHAT, json=chat_body())
+                    assert response.status_code == 200
+            await proxy.state.tracker.wait_idle()
+            await trio.sleep(0.1)
+            assert len(proxy.state.tracker.alive) == 0
+        finally:
+            gc.enable()
+
+
+@pytest.fixture
+def small_proxy_sndbuf(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy import chunk_writer
+    from proxy.asgi import transport_socket
+
+    original = chunk_writer.attach
+
+    def attach(send: Any, headers: Any, stall_timeout: float) -> Any:
+        transport_socket(send).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        return original(send, headers, stall_timeout)
+
+    monkeypatch.setattr(chunk_writer, "attach", attach)
+
+
+async def test_a_client_that_stalls_after_the_last_token_is_cut_off(
+    nursery: trio.Nursery, small_proxy_sndbuf: None
+) -> None:
+    # The producer's stall limit covers a full channel; once the producer is done (here the
+    # whole rest of the stream fits in the channel), the body's own writes must be bounded
+    # too, or the request (and the server's shutdown) waits on the client forever.
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=3000)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            relay={"channel_capacity": 4000, "stall_timeout": 0.5},
+        )
+        raw = await RawClient.post(proxy, CHAT, chat_body(), rcvbuf=4096, mss=1460)
+        try:
+            await raw.read_until(b"data: ", count=2)  # then never reads again
+            await poll_until(lambda: not producer_tasks())
+            await poll_until(lambda: proxy.state.tracker.stalled == 1)
+            await proxy.state.tracker.wait_idle()
+        finally:
+            await raw.stream.aclose()

@@ -747,3 +747,17 @@ async def test_abort_after_the_block_exited_is_a_no_op(backend: str, nursery: tr
             assert server.connections[0].requests == 2
             assert pool.connections() == [idle]
             assert not server.connections[0].gone.is_set()
+
+
+async def test_read_after_close_is_an_httpcore_read_error() -> None:
+    # KeepAlivePool.aclose closes busy connections too: a producer reading one then must get
+    # the ReadError the relay maps to an upstream error, not trio's ValueError for fd -1.
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        stream = LeanSocketStream(ours)
+        await stream.aclose()
+        with pytest.raises(httpcore.ReadError):
+            await stream.read(10)
+    finally:
+        theirs.close()
