@@ -24,6 +24,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from . import chunk_writer
+from .connection_server import ConnectionServer
 from .relay import RelayBody
 
 log = logging.getLogger("sluice.asgi")
@@ -70,12 +71,19 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         body.disconnected_at = lambda: self.disconnected_at
         body.abort_connection = lambda: abort_transport(send)
         self.relay_body = body
+        server = connection_server_of(send)
+        if server is not None:
+            # The earliest word of the client leaving: hypercorn's read task, as it reads EOF.
+            server.on_client_gone = body.client_disconnected
         try:
             await self._send_relayed(send, response, body)
         finally:
-            # The body refers back to this connection (disconnected_at): without this, every
-            # finished relay would wait for the cyclic garbage collector to be freed.
+            # The body refers back to this connection (disconnected_at) and to hypercorn's
+            # (abort_connection): without these, every finished relay would wait for the
+            # cyclic garbage collector to be freed.
             self.relay_body = None
+            if server is not None:
+                server.on_client_gone = None
 
     async def _send_relayed(self, send: ASGISendCallable, response: Any, body: RelayBody) -> None:
         async with body:
@@ -97,6 +105,8 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
                     await send(
                         cast(Any, {"type": "http.response.body", "body": chunk, "more_body": True})
                     )
+        if body.client_gone:
+            return  # nobody to end the response for; the disconnect cancels the request
         self.response_complete = True
         await send(cast(Any, {"type": "http.response.body", "body": b"", "more_body": False}))
 
@@ -105,17 +115,27 @@ class SluiceQuart(QuartTrio):
     asgi_http_class = RelayHTTPConnection
 
 
+def _server_of(send: Any) -> Any:
+    # HTTPStream.app_send -> H11Protocol.stream_send -> TCPServer.protocol_send (hypercorn
+    # 0.17/0.18; tested in test_lifetime): the chain from the app's send to its connection.
+    stream = getattr(send, "__self__", None)
+    protocol = getattr(getattr(stream, "send", None), "__self__", None)
+    return getattr(getattr(protocol, "send", None), "__self__", None)
+
+
+def connection_server_of(send: Any) -> ConnectionServer | None:
+    """Sluice's connection server under hypercorn's ASGI ``send``, or None (HTTP/2, a layout
+    that differs)."""
+    server = _server_of(send)
+    return server if isinstance(server, ConnectionServer) else None
+
+
 def transport_socket(send: Any) -> Any:
     """The TCP socket under hypercorn's ASGI ``send``, or None where the chain differs.
 
     hypercorn offers no public way to drop a connection from the app, and its socket writes
-    are shielded from cancellation, so a client that stops reading can hold a write forever.
-    The chain is HTTPStream.app_send -> H11Protocol.stream_send -> TCPServer.protocol_send ->
-    TCPServer.stream.socket (hypercorn 0.17/0.18; tested in test_lifetime)."""
-    stream = getattr(send, "__self__", None)
-    protocol = getattr(getattr(stream, "send", None), "__self__", None)
-    server = getattr(getattr(protocol, "send", None), "__self__", None)
-    return getattr(getattr(server, "stream", None), "socket", None)
+    are shielded from cancellation, so a client that stops reading can hold a write forever."""
+    return getattr(getattr(_server_of(send), "stream", None), "socket", None)
 
 
 def abort_transport(send: Any) -> None:

@@ -67,6 +67,12 @@ class RelaySink:
         """True once the head is decided: from then on, failures go in-band."""
         return self._body.head_ready.is_set()
 
+    @property
+    def client_gone(self) -> bool:
+        """True once the client has disconnected: a failure now (the upstream connection shut
+        down under the producer) says nothing about the upstream."""
+        return self._body.client_gone
+
     def begin(
         self,
         status: int,
@@ -131,6 +137,9 @@ class Sink(Protocol):
 
     @property
     def started(self) -> bool: ...
+
+    @property
+    def client_gone(self) -> bool: ...
 
     def set_phase(self, phase: str) -> None: ...
 
@@ -287,6 +296,9 @@ class RelayBody(ResponseBody):
         self.close_callbacks: list[Callable[[], None]] = []
         # Registered by the producer (RelaySink.on_disconnect); run by client_disconnected.
         self.disconnect_callbacks: list[Callable[[], None]] = []
+        # Set by client_disconnected: the client is gone, and when that was seen.
+        self.client_gone = False
+        self._gone_at: float | None = None
         # The access log line, written when the body closes (None: no line).
         self.access = access
         # Accounting of a streamed (200, text/event-stream) response, kept by __anext__ once
@@ -401,7 +413,7 @@ class RelayBody(ResponseBody):
         finally:
             self._receive_channel.close()
             if self.cancelled:
-                started = self.disconnected_at() or exit_started
+                started = self._gone_at or self.disconnected_at() or exit_started
                 self.cancel_seconds = trio.current_time() - started
             self.disconnect_callbacks.clear()
             for callback in self.close_callbacks:
@@ -420,13 +432,19 @@ class RelayBody(ResponseBody):
         return suppressed
 
     def client_disconnected(self) -> None:
-        """The HTTP layer saw the client go: let the producer's work stop now (its callbacks
-        shut the upstream connection down), ahead of the cancellation that follows."""
-        if self._producer_finished:
+        """The HTTP layer saw the client go (hypercorn's read task, as it reads the EOF; or the
+        request's message task): stop the producer's work now, in this scheduler step. Its
+        callbacks shut the upstream connection down, and its tasks are cancelled; the body
+        writes nothing more. The request's own cancellation follows as always."""
+        if self._producer_finished or self.client_gone:
             return
+        self.client_gone = True
+        self._gone_at = trio.current_time()
         callbacks, self.disconnect_callbacks = self.disconnect_callbacks, []
         for callback in callbacks:
             callback()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
     @property
     def final_status(self) -> int:
@@ -449,6 +467,9 @@ class RelayBody(ResponseBody):
         return self
 
     async def __anext__(self) -> bytes:
+        if self.client_gone:
+            # Nobody to write to: what is still queued counts as undelivered.
+            raise StopAsyncIteration
         receive_channel = self._receive_channel
         if self._writer is not None and not receive_channel.statistics().current_buffer_used:
             # Everything before is written and nothing waits: until something is queued, the

@@ -7,15 +7,13 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
-import hypercorn.trio.run as hypercorn_trio_run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.events import Event, Updated
 from hypercorn.trio.run import worker_serve
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
 
+from . import connection_server
 from .app import state_of
 from .asgi import SluiceQuart
 from .config import Config, check_public_bind
@@ -37,34 +35,6 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*_GC_THRESHOLDS)
-
-
-class _ConnectionServer(TCPServer):
-    """hypercorn's per-connection server, minus a linger: once the client has closed, its
-    keep-alive timer kept running, so the connection's task and socket (in CLOSE_WAIT) stayed
-    until keep_alive_timeout. Reading is over: the timer goes too, and the socket closes."""
-
-    _reading_done = False
-
-    async def _read_data(self) -> None:
-        await super()._read_data()
-        self._reading_done = True
-        await self.idle_task.stop()
-
-    async def protocol_send(self, event: Event) -> None:
-        if self._reading_done and isinstance(event, Updated) and event.idle:
-            # A response finishing after the client reset the connection would re-arm the
-            # timer just stopped: nothing more can arrive to be idle for.
-            return
-        await super().protocol_send(event)
-
-
-def _use_connection_server() -> None:
-    # worker_serve builds each connection's server from this module global; no parameter.
-    if getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, _ConnectionServer):
-        log.warning("hypercorn's connection server is not the expected one; left as it is")
-        return
-    setattr(hypercorn_trio_run, "TCPServer", _ConnectionServer)  # noqa: B010
 
 
 def hypercorn_config(config: Config) -> HypercornConfig:
@@ -109,7 +79,7 @@ async def serve(
     hyper = hypercorn_config(config)
     if sockets is None:
         sockets = listen_sockets(hyper, config.relay.stall_timeout)
-    _use_connection_server()
+    connection_server.install()
     try:
         await worker_serve(
             wrap_app(app, hyper.wsgi_max_body_size, "asgi"),

@@ -197,7 +197,7 @@ class UpstreamBackend:
                 await self._attempt(load, request, request_id, sink)
                 return
             except ApiError as error:
-                if sink.started or not error.retryable:
+                if sink.started or not error.retryable or sink.client_gone:
                     raise
                 last_error = error
                 self._log_retry(request_id, load, error, len(tried))
@@ -287,9 +287,10 @@ class UpstreamBackend:
             self._router.success(load)
             verdict = True
         except ApiError as error:
-            self._router.failure(load, trio.current_time())
-            self._count_error(error)
-            verdict = True
+            if not sink.client_gone:
+                self._router.failure(load, trio.current_time())
+                self._count_error(error)
+                verdict = True
             raise
         finally:
             load.in_flight -= 1
@@ -512,6 +513,10 @@ class _Entrant:
     @property
     def started(self) -> bool:
         return self.race.winner is self
+
+    @property
+    def client_gone(self) -> bool:
+        return self.race.sink.client_gone
 
     def set_phase(self, phase: str) -> None:
         if self.race.winner is None:

@@ -61,6 +61,10 @@ class WebSocketSink:
     def started(self) -> bool:
         return self.status is not None
 
+    @property
+    def client_gone(self) -> bool:
+        return False  # a WebSocket's close (or cancel message) cancels the producer directly
+
     def set_phase(self, phase: str) -> None:
         pass
 

@@ -13,9 +13,12 @@ records each call.
 
 from __future__ import annotations
 
+import json
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from traceback import walk_stack
 from typing import Any
 
 import httpcore
@@ -23,7 +26,12 @@ import httpx
 import pytest
 import trio
 
+from proxy.config import config_from_mapping
+from proxy.errors import ApiError
+from proxy.metrics import Metrics
+from proxy.openai import Endpoint, parse_completion_request
 from proxy.relay import RelayBody, RelaySink
+from proxy.upstream import UpstreamBackend, UpstreamReplica
 from proxy.upstream_pool import PooledBody
 from tests.support import (
     DEADLINE,
@@ -269,3 +277,118 @@ async def test_a_client_leaving_a_hedged_request_aborts_every_attempt(
             assert replica.pool_connections() == []
         await request_works(proxy, client, "m")
         assert len(abort_calls) == 2
+
+
+async def test_the_eof_is_acted_on_by_hypercorns_read_task(
+    nursery: trio.Nursery, fake: Fake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The earliest moment the proxy can know: the connection's read task, as it reads the
+    # EOF; the request's message task (one scheduler turn later) finds the work stopped.
+    seen_in: list[str] = []
+    original = RelayBody.client_disconnected
+
+    def client_disconnected(self: RelayBody) -> None:
+        callers = {frame.f_code.co_qualname for frame, _ in walk_stack(sys._getframe(1))}
+        seen_in.append("read loop" if "ConnectionServer._read_data" in callers else "message task")
+        original(self)
+
+    monkeypatch.setattr(RelayBody, "client_disconnected", client_disconnected)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        raw = await RawClient.post(
+            proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.02, "tokens": 1000})
+        )
+        await raw.read_until(b"data: ", count=3)
+        await raw.close()
+        await fake.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
+        await proxy.state.tracker.wait_idle()
+    # First from the connection's read loop, then the message task's call finds it done.
+    assert seen_in == ["read loop", "message task"]
+    (body,) = proxy.state.tracker.alive or [None]
+    assert body is None  # freed at once
+
+
+async def read_forever(raw: RawClient) -> None:
+    while await raw.stream.receive_some(65536):
+        pass
+
+
+async def test_clients_leaving_never_count_against_the_upstream(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    # The abort shuts the upstream socket down under a producer that may still run before its
+    # cancellation lands; whatever it then sees (an early EOF) is the client's doing, not the
+    # replica's: no failure, no upstream error, no retry, no ejection.
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        (replica,) = proxy.state.replicas.values()
+        # Tokens every millisecond, read as they come: at the moment of each disconnect a
+        # producer is likely to be runnable already (its upstream readable), the case where
+        # it gets to run before its cancellation and reads the shut-down socket's EOF.
+        body = chat_body(fake={"ttft": 0, "interval": 0.001, "tokens": 100_000})
+        for _ in range(3):
+            raws = [await RawClient.post(proxy, CHAT, body) for _ in range(10)]
+            async with trio.open_nursery() as readers:
+                for raw in raws:
+                    readers.start_soon(read_forever, raw)
+                await trio.sleep(0.1)
+                readers.cancel_scope.cancel()
+            for raw in raws:
+                await raw.close()
+            await proxy.state.tracker.wait_idle()
+        assert replica.load.consecutive_failures == 0
+        assert not replica.load.ejected(trio.current_time())
+        assert proxy.state.tracker.cancelled == 30
+        assert "sluice_upstream_errors_total{" not in proxy.state.metrics.render("")[0].decode()
+        await request_works(proxy, client, "fake-model")
+
+
+class GoneSink:
+    """A sink whose client has already left: what the producer sees after the read task's
+    hook shut its upstream connection down but before its cancellation lands."""
+
+    started = False
+    client_gone = True
+
+    def set_phase(self, phase: str) -> None:
+        pass
+
+    def offer(self, chunk: bytes) -> bool:
+        return True
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        pass
+
+    def begin(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("nothing to begin for a client that left")
+
+    async def send(self, chunk: bytes) -> None:
+        raise AssertionError("nothing to send to a client that left")
+
+
+async def test_a_failure_after_the_client_left_is_not_the_replicas(nursery: trio.Nursery) -> None:
+    # Deterministic form of the race above: the exchange fails (here, the upstream answers
+    # 500) while the sink says the client is gone. No failure verdict, no upstream error
+    # counted, and no retry on the other replica.
+    with trio.fail_after(DEADLINE):
+        fakes = [await start_fake(nursery, ttft=0, interval=0, tokens=3) for _ in "ab"]
+        config = config_from_mapping(
+            {"models": {"m": {"upstreams": [fake.url for fake in fakes], "max_attempts": 2}}},
+            "test",
+            env={},
+        )
+        (model,) = config.models
+        replicas = [UpstreamReplica(url, config.upstream) for url in model.upstreams]
+        metrics = Metrics()
+        backend = UpstreamBackend(model, replicas, config.relay, metrics=metrics)
+        raw = json.dumps(chat_body("m", fake={"mode": "status", "status": 500})).encode()
+        request = parse_completion_request(raw, Endpoint.CHAT)
+        try:
+            with pytest.raises(ApiError):
+                await backend.produce(request, "gone-1", GoneSink())
+        finally:
+            for replica in replicas:
+                await replica.aclose()
+    assert sum(len(fake.recorder.records) for fake in fakes) == 1
+    assert [replica.load.consecutive_failures for replica in replicas] == [0, 0]
+    assert "sluice_upstream_errors_total{" not in metrics.render("")[0].decode()

@@ -1,0 +1,70 @@
+"""hypercorn's per-connection server (``hypercorn.trio.tcp_server.TCPServer``), with Sluice's
+changes. hypercorn builds one per accepted connection from a module global of its trio worker,
+which :func:`install` points here (logged and skipped if that global is not the class we know).
+
+* **A client's EOF reaches the relay in the step that reads it.** hypercorn turns the EOF into
+  an ``http.disconnect`` for the app, which a later scheduler turn delivers to the request's
+  message task, which then cancels the relay. On a saturated loop each turn waits behind a batch
+  of other streams' events. The read loop (hypercorn 0.18's, with one addition) now calls the
+  relay's disconnect hook (``on_client_gone``, set by asgi for a relayed response's lifetime)
+  before it hands the EOF on: the upstream connection is shut down at once; the cancellation
+  follows as before.
+* **No linger after the client closed.** hypercorn's keep-alive timer kept running once the
+  client had gone, holding the connection's task and socket (CLOSE_WAIT) for keep_alive_timeout.
+  Reading over, the timer goes too, and a response that finishes later does not re-arm it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from math import inf
+
+import hypercorn.trio.run as hypercorn_trio_run
+import trio
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+
+log = logging.getLogger("sluice.connection_server")
+
+
+class ConnectionServer(TCPServer):
+    # The relay streaming on this connection now, if any: called once the client is gone.
+    on_client_gone: Callable[[], None] | None = None
+    _reading_done = False
+
+    async def _read_data(self) -> None:
+        while True:
+            try:
+                with trio.fail_after(self.config.read_timeout or inf):
+                    data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                break
+            if not data:
+                self._client_gone()
+            await self.protocol.handle(RawData(bytes(data)))
+            if not data:
+                break
+        self._client_gone()
+        self._reading_done = True
+        await self.idle_task.stop()
+        await self.protocol.handle(Closed())
+
+    def _client_gone(self) -> None:
+        callback, self.on_client_gone = self.on_client_gone, None
+        if callback is not None:
+            callback()
+
+    async def protocol_send(self, event: Event) -> None:
+        if self._reading_done and isinstance(event, Updated) and event.idle:
+            # A response finishing after the client reset the connection would re-arm the
+            # timer just stopped: nothing more can arrive to be idle for.
+            return
+        await super().protocol_send(event)
+
+
+def install() -> None:
+    if getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, ConnectionServer):
+        log.warning("hypercorn's connection server is not the expected one; left as it is")
+        return
+    setattr(hypercorn_trio_run, "TCPServer", ConnectionServer)  # noqa: B010
