@@ -24,7 +24,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from . import chunk_writer
-from .connection_server import ConnectionServer
+from .connection_server import ConnectionServer, send_chain
 from .relay import RelayBody
 
 log = logging.getLogger("sluice.asgi")
@@ -115,18 +115,10 @@ class SluiceQuart(QuartTrio):
     asgi_http_class = RelayHTTPConnection
 
 
-def _server_of(send: Any) -> Any:
-    # HTTPStream.app_send -> H11Protocol.stream_send -> TCPServer.protocol_send (hypercorn
-    # 0.17/0.18; tested in test_lifetime): the chain from the app's send to its connection.
-    stream = getattr(send, "__self__", None)
-    protocol = getattr(getattr(stream, "send", None), "__self__", None)
-    return getattr(getattr(protocol, "send", None), "__self__", None)
-
-
 def connection_server_of(send: Any) -> ConnectionServer | None:
     """Sluice's connection server under hypercorn's ASGI ``send``, or None (HTTP/2, a layout
     that differs)."""
-    server = _server_of(send)
+    _, _, server = send_chain(send)
     return server if isinstance(server, ConnectionServer) else None
 
 
@@ -135,7 +127,8 @@ def transport_socket(send: Any) -> Any:
 
     hypercorn offers no public way to drop a connection from the app, and its socket writes
     are shielded from cancellation, so a client that stops reading can hold a write forever."""
-    return getattr(getattr(_server_of(send), "stream", None), "socket", None)
+    _, _, server = send_chain(send)
+    return getattr(getattr(server, "stream", None), "socket", None)
 
 
 def abort_transport(send: Any) -> None:

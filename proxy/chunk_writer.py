@@ -32,6 +32,7 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
+from .connection_server import send_chain
 from .relay import ClientStalled
 
 log = logging.getLogger("sluice.chunk_writer")
@@ -65,7 +66,8 @@ class ChunkWriter:
         try:
             return os.write(fd, frame)
         except OSError:
-            # Full (BlockingIOError) or broken: hypercorn's path waits, or sees it closed.
+            # Full (BlockingIOError): the caller queues, or write() waits for room. Broken:
+            # hypercorn's own write finds out.
             return 0
 
     def write_nowait(self, chunk: bytes) -> bool | None:
@@ -153,14 +155,12 @@ def attach(
     (hypercorn's ASGI send) with ``headers``, or None where the fast path does not apply."""
     if any(name.lower() == b"content-length" for name, _ in headers):
         return None
-    stream = getattr(send, "__self__", None)
-    if not isinstance(stream, HTTPStream):
-        return None
-    protocol = getattr(getattr(stream, "send", None), "__self__", None)
-    if not isinstance(protocol, H11Protocol):
-        return None
-    server = getattr(getattr(protocol, "send", None), "__self__", None)
-    if not isinstance(server, TCPServer):
+    stream, protocol, server = send_chain(send)
+    if not (
+        isinstance(stream, HTTPStream)
+        and isinstance(protocol, H11Protocol)
+        and isinstance(server, TCPServer)
+    ):
         return None
     transport: Any = server.stream  # typed as an SSLStream; a SocketStream without TLS
     if not isinstance(transport, trio.SocketStream):

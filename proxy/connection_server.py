@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from math import inf
+from typing import Any
 
 import hypercorn.trio.run as hypercorn_trio_run
 import trio
@@ -61,6 +62,17 @@ class ConnectionServer(TCPServer):
             # timer just stopped: nothing more can arrive to be idle for.
             return
         await super().protocol_send(event)
+
+
+def send_chain(send: Any) -> tuple[Any, Any, Any]:
+    """hypercorn's objects behind an app's ASGI ``send``: the HTTPStream whose ``app_send`` it
+    is, that stream's H11Protocol (``stream_send``), and the protocol's TCPServer
+    (``protocol_send``); hypercorn 0.17/0.18, tested in test_lifetime. hypercorn offers no
+    public way from the app to its connection; each is None where the layout differs."""
+    stream = getattr(send, "__self__", None)
+    protocol = getattr(getattr(stream, "send", None), "__self__", None)
+    server = getattr(getattr(protocol, "send", None), "__self__", None)
+    return stream, protocol, server
 
 
 def install() -> None:

@@ -1,8 +1,8 @@
-"""The upstream backend: relay an OpenAI-compatible server (vLLM, llama.cpp, ...) through httpx.
+"""The upstream backend: relay an OpenAI-compatible server (vLLM, llama.cpp, ...) via httpcore.
 
-One :class:`UpstreamReplica` per base URL owns one httpx client over its own connection pool.
-Each request runs inside the relay's nursery, so its ``async with client.stream(...)`` is inside
-the request's cancel scope: when the client leaves, the stream is closed (the connection is
+One :class:`UpstreamReplica` per base URL owns one connection pool (upstream_pool). Each request
+runs inside the relay's nursery, so its ``async with replica.pool.stream(...)`` is inside the
+request's cancel scope: when the client leaves, the stream is closed (the connection is
 dropped, never pooled half-read) and the upstream server sees the disconnect and aborts the
 generation.
 

@@ -235,7 +235,8 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         return [*self._busy, *self._idle]
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """As an httpx transport (health checks, tests)."""
+        """As an httpx transport, for any httpx client (the tests use it so; the relay uses
+        :meth:`stream`, the health checks a client of their own)."""
         url = request.url
         response, body = await self.send(
             httpcore.Request(
