@@ -1,4 +1,4 @@
-"""The upstream backend: relay an OpenAI-compatible server (vLLM, llama.cpp, ...) via httpcore.
+"""The upstream backend: relay an OpenAI-compatible server (vLLM, llama.cpp, ...).
 
 One :class:`UpstreamReplica` per base URL owns one connection pool (upstream_pool). Each request
 runs inside the relay's nursery, so its ``async with replica.pool.stream(...)`` is inside the
@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
 from typing import Any
 
-import httpcore
 import httpx
 import trio
 
@@ -30,7 +29,7 @@ from .openai import CompletionRequest, Endpoint
 from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from .routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
 from .sse import SSEProtocolError, SSESplitter, check_event, is_done
-from .upstream_pool import KeepAlivePool, LeanTrioBackend, UpstreamResponse
+from .upstream_pool import KeepAlivePool, Origin, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger("sluice.upstream")
 
@@ -59,33 +58,22 @@ class UpstreamReplica:
     def __init__(self, url: str, settings: UpstreamConfig, *, socket_options: Any = None) -> None:
         self.url = url.rstrip("/")
         self.load = ReplicaLoad(self.url)
-        # A TLS upstream keeps httpcore's own trio backend (it does the handshake); a plain
-        # one gets the lean socket stream (see upstream_pool).
-        backend = LeanTrioBackend() if self.url.startswith("http://") else None
         self._pool = KeepAlivePool(
             max_keepalive=settings.max_keepalive_connections,
             keepalive_expiry=settings.keepalive_expiry,
             socket_options=socket_options,
-            network_backend=backend,
         )
         self.slots = trio.Semaphore(settings.max_connections)
         parsed = httpx.URL(self.url)
+        self.origin = Origin.of(parsed)
         # Sent as the Host header (with the port unless it is the scheme's default).
         self.host_header = parsed.netloc
-        # The request targets, parsed once: "http://host:8000" and "http://host:8000/v1" both
+        # The request targets, built once: "http://host:8000" and "http://host:8000/v1" both
         # name the server whose /v1/... endpoints we call.
-        root = httpx.URL(self.root_url)
-        self._targets = {
-            endpoint: httpcore.URL(
-                scheme=root.raw_scheme,
-                host=root.raw_host,
-                port=root.port,
-                target=root.raw_path.rstrip(b"/") + endpoint.value.encode(),
-            )
-            for endpoint in Endpoint
-        }
+        root = httpx.URL(self.root_url).raw_path.rstrip(b"/")
+        self._targets = {endpoint: root + endpoint.value.encode() for endpoint in Endpoint}
 
-    def endpoint_url(self, endpoint: Endpoint) -> httpcore.URL:
+    def endpoint_target(self, endpoint: Endpoint) -> bytes:
         return self._targets[endpoint]
 
     @property
@@ -94,7 +82,7 @@ class UpstreamReplica:
         return self.url[:-3] if self.url.endswith("/v1") else self.url
 
     def pool_connections(self) -> list[Any]:
-        """httpcore's connection objects in this pool (for tests and diagnostics)."""
+        """The connections in this pool, busy or idle (for tests and diagnostics)."""
         return self._pool.connections()
 
     @property
@@ -128,20 +116,11 @@ class UpstreamBackend:
         self._relay = relay
         self._api_key = api_key
         self._metrics = metrics
-        # httpcore's per-request timeouts: reads are bounded by the relay's own deadlines.
-        self._extensions = {
-            "timeout": {
-                "connect": model.connect_timeout,
-                "read": None,
-                "write": model.connect_timeout,
-                "pool": None,
-            }
-        }
         self._authorization = f"Bearer {api_key}".encode() if api_key else None
 
     def _request(
         self, replica: UpstreamReplica, request: CompletionRequest, request_id: str
-    ) -> httpcore.Request:
+    ) -> UpstreamRequest:
         # Headers built from scratch: nothing of the client's (its Authorization above all)
         # reaches the upstream. The body is the client's bytes, as they came.
         headers = [
@@ -155,12 +134,14 @@ class UpstreamBackend:
         ]
         if self._authorization is not None:
             headers.append((b"authorization", self._authorization))
-        return httpcore.Request(
+        # Reads are bounded by the relay's own deadlines (first token, idle, total).
+        return UpstreamRequest(
+            replica.origin,
             b"POST",
-            replica.endpoint_url(request.endpoint),
-            headers=headers,
-            content=request.raw,
-            extensions=self._extensions,
+            replica.endpoint_target(request.endpoint),
+            headers,
+            request.raw,
+            connect_timeout=self.model.connect_timeout,
         )
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:

@@ -1,214 +1,400 @@
-"""The upstream connection pool: httpcore's HTTP/1.1 connections, kept in O(1), read leanly.
+"""The upstream connection pool: HTTP/1.1 connections of our own, kept in O(1), read leanly.
 
-Why not httpx's default transport (httpcore's ``AsyncConnectionPool``)? Profiling the relay at
-a few hundred streams showed two costs that grow with load and buy this proxy nothing:
+Why not httpx's transport (httpcore's ``AsyncConnectionPool`` over h11)? Profiling the relay
+found costs that buy this proxy nothing, each removed here and measured (docs/benchmarks.md,
+"Hot path"):
 
-* The pool rescans *every* connection on each request and on each response close, and its
-  check of an idle connection (``has_expired``) is a ``poll()`` syscall. strace at 100 streams:
-  2.6 ``poll`` calls per relayed event, the proxy's most frequent syscall; with n connections
-  it is O(n) per request, O(n²) per burst. Here idle connections wait on a LIFO stack: a
-  request takes the most recently used one (checked once), a close puts it back.
+* httpcore's pool rescans *every* connection on each request and on each response close, and its
+  check of an idle connection is a ``poll()`` syscall: O(n) per request with n connections.
+  Here idle connections wait on a LIFO stack: a request takes the most recently used one
+  (checked once), a close puts it back.
 * httpcore's trio stream wraps every read in ``fail_after`` plus two exception-mapping context
   managers, and trio's ``recv`` first tries the syscall and, as the next token is rarely there
-  yet, fails with EAGAIN before it waits. :class:`LeanSocketStream` waits for readability and
+  yet, fails with EAGAIN before it waits. :class:`PlainTransport` waits for readability and
   reads once, and uses a deadline only when the caller asked for a timeout.
+* h11 and httpcore's layers cost ~10 us of pure Python per relayed chunk and ~0.5 ms per
+  request (the head and the body also went out in two writes). The protocol is now
+  proxy/http1.py, sans-IO: one write per request, ``bytes.find`` over each read.
 
 Request concurrency is bounded before this pool (``UpstreamReplica.slots``), so nothing ever
-waits in here: a request with no idle connection gets a new one. The HTTP/1.1 protocol itself
-(h11, response framing, keep-alive state, closing a half-read response) stays httpcore's.
-
-The network stream's and backend's method signatures (``timeout`` parameters included) are
-httpcore's interface, hence the ASYNC109 exemptions.
+waits in here: a request with no idle connection gets a new one. Errors are httpx's exception
+types, so callers (and the tests' httpx clients, see :meth:`KeepAlivePool.handle_async_request`)
+see what they would see from httpx.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import select
 import socket
+import ssl
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Protocol
 
-import httpcore
 import httpx
 import trio
 
-# httpcore's errors as httpx's (most specific first): the relay and its callers see httpx's.
-_ERRORS: tuple[tuple[type[Exception], type[httpx.HTTPError]], ...] = (
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ReadTimeout, httpx.ReadTimeout),
-    (httpcore.WriteTimeout, httpx.WriteTimeout),
-    (httpcore.PoolTimeout, httpx.PoolTimeout),
-    (httpcore.TimeoutException, httpx.TimeoutException),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.ProtocolError, httpx.ProtocolError),
-)
-_CORE_ERRORS = tuple(core_type for core_type, _ in _ERRORS)
-# Closing a connection is a socket close; the bound only guards against the unexpected.
+from . import http1
+
+# Closing a connection is a socket close (a TLS one may try to say goodbye); the bound only
+# guards against the unexpected.
 _CLOSE_TIMEOUT = 5.0
+_READ_SIZE = 65536
+# The clock of keep-alive expiry (a module global, so tests can move it).
+monotonic = time.monotonic
 
 
-def as_httpx_error(error: Exception) -> Exception:
-    """The httpx exception for an httpcore one."""
-    for core_type, httpx_type in _ERRORS:
-        if isinstance(error, core_type):
-            mapped = httpx_type(str(error))
-            mapped.__cause__ = error
-            return mapped
-    raise AssertionError(f"not an httpcore error: {error!r}")
+class Origin:
+    """Where a connection goes: scheme, host, port."""
+
+    __slots__ = ("host", "port", "scheme")
+
+    def __init__(self, scheme: str, host: str, port: int) -> None:
+        if scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(f"unsupported upstream scheme {scheme!r}")
+        self.scheme = scheme
+        self.host = host
+        self.port = port
+
+    @classmethod
+    def of(cls, url: httpx.URL) -> Origin:
+        return cls(url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Origin) and (self.scheme, self.host, self.port) == (
+            other.scheme,
+            other.host,
+            other.port,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.scheme, self.host, self.port))
+
+    def __repr__(self) -> str:
+        return f"Origin({self.scheme}://{self.host}:{self.port})"
 
 
-class LeanSocketStream(httpcore.AsyncNetworkStream):
-    """A plain TCP connection as httpcore's network stream, on a non-blocking stdlib socket."""
+class UpstreamRequest:
+    """One request for the pool. ``headers`` are sent as given (``host`` and
+    ``content-length`` included); timeouts in seconds, ``None`` for none."""
+
+    __slots__ = ("body", "connect_timeout", "headers", "method", "origin", "read_timeout", "target")
+
+    def __init__(
+        self,
+        origin: Origin,
+        method: bytes,
+        target: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes = b"",
+        *,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+    ) -> None:
+        self.origin = origin
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        # Bounds the connection (TCP and TLS) and the request's write.
+        self.connect_timeout = connect_timeout
+        # Bounds each read; the relay has its own deadlines (first token, idle) and sets none.
+        self.read_timeout = read_timeout
+
+
+class Transport(Protocol):
+    """A connected byte stream: plain TCP or TLS."""
+
+    async def read(self) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    def is_readable(self) -> bool:
+        """An idle HTTP/1.1 connection with something to read has been closed by the server
+        (or broke the protocol): either way it must not be reused."""
+
+    def shutdown(self) -> None:
+        """Shut the connection down now, without closing it (any task may call this)."""
+
+    def has_unread_data(self) -> bool:
+        """Bytes taken off the socket that no read has returned yet."""
+
+    async def aclose(self) -> None: ...
+
+
+class PlainTransport:
+    """A plain TCP connection on a non-blocking stdlib socket (trio waits on its descriptor)."""
+
+    __slots__ = ("_closed", "socket")
 
     def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+        self.socket = sock
         self._closed = False
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
-        if timeout is None:
-            return await self._read(max_bytes)
-        with trio.move_on_after(timeout):
-            return await self._read(max_bytes)
-        raise httpcore.ReadTimeout(f"no data within {timeout:g}s")
-
-    async def _read(self, max_bytes: int) -> bytes:
-        sock = self._sock
+    async def read(self) -> bytes:
+        sock = self.socket
         while True:
             if self._closed:
                 # trio cannot wait on a closed socket's descriptor (-1: ValueError).
                 await trio.lowlevel.checkpoint()
-                raise httpcore.ReadError("connection closed")
+                raise httpx.ReadError("connection closed")
             # Waiting first: the relay reads right after the previous chunk, so a speculative
             # recv would almost always fail with EAGAIN. The wait is the checkpoint.
             try:
                 await trio.lowlevel.wait_readable(sock)
             except trio.ClosedResourceError as error:
-                raise httpcore.ReadError("connection closed") from error
+                raise httpx.ReadError("connection closed") from error
             try:
-                return sock.recv(max_bytes)
+                return sock.recv(_READ_SIZE)
             except BlockingIOError:
                 continue
             except OSError as error:
-                raise httpcore.ReadError(str(error)) from error
+                raise httpx.ReadError(str(error) or type(error).__name__) from error
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            await self._write(buffer)
-            return
-        raise httpcore.WriteTimeout(f"could not write within {timeout:g}s")
-
-    async def _write(self, buffer: bytes) -> None:
-        sock = self._sock
-        view = memoryview(buffer)
+    async def write(self, data: bytes) -> None:
+        sock = self.socket
         await trio.lowlevel.checkpoint_if_cancelled()
+        view = memoryview(data)
         while view:
+            if self._closed:
+                raise httpx.WriteError("connection closed")
             try:
                 sent = sock.send(view)
             except BlockingIOError:
                 try:
                     await trio.lowlevel.wait_writable(sock)
                 except trio.ClosedResourceError as error:
-                    raise httpcore.WriteError("connection closed") from error
+                    raise httpx.WriteError("connection closed") from error
                 continue
             except OSError as error:
-                raise httpcore.WriteError(str(error)) from error
+                raise httpx.WriteError(str(error) or type(error).__name__) from error
             view = view[sent:]
 
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            # Wakes a task waiting on this socket (with ClosedResourceError) before the fd
-            # number can be reused.
-            trio.lowlevel.notify_closing(self._sock)
-            self._sock.close()
-        await trio.lowlevel.checkpoint()
-
-    async def start_tls(
-        self,
-        ssl_context: Any,
-        server_hostname: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109
-    ) -> httpcore.AsyncNetworkStream:
-        raise httpcore.UnsupportedProtocol("TLS upstreams use httpcore's own trio backend")
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable":
-            return self._is_readable()
-        if info == "socket":
-            return self._sock
-        if self._closed:
-            return None
-        if info == "client_addr":
-            return self._sock.getsockname()
-        if info == "server_addr":
-            return self._sock.getpeername()
-        return None
-
-    def _is_readable(self) -> bool:
-        """An idle HTTP/1.1 connection with something to read has been closed by the server
-        (or broke the protocol): either way it must not be reused."""
+    def is_readable(self) -> bool:
         if self._closed:
             return True
         try:
-            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            self.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         except OSError:
             return True
         return True
 
+    def shutdown(self) -> None:
+        if not self._closed:
+            with contextlib.suppress(OSError):
+                self.socket.shutdown(socket.SHUT_RDWR)
 
-class LeanTrioBackend(httpcore.AsyncNetworkBackend):
-    """Connects with trio (happy eyeballs, resolution in a thread), then hands the socket to
-    :class:`LeanSocketStream`."""
+    def has_unread_data(self) -> bool:
+        return False  # each read returns all that recv took
 
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            # Wakes a task waiting on this socket (with ClosedResourceError) before the fd
+            # number can be reused.
+            trio.lowlevel.notify_closing(self.socket)
+            self.socket.close()
+        await trio.lowlevel.checkpoint()
+
+
+class TLSTransport:
+    """A TLS connection: trio's SSLStream over its socket stream."""
+
+    __slots__ = ("_closed", "_stream")
+
+    def __init__(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+        self._stream = stream
+        self._closed = False
+
+    async def read(self) -> bytes:
         try:
-            with trio.fail_after(math.inf if timeout is None else timeout):
-                stream = await trio.open_tcp_stream(host, port, local_address=local_address)
-        except trio.TooSlowError as error:
-            raise httpcore.ConnectTimeout(f"no connection within {timeout:g}s") from error
-        except OSError as error:
-            raise httpcore.ConnectError(str(error)) from error
-        trio_socket = stream.socket
+            return bytes(await self._stream.receive_some(_READ_SIZE))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise httpx.ReadError(str(error) or type(error).__name__) from error
+
+    async def write(self, data: bytes) -> None:
         try:
-            for option in socket_options or ():
-                trio_socket.setsockopt(*option)
+            await self._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise httpx.WriteError(str(error) or type(error).__name__) from error
+
+    def is_readable(self) -> bool:
+        if self._closed:
+            return True
+        if self.has_unread_data():
+            return True
+        poll = select.poll()
+        poll.register(self._stream.transport_stream.socket.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            with contextlib.suppress(OSError):
+                self._stream.transport_stream.socket.shutdown(socket.SHUT_RDWR)
+
+    def has_unread_data(self) -> bool:
+        # A record after the response's, taken off the socket in the same read, waits in
+        # the SSLStream where polling the socket cannot see it. trio has no public way to
+        # ask, so its innards are asked; a layout that differs counts as "yes" (the
+        # connection is then not reused, which is always safe).
+        incoming = getattr(self._stream, "_incoming", None)
+        ssl_object = getattr(self._stream, "_ssl_object", None)
+        if incoming is None or ssl_object is None:
+            return True
+        return bool(incoming.pending or ssl_object.pending())
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await trio.aclose_forcefully(self._stream)
+
+
+async def connect(
+    origin: Origin,
+    *,
+    connect_timeout: float | None,
+    socket_options: Iterable[Sequence[Any]] = (),
+    ssl_context: ssl.SSLContext | None = None,
+) -> Transport:
+    """A new connection to ``origin`` (happy eyeballs, name resolution in a thread; the TLS
+    handshake for https), within ``connect_timeout``."""
+    with trio.move_on_after(math.inf if connect_timeout is None else connect_timeout):
+        try:
+            stream = await trio.open_tcp_stream(origin.host, origin.port)
         except OSError as error:
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-            raise httpcore.ConnectError(str(error)) from error
-        # The same descriptor under a stdlib socket object (trio's epoll registration is per
-        # descriptor, so it carries over); trio's socket object lets go of it without closing.
-        sock = socket.socket(fileno=trio_socket.detach())
-        sock.setblocking(False)
-        return LeanSocketStream(sock)
+            raise httpx.ConnectError(str(error) or type(error).__name__) from error
+        try:
+            for option in socket_options:
+                stream.socket.setsockopt(*option)
+            if origin.scheme == "http":
+                # The same descriptor under a stdlib socket object (trio's epoll registration
+                # is per descriptor, so it carries over); trio's object lets go without closing.
+                sock = socket.socket(fileno=stream.socket.detach())
+                sock.setblocking(False)
+                return PlainTransport(sock)
+            assert ssl_context is not None
+            # https_compatible: most servers close without a TLS close_notify, which must
+            # end a body delimited by the close, not fail it.
+            tls = trio.SSLStream(
+                stream, ssl_context, server_hostname=origin.host, https_compatible=True
+            )
+            await tls.do_handshake()
+            return TLSTransport(tls)
+        except (OSError, trio.BrokenResourceError) as error:
+            await trio.aclose_forcefully(stream)
+            # A failed handshake is a BrokenResourceError whose cause says why (the
+            # certificate did not verify...): that is the message worth showing.
+            reason = error.__cause__ if isinstance(error, trio.BrokenResourceError) else error
+            raise httpx.ConnectError(str(reason or error) or type(error).__name__) from error
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+    where = f"{origin.host}:{origin.port}"
+    raise httpx.ConnectTimeout(f"no connection to {where} within {connect_timeout:g}s")
 
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:  # pragma: no cover - upstreams are TCP URLs
-        raise httpcore.UnsupportedProtocol("unix sockets are not supported")
 
-    async def sleep(self, seconds: float) -> None:
-        await trio.sleep(seconds)
+class UpstreamConnection:
+    """One HTTP/1.1 connection: one request at a time, reused while the server keeps it."""
+
+    __slots__ = ("_closed", "_idle_since", "_reader", "origin", "transport")
+
+    def __init__(self, origin: Origin, transport: Transport) -> None:
+        self.origin = origin
+        self.transport = transport
+        self._reader: http1.ResponseReader | None = None
+        self._idle_since = monotonic()
+        self._closed = False
+
+    def is_idle(self) -> bool:
+        return not self._closed and self._reader is None
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def has_expired(self, keepalive_expiry: float) -> bool:
+        return (
+            self._closed
+            or monotonic() - self._idle_since > keepalive_expiry
+            or self.transport.is_readable()
+        )
+
+    async def start(self, request: UpstreamRequest) -> tuple[http1.ResponseHead, bytes]:
+        """Send ``request``; read until its response head. Returns the head and the body bytes
+        that came with it."""
+        reader = self._reader = http1.ResponseReader(request.method)
+        try:
+            data = http1.encode_request(
+                request.method, request.target, request.headers, request.body
+            )
+        except http1.LocalProtocolError as error:
+            raise httpx.LocalProtocolError(str(error)) from error
+        timeout = request.connect_timeout
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await self.transport.write(data)
+            data = b""
+        if data:
+            raise httpx.WriteTimeout(f"could not send the request within {timeout:g}s")
+        return await self._read_head(reader, request.read_timeout)
+
+    async def _read_head(
+        self, reader: http1.ResponseReader, read_timeout: float | None
+    ) -> tuple[http1.ResponseHead, bytes]:
+        body = b""
+        while reader.head is None:
+            body = self.feed(await self.read(read_timeout))
+        return reader.head, body
+
+    async def read(self, read_timeout: float | None) -> bytes:
+        if read_timeout is None:
+            return await self.transport.read()
+        with trio.move_on_after(read_timeout):
+            return await self.transport.read()
+        raise httpx.ReadTimeout(f"nothing read within {read_timeout:g}s")
+
+    def feed(self, data: bytes) -> bytes:
+        """The body bytes ``data`` completes (an EOF when empty)."""
+        reader = self._reader
+        assert reader is not None
+        try:
+            if data:
+                return reader.feed(data)
+            reader.feed_eof()
+            return b""
+        except http1.ProtocolError as error:
+            raise httpx.RemoteProtocolError(str(error)) from error
+
+    @property
+    def response_complete(self) -> bool:
+        return self._reader is not None and self._reader.complete
+
+    def finish(self) -> bool:
+        """The response is done with: True if the connection can take another request."""
+        reader, self._reader = self._reader, None
+        self._idle_since = monotonic()
+        return (
+            not self._closed
+            and reader is not None
+            and reader.reusable
+            and not self.transport.has_unread_data()
+        )
+
+    def abort(self) -> None:
+        """Shut the connection down now (from any task); it is closed later, by its owner."""
+        self.transport.shutdown()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._reader = None
+        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+            await self.transport.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "idle" if self._reader is None else "active"
+        return f"<UpstreamConnection {self.origin!r} {state}>"
 
 
 class KeepAlivePool(httpx.AsyncBaseTransport):
@@ -219,102 +405,111 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         *,
         max_keepalive: int,
         keepalive_expiry: float,
-        socket_options: Iterable[Any] | None = None,
-        network_backend: httpcore.AsyncNetworkBackend | None = None,
+        socket_options: Iterable[Sequence[Any]] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._max_keepalive = max_keepalive
         self._keepalive_expiry = keepalive_expiry
         self._socket_options = list(socket_options or [])
-        self._backend = network_backend
-        self._idle: deque[httpcore.AsyncHTTPConnection] = deque()
-        self._busy: set[httpcore.AsyncHTTPConnection] = set()
+        self._ssl_context = ssl_context
+        self._idle: deque[UpstreamConnection] = deque()
+        self._busy: set[UpstreamConnection] = set()
         self._closed = False
 
-    def connections(self) -> list[httpcore.AsyncHTTPConnection]:
+    def connections(self) -> list[UpstreamConnection]:
         """Every connection the pool holds, in use or idle (for tests and diagnostics)."""
         return [*self._busy, *self._idle]
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """As an httpx transport, for any httpx client (the tests use it so; the relay uses
-        :meth:`stream`, the health checks a client of their own)."""
-        url = request.url
-        response, body = await self.send(
-            httpcore.Request(
-                method=request.method,
-                url=httpcore.URL(
-                    scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
-                ),
-                headers=request.headers.raw,
-                content=request.stream,
-                extensions=request.extensions,
-            )
-        )
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.headers,
-            stream=body,
-            extensions=response.extensions,
-        )
-
-    def stream(self, request: httpcore.Request) -> Exchange:
-        """``async with pool.stream(request) as response``: the relay's way in, without the
-        httpx client's per-request machinery (URL and header models, auth and redirect flows,
-        cookies, three more wrappers per body chunk). Errors are httpx's all the same."""
+    def stream(self, request: UpstreamRequest) -> Exchange:
+        """``async with pool.stream(request) as response``: the relay's way in."""
         return Exchange(self, request)
 
-    async def send(self, request: httpcore.Request) -> tuple[httpcore.Response, PooledBody]:
-        """Send ``request`` on an idle connection or a new one; the response's body gives the
-        connection back when it is closed."""
-        if self._closed:
-            raise RuntimeError("the upstream pool is closed")
-        connection = await self._take(request.url.origin)
-        self._busy.add(connection)
-        try:
-            response = await connection.handle_async_request(request)
-        except BaseException as error:
-            # Whatever state it is in (httpcore closes a connection whose exchange failed or
-            # was cancelled), it serves nobody else.
-            await self.discard(connection)
-            if isinstance(error, _CORE_ERRORS):
-                raise as_httpx_error(error) from error
-            raise
-        return response, PooledBody(self, connection, response.stream)
-
-    async def _take(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection:
-        idle = self._idle
-        # The bottom of the stack is the longest idle: the one most likely past its expiry.
-        # Pruning one per request keeps a stack that shrank in use from holding dead sockets.
-        if len(idle) > 1 and idle[0].has_expired():
-            await self._close(idle.popleft())
-        while idle:
-            connection = idle.pop()
-            if connection.is_available() and not connection.has_expired():
-                return connection
-            await self._close(connection)
-        return httpcore.AsyncHTTPConnection(
-            origin,
-            keepalive_expiry=self._keepalive_expiry,
-            network_backend=self._backend,
-            socket_options=self._socket_options or None,
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """As an httpx transport, for any httpx client (the tests use it so)."""
+        timeouts = request.extensions.get("timeout", {})
+        body = await request.aread()
+        # Read whole, so sent with a length (a streamed body came with transfer-encoding).
+        headers = [
+            (name, value)
+            for name, value in request.headers.raw
+            if name.lower() not in (b"transfer-encoding", b"content-length")
+        ]
+        if body or request.method not in ("GET", "HEAD"):
+            headers.append((b"content-length", str(len(body)).encode()))
+        exchange = Exchange(
+            self,
+            UpstreamRequest(
+                Origin.of(request.url),
+                request.method.encode(),
+                request.url.raw_path,
+                headers,
+                body,
+                connect_timeout=timeouts.get("connect"),
+                read_timeout=timeouts.get("read"),
+            ),
+        )
+        response = await exchange.__aenter__()
+        return httpx.Response(
+            status_code=response.status_code,
+            headers=response.raw_headers,
+            stream=_ExchangeStream(exchange, response),
         )
 
-    async def release(self, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def open(self, request: UpstreamRequest) -> tuple[UpstreamConnection, UpstreamResponse]:
+        """Send ``request`` on an idle connection or a new one; read its response head. The
+        caller gives the connection back with :meth:`release` or :meth:`discard`."""
+        if self._closed:
+            raise RuntimeError("the upstream pool is closed")
+        connection = await self._take(request)
+        self._busy.add(connection)
+        try:
+            head, body = await connection.start(request)
+        except BaseException:
+            # Whatever state it is in, it serves nobody else.
+            await self.discard(connection)
+            raise
+        return connection, UpstreamResponse(connection, head, body, request.read_timeout)
+
+    async def _take(self, request: UpstreamRequest) -> UpstreamConnection:
+        idle = self._idle
+        expiry = self._keepalive_expiry
+        # The bottom of the stack is the longest idle: the one most likely past its expiry.
+        # Pruning one per request keeps a stack that shrank in use from holding dead sockets.
+        if len(idle) > 1 and idle[0].has_expired(expiry):
+            await idle.popleft().aclose()
+        while idle:
+            connection = idle.pop()
+            if connection.origin == request.origin and not connection.has_expired(expiry):
+                return connection
+            await connection.aclose()
+        transport = await connect(
+            request.origin,
+            connect_timeout=request.connect_timeout,
+            socket_options=self._socket_options,
+            ssl_context=self._tls_context() if request.origin.scheme == "https" else None,
+        )
+        return UpstreamConnection(request.origin, transport)
+
+    def _tls_context(self) -> ssl.SSLContext:
+        # Built on first use (loading the CA bundle takes milliseconds): httpx's default, the
+        # certifi bundle, and HTTP/1.1 only.
+        if self._ssl_context is None:
+            self._ssl_context = httpx.create_ssl_context()
+            self._ssl_context.set_alpn_protocols(["http/1.1"])
+        return self._ssl_context
+
+    async def release(self, connection: UpstreamConnection) -> None:
         """A response closed: keep its connection if it can take another request."""
         self._busy.discard(connection)
-        if not self._closed and connection.is_available() and len(self._idle) < self._max_keepalive:
+        if connection.finish() and not self._closed and len(self._idle) < self._max_keepalive:
             self._idle.append(connection)
         else:
-            await self._close(connection)
+            await connection.aclose()
 
-    async def discard(self, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def discard(self, connection: UpstreamConnection) -> None:
         """Close a connection taken from this pool, whatever its state."""
         self._busy.discard(connection)
-        await self._close(connection)
-
-    @staticmethod
-    async def _close(connection: httpcore.AsyncHTTPConnection) -> None:
-        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-            await connection.aclose()
+        await connection.aclose()
 
     async def aclose(self) -> None:
         self._closed = True
@@ -322,123 +517,130 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         self._idle.clear()
         self._busy.clear()
         for connection in connections:
-            await self._close(connection)
-
-
-class PooledBody(httpx.AsyncByteStream):
-    """A response body that gives its connection back to the pool when closed."""
-
-    def __init__(
-        self,
-        pool: KeepAlivePool,
-        connection: httpcore.AsyncHTTPConnection,
-        stream: Any,
-    ) -> None:
-        self._pool = pool
-        self._connection = connection
-        self._stream = stream
-        self._chunks: Any = None
-        self._released = False
-        self._aborted = False
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        # An iterator object, not an async generator: nothing of ours is left for the garbage
-        # collector to finalize when a relay stops reading mid-stream.
-        self._chunks = self._stream.__aiter__()
-        return _Chunks(self._chunks)
-
-    def abort(self, network_stream: Any) -> None:
-        """Shut the connection down now, from any task: the upstream sees the close at once
-        (and a server like vLLM aborts the generation) while this request's task has yet to
-        unwind. A no-op once the body is closed: the connection may serve another request."""
-        if self._released or self._aborted:
-            return
-        self._aborted = True
-        sock = network_stream.get_extra_info("socket") if network_stream is not None else None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    async def aclose(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        # Shielded: this runs as a cancelled request unwinds, and httpcore's close takes a
-        # lock (a checkpoint). A fully read response leaves the connection idle (reusable); a
-        # half-read one closes it, so the upstream sees the client's disconnect.
-        with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
-            try:
-                with contextlib.suppress(httpcore.NetworkError, httpcore.ProtocolError):
-                    if self._chunks is not None and hasattr(self._chunks, "aclose"):
-                        # httpcore's body generator, finalized now rather than by the GC.
-                        await self._chunks.aclose()
-                    await self._stream.aclose()
-            finally:
-                if self._aborted:
-                    await self._pool.discard(self._connection)
-                else:
-                    await self._pool.release(self._connection)
+            await connection.aclose()
 
 
 class UpstreamResponse:
     """What the relay reads of an upstream response: status, headers, body chunks."""
 
-    __slots__ = ("_body", "_network_stream", "headers", "status_code")
+    __slots__ = (
+        "_connection",
+        "_first",
+        "_read_timeout",
+        "aborted",
+        "closed",
+        "headers",
+        "raw_headers",
+        "status_code",
+    )
 
-    def __init__(self, response: httpcore.Response, body: PooledBody) -> None:
-        self.status_code = response.status
-        # httpcore's HTTP/1.1 responses name their connection's stream (for upgrades).
-        self._network_stream = response.extensions.get("network_stream")
+    def __init__(
+        self,
+        connection: UpstreamConnection,
+        head: http1.ResponseHead,
+        first: bytes,
+        read_timeout: float | None,
+    ) -> None:
+        self._connection = connection
+        self.status_code = head.status
+        self.raw_headers = head.headers
         # Lower-case names; of a repeated header the last value (the relay reads only
         # single-valued ones: content-type, retry-after).
         self.headers = {
-            name.decode("latin-1").lower(): value.decode("latin-1")
-            for name, value in response.headers
+            name.decode("latin-1"): value.decode("latin-1") for name, value in head.headers
         }
-        self._body = body
+        self._first = first
+        self._read_timeout = read_timeout
+        self.aborted = False
+        self.closed = False
 
     def abort(self) -> None:
-        """Shut this response's connection down now (see PooledBody.abort)."""
-        self._body.abort(self._network_stream)
+        """Shut this response's connection down now, from any task: the upstream sees the close
+        at once (and a server like vLLM aborts the generation) while the request's task has yet
+        to unwind. The connection is then discarded, never reused. A no-op once the exchange
+        is closed: the connection may be serving another request by then."""
+        if not (self.aborted or self.closed):
+            self.aborted = True
+            self._connection.abort()
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, chunk by chunk (transfer framing removed, no decoding)."""
-        return self._body.__aiter__()
+        return _Chunks(self)
 
-
-class Exchange:
-    """One request on a pool, as an async context manager: the response is closed when the
-    block ends, however it ends (its connection kept if fully read, else closed)."""
-
-    __slots__ = ("_body", "_pool", "_request")
-
-    def __init__(self, pool: KeepAlivePool, request: httpcore.Request) -> None:
-        self._pool = pool
-        self._request = request
-        self._body: PooledBody | None = None
-
-    async def __aenter__(self) -> UpstreamResponse:
-        response, self._body = await self._pool.send(self._request)
-        return UpstreamResponse(response, self._body)
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._body is not None
-        await self._body.aclose()
+    async def next_chunk(self) -> bytes | None:
+        """The next body bytes; None at the end of the body."""
+        if self._first:
+            first, self._first = self._first, b""
+            return first
+        connection = self._connection
+        while not connection.response_complete:
+            data = connection.feed(await connection.read(self._read_timeout))
+            if data:
+                return data
+        return None
 
 
 class _Chunks:
-    """httpcore's body chunks, with its errors raised as httpx's."""
+    """An iterator object, not an async generator: nothing of ours is left for the garbage
+    collector to finalize when a relay stops reading mid-stream."""
 
-    __slots__ = ("_chunks",)
+    __slots__ = ("_response",)
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks = chunks
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
 
     def __aiter__(self) -> _Chunks:
         return self
 
     async def __anext__(self) -> bytes:
-        try:
-            return await self._chunks.__anext__()
-        except _CORE_ERRORS as error:
-            raise as_httpx_error(error) from error
+        chunk = await self._response.next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+
+class Exchange:
+    """One request on a pool, as an async context manager: the response is closed when the
+    block ends, however it ends (its connection kept if fully read, else closed, so the
+    upstream sees a client's disconnect)."""
+
+    __slots__ = ("_connection", "_done", "_pool", "_request", "_response")
+
+    def __init__(self, pool: KeepAlivePool, request: UpstreamRequest) -> None:
+        self._pool = pool
+        self._request = request
+        self._connection: UpstreamConnection | None = None
+        self._response: UpstreamResponse | None = None
+        self._done = False
+
+    async def __aenter__(self) -> UpstreamResponse:
+        self._connection, self._response = await self._pool.open(self._request)
+        return self._response
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._done or self._connection is None or self._response is None:
+            return
+        self._done = True
+        self._response.closed = True
+        # No checkpoint before the decision: this runs as a cancelled request unwinds.
+        if self._response.aborted or not self._connection.response_complete:
+            await self._pool.discard(self._connection)
+        else:
+            await self._pool.release(self._connection)
+
+
+class _ExchangeStream(httpx.AsyncByteStream):
+    """An exchange's body as an httpx response stream (the transport interface)."""
+
+    def __init__(self, exchange: Exchange, response: UpstreamResponse) -> None:
+        self._exchange = exchange
+        self._response = response
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _Chunks(self._response)
+
+    async def aclose(self) -> None:
+        await self._exchange.aclose()

@@ -7,7 +7,7 @@ When hypercorn reports ``http.disconnect``, RelayHTTPConnection calls the body's
 for the producer's task to be scheduled and unwind.
 
 The RelayBody tests need no socket: virtual time. The end-to-end tests run a real proxy in front
-of the fake upstream on 127.0.0.1 (port 0), with a wrapper around ``PooledBody.abort`` that
+of the fake upstream on 127.0.0.1 (port 0), with a wrapper around ``UpstreamResponse.abort`` that
 records each call.
 """
 
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from traceback import walk_stack
 from typing import Any
 
-import httpcore
 import httpx
 import pytest
 import trio
@@ -32,7 +31,7 @@ from proxy.metrics import Metrics
 from proxy.openai import Endpoint, parse_completion_request
 from proxy.relay import RelayBody, RelaySink
 from proxy.upstream import UpstreamBackend, UpstreamReplica
-from proxy.upstream_pool import PooledBody
+from proxy.upstream_pool import Exchange, PlainTransport, UpstreamConnection, UpstreamResponse
 from tests.support import (
     DEADLINE,
     Fake,
@@ -162,11 +161,12 @@ async def test_no_callback_once_the_body_has_closed(autojump_clock: trio.abc.Clo
 
 @dataclass
 class AbortCall:
-    """One call of PooledBody.abort, as the wrapper saw it."""
+    """One call of UpstreamResponse.abort, as the wrapper saw it."""
 
-    body: PooledBody
-    connection: httpcore.AsyncHTTPConnection
-    # The body had not been closed yet: the abort was not a late no-op.
+    response: UpstreamResponse
+    connection: UpstreamConnection
+    # The response's exchange (its ``async with pool.stream(...)``) had not been closed yet:
+    # the abort was not a late one, on a connection already given back.
     body_open: bool
     # Relay producer tasks alive at the call: the request's task had not unwound yet.
     producers: int
@@ -177,26 +177,41 @@ class AbortCall:
 TCP_ESTABLISHED = 1  # linux/tcp_states.h; the first byte of struct tcp_info
 
 
-def tcp_state(network_stream: Any) -> int | None:
-    sock = network_stream.get_extra_info("socket") if network_stream is not None else None
-    if sock is None or sock.fileno() < 0:
+def tcp_state(connection: UpstreamConnection) -> int | None:
+    # The fake upstreams are http://: a plain transport, its socket in reach.
+    transport = connection.transport
+    if not isinstance(transport, PlainTransport) or transport.socket.fileno() < 0:
         return None
-    return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0])
+    return int(transport.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0])
 
 
 @pytest.fixture
 def abort_calls(monkeypatch: pytest.MonkeyPatch) -> list[AbortCall]:
     calls: list[AbortCall] = []
-    original = PooledBody.abort
+    # Which exchange each response belongs to: the response holds no reference to it, and the
+    # exchange's own flag (``_done``, set as its block closes) is the one precise signal of a
+    # late abort. The connection's state is not: once given back, it may be idle in the pool,
+    # or already serving the next request (busy again, open, not idle).
+    exchanges: dict[UpstreamResponse, Exchange] = {}
+    original_enter = Exchange.__aenter__
+    original_abort = UpstreamResponse.abort
 
-    def abort(self: PooledBody, network_stream: Any) -> None:
-        call = AbortCall(self, self._connection, not self._released, len(producer_tasks()))
+    async def enter(self: Exchange) -> UpstreamResponse:
+        response = await original_enter(self)
+        exchanges[response] = self
+        return response
+
+    def abort(self: UpstreamResponse) -> None:
+        exchange = exchanges[self]
+        connection = self._connection
+        call = AbortCall(self, connection, not exchange._done, len(producer_tasks()))
         calls.append(call)
-        original(self, network_stream)
+        original_abort(self)
         # Read synchronously, before any task runs: did this call itself shut the socket down?
-        call.tcp_state = tcp_state(network_stream)
+        call.tcp_state = tcp_state(connection)
 
-    monkeypatch.setattr(PooledBody, "abort", abort)
+    monkeypatch.setattr(Exchange, "__aenter__", enter)
+    monkeypatch.setattr(UpstreamResponse, "abort", abort)
     return calls
 
 
@@ -270,7 +285,7 @@ async def test_a_client_leaving_a_hedged_request_aborts_every_attempt(
             assert fake.recorder.last().outcome == "client_disconnected"
         await proxy.state.tracker.wait_idle()
         assert len(abort_calls) == 2
-        assert len({id(call.body) for call in abort_calls}) == 2  # one per attempt
+        assert len({id(call.response) for call in abort_calls}) == 2  # one per attempt
         assert all(call.body_open for call in abort_calls)
         assert all(call.tcp_state not in (None, TCP_ESTABLISHED) for call in abort_calls)
         for replica in proxy.state.replicas.values():

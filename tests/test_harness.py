@@ -426,9 +426,11 @@ async def upstream_queued(rig: Rig, transport: str) -> Left:
 
 async def upstream_connecting(rig: Rig, transport: str) -> Left:
     raw = await rig.post("upstream", transport, model="unreachable")
-    await wait_for_producer_in("connect_tcp")
+    await wait_for_producer_in("open_tcp_stream")
+    # A connection joins its pool once connected: a leaked socket would show in the
+    # descriptors assert_nothing_left compares.
     connections = rig.in_flight_connections()
-    assert [connection.info() for connection in connections] == ["CONNECTING"]
+    assert connections == set()
     closed_at = await raw.close()
     with trio.fail_after(SETTLE):
         await rig.proxy.state.tracker.wait_idle()
@@ -450,13 +452,13 @@ async def _upstream_leave_parked(rig: Rig, transport: str, fake: dict[str, Any],
 
 async def upstream_awaiting_headers(rig: Rig, transport: str) -> Left:
     fake = {"mode": "stall_headers"}
-    return await _upstream_leave_parked(rig, transport, fake, "_receive_response_headers")
+    return await _upstream_leave_parked(rig, transport, fake, "_read_head")
 
 
 async def upstream_awaiting_first_token(rig: Rig, transport: str) -> Left:
     # A streaming response has its head at once (vLLM's way); a whole one has nothing until
     # the end, so the proxy still waits for the head.
-    parked_in = "_relay_stream" if transport == "sse" else "_receive_response_headers"
+    parked_in = "_relay_stream" if transport == "sse" else "_read_head"
     return await _upstream_leave_parked(rig, transport, {"ttft": 30}, parked_in)
 
 
