@@ -91,13 +91,15 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             for name, value in body.headers.items():
                 response.headers[name] = value
             headers = encode_headers(response.headers)
-            await send(
-                cast(
-                    Any,
-                    {"type": "http.response.start", "status": body.status, "headers": headers},
+            writer = chunk_writer.start_response(send, body.status, headers, body.stall_timeout)
+            if writer is None:
+                await send(
+                    cast(
+                        Any,
+                        {"type": "http.response.start", "status": body.status, "headers": headers},
+                    )
                 )
-            )
-            writer = chunk_writer.attach(send, headers, body.stall_timeout)
+                writer = chunk_writer.attach(send, headers, body.stall_timeout)
             if writer is not None:
                 await body.write_through(writer)
             else:

@@ -71,7 +71,8 @@ def test_chunk_frame_matches_h11(size: int) -> None:
 class Observed:
     """What the fast path did, seen from outside proxy code."""
 
-    # attach()'s return per relayed response: a ChunkWriter, or None (ASGI send used).
+    # The writer per relayed response (start_response's, else attach()'s): a ChunkWriter,
+    # or None (ASGI send used).
     attached: list[ChunkWriter | None] = field(default_factory=list)
     # write_nowait()'s results: True (all written), None (partial), False (nothing).
     direct: list[bool | None] = field(default_factory=list)
@@ -100,8 +101,22 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> Observed:
         seen.attached.append(writer)
         return writer
 
-    # asgi.py calls chunk_writer.attach through the module, so this is the one it gets.
+    original_start = chunk_writer.start_response
+
+    def start_response(
+        send: Any, status: int, headers: list[tuple[bytes, bytes]], stall_timeout: float
+    ) -> ChunkWriter | None:
+        if seen.server_sndbuf is not None:
+            sock = transport_socket(send)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, seen.server_sndbuf)
+        writer = original_start(send, status, headers, stall_timeout)
+        if writer is not None:  # else asgi.py sends the head through ASGI, then attach()es
+            seen.attached.append(writer)
+        return writer
+
+    # asgi.py calls both through the module, so these are the ones it gets.
     monkeypatch.setattr(chunk_writer, "attach", attach)
+    monkeypatch.setattr(chunk_writer, "start_response", start_response)
     original_write_nowait = ChunkWriter.write_nowait
 
     def write_nowait(self: ChunkWriter, chunk: bytes) -> bool | None:
