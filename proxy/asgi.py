@@ -82,24 +82,39 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             # (abort_connection): without these, every finished relay would wait for the
             # cyclic garbage collector to be freed.
             self.relay_body = None
+            body.start_stream = None
             if server is not None:
                 server.on_client_gone = None
 
     async def _send_relayed(self, send: ASGISendCallable, response: Any, body: RelayBody) -> None:
-        async with body:
+        def head_headers() -> list[tuple[bytes, bytes]]:
             response.status_code = body.status
             for name, value in body.headers.items():
                 response.headers[name] = value
-            headers = encode_headers(response.headers)
-            writer = chunk_writer.start_response(send, body.status, headers, body.stall_timeout)
+            return encode_headers(response.headers)
+
+        stall_timeout = body.stall_timeout
+        tried = False
+
+        def start_stream() -> chunk_writer.ChunkWriter | None:
+            # In the producer's task, as it decides a streamed 200 head (RelayBody.set_head):
+            # the head waits in the writer for the first event, and both leave in one write.
+            nonlocal tried
+            tried = True
+            return chunk_writer.start_response(send, body.status, head_headers(), stall_timeout)
+
+        body.start_stream = start_stream
+        async with body:
+            writer = body.writer
             if writer is None:
-                await send(
-                    cast(
-                        Any,
-                        {"type": "http.response.start", "status": body.status, "headers": headers},
-                    )
-                )
-                writer = chunk_writer.attach(send, headers, body.stall_timeout)
+                headers = head_headers()
+                if not tried:
+                    writer = chunk_writer.start_response(send, body.status, headers, stall_timeout)
+                if writer is None:
+                    status = body.status
+                    start = {"type": "http.response.start", "status": status, "headers": headers}
+                    await send(cast(Any, start))
+                    writer = chunk_writer.attach(send, headers, stall_timeout)
             if writer is not None:
                 await body.write_through(writer)
             else:

@@ -317,6 +317,10 @@ class RelayBody(ResponseBody):
         # written; anything queued through the channel clears it first.
         self._writer: DirectWriter | None = None
         self.direct_ok = False
+        # Set by the HTTP layer (asgi.py) before the body starts: called by set_head, in the
+        # producer's task, for a streamed 200 head; a writer with the head pending in it (or
+        # None: the body task sends the head). See set_head.
+        self.start_stream: Callable[[], DirectWriter | None] | None = None
 
     # -- what the producer drives (through RelaySink) --------------------------------------
 
@@ -340,6 +344,19 @@ class RelayBody(ResponseBody):
         if headers:
             self.headers.update(headers)
         self.head_ready.set()
+        if self._sse and self.streaming and self.start_stream is not None:
+            # The head is started here rather than by the body's task once it wakes: the
+            # producer's first offer (next, in this same step) then writes the head and the
+            # first event in one write, and the time to first token saves a scheduler round
+            # trip. Nothing is queued yet, so the producer may write directly (see offer).
+            self._writer = self.start_stream()
+            if self._writer is not None and not self.send_channel.statistics().current_buffer_used:
+                self.direct_ok = True
+
+    @property
+    def writer(self) -> DirectWriter | None:
+        """The writer set_head started the stream with, if it did."""
+        return self._writer
 
     async def _run_producer(self) -> None:
         async with self.send_channel:

@@ -8,11 +8,14 @@ hypercorn's view of the connection stayed true afterwards (the next request on i
 from __future__ import annotations
 
 import contextlib
+import email.utils
+import functools
 import itertools
 import json
 import os
 import re
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -21,10 +24,13 @@ from typing import Any, cast
 import h11
 import pytest
 import trio
+from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import RawData
 from hypercorn.protocol.http_stream import HTTPStream
+from hypercorn.trio.tcp_server import TCPServer
 
 from proxy import chunk_writer
+from proxy import server as proxy_server
 from proxy.asgi import transport_socket
 from proxy.chunk_writer import ChunkWriter, chunk_frame
 from proxy.fake_upstream import token_text
@@ -74,6 +80,9 @@ class Observed:
     # The writer per relayed response (start_response's, else attach()'s): a ChunkWriter,
     # or None (ASGI send used).
     attached: list[ChunkWriter | None] = field(default_factory=list)
+    # What start_response returned, per relayed response: a ChunkWriter holding the head
+    # (the fast path), or None (the head went through ASGI).
+    started: list[ChunkWriter | None] = field(default_factory=list)
     # write_nowait()'s results: True (all written), None (partial), False (nothing).
     direct: list[bool | None] = field(default_factory=list)
     # http.response.body messages with bytes in them that went through hypercorn's ASGI send.
@@ -110,6 +119,7 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> Observed:
             sock = transport_socket(send)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, seen.server_sndbuf)
         writer = original_start(send, status, headers, stall_timeout)
+        seen.started.append(writer)
         if writer is not None:  # else asgi.py sends the head through ASGI, then attach()es
             seen.attached.append(writer)
         return writer
@@ -178,13 +188,19 @@ class Conn:
         host, port = proxy.host_port
         return cls(await connect_client(proxy, rcvbuf=rcvbuf, mss=mss), host, port)
 
-    async def post(self, body: dict[str, Any], *, version: str = "HTTP/1.1") -> None:
+    async def post(
+        self, body: dict[str, Any], *, version: str = "HTTP/1.1", extra: str = "", send: bool = True
+    ) -> bytes:
+        """Send a request (``extra``: more header lines, each ending in CRLF); its bytes. With
+        ``send=False`` only the bytes, for a test that sends several at once."""
         payload = json.dumps(body).encode()
         head = (
-            f"POST {CHAT} {version}\r\nHost: {self.host}\r\n"
+            f"POST {CHAT} {version}\r\nHost: {self.host}\r\n{extra}"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         ).encode()
-        await self.stream.send_all(head + payload)
+        if send:
+            await self.stream.send_all(head + payload)
+        return head + payload
 
     async def _fill(self, size: int) -> bool:
         """At least ``size`` unread bytes buffered; False if the connection ended first."""
@@ -316,8 +332,10 @@ async def test_stream_is_framed_exactly_and_the_connection_stays_usable(
         await read_stream(conn, 7)
         assert conn.unread() == b""
         assert len(fake.recorder.records) == 2
-        # Both bodies took the fast path: attach gave a writer, and no body bytes went
+        # Both bodies took the fast path: start_response gave a writer, and no body bytes went
         # through hypercorn's ASGI send (only the empty end-of-body message did).
+        assert len(observed.started) == 2
+        assert observed.started == observed.attached
         assert len(observed.attached) == 2
         assert all(isinstance(writer, ChunkWriter) for writer in observed.attached)
         assert observed.asgi_body_sends == 0
@@ -337,8 +355,8 @@ async def test_http10_client_gets_a_close_delimited_body_through_asgi(
         assert b"transfer-encoding" not in headers
         assert b"content-length" not in headers
         assert headers[b"connection"] == b"close"
-        # Not read to EOF: hypercorn under quart-trio never closes a connection after a
-        # "Connection: close" response (see the report); [DONE] is the end of the stream.
+        # Read up to [DONE], the end of the stream; that the connection then closes is the
+        # connection-close tests' business.
         body = await conn.until(b"data: [DONE]\n\n")
         # Raw SSE from the first byte: a chunk-size line here would corrupt the stream.
         assert body.startswith(b"data: "), body[:100]
@@ -347,6 +365,9 @@ async def test_http10_client_gets_a_close_delimited_body_through_asgi(
         with trio.fail_after(2):
             await observed.response_ended.wait()
         assert await conn.whatever_follows(0.05) == b""
+        # The head too went through hypercorn: start_response declined an HTTP/1.0 peer (a
+        # head it made would say chunked, which this client cannot read).
+        assert observed.started and all(writer is None for writer in observed.started)
         assert observed.attached == [None]
         assert observed.direct == []
         assert observed.asgi_body_sends > 0
@@ -366,6 +387,9 @@ async def test_non_streamed_json_keeps_its_content_length_and_asgi_send(
         body = await conn.take(int(headers[b"content-length"]))
         answer = json.loads(body)
         assert answer["choices"][0]["message"]["content"] == "The quick brown fox jumps "
+        # A Content-Length body is not chunked: start_response declined it, so hypercorn sent
+        # the head (and h11 counts the body's bytes against it).
+        assert all(writer is None for writer in observed.started)
         assert observed.attached == [None]
         assert observed.direct == []
         assert observed.asgi_body_sends == 1
@@ -490,6 +514,393 @@ async def test_the_tail_of_a_partial_direct_write_goes_out_before_the_next_event
             assert record.tokens_sent <= received_tokens, (record.tokens_sent, frames)
         check_events(b"".join(frames), tokens)
         assert observed.direct.count(None) >= 2, observed.direct
+
+
+# --------------------------------------------------------------------------- the head
+
+
+@dataclass
+class Wire:
+    """Every write on the proxy's client connections, as it left: the fast path's own
+    (``os.write`` in chunk_writer: the bytes the kernel took) and hypercorn's (its RawData
+    sends, the head of any response that went through ASGI included)."""
+
+    direct: list[bytes] = field(default_factory=list)
+    through_hypercorn: list[bytes] = field(default_factory=list)
+
+
+@pytest.fixture
+def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
+    seen = Wire()
+
+    def write(fd: int, data: bytes) -> int:
+        sent = os.write(fd, data)
+        seen.direct.append(bytes(data[:sent]))
+        return sent
+
+    # chunk_writer writes only through os.write; the fake upstream is not hypercorn's, so
+    # nothing of it shows in either list.
+    monkeypatch.setattr(chunk_writer, "os", SimpleNamespace(write=write))
+    original_protocol_send = TCPServer.protocol_send
+
+    async def protocol_send(self: TCPServer, event: Any) -> None:
+        if isinstance(event, RawData):
+            seen.through_hypercorn.append(bytes(event.data))
+        await original_protocol_send(self, event)
+
+    # Sluice's ConnectionServer reaches this through super(), at call time.
+    monkeypatch.setattr(TCPServer, "protocol_send", protocol_send)
+    return seen
+
+
+def head_and_rest(received: bytes) -> tuple[bytes, bytes]:
+    end = received.index(b"\r\n\r\n") + 4
+    return received[:end], received[end:]
+
+
+def head_lines(head: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """The status line and the header fields, in order, names lowercased."""
+    status, *lines = head[: -len(b"\r\n\r\n")].split(b"\r\n")
+    fields = []
+    for line in lines:
+        name, sep, value = line.partition(b":")
+        assert sep and name == name.strip(), line  # no obs-fold, no space before the colon
+        fields.append((name.lower(), value.strip()))
+    return status, fields
+
+
+async def closed_with_nothing_more(conn: Conn) -> None:
+    """The server closes ``conn`` (EOF within a few seconds) and sends nothing before."""
+    with trio.fail_after(5):
+        assert not await conn._fill(1), conn.unread()[:300]
+    assert conn.unread() == b""
+
+
+def decline_start_response(monkeypatch: pytest.MonkeyPatch, which: set[int]) -> None:
+    """start_response (observed's, when that fixture came first) answers None for the
+    relayed responses numbered in ``which`` (from 0, in the order of their requests), as
+    where the fast path does not apply: asgi.py then sends their heads through hypercorn, and
+    attach()es for the body. Keyed by the request's HTTPStream (the ASGI send's __self__),
+    however many times asgi.py asks for one response."""
+    original = chunk_writer.start_response
+    streams: list[Any] = []
+
+    def start_response(
+        send: Any, status: int, headers: list[tuple[bytes, bytes]], stall_timeout: float
+    ) -> ChunkWriter | None:
+        stream = send.__self__
+        if not any(seen is stream for seen in streams):
+            streams.append(stream)
+        if next(i for i, seen in enumerate(streams) if seen is stream) in which:
+            return None
+        return original(send, status, headers, stall_timeout)
+
+    monkeypatch.setattr(chunk_writer, "start_response", start_response)
+
+
+def limit_keep_alive(monkeypatch: pytest.MonkeyPatch, requests: int) -> None:
+    """Proxies started from now on serve at most ``requests`` requests per connection
+    (hypercorn's keep_alive_max_requests; serve() builds its config per call)."""
+    original = proxy_server.hypercorn_config
+
+    def hypercorn_config(config: Any) -> HypercornConfig:
+        hyper = original(config)
+        hyper.keep_alive_max_requests = requests
+        return hyper
+
+    monkeypatch.setattr(proxy_server, "hypercorn_config", hypercorn_config)
+
+
+async def test_the_head_leaves_with_the_first_event_in_one_write(
+    nursery: trio.Nursery, observed: Observed, wire: Wire
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=5)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        conn = await Conn.open(proxy)
+        await conn.post(chat_body())
+        frames = await read_stream(conn, 5)
+        received = bytes(conn.buffer)  # all of it: Conn drops read bytes only past 64 KiB
+        (writer,) = observed.started
+        assert writer is not None
+        head, _ = head_and_rest(received)
+        # The very first write on the connection is the head and the first event's frame,
+        # exactly: not the head alone (a second write, and a trip through hypercorn's send
+        # path, before the token), nor the event without its head.
+        assert wire.direct[0].startswith(b"HTTP/1.1 200 ")
+        assert wire.direct[0] == head + chunk_frame(frames[0])
+        # hypercorn wrote no head: only the terminator went through it, after the body.
+        assert not any(data.startswith(b"HTTP/") for data in wire.through_hypercorn)
+        assert wire.through_hypercorn == [b"0\r\n\r\n"]
+        # And every byte the client got is one of those writes, in that order: nothing was
+        # written twice, nor left out.
+        assert b"".join(wire.direct) + b"0\r\n\r\n" == received
+
+
+async def test_the_head_is_the_one_hypercorn_sends(
+    nursery: trio.Nursery, observed: Observed, wire: Wire, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first response's head goes through ASGI (hypercorn's H11Protocol), the second's is
+    # start_response's: on the same connection, so the same h11 connection and config.
+    decline_start_response(monkeypatch, {0})
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=3)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        conn = await Conn.open(proxy)
+        heads = []
+        for _ in range(2):
+            await conn.post(chat_body(fake={"tokens": 3}))
+            heads.append(head_lines(await conn.until(b"\r\n\r\n")))
+            check_events(b"".join(await conn.chunked_body()), 3)
+        assert conn.unread() == b""
+        # The test did what it says: hypercorn sent the first head, the fast path the second.
+        assert [data[:9] for data in wire.through_hypercorn if data.startswith(b"HTTP/")] == [
+            b"HTTP/1.1 "
+        ]
+        # (start_response was not asked for the first: decline_start_response answered.)
+        assert len(observed.started) == 1 and observed.started[0] is not None
+        assert observed.attached[1] is observed.started[0]
+        assert observed.attached[0] is not None  # the first body took the fast path too
+        assert [data[:13] for data in wire.direct if data.startswith(b"HTTP/")] == [
+            b"HTTP/1.1 200 "
+        ]
+        (asgi_status, asgi_fields), (fast_status, fast_fields) = heads
+        assert fast_status == asgi_status == b"HTTP/1.1 200 "
+        # Same fields, in the same order; the same values but for the date (a clock) and
+        # the request id (per request).
+        assert [name for name, _ in fast_fields] == [name for name, _ in asgi_fields]
+        varying = {b"date", b"x-request-id"}
+        assert [field for field in fast_fields if field[0] not in varying] == [
+            field for field in asgi_fields if field[0] not in varying
+        ]
+        fast = dict(fast_fields)
+        names = [name for name, _ in fast_fields]
+        # hypercorn's own response headers, each exactly once, as its config makes them.
+        hyper_names = [
+            name for name, _ in proxy_server.hypercorn_config(proxy.config).response_headers("h11")
+        ]
+        assert hyper_names == [b"date", b"server"]
+        for name in hyper_names:
+            assert names.count(name) == 1, names
+        assert fast[b"server"] == b"hypercorn-h11"
+        sent_at = email.utils.parsedate_to_datetime(fast[b"date"].decode())
+        assert abs(sent_at.timestamp() - time.time()) < 60
+        # The app's and h11's.
+        assert fast[b"content-type"].startswith(b"text/event-stream")
+        assert len(fast[b"x-request-id"]) == 32
+        assert fast[b"x-request-id"] != dict(asgi_fields)[b"x-request-id"]
+        assert fast[b"transfer-encoding"] == b"chunked"
+        assert names.count(b"transfer-encoding") == 1
+        assert b"content-length" not in fast
+        assert b"connection" not in fast  # keep-alive is HTTP/1.1's default
+
+
+async def test_streams_one_after_another_on_one_connection(
+    nursery: trio.Nursery, observed: Observed, wire: Wire
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=4)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        conn = await Conn.open(proxy)
+        for tokens in (4, 9, 2):
+            await conn.post(chat_body(fake={"tokens": tokens}))
+            await read_stream(conn, tokens)
+        assert conn.unread() == b""
+        # Each head was the fast path's, each with its first event: h11 and hypercorn's stream
+        # state moved by start_response were right for the next request each time.
+        assert len(observed.started) == 3 and None not in observed.started
+        heads = [data for data in wire.direct if data.startswith(b"HTTP/")]
+        assert len(heads) == 3
+        assert all(_SIZE_LINE.match(head_and_rest(head)[1]) for head in heads), heads
+        assert not any(data.startswith(b"HTTP/") for data in wire.through_hypercorn)
+
+
+async def test_pipelined_streams_each_get_their_own_head(
+    nursery: trio.Nursery, observed: Observed
+) -> None:
+    """Both requests in one packet: hypercorn holds the second (h11 PAUSED) until the first
+    response is complete, then starts it; start_response must find the new cycle."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=4)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        conn = await Conn.open(proxy)
+        first = await conn.post(chat_body(fake={"tokens": 6}), send=False)
+        second = await conn.post(chat_body(fake={"tokens": 3}), send=False)
+        await conn.stream.send_all(first + second)
+        await read_stream(conn, 6)
+        await read_stream(conn, 3)
+        assert conn.unread() == b""
+        assert len(observed.started) == 2 and None not in observed.started
+
+
+@pytest.mark.parametrize("last_head", ["fast", "asgi"])
+async def test_the_last_request_allowed_on_a_connection_gets_connection_close(
+    nursery: trio.Nursery,
+    observed: Observed,
+    wire: Wire,
+    monkeypatch: pytest.MonkeyPatch,
+    last_head: str,
+) -> None:
+    limit_keep_alive(monkeypatch, 3)
+    if last_head == "asgi":
+        # The reference: the same request with the head made by hypercorn itself.
+        decline_start_response(monkeypatch, {2})
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=3)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        conn = await Conn.open(proxy)
+        for _ in range(2):
+            await conn.post(chat_body(fake={"tokens": 3}))
+            _, headers = await conn.head()
+            assert b"connection" not in headers  # below the limit: kept alive
+            check_events(b"".join(await conn.chunked_body()), 3)
+        await conn.post(chat_body(fake={"tokens": 3}))
+        status, headers = await conn.head()
+        assert status.startswith(b"HTTP/1.1 200 ")
+        # The third is the last hypercorn allows (keep_alive_requests >= max): it says so...
+        assert headers[b"connection"] == b"close"
+        assert headers[b"transfer-encoding"] == b"chunked"
+        check_events(b"".join(await conn.chunked_body()), 3)
+        # ...and then closes the connection, right after the terminator, with nothing more.
+        await closed_with_nothing_more(conn)
+        heads = [data for data in wire.direct if data.startswith(b"HTTP/")]
+        assert len(heads) == (3 if last_head == "fast" else 2)
+        # (A declined start_response is not recorded: decline_start_response answered it.)
+        assert len(observed.started) == (3 if last_head == "fast" else 2)
+        assert None not in observed.started
+        assert len(observed.attached) == 3 and None not in observed.attached
+
+
+async def test_a_client_asking_to_close_gets_connection_close_and_a_closed_connection(
+    nursery: trio.Nursery, observed: Observed, wire: Wire
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=3)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        conn = await Conn.open(proxy)
+        await conn.post(chat_body(), extra="Connection: close\r\n")
+        status, headers = await conn.head()
+        assert status.startswith(b"HTTP/1.1 200 ")
+        # h11 made the head, and h11 honours the client's close (as it does under hypercorn).
+        assert headers[b"connection"] == b"close"
+        check_events(b"".join(await conn.chunked_body()), 3)
+        await closed_with_nothing_more(conn)
+        assert observed.started[0] is not None
+        assert wire.direct[0].startswith(b"HTTP/1.1 200 ")
+
+
+async def serve_sse_upstream(nursery: trio.Nursery, answer: bytes) -> tuple[str, list[bytes]]:
+    """An upstream that answers every request with ``answer``, then closes: its URL, and the
+    requests it got."""
+    requests: list[bytes] = []
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += await stream.receive_some(65536)
+            head, _, body = received.partition(b"\r\n\r\n")
+            found = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+            assert found is not None, head
+            length = int(found.group(1))
+            while len(body) < length:
+                body += await stream.receive_some(65536)
+            requests.append(head)
+            await stream.send_all(answer)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}", requests
+
+
+def sse_answer(body: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def test_a_stream_of_only_done_gets_its_head_before_the_terminator(
+    nursery: trio.Nursery, observed: Observed, wire: Wire
+) -> None:
+    """The head is decided by the first event, and goes with it: an upstream whose only event
+    is [DONE] still makes a whole, well-formed chunked response."""
+    with trio.fail_after(DEADLINE):
+        url, requests = await serve_sse_upstream(nursery, sse_answer(b"data: [DONE]\n\n"))
+        proxy = await start_proxy(nursery, {"fake-model": [url]})
+        conn = await Conn.open(proxy)
+        for _ in range(2):
+            await conn.post(chat_body())
+            await read_stream_head(conn)
+            assert await conn.chunked_body() == [b"data: [DONE]\n\n"]
+        assert conn.unread() == b""
+        assert len(requests) == 2
+        assert len(observed.started) == 2 and None not in observed.started
+        received = bytes(conn.buffer)
+        head, _ = head_and_rest(received)
+        # Head, [DONE], then hypercorn's terminator: never the terminator before the head.
+        assert wire.direct[0] == head + chunk_frame(b"data: [DONE]\n\n")
+        assert wire.through_hypercorn == [b"0\r\n\r\n", b"0\r\n\r\n"]
+
+
+async def test_an_upstream_that_ends_before_any_event_gets_an_error_through_asgi(
+    nursery: trio.Nursery, observed: Observed, wire: Wire
+) -> None:
+    with trio.fail_after(DEADLINE):
+        # A 200 event stream with nothing in it: no first event, so no head was decided;
+        # the relay answers 502 with a Content-Length body instead.
+        url, requests = await serve_sse_upstream(nursery, sse_answer(b""))
+        proxy = await start_proxy(nursery, {"fake-model": [url]})
+        conn = await Conn.open(proxy)
+        await conn.post(chat_body())
+        status, headers = await conn.head()
+        assert status.startswith(b"HTTP/1.1 502"), status
+        assert b"transfer-encoding" not in headers
+        error = json.loads(await conn.take(int(headers[b"content-length"])))
+        assert error["error"]["code"] == "upstream_protocol_error"
+        assert requests  # it did ask the upstream
+        # start_response declined the Content-Length body (if asked at all); the head went
+        # through hypercorn, and the fast path wrote nothing at all.
+        assert all(writer is None for writer in observed.started)
+        assert observed.attached == [None]
+        assert wire.direct == []
+        assert wire.through_hypercorn[0].startswith(b"HTTP/1.1 502 ")
+        # The connection serves on (Content-Length framing ended that response exactly).
+        assert b"connection" not in headers
+
+
+async def test_a_client_gone_before_the_first_event_gets_no_head_and_the_proxy_serves_on(
+    nursery: trio.Nursery, observed: Observed, wire: Wire
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=3)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        leaving = await RawClient.post(proxy, CHAT, chat_body(fake={"ttft": 30}))
+        await fake.recorder.wait_for(lambda recorder: len(recorder.records) == 1)
+        await leaving.close()
+        await proxy.state.tracker.wait_idle()
+        # No head was decided, so none was made or written, by either path.
+        assert observed.started == []
+        assert wire.direct == []
+        assert wire.through_hypercorn == []
+        # A client that only half-closes (its EOF is the proxy's word that it left) and
+        # keeps reading: it must see the connection end with no byte at all, not a head
+        # that nothing follows.
+        half = await Conn.open(proxy)
+        await half.post(chat_body(fake={"ttft": 30}))
+        await fake.recorder.wait_for(lambda recorder: len(recorder.records) == 2)
+        await half.stream.send_eof()
+        await closed_with_nothing_more(half)
+        await proxy.state.tracker.wait_idle()
+        assert observed.started == []
+        assert wire.direct == []
+        # And the proxy serves the next client as ever: head and first event in one write.
+        conn = await Conn.open(proxy)
+        await conn.post(chat_body())
+        frames = await read_stream(conn, 3)
+        assert len(observed.started) == 1 and observed.started[0] is not None
+        head, _ = head_and_rest(bytes(conn.buffer))
+        assert wire.direct[0] == head + chunk_frame(frames[0])
 
 
 # --------------------------------------------------------------------------- unit level
@@ -624,4 +1035,166 @@ async def test_a_closed_socket_is_never_written_even_when_its_number_is_reused()
                 one, two = bytearray(), bytearray()
                 await read_to_eof(other_receiving, one)
                 await read_to_eof(other_sending, two)
-                assert (one, two) == (b"marker one", b"marker two")
+                assert (bytes(one), bytes(two)) == (b"marker one", b"marker two")
+
+
+# A head as start_response leaves it pending: what the first write must carry before any frame.
+HEAD = (
+    b"HTTP/1.1 200 \r\ncontent-type: text/event-stream\r\ndate: Sun, 29 Nov 2026 21:00:00 GMT\r\n"
+    b"server: hypercorn-h11\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def limit_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[bytes]]:
+    """chunk_writer's writes, each cut to the next size in the returned list while it holds
+    any (an empty list: writes go out whole), as a kernel with that little room would; and
+    the bytes each write offered."""
+    sizes: list[int] = []
+    offered: list[bytes] = []
+
+    def write(fd: int, data: bytes) -> int:
+        offered.append(bytes(data))
+        if sizes:
+            data = data[: sizes.pop(0)]
+        return os.write(fd, data)
+
+    monkeypatch.setattr(chunk_writer, "os", SimpleNamespace(write=write))
+    return sizes, offered
+
+
+async def test_a_pending_head_goes_out_with_the_chunk_in_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, offered = limit_writes(monkeypatch)
+    with trio.fail_after(DEADLINE):
+        async with tcp_pair() as (sending, receiving):
+            writer, server = writer_over(sending)
+            writer._pending = HEAD
+            assert writer.write_nowait(b"data: first\n\n") is True
+            assert writer._pending == b""
+            assert offered == [HEAD + chunk_frame(b"data: first\n\n")]
+            # The head went once: the next chunk is only its frame.
+            assert writer.write_nowait(b"data: second\n\n") is True
+            await sending.send_eof()
+            received = bytearray()
+            await read_to_eof(receiving, received)
+            assert received == HEAD + chunk_frame(b"data: first\n\n") + chunk_frame(
+                b"data: second\n\n"
+            )
+            assert server.sent_through == []
+
+
+async def test_a_pending_head_is_kept_whole_while_hypercorn_holds_its_send_lock() -> None:
+    with trio.fail_after(DEADLINE):
+        async with tcp_pair() as (sending, receiving):
+            writer, _ = writer_over(sending)
+            writer._pending = HEAD
+            async with _lock_held(writer):
+                assert writer.write_nowait(b"data: first\n\n") is False
+            assert writer._pending == HEAD
+            await writer.write(b"data: first\n\n")  # the body's write of the queued chunk
+            assert writer._pending == b""
+            await sending.send_eof()
+            received = bytearray()
+            await read_to_eof(receiving, received)
+            assert received == HEAD + chunk_frame(b"data: first\n\n")
+
+
+@contextlib.asynccontextmanager
+async def _lock_held(writer: ChunkWriter) -> AsyncIterator[None]:
+    async with writer._server.send_lock:
+        yield
+
+
+async def test_short_writes_through_a_pending_head_keep_every_byte_once_and_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sizes, offered = limit_writes(monkeypatch)
+    chunk = b"data: " + bytes(range(256)) * 4 + b"\n\n"
+    frame = chunk_frame(chunk)
+    with trio.fail_after(DEADLINE):
+        async with tcp_pair() as (sending, receiving):
+            writer, server = writer_over(sending)
+            writer._pending = HEAD
+            # The kernel takes less than the head: the chunk was not taken (the caller queues
+            # it), and the head's rest stays pending, ahead of it.
+            sizes.append(5)
+            assert writer.write_nowait(chunk) is False
+            assert offered == [HEAD + frame]  # the head and the chunk, offered as one write
+            assert writer._pending == HEAD[5:]
+            # Into the chunk: it counts as taken (None: in part), its exact rest pending.
+            sizes.append(len(HEAD) - 5 + 3)
+            assert writer.write_nowait(chunk) is None
+            assert offered[-1] == HEAD[5:] + frame
+            assert writer._pending == frame[3:]
+            # The body's flush: exactly the rest.
+            await writer.write(b"")
+            assert offered[-1] == frame[3:]
+            assert writer._pending == b""
+            await sending.send_eof()
+            received = bytearray()
+            await read_to_eof(receiving, received)
+            # Every byte once, in order: no part of the head twice, no frame byte ahead of it.
+            assert received == HEAD + frame
+            assert server.sent_through == []
+
+
+async def test_a_write_that_takes_exactly_the_pending_head_takes_none_of_the_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sizes, offered = limit_writes(monkeypatch)
+    with trio.fail_after(DEADLINE):
+        async with tcp_pair() as (sending, receiving):
+            writer, _ = writer_over(sending)
+            writer._pending = HEAD
+            sizes.append(len(HEAD))
+            # Nothing of the chunk went: False, so the caller queues it, and nothing is left
+            # pending (the head is out whole).
+            assert writer.write_nowait(b"data: first\n\n") is False
+            assert writer._pending == b""
+            await writer.write(b"data: first\n\n")
+            assert offered[-1] == chunk_frame(b"data: first\n\n")
+            await sending.send_eof()
+            received = bytearray()
+            await read_to_eof(receiving, received)
+            assert received == HEAD + chunk_frame(b"data: first\n\n")
+
+
+async def test_a_short_write_of_a_pending_head_then_the_body_writes_the_rest_and_the_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay's path after write_nowait gave False: the chunk is queued, and the body's
+    write() of it carries what is left of the head first."""
+    sizes, offered = limit_writes(monkeypatch)
+    with trio.fail_after(DEADLINE):
+        async with tcp_pair() as (sending, receiving):
+            writer, server = writer_over(sending)
+            writer._pending = HEAD
+            sizes.append(17)
+            assert writer.write_nowait(b"data: first\n\n") is False
+            assert writer._pending == HEAD[17:]
+            await writer.write(b"data: first\n\n")
+            assert offered[-1] == HEAD[17:] + chunk_frame(b"data: first\n\n")  # one write
+            assert writer._pending == b""
+            await sending.send_eof()
+            received = bytearray()
+            await read_to_eof(receiving, received)
+            assert received == HEAD + chunk_frame(b"data: first\n\n")
+            assert server.sent_through == []
+
+
+async def test_a_head_with_no_chunk_after_it_goes_out_on_the_final_flush() -> None:
+    """A body that ends with no chunk (the relay's write(b"") before the terminator) still
+    writes the head: hypercorn's 0\\r\\n\\r\\n must never be the first bytes."""
+    with trio.fail_after(DEADLINE):
+        async with tcp_pair() as (sending, receiving):
+            writer, _ = writer_over(sending)
+            writer._pending = HEAD
+            assert writer.write_nowait(b"") is False  # an empty chunk is never written
+            assert writer._pending == HEAD
+            await writer.write(b"")
+            assert writer._pending == b""
+            await sending.send_eof()
+            received = bytearray()
+            await read_to_eof(receiving, received)
+            assert received == HEAD

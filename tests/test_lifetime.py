@@ -276,13 +276,23 @@ def small_proxy_sndbuf(monkeypatch: pytest.MonkeyPatch) -> None:
     from proxy import chunk_writer
     from proxy.asgi import transport_socket
 
-    original = chunk_writer.attach
+    original_attach = chunk_writer.attach
+    original_start = chunk_writer.start_response
+
+    def small_sndbuf(send: Any) -> None:
+        transport_socket(send).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
     def attach(send: Any, headers: Any, stall_timeout: float) -> Any:
-        transport_socket(send).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        return original(send, headers, stall_timeout)
+        small_sndbuf(send)
+        return original_attach(send, headers, stall_timeout)
+
+    def start_response(send: Any, status: int, headers: Any, stall_timeout: float) -> Any:
+        # The fast path's way in (the head leaves with the first event): attach is not called.
+        small_sndbuf(send)
+        return original_start(send, status, headers, stall_timeout)
 
     monkeypatch.setattr(chunk_writer, "attach", attach)
+    monkeypatch.setattr(chunk_writer, "start_response", start_response)
 
 
 async def test_a_client_that_stalls_after_the_last_token_is_cut_off(
