@@ -426,7 +426,7 @@ async def upstream_queued(rig: Rig, transport: str) -> Left:
 
 async def upstream_connecting(rig: Rig, transport: str) -> Left:
     raw = await rig.post("upstream", transport, model="unreachable")
-    await wait_for_producer_in("open_tcp_stream")
+    await wait_for_producer_in("_connect_to_address")
     # A connection joins its pool once connected: a leaked socket would show in the
     # descriptors assert_nothing_left compares.
     connections = rig.in_flight_connections()
