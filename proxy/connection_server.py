@@ -9,6 +9,11 @@ which :func:`install` points here (logged and skipped if that global is not the 
   relay's disconnect hook (``on_client_gone``, set by asgi for a relayed response's lifetime)
   before it hands the EOF on: the upstream connection is shut down at once; the cancellation
   follows as before.
+* **The keep-alive timer costs no scheduler round trips.** hypercorn restarts it with
+  ``nursery.start`` (the connection's task waits for the timer's task to start) under a
+  ``trio.Lock`` (a checkpoint), and stops it under the lock again: two or three round trips on
+  every request's way in, each a wait behind every other ready task on a busy loop.
+  :class:`IdleTimer` does the same with ``start_soon`` and a cancel scope made beforehand.
 * **No linger after the client closed.** hypercorn's keep-alive timer kept running once the
   client had gone, holding the connection's task and socket (CLOSE_WAIT) for keep_alive_timeout.
   Reading over, the timer goes too, and a response that finishes later does not re-arm it.
@@ -17,7 +22,7 @@ which :func:`install` points here (logged and skipped if that global is not the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from math import inf
 from typing import Any
 
@@ -29,10 +34,42 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 log = logging.getLogger("sluice.connection_server")
 
 
+class IdleTimer:
+    """hypercorn's TrioSingleTask (restart, stop) without a checkpoint: the timer's cancel
+    scope is made before its task is spawned, so it can be cancelled before the task has run
+    (the task then ends at its first checkpoint). Only its connection's tasks call it, one
+    step at a time, so nothing needs the lock hypercorn takes."""
+
+    __slots__ = ("_scope",)
+
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+
+    async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+        scope = self._scope = trio.CancelScope()
+        task_group._nursery.start_soon(_run_in_scope, scope, action)
+
+    async def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+            self._scope = None
+
+
+async def _run_in_scope(scope: trio.CancelScope, action: Callable[[], Awaitable[None]]) -> None:
+    with scope:
+        await action()
+
+
 class ConnectionServer(TCPServer):
     # The relay streaming on this connection now, if any: called once the client is gone.
     on_client_gone: Callable[[], None] | None = None
     _reading_done = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.idle_task = IdleTimer()  # type: ignore[assignment]
 
     async def _read_data(self) -> None:
         while True:
