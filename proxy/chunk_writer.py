@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import select
-from typing import Any
+from typing import Any, NamedTuple
 
 import h11
 import trio
@@ -153,11 +153,20 @@ def _writable(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def attach(
-    send: Any, headers: list[tuple[bytes, bytes]], stall_timeout: float
-) -> ChunkWriter | None:
-    """A :class:`ChunkWriter` for the response whose head was just sent through ``send``
-    (hypercorn's ASGI send) with ``headers``, or None where the fast path does not apply."""
+class _Chain(NamedTuple):
+    """hypercorn's objects under an app's ASGI send, for a plain-TCP HTTP/1.1 connection."""
+
+    stream: HTTPStream
+    protocol: H11Protocol
+    server: TCPServer
+    socket: Any
+    h11: h11.Connection
+
+
+def _chain_of(send: Any, headers: list[tuple[bytes, bytes]]) -> _Chain | None:
+    """The fast path's view of the connection, or None where it does not apply: a body with a
+    Content-Length, HTTP/2, TLS, an HTTP/1.0 client (close-delimited framing), a hypercorn
+    whose layout differs."""
     if any(name.lower() == b"content-length" for name, _ in headers):
         return None
     stream, protocol, server = send_chain(send)
@@ -168,17 +177,25 @@ def attach(
     ):
         return None
     transport: Any = server.stream  # typed as an SSLStream; a SocketStream without TLS
-    if not isinstance(transport, trio.SocketStream):
-        return None  # TLS
     connection = protocol.connection
     if (
-        not isinstance(connection, h11.Connection)
-        or connection.our_state is not h11.SEND_BODY
+        not isinstance(transport, trio.SocketStream)
+        or not isinstance(connection, h11.Connection)
         or connection.their_http_version != b"1.1"
     ):
-        # No head sent yet, or close-delimited framing for an HTTP/1.0 client.
         return None
-    return ChunkWriter(server, transport.socket, stall_timeout)
+    return _Chain(stream, protocol, server, transport.socket, connection)
+
+
+def attach(
+    send: Any, headers: list[tuple[bytes, bytes]], stall_timeout: float
+) -> ChunkWriter | None:
+    """A :class:`ChunkWriter` for the response whose head was just sent through ``send``
+    (hypercorn's ASGI send) with ``headers``, or None where the fast path does not apply."""
+    chain = _chain_of(send, headers)
+    if chain is None or chain.h11.our_state is not h11.SEND_BODY:
+        return None
+    return ChunkWriter(chain.server, chain.socket, stall_timeout)
 
 
 def start_response(
@@ -193,27 +210,15 @@ def start_response(
     as if hypercorn had sent it; the head then waits in the writer and leaves with the first
     chunk, in one write (the head and first token were two writes and a trip through
     hypercorn's send path: ~0.8 ms of the time to first token at no load)."""
-    if any(name.lower() == b"content-length" for name, _ in headers):
-        return None
-    stream, protocol, server = send_chain(send)
-    if not (
-        isinstance(stream, HTTPStream)
-        and isinstance(protocol, H11Protocol)
-        and isinstance(server, TCPServer)
-        and stream.state is ASGIHTTPState.REQUEST
-        and not stream.closed
-    ):
-        return None
-    transport: Any = server.stream
-    if not isinstance(transport, trio.SocketStream):
-        return None  # TLS
-    connection = protocol.connection
+    chain = _chain_of(send, headers)
     if (
-        not isinstance(connection, h11.Connection)
-        or connection.our_state is not h11.SEND_RESPONSE
-        or connection.their_http_version != b"1.1"
+        chain is None
+        or chain.stream.state is not ASGIHTTPState.REQUEST
+        or chain.stream.closed
+        or chain.h11.our_state is not h11.SEND_RESPONSE
     ):
         return None
+    stream, protocol, connection = chain.stream, chain.protocol, chain.h11
     config = protocol.config
     h11_headers = [*build_and_validate_headers(headers), *config.response_headers("h11")]
     if protocol.keep_alive_requests >= config.keep_alive_max_requests:
@@ -222,6 +227,6 @@ def start_response(
     assert head is not None  # a Response always has bytes; h11's type says "maybe"
     stream.response = {"type": "http.response.start", "status": status, "headers": headers}
     stream.state = ASGIHTTPState.RESPONSE
-    writer = ChunkWriter(server, transport.socket, stall_timeout)
+    writer = ChunkWriter(chain.server, chain.socket, stall_timeout)
     writer._pending = head
     return writer
