@@ -192,8 +192,10 @@ class ResponseReader:
         if codings:
             if codings != [b"chunked"]:
                 raise ProtocolError(f"unsupported transfer-encoding {b', '.join(codings)!r}")
-            if lengths:
+            if lengths or head.version == b"1.0":
                 # Both: a message smuggling risk; chunked wins and the connection must close.
+                # HTTP/1.0 has no transfer codings: its framing is suspect, same verdict
+                # (RFC 9112 section 6.1).
                 head.keep_alive = False
             self._state = _CHUNK_SIZE
         elif lengths:

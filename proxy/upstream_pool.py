@@ -353,7 +353,7 @@ async def _connect_to_address(
 class UpstreamConnection:
     """One HTTP/1.1 connection: one request at a time, reused while the server keeps it."""
 
-    __slots__ = ("_closed", "_idle_since", "_reader", "origin", "transport")
+    __slots__ = ("_broken", "_closed", "_idle_since", "_reader", "origin", "transport")
 
     def __init__(self, origin: Origin, transport: Transport) -> None:
         self.origin = origin
@@ -361,6 +361,8 @@ class UpstreamConnection:
         self._reader: http1.ResponseReader | None = None
         self._idle_since = monotonic()
         self._closed = False
+        # Out of step with the server (a request not fully sent): never reused.
+        self._broken = False
 
     def is_idle(self) -> bool:
         return not self._closed and self._reader is None
@@ -386,12 +388,24 @@ class UpstreamConnection:
         except http1.LocalProtocolError as error:
             raise httpx.LocalProtocolError(str(error)) from error
         timeout = request.connect_timeout
+        write_error: httpx.WriteError | None = None
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            await self.transport.write(data)
+            try:
+                await self.transport.write(data)
+            except httpx.WriteError as error:
+                # A server may answer before it has read the whole body (413, 401...) and
+                # close: the write fails, but its answer is there to read (as httpcore does).
+                write_error = error
+                self._broken = True
             data = b""
         if data:
             raise httpx.WriteTimeout(f"could not send the request within {timeout:g}s")
-        return await self._read_head(reader, request.read_timeout)
+        try:
+            return await self._read_head(reader, request.read_timeout)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            if write_error is not None:
+                raise write_error from None  # no answer after all: the write's error says why
+            raise
 
     async def _read_head(
         self, reader: http1.ResponseReader, read_timeout: float | None
@@ -430,6 +444,7 @@ class UpstreamConnection:
         self._idle_since = monotonic()
         return (
             not self._closed
+            and not self._broken
             and reader is not None
             and reader.reusable
             and not self.transport.has_unread_data()

@@ -130,7 +130,9 @@ def stream_text(payloads: list[str]) -> str:
 def producer_tasks() -> list[trio.lowlevel.Task]:
     """Live relay producer tasks anywhere in this trio run."""
     found = []
-    stack = [trio.lowlevel.current_root_task()]
+    root = trio.lowlevel.current_root_task()
+    assert root is not None  # inside a trio run
+    stack = [root]
     while stack:
         task = stack.pop()
         if task.name.startswith("relay producer"):

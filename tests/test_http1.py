@@ -634,3 +634,16 @@ def test_agrees_with_h11(case: Case) -> None:
 def test_byte_by_byte_equals_all_at_once(case: Case) -> None:
     single_bytes = [case.wire[i : i + 1] for i in range(len(case.wire))]
     assert ours(case, single_bytes) == ours(case, [case.wire])
+
+
+def test_an_http10_response_with_a_transfer_coding_is_never_reused() -> None:
+    # HTTP/1.0 has no transfer codings: RFC 9112 section 6.1 has the client read the body as
+    # chunked, then close, whatever Connection says (its framing may not be what it seems).
+    reader = ResponseReader(b"POST")
+    body = reader.feed(
+        b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\n"
+    )
+    assert body == b"hello"
+    assert reader.complete
+    assert not reader.reusable
