@@ -380,6 +380,10 @@ class RelayBody(ResponseBody):
             self._producer_finished = True
 
     async def _fail(self, error: ApiError) -> None:
+        # Kept for the access log and metrics (its code), not its traceback nor the errors
+        # chained to it: they hold the producer's frames, which hold this body, and the cycle
+        # would leave every failed relay to the cyclic GC (which server.tune_gc makes rare).
+        error.__traceback__ = error.__context__ = error.__cause__ = None
         self.error = error
         if not self.head_ready.is_set():
             body = error.body()

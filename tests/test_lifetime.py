@@ -250,20 +250,34 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cut_off(nursery: trio.Nur
         assert proxy.state.tracker.stalled == 0
 
 
-async def test_a_finished_relay_is_freed_by_reference_counting(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize(
+    ("fake", "status"),
+    [
+        ({}, 200),
+        # Failed relays keep their error (for the access log), whose traceback and chained
+        # errors held the producer's frames, and so the body: an upstream's 500 before the
+        # head, and an error event after it.
+        ({"mode": "status", "status": 500}, 502),
+        ({"mode": "eof", "at": 2}, 200),
+    ],
+    ids=["completed", "upstream-500", "in-band-error"],
+)
+async def test_a_finished_relay_is_freed_by_reference_counting(
+    nursery: trio.Nursery, fake: dict[str, Any], status: int
+) -> None:
     # A finished relay (its channel, the request body, the producer's state) must not wait for
     # the cyclic garbage collector, which a serving process runs rarely (server.tune_gc): the
     # connection and the body it sends used to refer to each other.
     with trio.fail_after(DEADLINE):
-        fake = await start_fake(nursery, ttft=0, interval=0, tokens=5)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        upstream = await start_fake(nursery, ttft=0, interval=0, tokens=5)
+        proxy = await start_proxy(nursery, {"fake-model": [upstream.url]})
         gc.collect()
         gc.disable()
         try:
             async with httpx.AsyncClient(trust_env=False) as client:
                 for _ in range(3):
-                    response = await client.post(proxy.url + CHAT, json=chat_body())
-                    assert response.status_code == 200
+                    response = await client.post(proxy.url + CHAT, json=chat_body(fake=fake))
+                    assert response.status_code == status
             await proxy.state.tracker.wait_idle()
             await trio.sleep(0.1)
             assert len(proxy.state.tracker.alive) == 0
