@@ -51,8 +51,8 @@ class UpstreamReplica:
     bounds the requests in it.
 
     Waiting happens on the semaphore only, never inside the pool: a request that gets a slot
-    always gets a connection (an idle one, or a new one). That also keeps clear of httpcore
-    #1093 (a request cancelled while waiting in httpcore's own pool leaked a connection).
+    always gets a connection (an idle one, or a new one), and a request cancelled while it
+    waits holds nothing (the bug class of httpcore #1093, whose pool leaked a connection so).
     """
 
     def __init__(self, url: str, settings: UpstreamConfig, *, socket_options: Any = None) -> None:
