@@ -359,7 +359,11 @@ class RelayBody(ResponseBody):
         return self._writer
 
     async def _run_producer(self) -> None:
-        async with self.send_channel:
+        # The channel is closed with close(), not in an async with: aclose() would take a
+        # checkpoint after closing, where the body (woken by the end of the stream) usually
+        # finishes first and cancels this task, which then ends in a Cancelled raised for
+        # nothing (most requests, in a count of the proxy's cancellations).
+        try:
             try:
                 await self._produce(RelaySink(self))
             except ClientStalled:
@@ -378,6 +382,8 @@ class RelayBody(ResponseBody):
             # Set before the channel closes, so the body never sees the end of the stream
             # while this still reads as unfinished.
             self._producer_finished = True
+        finally:
+            self.send_channel.close()
 
     async def _fail(self, error: ApiError) -> None:
         # Kept for the access log and metrics (its code), not its traceback nor the errors
