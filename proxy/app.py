@@ -187,6 +187,9 @@ def create_app(
         state.start_backends(fake_url)
         state.started = True
         upstream = config.upstream
+        if upstream.preconnect:
+            for replica in state.replicas.values():
+                app.nursery.start_soon(replica.keep_spare_connections)
         if upstream.health_check_path and state.replicas:
             app.nursery.start_soon(
                 check_replicas,

@@ -62,7 +62,9 @@ class UpstreamReplica:
             max_keepalive=settings.max_keepalive_connections,
             keepalive_expiry=settings.keepalive_expiry,
             socket_options=socket_options,
+            spare=settings.preconnect,
         )
+        self._connect_timeout = settings.connect_timeout
         self.slots = trio.Semaphore(settings.max_connections)
         parsed = httpx.URL(self.url)
         self.origin = Origin.of(parsed)
@@ -88,6 +90,11 @@ class UpstreamReplica:
     @property
     def pool(self) -> KeepAlivePool:
         return self._pool
+
+    async def keep_spare_connections(self) -> None:
+        """Keep ``[upstream] preconnect`` idle connections open ahead of demand (see
+        KeepAlivePool.keep_spare); runs until the pool closes or the task is cancelled."""
+        await self._pool.keep_spare(self.origin, self._connect_timeout)
 
     async def aclose(self) -> None:
         await self._pool.aclose()

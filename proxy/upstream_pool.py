@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import logging
 import math
 import os
 import select
@@ -42,10 +43,15 @@ import trio
 
 from . import http1
 
+log = logging.getLogger("sluice.upstream_pool")
+
 # Closing a connection is a socket close (a TLS one may try to say goodbye); the bound only
 # guards against the unexpected.
 _CLOSE_TIMEOUT = 5.0
 _READ_SIZE = 65536
+# Retrying a spare connection that failed (KeepAlivePool.keep_spare): from, and up to.
+_SPARE_BACKOFF_MIN = 1.0
+_SPARE_BACKOFF_MAX = 30.0
 # The clock of keep-alive expiry (a module global, so tests can move it).
 monotonic = time.monotonic
 
@@ -475,6 +481,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         keepalive_expiry: float,
         socket_options: Iterable[Sequence[Any]] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        spare: int = 0,
     ) -> None:
         self._max_keepalive = max_keepalive
         self._keepalive_expiry = keepalive_expiry
@@ -483,6 +490,9 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         self._idle: deque[UpstreamConnection] = deque()
         self._busy: set[UpstreamConnection] = set()
         self._closed = False
+        # Idle connections keep_spare keeps open ahead of demand, and its wake-up call.
+        self._spare = min(spare, max_keepalive)
+        self._spare_wanted = trio.Event()
 
     def connections(self) -> list[UpstreamConnection]:
         """Every connection the pool holds, in use or idle (for tests and diagnostics)."""
@@ -545,6 +555,8 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         # Pruning one per request keeps a stack that shrank in use from holding dead sockets.
         if len(idle) > 1 and idle[0].has_expired(expiry):
             await idle.popleft().aclose()
+        if len(idle) <= self._spare:
+            self._spare_wanted.set()  # this request takes one of the spares (or finds none)
         while idle:
             connection = idle.pop()
             if connection.origin == request.origin and not connection.has_expired(expiry):
@@ -557,6 +569,47 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
             ssl_context=self._tls_context() if request.origin.scheme == "https" else None,
         )
         return UpstreamConnection(request.origin, transport)
+
+    async def keep_spare(self, origin: Origin, connect_timeout: float | None) -> None:
+        """Keep the pool's ``spare`` idle connections to ``origin`` open ahead of demand, for
+        as long as the pool is open: run by the pool's owner, in its nursery. A request then
+        finds a connection ready even in a burst, instead of connecting (and for https,
+        handshaking) on its way to the first token. Connections are opened one at a time; a
+        failed connect is retried after a backoff (1 s, doubling to 30 s), and only while
+        connections are still wanted."""
+        backoff = _SPARE_BACKOFF_MIN
+        while self._spare and not self._closed:
+            if len(self._idle) >= self._spare:
+                self._spare_wanted = trio.Event()
+                # Woken by a request taking a spare, or once per expiry to let go of idle
+                # connections past it (requests prune one per take; a quiet pool does not).
+                with trio.move_on_after(self._keepalive_expiry):
+                    await self._spare_wanted.wait()
+                await self._prune_expired()
+                continue
+            try:
+                transport = await connect(
+                    origin,
+                    connect_timeout=connect_timeout,
+                    socket_options=self._socket_options,
+                    ssl_context=self._tls_context() if origin.scheme == "https" else None,
+                )
+            except httpx.TransportError as error:
+                log.debug("spare connection to %r: %s; again in %gs", origin, error, backoff)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, _SPARE_BACKOFF_MAX)
+                continue
+            backoff = _SPARE_BACKOFF_MIN
+            connection = UpstreamConnection(origin, transport)
+            if self._closed or len(self._idle) >= self._max_keepalive:
+                await connection.aclose()
+                continue
+            self._idle.append(connection)
+
+    async def _prune_expired(self) -> None:
+        idle = self._idle
+        while idle and idle[0].has_expired(self._keepalive_expiry):
+            await idle.popleft().aclose()
 
     def _tls_context(self) -> ssl.SSLContext:
         # Built on first use (loading the CA bundle takes milliseconds): httpx's default, the
@@ -581,6 +634,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         self._closed = True
+        self._spare_wanted.set()  # keep_spare sees the pool closed, and returns
         connections = self.connections()
         self._idle.clear()
         self._busy.clear()

@@ -77,6 +77,9 @@ async def start_proxy(
     if keys is not None:
         data["keys"] = [dict(table) for table in keys]
     data.setdefault("server", {})["port"] = 0
+    # No spare upstream connections unless a test asks: most tests count the upstream's
+    # connections exactly (tests/test_preconnect.py covers the default).
+    data.setdefault("upstream", {}).setdefault("preconnect", 0)
     data["models"] = {
         name: {"upstreams": spec} if isinstance(spec, list) else spec
         for name, spec in models.items()
