@@ -1385,23 +1385,16 @@ async def test_abort_after_the_block_exited_is_a_no_op(
             assert not server.connections[0].gone.is_set()
 
 
-async def answer_before_the_body(
-    answer: bytes, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
-) -> None:
+def answer_before_the_body(answer: bytes) -> Behaviour:
     """A server that answers once it has the request's head (a 413, say), then closes with
     the body unread: the kernel resets the connection under the client's write."""
-    with trio.socket.socket() as listener:
-        await listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        task_status.started(listener.getsockname()[1])
-        while True:
-            conn, _ = await listener.accept()
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += await conn.recv(65536)
-                await conn.send(answer)
-                await trio.sleep(0.05)
+
+    async def behaviour(conn: ServerConnection) -> None:
+        if await conn.read_request():
+            await conn.stream.send_all(answer)
+            await trio.sleep(0.05)
+
+    return behaviour
 
 
 async def test_an_answer_sent_before_the_body_was_read_is_the_response(
@@ -1411,11 +1404,11 @@ async def test_an_answer_sent_before_the_body_was_read_is_the_response(
     answer = b'{"error":"too large"}'
     head = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
     with trio.fail_after(DEADLINE):
-        port = await nursery.start(answer_before_the_body, head % len(answer) + answer)
+        server = await start_server(nursery, answer_before_the_body(head % len(answer) + answer))
         async with pooled_client(PLAIN) as (client, pool):
             # Far more than the socket buffers take: the write is still going when reset.
             body = b"x" * (32 * 1024 * 1024)
-            response = await client.post(f"http://127.0.0.1:{port}/", content=body)
+            response = await client.post(server.url, content=body)
             assert response.status_code == 413
             assert response.content == answer
             # Out of step with the server (the request half sent): never kept.
@@ -1424,8 +1417,8 @@ async def test_an_answer_sent_before_the_body_was_read_is_the_response(
 
 async def test_a_failed_write_with_no_answer_is_the_write_error(nursery: trio.Nursery) -> None:
     with trio.fail_after(DEADLINE):
-        port = await nursery.start(answer_before_the_body, b"")
+        server = await start_server(nursery, answer_before_the_body(b""))
         async with pooled_client(PLAIN) as (client, pool):
             with pytest.raises(httpx.WriteError):
-                await client.post(f"http://127.0.0.1:{port}/", content=b"x" * (32 * 1024 * 1024))
+                await client.post(server.url, content=b"x" * (32 * 1024 * 1024))
             assert pool.connections() == []
