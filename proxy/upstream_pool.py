@@ -395,7 +395,7 @@ class UpstreamConnection:
             raise httpx.LocalProtocolError(str(error)) from error
         timeout = request.connect_timeout
         write_error: httpx.WriteError | None = None
-        with trio.move_on_after(math.inf if timeout is None else timeout):
+        with trio.move_on_after(math.inf if timeout is None else timeout) as write_scope:
             try:
                 await self.transport.write(data)
             except httpx.WriteError as error:
@@ -403,8 +403,7 @@ class UpstreamConnection:
                 # close: the write fails, but its answer is there to read (as httpcore does).
                 write_error = error
                 self._broken = True
-            data = b""
-        if data:
+        if write_scope.cancelled_caught:
             raise httpx.WriteTimeout(f"could not send the request within {timeout:g}s")
         try:
             return await self._read_head(reader, request.read_timeout)
@@ -562,13 +561,16 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
             if connection.origin == request.origin and not connection.has_expired(expiry):
                 return connection
             await connection.aclose()
+        return await self._connect(request.origin, request.connect_timeout)
+
+    async def _connect(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
         transport = await connect(
-            request.origin,
-            connect_timeout=request.connect_timeout,
+            origin,
+            connect_timeout=connect_timeout,
             socket_options=self._socket_options,
-            ssl_context=self._tls_context() if request.origin.scheme == "https" else None,
+            ssl_context=self._tls_context() if origin.scheme == "https" else None,
         )
-        return UpstreamConnection(request.origin, transport)
+        return UpstreamConnection(origin, transport)
 
     async def keep_spare(self, origin: Origin, connect_timeout: float | None) -> None:
         """Keep the pool's ``spare`` idle connections to ``origin`` open ahead of demand, for
@@ -588,19 +590,13 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
                 await self._prune_expired()
                 continue
             try:
-                transport = await connect(
-                    origin,
-                    connect_timeout=connect_timeout,
-                    socket_options=self._socket_options,
-                    ssl_context=self._tls_context() if origin.scheme == "https" else None,
-                )
+                connection = await self._connect(origin, connect_timeout)
             except httpx.TransportError as error:
                 log.debug("spare connection to %r: %s; again in %gs", origin, error, backoff)
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, _SPARE_BACKOFF_MAX)
                 continue
             backoff = _SPARE_BACKOFF_MIN
-            connection = UpstreamConnection(origin, transport)
             if self._closed or len(self._idle) >= self._max_keepalive:
                 await connection.aclose()
                 continue
