@@ -1422,3 +1422,19 @@ async def test_a_failed_write_with_no_answer_is_the_write_error(nursery: trio.Nu
             with pytest.raises(httpx.WriteError):
                 await client.post(server.url, content=b"x" * (32 * 1024 * 1024))
             assert pool.connections() == []
+
+
+async def test_a_request_the_server_never_reads_is_a_write_timeout(nursery: trio.Nursery) -> None:
+    async def never_reads(conn: ServerConnection) -> None:
+        await trio.sleep_forever()
+
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, never_reads)
+        async with pooled_client(PLAIN) as (client, pool):
+            # The write is bounded by the connect timeout (the relay's reads have deadlines of
+            # their own); far more than the socket buffers hold, so it cannot finish.
+            with pytest.raises(httpx.WriteTimeout):
+                await client.post(
+                    server.url, content=b"x" * (32 * 1024 * 1024), timeout=httpx.Timeout(0.2)
+                )
+            assert pool.connections() == []
