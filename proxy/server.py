@@ -22,9 +22,9 @@ _CLEANUP_SECONDS = 5.0
 log = logging.getLogger("sluice.server")
 
 # Young-generation collections every 20,000 net allocations instead of CPython's 700: a relay
-# allocates short-lived objects per event (bytes, h11 events, trio task state) that refcounting
-# frees anyway, so most of those collections found nothing (GC was ~5% of the proxy's CPU in
-# the hot-path profile; this recovers it). Cyclic garbage still goes, a little later.
+# allocates short-lived objects per event (bytes, trio task state, outcome objects) that
+# refcounting frees anyway, so most of those collections found nothing (GC was ~5% of the
+# proxy's CPU in the hot-path profile; this recovers it). Cyclic garbage still goes, later.
 _GC_THRESHOLDS = (20_000, 50, 100)
 
 
