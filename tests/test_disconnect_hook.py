@@ -64,19 +64,25 @@ class Hook:
         self.calls += 1
 
 
-async def test_client_disconnected_runs_the_callback_once_synchronously(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    hook = Hook()
-    registered = trio.Event()
+def parked_producer(hook: Hook, registered: trio.Event) -> Callable[[RelaySink], Any]:
+    """A producer that starts the stream, registers ``hook``, says so, and stays at work (the
+    upstream still streaming)."""
 
     async def produce(sink: RelaySink) -> None:
         sink.begin(200, "text/event-stream")
         sink.on_disconnect(hook)
         registered.set()
-        await trio.sleep_forever()  # at work: the upstream still streaming
+        await trio.sleep_forever()
 
-    body = relay_body(produce)
+    return produce
+
+
+async def test_client_disconnected_runs_the_callback_once_synchronously(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    hook = Hook()
+    registered = trio.Event()
+    body = relay_body(parked_producer(hook, registered))
     async with body:
         await registered.wait()
         body.client_disconnected()
@@ -140,14 +146,7 @@ async def test_no_callback_once_the_body_has_closed(autojump_clock: trio.abc.Clo
     after that (hypercorn reports one for every finished exchange) runs nothing."""
     hook = Hook()
     registered = trio.Event()
-
-    async def produce(sink: RelaySink) -> None:
-        sink.begin(200, "text/event-stream")
-        sink.on_disconnect(hook)
-        registered.set()
-        await trio.sleep_forever()
-
-    body = relay_body(produce)
+    body = relay_body(parked_producer(hook, registered))
     async with body:
         await registered.wait()
     # Cancelled, not finished: only the close's clearing of the callbacks protects them.
