@@ -74,7 +74,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         server = connection_server_of(send)
         if server is not None:
             # The earliest word of the client leaving: hypercorn's read task, as it reads EOF.
-            server.on_client_gone = body.client_disconnected
+            server.relay_started(body.client_disconnected)
         try:
             await self._send_relayed(send, response, body)
         finally:
@@ -84,7 +84,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
             self.relay_body = None
             body.start_stream = None
             if server is not None:
-                server.on_client_gone = None
+                server.relay_ended()
 
     async def _send_relayed(self, send: ASGISendCallable, response: Any, body: RelayBody) -> None:
         def head_headers() -> list[tuple[bytes, bytes]]:

@@ -31,6 +31,8 @@ import trio
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
+from . import hangup
+
 log = logging.getLogger("sluice.connection_server")
 
 
@@ -66,6 +68,28 @@ class ConnectionServer(TCPServer):
     # The relay streaming on this connection now, if any: called once the client is gone.
     on_client_gone: Callable[[], None] | None = None
     _reading_done = False
+    # The socket registered with the loop's hangup watcher while a relay streams.
+    _watched: tuple[hangup.HangupWatcher, int] | None = None
+
+    def relay_started(self, on_client_gone: Callable[[], None]) -> None:
+        """``on_client_gone`` is to be called once the client leaves, as early as that is
+        seen: by the loop's hangup watcher between task steps, or by the read task."""
+        self.on_client_gone = on_client_gone
+        watcher = hangup.current()
+        fd = _socket_fd(self.stream)
+        if watcher is not None and fd >= 0 and not self._reading_done:
+            watcher.watch(fd, self._client_gone)
+            self._watched = (watcher, fd)
+
+    def relay_ended(self) -> None:
+        self.on_client_gone = None
+        self._unwatch()
+
+    def _unwatch(self) -> None:
+        if self._watched is not None:
+            watcher, fd = self._watched
+            self._watched = None
+            watcher.unwatch(fd, self._client_gone)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,6 +113,7 @@ class ConnectionServer(TCPServer):
         await self.protocol.handle(Closed())
 
     def _client_gone(self) -> None:
+        self._unwatch()
         callback, self.on_client_gone = self.on_client_gone, None
         if callback is not None:
             callback()
@@ -99,6 +124,15 @@ class ConnectionServer(TCPServer):
             # timer just stopped: nothing more can arrive to be idle for.
             return
         await super().protocol_send(event)
+
+
+def _socket_fd(stream: Any) -> int:
+    """The client's socket under hypercorn's stream (a trio SocketStream, or an SSLStream over
+    one), or -1."""
+    sock = getattr(stream, "socket", None) or getattr(
+        getattr(stream, "transport_stream", None), "socket", None
+    )
+    return sock.fileno() if sock is not None else -1
 
 
 def send_chain(send: Any) -> tuple[Any, Any, Any]:

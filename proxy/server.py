@@ -13,7 +13,7 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from . import connection_server
+from . import connection_server, hangup
 from .app import state_of
 from .asgi import SluiceQuart
 from .config import Config, check_public_bind
@@ -81,13 +81,14 @@ async def serve(
         sockets = listen_sockets(hyper, config.relay.stall_timeout)
     connection_server.install()
     try:
-        await worker_serve(
-            wrap_app(app, hyper.wsgi_max_body_size, "asgi"),
-            hyper,
-            sockets=sockets,
-            shutdown_trigger=shutdown_trigger,
-            task_status=task_status,
-        )
+        with hangup.watching():
+            await worker_serve(
+                wrap_app(app, hyper.wsgi_max_body_size, "asgi"),
+                hyper,
+                sockets=sockets,
+                shutdown_trigger=shutdown_trigger,
+                task_status=task_status,
+            )
     finally:
         # A cancelled serve skips the app's after_serving; the upstream pools must close
         # anyway, under a shield (we may be cancelled) with a bound (never hang shutdown).

@@ -25,6 +25,7 @@ import httpx
 import pytest
 import trio
 
+from proxy import hangup
 from proxy.config import config_from_mapping
 from proxy.errors import ApiError
 from proxy.metrics import Metrics
@@ -293,17 +294,28 @@ async def test_a_client_leaving_a_hedged_request_aborts_every_attempt(
         assert len(abort_calls) == 2
 
 
-async def test_the_eof_is_acted_on_by_hypercorns_read_task(
-    nursery: trio.Nursery, fake: Fake, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("watcher", [True, False], ids=["hangup-watcher", "no-watcher"])
+async def test_the_hangup_is_acted_on_before_the_request_is_cancelled(
+    nursery: trio.Nursery, fake: Fake, monkeypatch: pytest.MonkeyPatch, watcher: bool
 ) -> None:
-    # The earliest moment the proxy can know: the connection's read task, as it reads the
-    # EOF; the request's message task (one scheduler turn later) finds the work stopped.
+    # The earliest moment the proxy can know: the loop's hangup watcher, between task steps
+    # (proxy/hangup.py), or where there is none (no epoll), the connection's read task as it
+    # reads the EOF; the request's message task (a scheduler turn later) finds the work stopped.
+    if watcher and not hangup.available():
+        pytest.skip("no epoll here")
+    if not watcher:
+        monkeypatch.setattr(hangup, "current", lambda: None)
     seen_in: list[str] = []
     original = RelayBody.client_disconnected
 
     def client_disconnected(self: RelayBody) -> None:
         callers = {frame.f_code.co_qualname for frame, _ in walk_stack(sys._getframe(1))}
-        seen_in.append("read loop" if "ConnectionServer._read_data" in callers else "message task")
+        if "HangupWatcher.poll" in callers:
+            seen_in.append("hangup watcher")
+        elif "ConnectionServer._read_data" in callers:
+            seen_in.append("read loop")
+        else:
+            seen_in.append("message task")
         original(self)
 
     monkeypatch.setattr(RelayBody, "client_disconnected", client_disconnected)
@@ -321,8 +333,8 @@ async def test_the_eof_is_acted_on_by_hypercorns_read_task(
         await poll_until(lambda: len(seen_in) == 2)
         # Freed (test_lifetime checks that no cyclic GC is needed for it).
         await poll_until(lambda: not proxy.state.tracker.alive)
-    # First from the connection's read loop, then the message task's call finds it done.
-    assert seen_in == ["read loop", "message task"]
+    # First the earliest observer, then the message task's call finds it done.
+    assert seen_in == ["hangup watcher" if watcher else "read loop", "message task"]
 
 
 async def read_forever(raw: RawClient) -> None:

@@ -1,0 +1,183 @@
+"""Seeing a client leave between task steps, not a scheduler turn later.
+
+hypercorn's read task learns that a client has gone when the scheduler runs it: trio runs every
+task that was ready when a batch began before it asks the OS what happened since, so on a
+saturated loop (1000 streams, a backlog of events on every upstream socket) a client's FIN waits
+for the rest of the batch it arrived in, and then for its read task's place in the next one:
+tens of milliseconds at the tail, while the upstream keeps generating for nobody.
+
+A :class:`HangupWatcher` keeps its own epoll set of the client sockets whose relays are
+streaming, interested only in the peer's FIN (``EPOLLRDHUP``) and in resets (``EPOLLHUP``,
+``EPOLLERR``), and polls it (one ``epoll_wait`` that does not wait) after each of trio's own
+waits for I/O and, while the loop is saturated, between task steps, at most once per
+``interval``. A hangup runs that socket's callback (the relay's disconnect hook, which shuts the
+upstream connection) at once; the read task still reads the EOF in its turn, and the
+cancellation follows as before. All of it on the trio thread, so the callbacks need no locks.
+
+Measured at 1000 streams (``python -m proxy.bench --streams 1000``, five runs each way):
+cancel propagation p50 4.1 -> 0.76 ms, p99 10-20 -> 2-3.2 ms, for ~4% more CPU per event
+(the per-step hook); polling after I/O waits alone gave p99 8-10 ms.
+
+Linux only (epoll); elsewhere :func:`watching` yields None and the read task's turn is the
+earliest word, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+
+import trio
+
+log = logging.getLogger("sluice.hangup")
+
+_HANGUP = getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLHUP", 0)
+_HANGUP |= getattr(select, "EPOLLERR", 0)
+DEFAULT_INTERVAL = 0.001
+
+
+class HangupWatcher(trio.abc.Instrument):
+    """A trio instrument: :func:`watching` adds it to the running loop and removes it.
+
+    It polls after every wait for I/O (once per scheduler batch), and, while batches run longer
+    than ``interval``, also between task steps (at most once per ``interval``): a per-step hook
+    costs every task step a call, so it is only installed while the loop is that busy."""
+
+    def __init__(self, interval: float = DEFAULT_INTERVAL) -> None:
+        self._epoll = select.epoll()
+        self._callbacks: dict[int, Callable[[], None]] = {}
+        self._interval = interval
+        self._next_poll = 0.0
+        self._batch_began = 0.0
+        self._stepper = _StepPoller(self)
+        self._stepping = False
+
+    def watch(self, fd: int, on_hangup: Callable[[], None]) -> None:
+        """Call ``on_hangup`` (once) when the peer of socket ``fd`` closes or resets it, until
+        :meth:`unwatch` (fd, on_hangup). A socket closed while watched leaves the epoll set by
+        itself; its number may then come back as another socket's, which replaces it here."""
+        try:
+            self._epoll.register(fd, _HANGUP)
+        except FileExistsError:
+            self._epoll.modify(fd, _HANGUP)
+        self._callbacks[fd] = on_hangup
+
+    def unwatch(self, fd: int, on_hangup: Callable[[], None]) -> None:
+        if self._callbacks.get(fd) != on_hangup:
+            return  # fired already, or the number now belongs to another socket
+        del self._callbacks[fd]
+        self._forget(fd)
+
+    def _forget(self, fd: int) -> None:
+        # Closed while watched: the kernel dropped it from the set already.
+        with suppress(OSError):
+            self._epoll.unregister(fd)
+
+    @property
+    def watched(self) -> int:
+        return len(self._callbacks)
+
+    def after_io_wait(self, timeout: float) -> None:
+        now = self._batch_began = time.perf_counter()
+        if self._callbacks:
+            self._next_poll = now + self._interval
+            self.poll()
+
+    def before_io_wait(self, timeout: float) -> None:
+        busy = time.perf_counter() - self._batch_began > self._interval
+        if busy != self._stepping:
+            self._stepping = busy
+            if busy:
+                trio.lowlevel.add_instrument(self._stepper)
+            else:
+                trio.lowlevel.remove_instrument(self._stepper)
+
+    def step(self) -> None:
+        if self._callbacks:
+            now = time.perf_counter()
+            if now >= self._next_poll:
+                self._next_poll = now + self._interval
+                self.poll()
+
+    def poll(self) -> None:
+        """Run the callbacks of the sockets hung up since the last poll."""
+        for fd, _ in self._epoll.poll(0):
+            callback = self._callbacks.pop(fd, None)
+            if callback is None:
+                continue
+            self._forget(fd)
+            try:
+                callback()
+            except Exception:
+                # A synchronous hook on the trio thread: nothing here can raise Cancelled. A
+                # failing callback is a bug to log; trio would disable the whole watcher.
+                log.exception("hangup callback failed")
+
+    def remove(self) -> None:
+        """Out of the running loop (both instruments), and closed."""
+        for instrument in (self._stepper, self):
+            # Not installed (the stepper, in a quiet loop), or removed by trio.
+            with suppress(KeyError):
+                trio.lowlevel.remove_instrument(instrument)
+        self.close()
+
+    def close(self) -> None:
+        self._callbacks.clear()
+        self._epoll.close()
+
+
+class _StepPoller(trio.abc.Instrument):
+    """The per-step hook, apart so that it can come and go on its own."""
+
+    def __init__(self, watcher: HangupWatcher) -> None:
+        self._watcher = watcher
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self._watcher.step()
+
+
+class _Shared:
+    def __init__(self, watcher: HangupWatcher) -> None:
+        self.watcher = watcher
+        self.users = 0
+
+
+_loop_watcher: trio.lowlevel.RunVar[_Shared | None] = trio.lowlevel.RunVar(
+    "sluice_hangup_watcher", default=None
+)
+
+
+def available() -> bool:
+    return bool(_HANGUP) and hasattr(select, "epoll")
+
+
+@contextmanager
+def watching(interval: float = DEFAULT_INTERVAL) -> Iterator[HangupWatcher | None]:
+    """The running loop's watcher, for the duration: the first user in a loop makes it and
+    adds it as an instrument, the last one removes and closes it (several servers may share a
+    loop, as in the tests). None where epoll is missing."""
+    if not available():
+        yield None
+        return
+    shared = _loop_watcher.get()
+    if shared is None:
+        shared = _Shared(HangupWatcher(interval))
+        trio.lowlevel.add_instrument(shared.watcher)
+        _loop_watcher.set(shared)
+    shared.users += 1
+    try:
+        yield shared.watcher
+    finally:
+        shared.users -= 1
+        if shared.users == 0:
+            _loop_watcher.set(None)
+            shared.watcher.remove()
+
+
+def current() -> HangupWatcher | None:
+    """The running loop's watcher, if a server is serving in it."""
+    shared = _loop_watcher.get()
+    return None if shared is None else shared.watcher
