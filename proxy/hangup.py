@@ -51,7 +51,7 @@ class HangupWatcher(trio.abc.Instrument):
         self._callbacks: dict[int, Callable[[], None]] = {}
         self._interval = interval
         self._next_poll = 0.0
-        self._batch_began = 0.0
+        self._batch_began = time.perf_counter()
         self._stepper = _StepPoller(self)
         self._stepping = False
 
