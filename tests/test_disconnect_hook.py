@@ -319,7 +319,9 @@ async def test_the_hangup_is_acted_on_before_the_request_is_cancelled(
         original(self)
 
     monkeypatch.setattr(RelayBody, "client_disconnected", client_disconnected)
-    with trio.fail_after(DEADLINE):
+    # The serving loop's watcher, made here to poll after every wait for I/O: on a loop this
+    # idle it otherwise polls once a millisecond, and the read task may come first.
+    with trio.fail_after(DEADLINE), hangup.watching(interval=0):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         raw = await RawClient.post(
             proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.02, "tokens": 1000})

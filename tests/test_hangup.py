@@ -367,8 +367,8 @@ async def test_two_servers_share_the_watcher_until_the_last_leaves() -> None:
 
 async def test_a_hangup_is_acted_on_after_the_next_io_wait(sockets: list[socket.socket]) -> None:
     # Nobody reads the socket: the watcher's poll after trio's wait for I/O sees the close,
-    # before any task runs in the next batch.
-    with trio.fail_after(DEADLINE), hangup.watching() as watcher:
+    # before any task runs in the next batch (polling after every wait: interval 0).
+    with trio.fail_after(DEADLINE), hangup.watching(interval=0) as watcher:
         assert watcher is not None
         watched, peer = unix_pair(sockets)
         hook = Hook()
@@ -491,10 +491,10 @@ async def test_a_hangup_is_seen_between_task_steps_on_a_saturated_loop(
 async def test_without_the_per_step_hook_a_hangup_waits_for_the_batch(
     sockets: list[socket.socket],
 ) -> None:
-    # The contrast that gives the test above its meaning: with an interval no batch reaches,
-    # the per-step hook never goes in, and the same close is only seen after the batch's
-    # remaining hogs have run (about half of them).
-    with trio.fail_after(DEADLINE), hangup.watching(interval=3600) as watcher:
+    # The contrast that gives the test above its meaning: with a busy threshold no batch
+    # reaches, the per-step hook never goes in, and the same close is only seen after the
+    # batch's remaining hogs have run (about half of them).
+    with trio.fail_after(DEADLINE), hangup.watching(interval=0, busy_batch=3600) as watcher:
         assert watcher is not None
         watched, peer = unix_pair(sockets)
         seen = Saturation()
