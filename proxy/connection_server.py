@@ -2,13 +2,14 @@
 changes. hypercorn builds one per accepted connection from a module global of its trio worker,
 which :func:`install` points here (logged and skipped if that global is not the class we know).
 
-* **A client's EOF reaches the relay in the step that reads it.** hypercorn turns the EOF into
+* **A client's leaving reaches the relay as soon as it is seen.** hypercorn turns the EOF into
   an ``http.disconnect`` for the app, which a later scheduler turn delivers to the request's
   message task, which then cancels the relay. On a saturated loop each turn waits behind a batch
-  of other streams' events. The read loop (hypercorn 0.18's, with one addition) now calls the
-  relay's disconnect hook (``on_client_gone``, set by asgi for a relayed response's lifetime)
-  before it hands the EOF on: the upstream connection is shut down at once; the cancellation
-  follows as before.
+  of other streams' events. While a relay streams (``relay_started`` .. ``relay_ended``, called
+  by asgi), its disconnect hook runs from whichever sees the client go first: the loop's
+  :mod:`~proxy.hangup` watcher (between task steps), or the read loop (hypercorn 0.18's, with
+  one addition) before it hands the EOF on. The upstream connection is shut down at once; the
+  cancellation follows as before.
 * **The keep-alive timer costs no scheduler round trips.** hypercorn restarts it with
   ``nursery.start`` (the connection's task waits for the timer's task to start) under a
   ``trio.Lock`` (a checkpoint), and stops it under the lock again: two or three round trips on
