@@ -17,6 +17,7 @@ import struct
 from typing import Any, cast
 
 import trio
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 from quart.asgi import ASGIHTTPConnection
 from quart.utils import encode_headers
@@ -133,10 +134,14 @@ class SluiceQuart(QuartTrio):
 
 
 def connection_server_of(send: Any) -> ConnectionServer | None:
-    """Sluice's connection server under hypercorn's ASGI ``send``, or None (HTTP/2, a layout
-    that differs)."""
-    _, _, server = send_chain(send)
-    return server if isinstance(server, ConnectionServer) else None
+    """Sluice's connection server under hypercorn's ASGI ``send`` for an HTTP/1.1 request, or
+    None (HTTP/2, a layout that differs). HTTP/2 is left out on purpose: its streams share
+    one connection, and its server keeps one disconnect hook (one relay's), so a second
+    stream would take the first one's hook (and socket watch) with it when it ended."""
+    _, protocol, server = send_chain(send)
+    if isinstance(server, ConnectionServer) and isinstance(protocol, H11Protocol):
+        return server
+    return None
 
 
 def transport_socket(send: Any) -> Any:

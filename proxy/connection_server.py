@@ -78,9 +78,16 @@ class ConnectionServer(TCPServer):
         self.on_client_gone = on_client_gone
         watcher = hangup.current()
         fd = _socket_fd(self.stream)
-        if watcher is not None and fd >= 0 and not self._reading_done:
+        if watcher is None or fd < 0 or self._reading_done:
+            return
+        try:
             watcher.watch(fd, self._client_gone)
-            self._watched = (watcher, fd)
+        except OSError as error:
+            # The kernel's epoll limits (max_user_watches: ENOSPC, ENOMEM): the read task still
+            # sees the client go, a scheduler turn later. Not worth failing the request over.
+            _warn_once(f"client sockets are not watched for hangups: {error}")
+            return
+        self._watched = (watcher, fd)
 
     def relay_ended(self) -> None:
         self.on_client_gone = None
@@ -125,6 +132,15 @@ class ConnectionServer(TCPServer):
             # timer just stopped: nothing more can arrive to be idle for.
             return
         await super().protocol_send(event)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 def _socket_fd(stream: Any) -> int:

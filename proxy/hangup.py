@@ -19,6 +19,13 @@ cancel propagation p50 4.1 -> 0.76 ms, p99 10-20 -> 2-3.2 ms, for ~4% more CPU p
 (the per-step hook, installed only while saturated); polling after I/O waits alone gave p99
 8-10 ms. At 100 streams: no difference in CPU per event or TTFT (four A/B rounds).
 
+A client's half-close (``shutdown(SHUT_WR)``, a FIN while it still reads) counts as leaving,
+as hypercorn's EOF always did when its read task got to it; the difference is a client that
+pipelined a second request and then half-closed: its reader was paused behind the first
+response, so that response used to complete, and now it is cut off at once. Such clients are
+rare (browsers and SDKs neither pipeline nor half-close), and one that cannot be told apart
+from a client that has gone is treated as gone: the upstream's work is what this protects.
+
 Linux only (epoll); elsewhere :func:`watching` yields None and the read task's turn is the
 earliest word, as before.
 """
@@ -101,14 +108,17 @@ class HangupWatcher(trio.abc.Instrument):
 
     def before_io_wait(self, timeout: float) -> None:
         now = time.perf_counter()
-        if now - self._batch_began > self._busy_batch:
+        if now - self._batch_began > self._busy_batch and self._callbacks:
             self._last_long_batch = now
             if not self._stepping:
                 self._stepping = True
                 trio.lowlevel.add_instrument(self._stepper)
         elif self._stepping and now - self._last_long_batch > STEPPING_HOLD:
             self._stepping = False
-            trio.lowlevel.remove_instrument(self._stepper)
+            # trio drops an instrument whose hook raised; this one must not take the watcher
+            # with it by raising KeyError here in turn.
+            with suppress(KeyError):
+                trio.lowlevel.remove_instrument(self._stepper)
 
     def step(self) -> None:
         if self._callbacks:

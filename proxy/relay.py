@@ -471,7 +471,9 @@ class RelayBody(ResponseBody):
         for callback in callbacks:
             callback()
         if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
+            # From a hangup watcher's hook trio would name whatever task runs next as the
+            # canceller: the reason says who did.
+            self._nursery.cancel_scope.cancel("client disconnected")
 
     @property
     def final_status(self) -> int:

@@ -12,6 +12,7 @@ socket is watched exactly while its stream is relayed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from traceback import walk_stack
 
+import httpx
 import pytest
 import trio
 
@@ -477,15 +479,17 @@ async def test_a_hangup_is_seen_between_task_steps_on_a_saturated_loop(
         # The hogs gone, short batches take the per-step hook out again.
         await quiet(watcher)
         steps = HookCounter(watcher, "step")
-        for _ in range(100):
+        # A preempted batch on a loaded machine puts the hook back in for STEPPING_HOLD: try
+        # for several of those before calling it stuck.
+        give_up = time.perf_counter() + 20 * hangup.STEPPING_HOLD
+        while True:
             before = steps.calls
             await trio.lowlevel.checkpoint()
-            # A whole batch with no step call (the hook is out), unless a loaded machine
-            # stretched this one past the interval: then try the next.
+            # A whole batch with no step call: the hook is out.
             if not watcher._stepping and steps.calls == before:
                 break
-        else:
-            pytest.fail("the per-step hook stayed in on a quiet loop")
+            if time.perf_counter() > give_up:
+                pytest.fail("the per-step hook stayed in on a quiet loop")
 
 
 async def test_without_the_per_step_hook_a_hangup_waits_for_the_batch(
@@ -589,3 +593,93 @@ async def test_a_client_leaving_mid_stream_leaves_nothing_watched(
         # And it stays so: nothing re-registers the closed connection's socket.
         await trio.sleep(0.05)
         assert watcher.watched == 0
+
+
+async def test_long_batches_with_nothing_watched_leave_the_per_step_hook_out() -> None:
+    # The hook costs every task step a call; with no client to watch there is nothing to gain.
+    with trio.fail_after(DEADLINE), hangup.watching() as watcher:
+        assert watcher is not None
+        await quiet(watcher)
+
+        async def hog() -> None:
+            end = time.perf_counter() + 3 * HOG_STEP
+            while time.perf_counter() < end:
+                pass
+            await trio.lowlevel.checkpoint()
+
+        for _ in range(3):
+            async with trio.open_nursery() as nursery:
+                for _ in range(5):
+                    nursery.start_soon(hog)
+            assert not watcher._stepping
+
+
+async def test_a_watch_the_kernel_refuses_leaves_the_request_to_the_read_task(
+    nursery: trio.Nursery,
+    fake: Fake,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # epoll's limits (max_user_watches) must not fail a request: it streams, unwatched, and
+    # the read task still sees its client go.
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        watcher = hangup.current()
+        assert watcher is not None
+
+        def refuse(fd: int, on_hangup: Callable[[], None]) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(watcher, "watch", refuse)
+        with caplog.at_level(logging.WARNING, logger="sluice.connection_server"):
+            raw = await RawClient.post(
+                proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.02, "tokens": 1000})
+            )
+            await raw.read_until(b"data: ", count=3)
+        assert raw.received.startswith(b"HTTP/1.1 200")
+        assert watcher.watched == 0
+        assert any("not watched for hangups" in r.getMessage() for r in caplog.records)
+        await raw.close()
+        await fake.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
+        assert fake.recorder.last().outcome == "client_disconnected"
+        await proxy.state.tracker.wait_idle()
+
+
+async def test_http2_streams_are_not_watched_and_still_end_with_their_client(
+    nursery: trio.Nursery, fake: Fake
+) -> None:
+    # HTTP/2 multiplexes streams on one connection, whose server keeps a single disconnect
+    # hook: a short stream ending would have taken a long one's hook and watch with it. So
+    # HTTP/2 relays are left to quart-trio's cancellation, which sees the connection close.
+    short = chat_body(fake={"ttft": 0, "interval": 0.005, "tokens": 5})
+    long = chat_body(fake={"ttft": 0, "interval": 0.01, "tokens": 100_000})
+    versions: list[str] = []
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        watcher = hangup.current()
+        assert watcher is not None
+        client = httpx.AsyncClient(http1=False, http2=True, timeout=DEADLINE, trust_env=False)
+        long_started = trio.Event()
+
+        async def stream_long() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                async with client.stream("POST", proxy.url + CHAT, json=long) as response:
+                    versions.append(response.http_version)
+                    async for _ in response.aiter_bytes():
+                        long_started.set()
+
+        async with trio.open_nursery() as streams:
+            streams.start_soon(stream_long)
+            await long_started.wait()
+            assert watcher.watched == 0  # an HTTP/1.1 stream would be watched by now
+            response = await client.post(proxy.url + CHAT, json=short)
+            versions.append(response.http_version)
+            assert b"data: [DONE]" in response.content
+            assert watcher.watched == 0
+            assert len(proxy.state.tracker.active) == 1  # the long one streams on
+            await client.aclose()  # the client leaves: its connection closes
+        assert versions == ["HTTP/2", "HTTP/2"]
+        await fake.recorder.wait_for(
+            lambda r: any(rec.outcome == "client_disconnected" for rec in r.records)
+        )
+        await proxy.state.tracker.wait_idle()
