@@ -207,9 +207,17 @@ def test_unwatch_with_another_callback_keeps_the_newer_registration(
     watcher.watch(watched.fileno(), old)
     watcher.watch(watched.fileno(), new)
     assert watcher.watched == 1
-    watcher.unwatch(watched.fileno(), old)
+    late_unwatch_leaves_the_new_registration(watcher, watched.fileno(), old, new, peer)
+
+
+def late_unwatch_leaves_the_new_registration(
+    watcher: HangupWatcher, fd: int, old: Hook, new: Hook, new_peer: socket.socket
+) -> None:
+    """The old owner's unwatch of ``fd`` comes after ``new`` registered it: the new
+    registration stays, and only it fires when its peer closes."""
+    watcher.unwatch(fd, old)
     assert watcher.watched == 1
-    peer.close()
+    new_peer.close()
     watcher.poll()
     assert (old.calls, new.calls) == (0, 1)
     assert watcher.watched == 0
@@ -236,13 +244,7 @@ def test_a_reused_fd_number_belongs_to_its_new_socket(
     new = Hook()
     watcher.watch(number, new)
     assert watcher.watched == 1
-    # The old owner's unwatch comes late: it leaves the new registration alone.
-    watcher.unwatch(number, old)
-    assert watcher.watched == 1
-    second_peer.close()
-    watcher.poll()
-    assert (old.calls, new.calls) == (0, 1)
-    assert watcher.watched == 0
+    late_unwatch_leaves_the_new_registration(watcher, number, old, new, second_peer)
 
 
 def test_unwatch_after_the_socket_closed_is_quiet(
