@@ -101,10 +101,9 @@ class HangupWatcher(trio.abc.Instrument):
     def after_io_wait(self, timeout: float) -> None:
         # At most once per interval here too: a lightly loaded loop waits for I/O thousands
         # of times a second, and its read tasks are not kept waiting long anyway.
-        now = self._batch_began = time.perf_counter()
-        if self._callbacks and now >= self._next_poll:
-            self._next_poll = now + self._interval
-            self.poll()
+        self._batch_began = now = time.perf_counter()
+        if self._callbacks:
+            self._poll_if_due(now)
 
     def before_io_wait(self, timeout: float) -> None:
         now = time.perf_counter()
@@ -122,10 +121,12 @@ class HangupWatcher(trio.abc.Instrument):
 
     def step(self) -> None:
         if self._callbacks:
-            now = time.perf_counter()
-            if now >= self._next_poll:
-                self._next_poll = now + self._interval
-                self.poll()
+            self._poll_if_due(time.perf_counter())
+
+    def _poll_if_due(self, now: float) -> None:
+        if now >= self._next_poll:
+            self._next_poll = now + self._interval
+            self.poll()
 
     def poll(self) -> None:
         """Run the callbacks of the sockets hung up since the last poll."""
