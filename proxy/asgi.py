@@ -25,7 +25,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from . import chunk_writer
-from .connection_server import ConnectionServer, send_chain
+from .connection_server import ConnectionServer, client_socket, send_chain
 from .relay import RelayBody
 
 log = logging.getLogger("sluice.asgi")
@@ -74,7 +74,8 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         self.relay_body = body
         server = connection_server_of(send)
         if server is not None:
-            # The earliest word of the client leaving: hypercorn's read task, as it reads EOF.
+            # The earliest word of the client leaving: the loop's hangup watcher, or hypercorn's
+            # read task as it reads the EOF.
             server.relay_started(body.client_disconnected)
         try:
             await self._send_relayed(send, response, body)
@@ -150,7 +151,7 @@ def transport_socket(send: Any) -> Any:
     hypercorn offers no public way to drop a connection from the app, and its socket writes
     are shielded from cancellation, so a client that stops reading can hold a write forever."""
     _, _, server = send_chain(send)
-    return getattr(getattr(server, "stream", None), "socket", None)
+    return client_socket(server)
 
 
 def abort_transport(send: Any) -> None:

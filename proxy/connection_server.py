@@ -77,9 +77,10 @@ class ConnectionServer(TCPServer):
         seen: by the loop's hangup watcher between task steps, or by the read task."""
         self.on_client_gone = on_client_gone
         watcher = hangup.current()
-        fd = _socket_fd(self.stream)
-        if watcher is None or fd < 0 or self._reading_done:
+        sock = client_socket(self)
+        if watcher is None or sock is None or self._reading_done:
             return
+        fd = sock.fileno()
         try:
             watcher.watch(fd, self._client_gone)
         except OSError as error:
@@ -143,13 +144,10 @@ def _warn_once(message: str) -> None:
         log.warning(message)
 
 
-def _socket_fd(stream: Any) -> int:
-    """The client's socket under hypercorn's stream (a trio SocketStream, or an SSLStream over
-    one), or -1."""
-    sock = getattr(stream, "socket", None) or getattr(
-        getattr(stream, "transport_stream", None), "socket", None
-    )
-    return sock.fileno() if sock is not None else -1
+def client_socket(server: Any) -> Any:
+    """The client's TCP socket under a connection server (its trio SocketStream's), or None
+    where the layout differs (Sluice serves no TLS)."""
+    return getattr(getattr(server, "stream", None), "socket", None)
 
 
 def send_chain(send: Any) -> tuple[Any, Any, Any]:

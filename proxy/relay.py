@@ -459,10 +459,11 @@ class RelayBody(ResponseBody):
         return suppressed
 
     def client_disconnected(self) -> None:
-        """The HTTP layer saw the client go (hypercorn's read task, as it reads the EOF; or the
-        request's message task): stop the producer's work now, in this scheduler step. Its
-        callbacks shut the upstream connection down, and its tasks are cancelled; the body
-        writes nothing more. The request's own cancellation follows as always."""
+        """The HTTP layer saw the client go (the loop's hangup watcher, between task steps;
+        hypercorn's read task, as it reads the EOF; or the request's message task): stop the
+        producer's work now, in this scheduler step. Its callbacks shut the upstream connection
+        down, and its tasks are cancelled; the body writes nothing more. The request's own
+        cancellation follows as always."""
         if self._producer_finished or self.client_gone:
             return
         self.client_gone = True
