@@ -212,10 +212,7 @@ class PlainTransport:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            # Wakes a task waiting on this socket (with ClosedResourceError) before the fd
-            # number can be reused.
-            trio.lowlevel.notify_closing(self.socket)
-            self.socket.close()
+            _close_socket(self.socket)
         await trio.lowlevel.checkpoint()
 
 
@@ -317,6 +314,13 @@ async def connect(
     raise httpx.ConnectTimeout(f"no connection to {where} within {connect_timeout:g}s")
 
 
+def _close_socket(sock: socket.socket) -> None:
+    # trio forgets the descriptor (a task waiting on it wakes with ClosedResourceError)
+    # before its number can be reused.
+    trio.lowlevel.notify_closing(sock)
+    sock.close()
+
+
 def _apply_options(sock: socket.socket, socket_options: Iterable[Sequence[Any]]) -> None:
     try:
         for option in socket_options:
@@ -345,13 +349,10 @@ async def _connect_to_address(
             await trio.lowlevel.wait_writable(sock)
             error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     except BaseException:
-        # Cancelled in the wait included: trio forgets the descriptor before it is closed.
-        trio.lowlevel.notify_closing(sock)
-        sock.close()
+        _close_socket(sock)  # cancelled in the wait included
         raise
     if error:
-        trio.lowlevel.notify_closing(sock)
-        sock.close()
+        _close_socket(sock)
         raise OSError(error, f"connect to {origin.host}:{origin.port}: {os.strerror(error)}")
     return sock
 
