@@ -952,6 +952,14 @@ async def read_to_eof(stream: trio.SocketStream, into: bytearray) -> None:
         into += data
 
 
+async def all_sent(sending: trio.SocketStream, receiving: trio.SocketStream) -> bytearray:
+    """Everything written on ``sending``, read on ``receiving`` once ``sending`` half-closes."""
+    await sending.send_eof()
+    received = bytearray()
+    await read_to_eof(receiving, received)
+    return received
+
+
 def writer_over(sending: trio.SocketStream) -> tuple[ChunkWriter, StandInServer]:
     server = StandInServer(sending)
     return ChunkWriter(cast(Any, server), sending.socket, stall_timeout=30.0), server
@@ -999,9 +1007,7 @@ async def test_nothing_is_written_while_hypercorn_holds_its_send_lock() -> None:
             assert writer.write_nowait(b"") is False
             assert writer.write_nowait(b"now") is True
             await writer.write(b"")  # nothing pending: writes nothing at all
-            await sending.send_eof()
-            received = bytearray()
-            await read_to_eof(receiving, received)
+            received = await all_sent(sending, receiving)
             assert received == chunk_frame(b"now")
 
 
@@ -1075,9 +1081,7 @@ async def test_a_pending_head_goes_out_with_the_chunk_in_one_write(
             assert offered == [HEAD + chunk_frame(b"data: first\n\n")]
             # The head went once: the next chunk is only its frame.
             assert writer.write_nowait(b"data: second\n\n") is True
-            await sending.send_eof()
-            received = bytearray()
-            await read_to_eof(receiving, received)
+            received = await all_sent(sending, receiving)
             assert received == HEAD + chunk_frame(b"data: first\n\n") + chunk_frame(
                 b"data: second\n\n"
             )
@@ -1094,9 +1098,7 @@ async def test_a_pending_head_is_kept_whole_while_hypercorn_holds_its_send_lock(
             assert writer._pending == HEAD
             await writer.write(b"data: first\n\n")  # the body's write of the queued chunk
             assert writer._pending == b""
-            await sending.send_eof()
-            received = bytearray()
-            await read_to_eof(receiving, received)
+            received = await all_sent(sending, receiving)
             assert received == HEAD + chunk_frame(b"data: first\n\n")
 
 
@@ -1131,9 +1133,7 @@ async def test_short_writes_through_a_pending_head_keep_every_byte_once_and_in_o
             await writer.write(b"")
             assert offered[-1] == frame[3:]
             assert writer._pending == b""
-            await sending.send_eof()
-            received = bytearray()
-            await read_to_eof(receiving, received)
+            received = await all_sent(sending, receiving)
             # Every byte once, in order: no part of the head twice, no frame byte ahead of it.
             assert received == HEAD + frame
             assert server.sent_through == []
@@ -1154,9 +1154,7 @@ async def test_a_write_that_takes_exactly_the_pending_head_takes_none_of_the_chu
             assert writer._pending == b""
             await writer.write(b"data: first\n\n")
             assert offered[-1] == chunk_frame(b"data: first\n\n")
-            await sending.send_eof()
-            received = bytearray()
-            await read_to_eof(receiving, received)
+            received = await all_sent(sending, receiving)
             assert received == HEAD + chunk_frame(b"data: first\n\n")
 
 
@@ -1176,9 +1174,7 @@ async def test_a_short_write_of_a_pending_head_then_the_body_writes_the_rest_and
             await writer.write(b"data: first\n\n")
             assert offered[-1] == HEAD[17:] + chunk_frame(b"data: first\n\n")  # one write
             assert writer._pending == b""
-            await sending.send_eof()
-            received = bytearray()
-            await read_to_eof(receiving, received)
+            received = await all_sent(sending, receiving)
             assert received == HEAD + chunk_frame(b"data: first\n\n")
             assert server.sent_through == []
 
@@ -1194,7 +1190,5 @@ async def test_a_head_with_no_chunk_after_it_goes_out_on_the_final_flush() -> No
             assert writer._pending == HEAD
             await writer.write(b"")
             assert writer._pending == b""
-            await sending.send_eof()
-            received = bytearray()
-            await read_to_eof(receiving, received)
+            received = await all_sent(sending, receiving)
             assert received == HEAD
