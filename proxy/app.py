@@ -10,14 +10,14 @@ import socket
 import uuid
 from collections.abc import Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import trio
 from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
 from . import web
-from .asgi import SluiceQuart, SluiceRequest
+from .asgi import SluiceQuart
 from .auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing, limited_producer
 from .backend import Backend
 from .config import FAKE_UPSTREAM_URL, Config, ConfigError
@@ -315,7 +315,8 @@ def create_app(
     async def completions(endpoint: Endpoint) -> Response:
         access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
         request_id = access.request_id
-        raw = await cast(SluiceRequest, request).read_body()
+        raw = await request.get_data(cache=False)
+        assert isinstance(raw, bytes)
         parsed = parse_completion_request(raw, endpoint)
         backend = state.backends.get(parsed.model)
         if backend is None:

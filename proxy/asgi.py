@@ -1,6 +1,4 @@
-"""quart-trio, with two changes.
-
-**A relayed response decides its status after its body starts.**
+"""quart-trio, with one change: a relayed response decides its status after its body starts.
 
 Quart sends ``http.response.start`` (status and headers) before it enters the response body.
 A relay only knows its status once the producer has reached the upstream: whether the stream
@@ -8,14 +6,6 @@ started (200), the upstream refused (502), or timed out (504). So for a :class:`
 body is entered first (starting its producer and waiting for the head), then the head is sent;
 the head is ready the moment the upstream's first event is, so this costs the client no latency.
 The body's chunks then go out through chunk_writer where it applies.
-
-**A request takes no scheduler turns on its way to its handler that it need not wait for.**
-quart-trio spawns two tasks per request (one feeding the body from ASGI messages, one running
-the handler) and hands the body over through events, each step a checkpoint: four turns before
-the handler has its body, each a wait behind every other ready task on a busy loop. Here the
-messages already queued (with connection_server's AppTaskGroup, the whole body of a request
-that arrived in one read) are taken at once, the handler runs in the request's own task, and a
-body already whole is read without waiting (:class:`SluiceRequest`).
 """
 
 from __future__ import annotations
@@ -33,7 +23,6 @@ from quart.asgi import ASGIHTTPConnection
 from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
-from quart_trio.wrappers.request import TrioBody, TrioRequest
 
 from . import chunk_writer
 from .connection_server import ConnectionServer, client_socket, send_chain
@@ -42,51 +31,12 @@ from .relay import RelayBody
 log = logging.getLogger("sluice.asgi")
 
 
-class SluiceBody(TrioBody):
-    @property
-    def whole(self) -> bytes | None:
-        """The body, once all of it has arrived within the size limit; None before that."""
-        if self._complete.is_set() and self._must_raise is None:
-            return bytes(self._data)
-        return None
-
-    @property
-    def complete(self) -> bool:
-        return self._complete.is_set()
-
-
-class SluiceRequest(TrioRequest):
-    body_class = SluiceBody
-
-    async def read_body(self) -> bytes:
-        """The whole body, as ``get_data(cache=False)``; without a checkpoint when it has all
-        arrived (the caller's next await is one)."""
-        body = self.body
-        whole = body.whole if isinstance(body, SluiceBody) else None
-        if whole is None:
-            data = await self.get_data(cache=False)
-            assert isinstance(data, bytes)
-            return data
-        body.clear()
-        return whole
-
-
 class RelayHTTPConnection(TrioASGIHTTPConnection):
     disconnected_at: float | None = None
     relay_body: RelayBody | None = None
     # Set as the response's last message is sent: from then on an http.disconnect is
     # hypercorn closing the stream behind that message, not the client leaving.
     response_complete = False
-
-    async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
-        # As quart-trio's, with the handler in this task: it runs inside the nursery's cancel
-        # scope all the same, so handle_messages' cancel on a disconnect reaches it as before.
-        request = self._create_request_from_scope(send)
-        if not take_waiting_messages(request, receive):
-            return  # the client left before its request was whole: nothing to answer
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.handle_messages, nursery, request, receive)
-            await self.handle_request(nursery, request, send)
 
     async def handle_messages(  # type: ignore[override]
         self, nursery: trio.Nursery, request: Any, receive: ASGIReceiveCallable
@@ -182,30 +132,6 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
 
 class SluiceQuart(QuartTrio):
     asgi_http_class = RelayHTTPConnection
-    request_class = SluiceRequest
-
-
-def take_waiting_messages(request: Any, receive: ASGIReceiveCallable) -> bool:
-    """Feed ``request`` the ASGI messages already queued for it (hypercorn's ``receive`` is a
-    trio memory channel's), up to its body's end, without a checkpoint. False if one says
-    the client has gone. Any other ``receive`` is left to quart's handle_messages."""
-    channel = getattr(receive, "__self__", None)
-    body = request.body
-    if not isinstance(channel, trio.MemoryReceiveChannel) or not isinstance(body, SluiceBody):
-        return True
-    while not body.complete:
-        try:
-            message = channel.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
-            return True
-        if message["type"] == "http.disconnect":
-            return False
-        if message["type"] == "http.request":
-            # As quart's ASGIHTTPConnection.handle_messages.
-            body.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                body.set_complete()
-    return True
 
 
 def connection_server_of(send: Any) -> ConnectionServer | None:

@@ -18,26 +18,18 @@ which :func:`install` points here (logged and skipped if that global is not the 
 * **No linger after the client closed.** hypercorn's keep-alive timer kept running once the
   client had gone, holding the connection's task and socket (CLOSE_WAIT) for keep_alive_timeout.
   Reading over, the timer goes too, and a response that finishes later does not re-arm it.
-* **A request's messages reach the app in the step that read them.** hypercorn hands each
-  body message to the app with ``MemorySendChannel.send``, a checkpoint: the read task waits a
-  scheduler turn after the body, and again after its end, before the app can have the whole
-  request. :class:`AppTaskGroup` puts them with ``send_nowait`` (``send`` only when the app's
-  queue is full), so a request that arrived in one read is complete when the app first runs.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from functools import partial
 from math import inf
 from typing import Any
 
 import hypercorn.trio.run as hypercorn_trio_run
-import hypercorn.trio.tcp_server as hypercorn_tcp_server
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 from . import hangup
@@ -71,27 +63,6 @@ class IdleTimer:
 async def _run_in_scope(scope: trio.CancelScope, action: Callable[[], Awaitable[None]]) -> None:
     with scope:
         await action()
-
-
-class AppTaskGroup(TaskGroup):
-    """hypercorn's per-connection task group, whose ``app_put`` (the connection's way to the
-    app's ASGI ``receive``) takes no scheduler turn while the app's queue has room."""
-
-    async def spawn_app(self, *args: Any, **kwargs: Any) -> Callable[[Any], Awaitable[None]]:
-        put = await super().spawn_app(*args, **kwargs)
-        channel = getattr(put, "__self__", None)
-        if not isinstance(channel, trio.MemorySendChannel):
-            return put  # a layout we do not know: hypercorn's own put
-        return partial(_put_at_once, channel)
-
-
-async def _put_at_once(channel: trio.MemorySendChannel[Any], message: Any) -> None:
-    # No checkpoint while there is room: the read task checkpoints at its next receive, so
-    # neither cancellation nor the other tasks wait long for it.
-    try:
-        channel.send_nowait(message)
-    except trio.WouldBlock:
-        await channel.send(message)
 
 
 class ConnectionServer(TCPServer):
@@ -193,11 +164,5 @@ def send_chain(send: Any) -> tuple[Any, Any, Any]:
 def install() -> None:
     if getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, ConnectionServer):
         log.warning("hypercorn's connection server is not the expected one; left as it is")
-    else:
-        setattr(hypercorn_trio_run, "TCPServer", ConnectionServer)  # noqa: B010
-    # TCPServer.run (which ConnectionServer keeps) makes each connection's task group from
-    # this module global.
-    if getattr(hypercorn_tcp_server, "TaskGroup", None) not in (TaskGroup, AppTaskGroup):
-        log.warning("hypercorn's connection task group is not the expected one; left as it is")
-    else:
-        setattr(hypercorn_tcp_server, "TaskGroup", AppTaskGroup)  # noqa: B010
+        return
+    setattr(hypercorn_trio_run, "TCPServer", ConnectionServer)  # noqa: B010
