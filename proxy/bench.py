@@ -1195,6 +1195,12 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
             f"(`shared/peers/fastapi_gateway.py`, {how}), relaying to the same fake upstream, "
             "alternating with the proxy; its CPU and RSS rows are the peer's process tree"
         )
+    if report.cpus:
+        where = "; ".join(
+            f"{name.replace('_', ' ')} on CPU {','.join(map(str, cpus))}"
+            for name, cpus in report.cpus.items()
+        )
+        lines.append(f"- Pinned (`--pin`): {where}")
     if report.env:
         env = " ".join(f"{k}={v}" for k, v in sorted(report.env.items()))
         lines.append(f"- Environment: `{env}`")
@@ -1433,6 +1439,9 @@ class BenchSettings:
     model: str = "fake-model"
     progress: bool = True
     workers: int = 1  # worker processes of the proxy the bench starts
+    # The proxy (and the peer) on CPUs of their own, the load generator and the fake on the
+    # others: latency figures then show the relay's cost, not a wait for a core it shares.
+    pin: bool = False
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -1477,6 +1486,15 @@ class BenchSettings:
         if self.peer == "auto" and self.target is not None and self.upstream is None:
             raise BenchError("--peer auto with --target needs --upstream (the proxy's upstream)")
         peer_url = self.peer if self.peer != "auto" else None
+        if self.pin:
+            if not hasattr(os, "sched_setaffinity"):
+                raise BenchError("--pin needs sched_setaffinity (Linux)")
+            if self.target is not None or self.upstream is not None or peer_url is not None:
+                raise BenchError(
+                    "--pin places the processes the bench starts: not with --target, "
+                    "--upstream or --peer URL"
+                )
+            cpu_layout(os.sched_getaffinity(0), self.workers)  # enough CPUs, or an error now
         for url in (self.target, self.upstream, peer_url):
             if url is not None:
                 _address(url)
@@ -1510,6 +1528,8 @@ class BenchSettings:
             parts.append(f"events padded by {self.event_pad} B")
         if self.workers > 1:
             parts.append(f"proxy with {self.workers} workers")
+        if self.pin:
+            parts.append("proxy (and peer) pinned to CPUs of their own")
         if self.repeat > 1:
             parts.append(f"{self.repeat} repeats pooled")
         return "; ".join(parts)
@@ -1549,6 +1569,8 @@ class BenchSettings:
             extra.append(f"workers={self.workers}")
         if self.peer is not None:
             extra.append("peer=1")
+        if self.pin:
+            extra.append("pin=1")
         return "".join(" " + part for part in extra)
 
     def slug(self) -> str:
@@ -1578,6 +1600,8 @@ class BenchReport:
     # The raw material, pooled per mode (in the JSON only its RSS samples: the rest is one
     # entry per stream and token).
     runs: dict[str, RunData] = field(default_factory=dict)
+    # With --pin: the CPUs each process ran on ("load_generator" is this one).
+    cpus: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -1587,6 +1611,7 @@ class BenchReport:
             "machine": self.machine,
             "env": self.env,
             "settings": dataclasses.asdict(self.settings),
+            "cpus": self.cpus,
             "runs": {mode: summary.to_json() for mode, summary in self.summaries.items()},
         }
         rates = all_ratios(self.summaries)
@@ -1657,6 +1682,33 @@ async def _stop_child(process: trio.Process) -> None:
             # After SIGKILL the wait is only the kernel reaping it; still bounded.
             with trio.move_on_after(STOP_TIMEOUT):
                 await process.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class CpuLayout:
+    """Where --pin puts each process: CPU numbers as os.sched_setaffinity takes them."""
+
+    proxy: frozenset[int]  # the proxy's workers (and the peer, which runs alternately)
+    load: frozenset[int]  # the load generator (this process) and the fake upstream
+
+
+def cpu_layout(available: Iterable[int], workers: int) -> CpuLayout:
+    """The last ``workers`` of ``available`` CPUs for the proxy, the rest for the load."""
+    cpus = sorted(available)
+    if len(cpus) < workers + 1:
+        raise BenchError(
+            f"--pin needs {workers + 1} CPUs (one per proxy worker, one or more for the load "
+            f"generator and the fake upstream); this process may use {len(cpus)}"
+        )
+    return CpuLayout(frozenset(cpus[-workers:]), frozenset(cpus[:-workers]))
+
+
+def _pin(placed: dict[str, list[int]], name: str, pid: int, cpus: frozenset[int]) -> None:
+    """Set ``pid``'s CPUs (0: this thread) and record them as the kernel reports them back.
+    A child is pinned right after its exec, before its interpreter has started a thread or
+    a worker process (both inherit the mask)."""
+    os.sched_setaffinity(pid, cpus)
+    placed[name] = sorted(os.sched_getaffinity(pid))
 
 
 async def _supervise(
@@ -1985,7 +2037,12 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     pids: dict[str, int] = {}
     # Before anything starts: no peer to start here is a plain error, not a half-run bench.
     peer_starter = peer_script() if settings.peer == "auto" else None
+    layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
+    placed: dict[str, list[int]] = {}
+    own_cpus = os.sched_getaffinity(0) if layout is not None else None
     try:
+        if layout is not None:
+            _pin(placed, "load_generator", 0, layout.load)
         async with trio.open_nursery() as nursery:
             upstream_pid: int | None = None
             if settings.upstream is not None:
@@ -2005,6 +2062,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                     argv += ["--sndbuf", str(settings.upstream_sndbuf)]
                 process = await nursery.start(_supervise, "fake upstream", argv, log)
                 upstream_pid = pids["fake_upstream"] = process.pid
+                if layout is not None:
+                    _pin(placed, "fake_upstream", process.pid, layout.load)
                 await _wait_ready("fake upstream", upstream, "/health", log)
             if settings.target is not None:
                 proxy = _address(settings.target)
@@ -2021,6 +2080,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                     argv += ["--workers", str(settings.workers)]
                 process = await nursery.start(_supervise, "proxy", argv, log)
                 proxy_pid = pids["proxy"] = process.pid
+                if layout is not None:
+                    _pin(placed, "proxy", process.pid, layout.proxy)
                 await _wait_ready("proxy", proxy, "/healthz", log)
             endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
             if peer_starter is not None:
@@ -2030,6 +2091,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 argv = [str(peer_starter), upstream_url, str(endpoints.peer[1])]
                 process = await nursery.start(_supervise, "FastAPI peer", argv, log)
                 endpoints.peer_pid = pids["peer"] = process.pid
+                if layout is not None:
+                    _pin(placed, "peer", process.pid, layout.proxy)
                 await _wait_ready(
                     "FastAPI peer", endpoints.peer, "/v1/models", log, PEER_READY_TIMEOUT
                 )
@@ -2060,6 +2123,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        if own_cpus is not None:
+            os.sched_setaffinity(0, own_cpus)
     pooled: dict[str, RunData] = {mode: merge_runs(runs[mode]) for mode in MODES if mode in runs}
     summaries: dict[str, RunSummary] = {mode: summarize(run) for mode, run in pooled.items()}
     return BenchReport(
@@ -2072,6 +2137,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         env={k: v for k, v in os.environ.items() if k.startswith("SLUICE_")},
         pids=pids,
         runs=pooled,
+        cpus=placed,
     )
 
 
@@ -2152,6 +2218,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.workers,
         help="worker processes of the proxy the bench starts (its CPU and RSS: all of them)",
     )
+    add(
+        "--pin",
+        action="store_true",
+        help="give the proxy (and peer) CPUs of their own, the load generator and the fake "
+        "upstream the others (Linux; needs workers + 1 CPUs)",
+    )
     add("--json", type=Path, help="write every figure as JSON here")
     add("--markdown", type=Path, help="write (or replace) this load's section in this file")
     add(
@@ -2193,6 +2265,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         peer_pid=args.peer_pid,
         model=args.model,
         workers=args.workers,
+        pin=args.pin,
         progress=not args.quiet,
     )
 

@@ -772,3 +772,69 @@ def test_workers_start_a_multi_process_proxy_and_get_their_own_section() -> None
     args = argparse.ArgumentParser()
     bench.add_arguments(args)
     assert bench.settings_from_args(args.parse_args(["--workers", "2"])).workers == 2
+
+
+def test_cpu_layout_gives_the_proxy_the_last_cpus() -> None:
+    one = bench.cpu_layout({3, 0, 2, 1}, 1)
+    assert (one.proxy, one.load) == ({3}, {0, 1, 2})
+    two = bench.cpu_layout([0, 1, 2, 3], 2)
+    assert (two.proxy, two.load) == ({2, 3}, {0, 1})
+    with pytest.raises(BenchError, match="needs 2 CPUs"):
+        bench.cpu_layout({5}, 1)
+    with pytest.raises(BenchError, match="needs 3 CPUs"):
+        bench.cpu_layout({0, 1}, 2)
+
+
+pinnable = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="--pin needs sched_setaffinity and two CPUs",
+)
+
+
+@pinnable
+def test_pin_settings_are_checked_and_get_their_own_section() -> None:
+    pinned = BenchSettings(pin=True)
+    assert pinned.key() == BenchSettings().key() + " pin=1"
+    assert "pinned to CPUs of their own" in pinned.describe()
+    for elsewhere in (
+        {"target": "http://127.0.0.1:8000", "upstream": "http://127.0.0.1:8001"},
+        {"upstream": "http://127.0.0.1:8001"},
+        {"peer": "http://127.0.0.1:8002", "upstream": "http://127.0.0.1:8001"},
+    ):
+        with pytest.raises(BenchError, match="processes the bench starts"):
+            BenchSettings(pin=True, **elsewhere)  # type: ignore[arg-type]
+    with pytest.raises(BenchError, match="CPUs"):
+        BenchSettings(pin=True, workers=len(os.sched_getaffinity(0)))
+    args = argparse.ArgumentParser()
+    bench.add_arguments(args)
+    assert bench.settings_from_args(args.parse_args(["--pin"])).pin
+
+
+@pinnable
+async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> None:
+    before = os.sched_getaffinity(0)
+    layout = bench.cpu_layout(before, 1)
+    settings = BenchSettings(
+        streams=3,
+        ramp=0.05,
+        ttft=0.02,
+        interval=0.01,
+        tokens=3,
+        drop=0,
+        grace=1.0,
+        timeout=10.0,
+        progress=False,
+        pin=True,
+    )
+    with trio.fail_after(40):
+        report = await bench.run_bench(settings, command="test")
+    assert report.summaries["proxy"].errors == 0
+    assert report.cpus == {
+        "load_generator": sorted(layout.load),
+        "fake_upstream": sorted(layout.load),
+        "proxy": sorted(layout.proxy),
+    }
+    assert os.sched_getaffinity(0) == before
+    assert report.to_json()["cpus"] == report.cpus
+    section = bench.markdown_section(report)
+    assert f"proxy on CPU {max(before)}" in section
