@@ -1158,6 +1158,8 @@ def _title(report: BenchReport) -> str:
     title = f"{settings.streams} streams"
     if settings.workers > 1:
         title += f", proxy with {settings.workers} workers"
+    if settings.pin:
+        title += ", proxy on a core of its own"
     if settings.slow:
         title += f", {settings.slow:.0%} slow readers"
     others = [mode for mode in report.summaries if mode != "proxy"]

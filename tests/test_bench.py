@@ -837,4 +837,5 @@ async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> No
     assert os.sched_getaffinity(0) == before
     assert report.to_json()["cpus"] == report.cpus
     section = bench.markdown_section(report)
+    assert section.startswith("## 3 streams, proxy on a core of its own\n")
     assert f"proxy on CPU {max(before)}" in section
