@@ -586,20 +586,16 @@ def alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
 
 
-async def test_tiny_bench_against_real_subprocesses() -> None:
-    settings = BenchSettings(
-        streams=5,
-        ramp=0.05,
-        ttft=0.02,
-        interval=0.01,
-        tokens=5,
-        drop=0.4,
-        drop_at=2,
-        direct=True,
-        grace=2.0,
-        timeout=10.0,
-        progress=False,
+def tiny_load(**settings: Any) -> BenchSettings:
+    """A few streams of a few fast tokens, for benches of real subprocesses within a test."""
+    return BenchSettings(
+        **{"ramp": 0.05, "ttft": 0.02, "interval": 0.01, "timeout": 10.0, "progress": False}
+        | settings
     )
+
+
+async def test_tiny_bench_against_real_subprocesses() -> None:
+    settings = tiny_load(streams=5, tokens=5, drop=0.4, drop_at=2, direct=True, grace=2.0)
     with trio.fail_after(40):
         report = await bench.run_bench(settings, command="test")
     for mode in ("proxy", "direct"):
@@ -627,11 +623,8 @@ async def test_tiny_bench_against_real_subprocesses() -> None:
 
 
 async def test_tiny_slow_reader_bench_with_small_buffers_and_a_baseline() -> None:
-    settings = BenchSettings(
+    settings = tiny_load(
         streams=4,
-        ramp=0.05,
-        ttft=0.02,
-        interval=0.01,
         tokens=8,
         drop=0.0,
         slow=0.5,
@@ -643,8 +636,6 @@ async def test_tiny_slow_reader_bench_with_small_buffers_and_a_baseline() -> Non
         event_pad=200,
         baseline=True,
         grace=2.0,
-        timeout=10.0,
-        progress=False,
     )
     with trio.fail_after(40):
         report = await bench.run_bench(settings, command="test")
@@ -814,18 +805,7 @@ def test_pin_settings_are_checked_and_get_their_own_section() -> None:
 async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> None:
     before = os.sched_getaffinity(0)
     layout = bench.cpu_layout(before, 1)
-    settings = BenchSettings(
-        streams=3,
-        ramp=0.05,
-        ttft=0.02,
-        interval=0.01,
-        tokens=3,
-        drop=0,
-        grace=1.0,
-        timeout=10.0,
-        progress=False,
-        pin=True,
-    )
+    settings = tiny_load(streams=3, tokens=3, drop=0, grace=1.0, pin=True)
     with trio.fail_after(40):
         report = await bench.run_bench(settings, command="test")
     assert report.summaries["proxy"].errors == 0
