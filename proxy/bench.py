@@ -1709,8 +1709,11 @@ def _pin(placed: dict[str, list[int]], name: str, pid: int, cpus: frozenset[int]
     """Set ``pid``'s CPUs (0: this thread) and record them as the kernel reports them back.
     A child is pinned right after its exec, before its interpreter has started a thread or
     a worker process (both inherit the mask)."""
-    os.sched_setaffinity(pid, cpus)
-    placed[name] = sorted(os.sched_getaffinity(pid))
+    try:
+        os.sched_setaffinity(pid, cpus)
+        placed[name] = sorted(os.sched_getaffinity(pid))
+    except ProcessLookupError:
+        pass  # a child that died at once: its supervisor reports that, with its log
 
 
 async def _supervise(

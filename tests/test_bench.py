@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -799,6 +800,15 @@ def test_pin_settings_are_checked_and_get_their_own_section() -> None:
     args = argparse.ArgumentParser()
     bench.add_arguments(args)
     assert bench.settings_from_args(args.parse_args(["--pin"])).pin
+
+
+@pinnable
+def test_pinning_a_child_that_is_gone_leaves_it_to_its_supervisor() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    placed: dict[str, list[int]] = {}
+    bench._pin(placed, "proxy", child.pid, frozenset({0}))
+    assert placed == {}
 
 
 @pinnable
