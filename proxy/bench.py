@@ -1159,7 +1159,9 @@ def _title(report: BenchReport) -> str:
     if settings.workers > 1:
         title += f", proxy with {settings.workers} workers"
     if settings.pin:
-        title += ", proxy on a core of its own"
+        title += (
+            ", proxy on a core of its own" if settings.workers == 1 else ", proxy on its own cores"
+        )
     if settings.slow:
         title += f", {settings.slow:.0%} slow readers"
     others = [mode for mode in report.summaries if mode != "proxy"]
@@ -1705,15 +1707,35 @@ def cpu_layout(available: Iterable[int], workers: int) -> CpuLayout:
     return CpuLayout(frozenset(cpus[-workers:]), frozenset(cpus[:-workers]))
 
 
-def _pin(placed: dict[str, list[int]], name: str, pid: int, cpus: frozenset[int]) -> None:
-    """Set ``pid``'s CPUs (0: this thread) and record them as the kernel reports them back.
-    A child is pinned right after its exec, before its interpreter has started a thread or
-    a worker process (both inherit the mask)."""
-    try:
-        os.sched_setaffinity(pid, cpus)
+# Run by a child before it becomes the program: the mask is set before its exec, so every
+# thread and process the program starts (hypercorn's workers, uvicorn's) inherits it.
+_PIN_THEN_EXEC: Final = (
+    "import os, sys; "
+    "os.sched_setaffinity(0, {int(cpu) for cpu in sys.argv[1].split(',')}); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def pinned_argv(argv: list[str], cpus: frozenset[int] | None) -> list[str]:
+    """``argv``, to run on ``cpus`` (as it is with None)."""
+    if cpus is None:
+        return argv
+    return [sys.executable, "-c", _PIN_THEN_EXEC, ",".join(map(str, sorted(cpus))), *argv]
+
+
+def set_own_cpus(cpus: Iterable[int]) -> None:
+    """Every thread of this process on ``cpus``: trio's cached worker threads too, since a
+    child started from one (open_process runs Popen in one) would inherit its mask."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _record_cpus(placed: dict[str, list[int]], name: str, pid: int) -> None:
+    """``pid``'s CPUs as the kernel reports them (0: this thread's)."""
+    # A child that died at once is gone: its supervisor reports that, with its log.
+    with contextlib.suppress(ProcessLookupError):
         placed[name] = sorted(os.sched_getaffinity(pid))
-    except ProcessLookupError:
-        pass  # a child that died at once: its supervisor reports that, with its log
 
 
 async def _supervise(
@@ -2043,11 +2065,14 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     # Before anything starts: no peer to start here is a plain error, not a half-run bench.
     peer_starter = peer_script() if settings.peer == "auto" else None
     layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
+    load_cpus = layout.load if layout is not None else None
+    proxy_cpus = layout.proxy if layout is not None else None
     placed: dict[str, list[int]] = {}
     own_cpus = os.sched_getaffinity(0) if layout is not None else None
     try:
-        if layout is not None:
-            _pin(placed, "load_generator", 0, layout.load)
+        if load_cpus is not None:
+            set_own_cpus(load_cpus)
+            _record_cpus(placed, "load_generator", 0)
         async with trio.open_nursery() as nursery:
             upstream_pid: int | None = None
             if settings.upstream is not None:
@@ -2065,11 +2090,12 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 argv += ["--tokens", str(settings.tokens)]
                 if settings.upstream_sndbuf:
                     argv += ["--sndbuf", str(settings.upstream_sndbuf)]
+                argv = pinned_argv(argv, load_cpus)
                 process = await nursery.start(_supervise, "fake upstream", argv, log)
                 upstream_pid = pids["fake_upstream"] = process.pid
-                if layout is not None:
-                    _pin(placed, "fake_upstream", process.pid, layout.load)
                 await _wait_ready("fake upstream", upstream, "/health", log)
+                if layout is not None:
+                    _record_cpus(placed, "fake_upstream", process.pid)
             if settings.target is not None:
                 proxy = _address(settings.target)
                 proxy_pid = settings.proxy_pid
@@ -2083,24 +2109,26 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
                 if settings.workers > 1:
                     argv += ["--workers", str(settings.workers)]
+                argv = pinned_argv(argv, proxy_cpus)
                 process = await nursery.start(_supervise, "proxy", argv, log)
                 proxy_pid = pids["proxy"] = process.pid
-                if layout is not None:
-                    _pin(placed, "proxy", process.pid, layout.proxy)
                 await _wait_ready("proxy", proxy, "/healthz", log)
+                if layout is not None:
+                    _record_cpus(placed, "proxy", process.pid)
             endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
             if peer_starter is not None:
                 assert upstream_url is not None  # settings refuse --peer auto without one
                 endpoints.peer = ("127.0.0.1", _free_port("127.0.0.1"))
                 log = workdir / "peer.log"
                 argv = [str(peer_starter), upstream_url, str(endpoints.peer[1])]
+                argv = pinned_argv(argv, proxy_cpus)
                 process = await nursery.start(_supervise, "FastAPI peer", argv, log)
                 endpoints.peer_pid = pids["peer"] = process.pid
-                if layout is not None:
-                    _pin(placed, "peer", process.pid, layout.proxy)
                 await _wait_ready(
                     "FastAPI peer", endpoints.peer, "/v1/models", log, PEER_READY_TIMEOUT
                 )
+                if layout is not None:
+                    _record_cpus(placed, "peer", process.pid)
             elif settings.peer is not None:
                 endpoints.peer = _address(settings.peer)
                 endpoints.peer_pid = settings.peer_pid
@@ -2129,7 +2157,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if own_cpus is not None:
-            os.sched_setaffinity(0, own_cpus)
+            set_own_cpus(own_cpus)
     pooled: dict[str, RunData] = {mode: merge_runs(runs[mode]) for mode in MODES if mode in runs}
     summaries: dict[str, RunSummary] = {mode: summarize(run) for mode, run in pooled.items()}
     return BenchReport(

@@ -802,13 +802,40 @@ def test_pin_settings_are_checked_and_get_their_own_section() -> None:
     assert bench.settings_from_args(args.parse_args(["--pin"])).pin
 
 
+def thread_cpus() -> set[frozenset[int]]:
+    """The CPU masks of this process's threads (trio's cached worker threads among them)."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+
+
 @pinnable
-def test_pinning_a_child_that_is_gone_leaves_it_to_its_supervisor() -> None:
+def test_a_pinned_child_runs_on_its_cpus_from_its_first_instruction() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    argv = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    out = subprocess.run(
+        bench.pinned_argv(argv, frozenset({cpu})), capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == f"[{cpu}]"
+    assert bench.pinned_argv(argv, None) == argv
+
+
+@pinnable
+def test_recording_a_child_that_is_gone_leaves_it_to_its_supervisor() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     placed: dict[str, list[int]] = {}
-    bench._pin(placed, "proxy", child.pid, frozenset({0}))
+    bench._record_cpus(placed, "proxy", child.pid)
     assert placed == {}
+
+
+@pinnable
+async def test_a_pinned_bench_whose_proxy_fails_gives_every_thread_its_cpus_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = os.sched_getaffinity(0)
+    monkeypatch.setattr(bench, "_proxy_config", lambda *args: "[no_such_section]\n")
+    with trio.fail_after(40), pytest.raises(bench.ChildExited, match="proxy"):
+        await bench.run_bench(tiny_load(streams=2, tokens=2, drop=0, pin=True), command="test")
+    assert thread_cpus() == {frozenset(before)}
 
 
 @pinnable
@@ -824,7 +851,9 @@ async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> No
         "fake_upstream": sorted(layout.load),
         "proxy": sorted(layout.proxy),
     }
-    assert os.sched_getaffinity(0) == before
+    # Every thread: a child started later from one of trio's cached worker threads would
+    # inherit its mask.
+    assert thread_cpus() == {frozenset(before)}
     assert report.to_json()["cpus"] == report.cpus
     section = bench.markdown_section(report)
     assert section.startswith("## 3 streams, proxy on a core of its own\n")
