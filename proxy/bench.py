@@ -2094,8 +2094,6 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 process = await nursery.start(_supervise, "fake upstream", argv, log)
                 upstream_pid = pids["fake_upstream"] = process.pid
                 await _wait_ready("fake upstream", upstream, "/health", log)
-                if layout is not None:
-                    _record_cpus(placed, "fake_upstream", process.pid)
             if settings.target is not None:
                 proxy = _address(settings.target)
                 proxy_pid = settings.proxy_pid
@@ -2113,8 +2111,6 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 process = await nursery.start(_supervise, "proxy", argv, log)
                 proxy_pid = pids["proxy"] = process.pid
                 await _wait_ready("proxy", proxy, "/healthz", log)
-                if layout is not None:
-                    _record_cpus(placed, "proxy", process.pid)
             endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
             if peer_starter is not None:
                 assert upstream_url is not None  # settings refuse --peer auto without one
@@ -2127,12 +2123,14 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 await _wait_ready(
                     "FastAPI peer", endpoints.peer, "/v1/models", log, PEER_READY_TIMEOUT
                 )
-                if layout is not None:
-                    _record_cpus(placed, "peer", process.pid)
             elif settings.peer is not None:
                 endpoints.peer = _address(settings.peer)
                 endpoints.peer_pid = settings.peer_pid
                 await _wait_ready("peer", endpoints.peer, "", None)
+            if layout is not None:
+                # Read back once each is ready: its mask was set as it started (pinned_argv).
+                for name, pid in pids.items():
+                    _record_cpus(placed, name, pid)
             await _warm_up(proxy, settings, f"bench-{nonce}-warmup-proxy")
             if endpoints.peer is not None:
                 await _warm_up(endpoints.peer, settings, f"bench-{nonce}-warmup-peer")
