@@ -263,7 +263,6 @@ class ResponseReader:
                     raise ProtocolError(f"trailers over {MAX_TRAILER_BYTES} bytes")
                 if line in (b"", b"\r"):
                     # Trailer fields are read past, not used.
-                    self._state = state
                     self._finish(buffer[position:])
                     return b"".join(body)
             else:  # pragma: no cover - _DONE and the others never reach here
