@@ -86,7 +86,7 @@ bench: $(STAMP)
 	    --markdown docs/benchmarks.md && \
 	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --workers 2 --markdown docs/benchmarks.md; \
 	else echo "no ../shared/peers: skipping the peer comparison"; fi
-	$(BIN)/python -m proxy.bench_local --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench.local --markdown docs/benchmarks.md
 
 fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000

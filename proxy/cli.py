@@ -9,13 +9,15 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from inference.loading import ModelLoadError
+from proxy.config import Config, ConfigError, check_public_bind, load_config
 
-from .config import Config, ConfigError, check_public_bind, load_config
+if TYPE_CHECKING:
+    from proxy.server.run import Sockets
 
 DEFAULT_CONFIG = "conf/local.toml"
 
@@ -33,8 +35,8 @@ async def load_local_models(config: Config) -> dict[str, Any]:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from .app import create_app
-    from .server import serve_until_signalled, tune_gc
+    from proxy.api.app import create_app
+    from proxy.server.run import serve_until_signalled, tune_gc
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
     # Checked here too (serve checks it again): before a model takes seconds to load, and
@@ -67,8 +69,8 @@ def _worker_count(args: argparse.Namespace) -> int:
 
 def _serve_workers(args: argparse.Namespace) -> int:
     """More than one worker: the parent binds, then supervises worker processes."""
-    from .server import hypercorn_config, listen_sockets
-    from .workers import serve_workers
+    from proxy.server.run import hypercorn_config, listen_sockets
+    from proxy.server.workers import serve_workers
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
     check_public_bind(config)
@@ -78,11 +80,38 @@ def _serve_workers(args: argparse.Namespace) -> int:
     return serve_workers(
         config,
         sockets,
+        worker_main=run_worker,
         config_path=args.config,
         host=args.host,
         port=port,
         log_level=args.log_level,
     )
+
+
+def run_worker(
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    log_level: str,
+    sockets: Sockets,
+) -> None:
+    """One ``--workers`` process (spawned: a module-level function, imported by name)."""
+    from proxy.api.app import create_app
+    from proxy.server.run import serve_until_signalled, tune_gc
+
+    # Our own process group: a terminal's Ctrl-C reaches the parent only, which forwards it
+    # once, so the first signal drains and only a second one cancels.
+    os.setpgrp()
+    configure_logging(log_level)
+    config = load_config(config_path, host=host, port=port)
+
+    async def run() -> None:
+        local_models = await load_local_models(config)
+        app = create_app(config, local_models=local_models)
+        tune_gc()
+        await serve_until_signalled(app, config, sockets=sockets)
+
+    trio.run(run)
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -98,24 +127,28 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(handler=_serve)
 
 
-def _add_fake_upstream(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from . import fake_upstream
+def _add_tool(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str
+) -> None:
+    """A tooling subcommand whose module (and its parser) is imported only when it runs, so
+    that ``sluice serve`` never loads the bench or the fake upstream."""
+    # Its arguments (and --help) are left unparsed here: the tool's own parser takes them.
+    subparsers.add_parser(name, help=help, add_help=False)
 
-    parser = subparsers.add_parser(
-        "fake-upstream", help="run a fake OpenAI-compatible upstream (vLLM-like) for tests"
-    )
-    fake_upstream.add_arguments(parser)
-    parser.set_defaults(handler=fake_upstream.run_from_args)
+
+TOOLS = ("bench", "fake-upstream")
 
 
-def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from . import bench
+def _run_tool(command: str, tool_args: list[str]) -> int:
+    if command == "bench":
+        from proxy.bench import main as bench_main
 
-    parser = subparsers.add_parser(
-        "bench", help="load-test the proxy against a fake upstream (and, with --direct, without)"
-    )
-    bench.add_arguments(parser)
-    parser.set_defaults(handler=bench.run_from_args)
+        bench_main(tool_args, prog="sluice bench")
+    else:
+        from proxy.testing.fake_upstream import main as fake_main
+
+        fake_main(tool_args, prog="sluice fake-upstream")
+    return 0
 
 
 def hash_key_snippet(name: str, digest: str) -> str:
@@ -131,7 +164,7 @@ def hash_key_snippet(name: str, digest: str) -> str:
 
 
 def _hash_key(args: argparse.Namespace) -> int:
-    from .auth import hash_key
+    from proxy.api.auth import hash_key
 
     if args.key is not None:
         key = args.key
@@ -173,7 +206,7 @@ def configure_logging(level: str) -> None:
     )
     # httpx logs every upstream request at INFO: a synchronous write per request on the hot path.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    from .logs import configure_access_log
+    from proxy.ops.logs import configure_access_log
 
     configure_access_log()  # one bare JSON line per request, without the root prefix
 
@@ -183,14 +216,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
-    _add_fake_upstream(subparsers)
-    _add_bench(subparsers)
+    _add_tool(
+        subparsers, "fake-upstream", "run a fake OpenAI-compatible upstream (vLLM-like) for tests"
+    )
+    _add_tool(
+        subparsers,
+        "bench",
+        "load-test the proxy against a fake upstream (and, with --direct, without)",
+    )
     _add_hash_key(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, tool_args = parser.parse_known_args(argv)
+    if args.command in TOOLS:
+        configure_logging(args.log_level)
+        return _run_tool(args.command, tool_args)
+    if tool_args:
+        parser.error(f"unrecognized arguments: {' '.join(tool_args)}")
     if args.command == "hash-key":
         return _hash_key(args)  # no event loop, no logging set-up: a pure filter
     configure_logging(args.log_level)

@@ -19,11 +19,11 @@ import httpx
 import pytest
 import trio
 
-from proxy.app import SluiceState, create_app, state_of
-from proxy.asgi import SluiceQuart
+from proxy.api.app import SluiceState, create_app, state_of
 from proxy.config import Config, config_from_mapping
-from proxy.fake_upstream import FakeSettings, FakeUpstream
-from proxy.server import serve
+from proxy.server.asgi import SluiceQuart
+from proxy.server.run import serve
+from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 
 # Generous enough for a loaded 2-core CI machine; every I/O test runs under a fail_after.
 DEADLINE = 15

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import trio
 
-from proxy.auth import hash_key
-from proxy.logs import ACCESS_LOGGER, AccessRecord, configure_access_log
+from proxy.api.auth import hash_key
+from proxy.ops.logs import ACCESS_LOGGER, AccessRecord, configure_access_log
 from tests.support import (
     DEADLINE,
     Fake,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 
-from proxy.auth import CorsPolicy, KeyRing, RateWindow, bearer_token, hash_key
+from proxy.api.auth import CorsPolicy, KeyRing, RateWindow, bearer_token, hash_key
 from proxy.cli import main
 from proxy.config import (
     ConfigError,
@@ -29,7 +29,7 @@ from proxy.config import (
     is_loopback,
     load_config,
 )
-from proxy.errors import ApiError
+from proxy.protocol.errors import ApiError
 from tests.support import DEADLINE, Fake, chat_body, sse_payloads, start_fake, start_proxy
 from tests.test_metrics import scrape, value
 

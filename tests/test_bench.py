@@ -373,7 +373,7 @@ def test_upsert_section_replaces_its_own_block_only() -> None:
 
 
 def test_upsert_and_bench_local_leave_each_others_sections_alone(tmp_path: Path) -> None:
-    from proxy import bench_local
+    from proxy.bench import local as bench_local
 
     path = tmp_path / "benchmarks.md"
     text = upsert_section("", "k=1", "## one\n")

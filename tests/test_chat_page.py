@@ -26,11 +26,11 @@ import httpx
 import pytest
 import trio
 
-from proxy import web
-from proxy.app import create_app
-from proxy.auth import hash_key
+from proxy.api import web
+from proxy.api.app import create_app
+from proxy.api.auth import hash_key
 from proxy.config import config_from_mapping
-from proxy.server import serve
+from proxy.server.run import serve
 from tests.support import DEADLINE, Proxy, RawClient, chat_body, slowed, start_fake
 
 if TYPE_CHECKING:

@@ -29,11 +29,11 @@ from hypercorn.events import RawData
 from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
-from proxy import chunk_writer
-from proxy import server as proxy_server
-from proxy.asgi import transport_socket
-from proxy.chunk_writer import ChunkWriter, chunk_frame
-from proxy.fake_upstream import token_text
+from proxy.server import chunk_writer
+from proxy.server import run as proxy_server
+from proxy.server.asgi import transport_socket
+from proxy.server.chunk_writer import ChunkWriter, chunk_frame
+from proxy.testing.fake_upstream import token_text
 from tests.support import (
     DEADLINE,
     OPEN_RAW_CLIENTS,

@@ -44,7 +44,7 @@ def test_a_serving_process_tunes_its_garbage_collector() -> None:
     # In a child process: tune_gc changes the whole interpreter, which the test run must not.
     code = (
         "import gc\n"
-        "from proxy.server import tune_gc\n"
+        "from proxy.server.run import tune_gc\n"
         "before = gc.get_threshold()\n"
         "tune_gc()\n"
         "print(before[0], gc.get_threshold()[0], gc.get_freeze_count() > 0)\n"
@@ -62,9 +62,9 @@ def test_serving_without_a_local_model_never_imports_torch() -> None:
     # upstream must not pay for them. A fresh interpreter, serving conf/fake.toml briefly.
     code = (
         "import sys, trio\n"
-        "from proxy.app import create_app\n"
+        "from proxy.api.app import create_app\n"
         "from proxy.config import load_config\n"
-        "from proxy.server import serve\n"
+        "from proxy.server.run import serve\n"
         "config = load_config('conf/fake.toml', host='127.0.0.1', port=0)\n"
         "app = create_app(config)\n"
         "async def main():\n"

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import trio
 import trio.testing
 
-from proxy.connection_server import IdleTimer
+from proxy.server.connection_server import IdleTimer
 
 
 class TaskGroupStandIn:

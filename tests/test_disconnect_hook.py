@@ -25,14 +25,19 @@ import httpx
 import pytest
 import trio
 
-from proxy import hangup
+from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica
+from proxy.backends.upstream.pool import (
+    Exchange,
+    PlainTransport,
+    UpstreamConnection,
+    UpstreamResponse,
+)
 from proxy.config import config_from_mapping
-from proxy.errors import ApiError
-from proxy.metrics import Metrics
-from proxy.openai import Endpoint, parse_completion_request
-from proxy.relay import RelayBody, RelaySink
-from proxy.upstream import UpstreamBackend, UpstreamReplica
-from proxy.upstream_pool import Exchange, PlainTransport, UpstreamConnection, UpstreamResponse
+from proxy.ops.metrics import Metrics
+from proxy.protocol.errors import ApiError
+from proxy.protocol.openai import Endpoint, parse_completion_request
+from proxy.relay.body import RelayBody, RelaySink
+from proxy.server import hangup
 from tests.support import (
     DEADLINE,
     Fake,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import trio
 
-from proxy.fake_upstream import (
+from proxy.testing.fake_upstream import (
     MALFORMED_EVENT,
     WORDS,
     FakeSettings,

@@ -26,9 +26,9 @@ import httpx
 import pytest
 import trio
 
-from proxy import hangup
-from proxy.connection_server import ConnectionServer
-from proxy.hangup import HangupWatcher
+from proxy.server import hangup
+from proxy.server.connection_server import ConnectionServer
+from proxy.server.hangup import HangupWatcher
 from tests.support import DEADLINE, Fake, Proxy, RawClient, chat_body, poll_until, start_proxy
 
 pytestmark = pytest.mark.skipif(not hangup.available(), reason="the watcher needs epoll (Linux)")

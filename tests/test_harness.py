@@ -62,10 +62,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import proxy.server
-from proxy.fake_upstream import FakeSettings, FakeUpstream
-from proxy.local import LocalBackend
-from proxy.upstream import UpstreamReplica
+import proxy.server.run
+from proxy.backends.local import LocalBackend
+from proxy.backends.upstream.backend import UpstreamReplica
+from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 from tests.support import (
     DEADLINE,
     Fake,
@@ -157,9 +157,9 @@ def task_tree(root: trio.lowlevel.Task) -> set[trio.lowlevel.Task]:
 
 
 def proxy_tasks() -> set[trio.lowlevel.Task]:
-    """Every task of the proxy: the tree under ``proxy.server.serve`` (hypercorn, quart-trio,
+    """Every task of the proxy: the tree under ``proxy.server.run.serve`` (hypercorn, quart-trio,
     the relays). The fake upstream and the test itself are not part of it."""
-    serve_code = proxy.server.serve.__code__
+    serve_code = proxy.server.run.serve.__code__
     roots = [
         task
         for task in task_tree(trio.lowlevel.current_root_task())

@@ -8,7 +8,7 @@ import socket
 import httpx
 import trio
 
-from proxy.routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
+from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
 from tests.support import (
     DEADLINE,
     chat_body,
@@ -120,7 +120,7 @@ async def test_active_health_checks(nursery: trio.Nursery, client: httpx.AsyncCl
 
 
 async def start_fake_on(nursery: trio.Nursery, port: int) -> None:
-    from proxy.fake_upstream import FakeSettings, FakeUpstream
+    from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 
     await nursery.start(FakeUpstream(FakeSettings()).serve, "127.0.0.1", port)
 

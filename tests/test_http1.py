@@ -1,4 +1,4 @@
-"""proxy.http1: the upstream client's HTTP/1.1 framing, by example and against h11 as an oracle."""
+"""proxy.protocol.http1: the upstream client's HTTP/1.1 framing, by example and against h11."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.http1 import (
+from proxy.protocol.http1 import (
     MAX_CHUNK_LINE_BYTES,
     MAX_HEAD_BYTES,
     MAX_TRAILER_BYTES,

@@ -287,8 +287,8 @@ async def test_a_finished_relay_is_freed_by_reference_counting(
 
 @pytest.fixture
 def small_proxy_sndbuf(monkeypatch: pytest.MonkeyPatch) -> None:
-    from proxy import chunk_writer
-    from proxy.asgi import transport_socket
+    from proxy.server import chunk_writer
+    from proxy.server.asgi import transport_socket
 
     original_attach = chunk_writer.attach
     original_start = chunk_writer.start_response

@@ -12,7 +12,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.metrics import BucketHistogram
+from proxy.ops.metrics import BucketHistogram
 from tests.support import (
     DEADLINE,
     Fake,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from proxy.errors import ApiError, bad_request, internal_error, model_not_found
-from proxy.openai import Endpoint, models_list, parse_completion_request
+from proxy.protocol.errors import ApiError, bad_request, internal_error, model_not_found
+from proxy.protocol.openai import Endpoint, models_list, parse_completion_request
 
 CHAT, COMPLETIONS = Endpoint.CHAT, Endpoint.COMPLETIONS
 MESSAGES = [{"role": "user", "content": "hi"}]

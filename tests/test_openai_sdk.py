@@ -9,7 +9,7 @@ import openai
 import pytest
 import trio
 
-from proxy.auth import hash_key
+from proxy.api.auth import hash_key
 from tests.support import DEADLINE, Fake, Proxy, start_fake, start_proxy
 
 MESSAGES: Any = [{"role": "user", "content": "hello"}]

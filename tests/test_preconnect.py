@@ -16,9 +16,9 @@ import httpx
 import pytest
 import trio
 
-from proxy import upstream_pool
+from proxy.backends.upstream import pool as upstream_pool
+from proxy.backends.upstream.pool import KeepAlivePool, Origin, UpstreamRequest
 from proxy.config import ConfigError, config_from_mapping
-from proxy.upstream_pool import KeepAlivePool, Origin, UpstreamRequest
 from tests.support import DEADLINE, Fake, chat_body, poll_until, start_fake, start_proxy
 
 CHAT = "/v1/chat/completions"

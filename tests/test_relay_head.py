@@ -11,7 +11,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from proxy.relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelayBody, RelaySink
+from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelayBody, RelaySink
 
 EVENT = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.routing import LeastBusyRouter, ReplicaLoad
+from proxy.backends.upstream.routing import LeastBusyRouter, ReplicaLoad
 
 
 def replicas(*loads: int) -> list[ReplicaLoad]:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.errors import ApiError
-from proxy.sse import (
+from proxy.protocol.errors import ApiError
+from proxy.protocol.sse import (
     DONE_EVENT,
     SSEProtocolError,
     SSESplitter,

@@ -25,8 +25,7 @@ import trio
 import trio.testing
 import trustme
 
-from proxy import http1
-from proxy.upstream_pool import (
+from proxy.backends.upstream.pool import (
     KeepAlivePool,
     Origin,
     PlainTransport,
@@ -37,6 +36,7 @@ from proxy.upstream_pool import (
     UpstreamResponse,
     connect,
 )
+from proxy.protocol import http1
 from tests.support import DEADLINE, poll_until
 
 BODY = b"hello"
@@ -412,8 +412,8 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused(
 
 
 class FrozenTime:
-    """Stands in for ``proxy.upstream_pool.monotonic``, the only clock keep-alive expiry reads:
-    expiry is tested to the millisecond, without sleeping. (trio's own clock is untouched.)"""
+    """Stands in for ``proxy.backends.upstream.pool.monotonic``, the only clock keep-alive expiry
+    reads: expiry is tested to the millisecond, without sleeping. (trio's clock is untouched.)"""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -427,7 +427,7 @@ def frozen_time(monkeypatch: pytest.MonkeyPatch) -> FrozenTime:
     frozen = FrozenTime()
     # raising=True (the default): if the pool stops reading its clock this way, this fails
     # loudly instead of the expiry tests silently testing nothing.
-    monkeypatch.setattr("proxy.upstream_pool.monotonic", frozen.monotonic)
+    monkeypatch.setattr("proxy.backends.upstream.pool.monotonic", frozen.monotonic)
     return frozen
 
 

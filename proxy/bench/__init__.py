@@ -2301,9 +2301,9 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     )
 
 
-def _command_line(argv: Sequence[str] | None = None) -> str:
+def _command_line(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> str:
     if argv is not None:
-        return shlex.join(["python", "-m", "proxy.bench", *argv])
+        return shlex.join([*shlex.split(prog), *argv])
     program = Path(sys.argv[0]).name
     if program in ("bench.py", "__main__.py"):
         program = "python -m proxy.bench"
@@ -2357,18 +2357,12 @@ async def run_from_args(args: argparse.Namespace) -> None:
         _write_text(args.markdown, upsert_section(old, settings.key(), section))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m proxy.bench", description=(__doc__ or "").splitlines()[0]
-    )
+def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    args.bench_command = _command_line(argv)
+    args.bench_command = _command_line(argv, prog)
     try:
         trio.run(run_from_args, args)
     except KeyboardInterrupt:
         sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import httpx
 import trio
 
-from . import http1
+from proxy.protocol import http1
 
 log = logging.getLogger("sluice.upstream_pool")
 

@@ -1,6 +1,6 @@
 """Local model throughput: tokens/s through the proxy vs ``model.generate`` alone, same run.
 
-    python -m proxy.bench_local [--tokens 128] [--repeat 3] [--markdown docs/benchmarks.md]
+    python -m proxy.bench.local [--tokens 128] [--repeat 3] [--markdown docs/benchmarks.md]
 
 1. ``model.generate`` (transformers, greedy, exactly N new tokens): the baseline.
 2. Sluice's own decode loop, called directly (no HTTP): what the worker thread does.
@@ -220,7 +220,7 @@ def write_markdown(path: Path, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proxy.bench_local", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m proxy.bench.local", description=__doc__)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--markdown", type=Path, help="write/replace a section in this file")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({results['proxy_vs_generate']:.2f}x)"
     )
     if args.markdown:
-        command = "python -m proxy.bench_local " + " ".join(argv or sys.argv[1:])
+        command = "python -m proxy.bench.local " + " ".join(argv or sys.argv[1:])
         write_markdown(args.markdown, markdown(results, command.strip()))
     return 0
 

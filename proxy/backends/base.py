@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .openai import CompletionRequest
-from .relay import Sink
+from proxy.protocol.openai import CompletionRequest
+from proxy.relay.body import Sink
 
 
 class Backend(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import ApiError
+from proxy.protocol.errors import ApiError
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _LF_DELIMITER = b"\n\n"

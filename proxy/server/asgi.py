@@ -14,7 +14,7 @@ import contextlib
 import logging
 import socket
 import struct
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import trio
 from hypercorn.protocol.h11 import H11Protocol
@@ -24,9 +24,9 @@ from quart.utils import encode_headers
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from . import chunk_writer
-from .connection_server import ConnectionServer, client_socket, send_chain
-from .relay import RelayBody
+from proxy.relay.body import RelayBody
+from proxy.server import chunk_writer
+from proxy.server.connection_server import ConnectionServer, client_socket, send_chain
 
 log = logging.getLogger("sluice.asgi")
 
@@ -130,8 +130,22 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         await send(cast(Any, {"type": "http.response.body", "body": b"", "more_body": False}))
 
 
+class ServedState(Protocol):
+    """What the server layer needs of the app's per-process state (api.app.SluiceState): the
+    drain flag /readyz reports, and the upstream pools to close at shutdown."""
+
+    draining: bool
+
+    async def aclose(self) -> None: ...
+
+
 class SluiceQuart(QuartTrio):
     asgi_http_class = RelayHTTPConnection
+
+    @property
+    def served_state(self) -> ServedState:
+        state: ServedState = self.extensions["sluice"]
+        return state
 
 
 def connection_server_of(send: Any) -> ConnectionServer | None:

@@ -32,7 +32,7 @@ import trio
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
-from . import hangup
+from proxy.server import hangup
 
 log = logging.getLogger("sluice.connection_server")
 

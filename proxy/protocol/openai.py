@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .errors import bad_request
+from proxy.protocol.errors import bad_request
 
 
 class Endpoint(Enum):

@@ -28,10 +28,10 @@ from typing import Any, Protocol
 import trio
 from quart.wrappers.response import ResponseBody
 
-from .errors import ApiError, internal_error
-from .logs import AccessRecord
-from .metrics import GAP_BUCKETS, Metrics
-from .sse import error_event
+from proxy.ops.logs import AccessRecord
+from proxy.ops.metrics import GAP_BUCKETS, Metrics
+from proxy.protocol.errors import ApiError, internal_error
+from proxy.protocol.sse import error_event
 
 log = logging.getLogger("sluice.relay")
 

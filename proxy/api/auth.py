@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .config import KeyConfig
-from .errors import INVALID_REQUEST, RATE_LIMIT, ApiError
+from proxy.config import KeyConfig
+from proxy.protocol.errors import INVALID_REQUEST, RATE_LIMIT, ApiError
 
 if TYPE_CHECKING:
-    from .relay import Producer, RelaySink
+    from proxy.relay.body import Producer, RelaySink
 
 RATE_PERIOD = 60.0
 # A refused concurrent stream may retry as soon as one of the key's streams ends; we cannot

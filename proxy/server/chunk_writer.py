@@ -33,8 +33,8 @@ from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import build_and_validate_headers
 
-from .connection_server import send_chain
-from .relay import ClientStalled
+from proxy.relay.body import ClientStalled
+from proxy.server.connection_server import send_chain
 
 log = logging.getLogger("sluice.chunk_writer")
 

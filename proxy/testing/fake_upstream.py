@@ -1147,8 +1147,12 @@ async def run_from_args(args: argparse.Namespace) -> None:
         print(f"fake upstream listening on http://{host}:{port}", flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+def main(
+    argv: Sequence[str] | None = None, prog: str = "python -m proxy.testing.fake_upstream"
+) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__.splitlines()[0] if __doc__ else None
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

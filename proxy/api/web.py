@@ -58,7 +58,7 @@ class _Asset:
 
 @cache
 def _asset(name: str, content_type: str) -> _Asset:
-    body = resources.files("proxy").joinpath("static", name).read_bytes()
+    body = resources.files("proxy.api").joinpath("static", name).read_bytes()
     etag = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
     return _Asset(body, content_type, etag)
 

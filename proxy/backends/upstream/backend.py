@@ -22,14 +22,14 @@ from typing import Any
 import httpx
 import trio
 
-from .config import ModelConfig, RelayConfig, UpstreamConfig
-from .errors import UPSTREAM_ERROR, ApiError
-from .metrics import Metrics
-from .openai import CompletionRequest, Endpoint
-from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
-from .routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
-from .sse import SSEProtocolError, SSESplitter, check_event, is_done
-from .upstream_pool import KeepAlivePool, Origin, UpstreamRequest, UpstreamResponse
+from proxy.backends.upstream.pool import KeepAlivePool, Origin, UpstreamRequest, UpstreamResponse
+from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
+from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
+from proxy.ops.metrics import Metrics
+from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
+from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
+from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 
 log = logging.getLogger("sluice.upstream")
 

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from .errors import RATE_LIMIT, SERVER_ERROR, ApiError
+from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError
 
 # Weight of the newest observation in the moving average of slot hold times.
 _EWMA_WEIGHT = 0.2

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 import trio
 from quart import websocket
 
-from .errors import ApiError, bad_request, model_not_found
-from .openai import Endpoint, parse_completion_request
-from .relay import ClientStalled, offer_to, send_within
-from .sse import SSESplitter, is_done
+from proxy.protocol.errors import ApiError, bad_request, model_not_found
+from proxy.protocol.openai import Endpoint, parse_completion_request
+from proxy.protocol.sse import SSESplitter, is_done
+from proxy.relay.body import ClientStalled, offer_to, send_within
 
 if TYPE_CHECKING:
-    from .app import SluiceState
-    from .config import Config
+    from proxy.api.app import SluiceState
+    from proxy.config import Config
 
 log = logging.getLogger("sluice.ws")
 

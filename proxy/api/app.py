@@ -16,22 +16,22 @@ import trio
 from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
-from . import web
-from .asgi import SluiceQuart
-from .auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing, limited_producer
-from .backend import Backend
-from .config import FAKE_UPSTREAM_URL, Config, ConfigError
-from .errors import ApiError, internal_error, model_not_found, request_too_large
-from .logs import AccessRecord
-from .metrics import Metrics
-from .openai import Endpoint, models_list, parse_completion_request
-from .relay import JSON_CONTENT_TYPE, Producer, RelayBody, RelayTracker
-from .routing import HealthPolicy
-from .upstream import UpstreamBackend, UpstreamReplica, check_replicas
-from .ws import serve_websocket
+from proxy.api import web
+from proxy.api.auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing, limited_producer
+from proxy.api.ws import serve_websocket
+from proxy.backends.base import Backend
+from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica, check_replicas
+from proxy.backends.upstream.routing import HealthPolicy
+from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
+from proxy.ops.logs import AccessRecord
+from proxy.ops.metrics import Metrics
+from proxy.protocol.errors import ApiError, internal_error, model_not_found, request_too_large
+from proxy.protocol.openai import Endpoint, models_list, parse_completion_request
+from proxy.relay.body import JSON_CONTENT_TYPE, Producer, RelayBody, RelayTracker
+from proxy.server.asgi import SluiceQuart
 
 if TYPE_CHECKING:
-    from .local import LocalBackend
+    from proxy.backends.local import LocalBackend
 
 log = logging.getLogger("sluice.app")
 
@@ -110,7 +110,7 @@ class SluiceState:
         )
         for model in self.config.models:
             if model.backend == "local":
-                from .local import LocalBackend
+                from proxy.backends.local import LocalBackend
 
                 local = LocalBackend(model, self.local_models[model.name], self.metrics)
                 self.local_backends[model.name] = local
@@ -169,7 +169,7 @@ def create_app(
     async def start() -> None:
         fake_url = None
         if config.fake_upstream.enabled:
-            from .fake_upstream import FakeSettings, FakeUpstream
+            from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 
             fake = config.fake_upstream
             state.fake_upstream = FakeUpstream(

@@ -15,14 +15,14 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-import trio
 from hypercorn.config import Sockets
 
-from .config import Config
+from proxy.config import Config
 
 log = logging.getLogger("sluice.workers")
 
@@ -30,38 +30,11 @@ log = logging.getLogger("sluice.workers")
 _MIN_UPTIME = 5.0
 
 
-def _worker_main(
-    config_path: str | None,
-    host: str | None,
-    port: int | None,
-    log_level: str,
-    sockets: Sockets,
-) -> None:
-    """Runs in each worker process."""
-    from .app import create_app
-    from .cli import configure_logging, load_local_models
-    from .config import load_config
-    from .server import serve_until_signalled, tune_gc
-
-    # Our own process group: a terminal's Ctrl-C reaches the parent only, which forwards it
-    # once, so the first signal drains and only a second one cancels.
-    os.setpgrp()
-    configure_logging(log_level)
-    config = load_config(config_path, host=host, port=port)
-
-    async def run() -> None:
-        local_models = await load_local_models(config)
-        app = create_app(config, local_models=local_models)
-        tune_gc()
-        await serve_until_signalled(app, config, sockets=sockets)
-
-    trio.run(run)
-
-
 def serve_workers(
     config: Config,
     sockets: Sockets,
     *,
+    worker_main: Callable[[str | None, str | None, int | None, str, Sockets], None],
     config_path: str | None,
     host: str | None,
     port: int | None,
@@ -74,7 +47,7 @@ def serve_workers(
     stopping = False
 
     def start() -> tuple[BaseProcess, float]:
-        process = context.Process(target=_worker_main, args=arguments, name="sluice worker")
+        process = context.Process(target=worker_main, args=arguments, name="sluice worker")
         process.start()
         return process, time.monotonic()
 

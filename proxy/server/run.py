@@ -9,14 +9,13 @@ from collections.abc import Awaitable, Callable
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets
+from hypercorn.config import Sockets as Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from . import connection_server, hangup
-from .app import state_of
-from .asgi import SluiceQuart
-from .config import Config, check_public_bind
+from proxy.config import Config, check_public_bind
+from proxy.server import connection_server, hangup
+from proxy.server.asgi import SluiceQuart
 
 _CLEANUP_SECONDS = 5.0
 log = logging.getLogger("sluice.server")
@@ -94,7 +93,7 @@ async def serve(
         # anyway, under a shield (we may be cancelled) with a bound (never hang shutdown).
         with trio.CancelScope(shield=True) as cleanup:
             cleanup.deadline = trio.current_time() + _CLEANUP_SECONDS
-            await state_of(app).aclose()
+            await app.served_state.aclose()
 
 
 async def serve_until_signalled(
@@ -130,11 +129,11 @@ async def serve_until_signalled(
         async def watch_signals() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    if state_of(app).draining:
+                    if app.served_state.draining:
                         log.warning("second signal: cancelling in-flight requests now")
                         nursery.cancel_scope.cancel()
                         return
-                    state_of(app).draining = True
+                    app.served_state.draining = True
                     log.info(
                         "%s: draining; listeners close in %gs, in-flight requests then have %gs",
                         signal.Signals(signum).name,

@@ -25,13 +25,12 @@ from inference import (
     PromptError,
     sampling_from_body,
 )
-
-from .admission import Admission
-from .config import ModelConfig
-from .errors import ApiError
-from .metrics import Metrics
-from .openai import CompletionRequest, Endpoint
-from .relay import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
+from proxy.config import ModelConfig
+from proxy.ops.metrics import Metrics
+from proxy.protocol.errors import ApiError
+from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.relay.admission import Admission
+from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 
 log = logging.getLogger("sluice.local")
 

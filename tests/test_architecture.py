@@ -1,0 +1,226 @@
+"""The package layout is the architecture: each floor imports only the floors below it, there
+are no import cycles, and ``sluice serve`` loads neither the tooling nor the local model stack
+it does not need."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROXY = ROOT / "proxy"
+
+# Lower floors first. A module may import its own floor and any floor below it.
+FLOORS: dict[str, int] = {
+    "proxy.protocol": 0,
+    "proxy.config": 0,
+    "proxy.testing": 1,  # the fake upstream: a tool, standing on the floor alone
+    "proxy.ops": 1,
+    "proxy.relay": 2,
+    "proxy.backends": 3,
+    "proxy.server": 4,
+    "proxy.api": 5,
+    "proxy.cli": 6,
+    "proxy.bench": 7,
+}
+# Imports inside a function (loaded only when that function runs) that may point upwards:
+# the CLI's tooling subcommands.
+LAZY_UPWARD = {("proxy.cli", "proxy.bench")}
+# Packages that must not import a given library anywhere (the server layer owns them).
+SERVER_ONLY = ("hypercorn", "quart_trio")
+SANS_IO = ("trio", "quart", "hypercorn", "quart_trio", "httpx")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def floor_of(module: str) -> str | None:
+    for floor in sorted(FLOORS, key=len, reverse=True):
+        if module == floor or module.startswith(floor + "."):
+            return floor
+    return None
+
+
+def imports_of(path: Path) -> list[tuple[str, bool]]:
+    """(imported module, whether the import is at module level) for every import."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = (
+        module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    )
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = top and not isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, top) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - child.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                found.append((base, top))
+                found.extend((f"{base}.{alias.name}", top) for alias in child.names)
+            visit(child, nested)
+
+    visit(tree, True)
+    return found
+
+
+def proxy_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PROXY.rglob("*.py")}
+
+
+def test_every_module_sits_on_a_floor() -> None:
+    homeless = [name for name in proxy_modules() if name != "proxy" and floor_of(name) is None]
+    assert homeless == []
+
+
+def test_each_floor_imports_only_the_floors_below_it() -> None:
+    modules = proxy_modules()
+    wrong = []
+    for name, path in modules.items():
+        floor = floor_of(name)
+        if floor is None:
+            continue
+        for target, top in imports_of(path):
+            target_floor = floor_of(target)
+            if target_floor is None or target_floor == floor:
+                continue
+            if FLOORS[target_floor] > FLOORS[floor] and not (
+                not top and (floor, target_floor) in LAZY_UPWARD
+            ):
+                wrong.append(f"{name} -> {target}")
+            elif FLOORS[target_floor] == FLOORS[floor]:
+                wrong.append(f"{name} -> {target} (same floor, another package)")
+    assert wrong == []
+
+
+def test_no_import_cycles_between_modules() -> None:
+    modules = proxy_modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for target, _ in imports_of(path):
+            if target in modules and target != name:
+                graph[name].add(target)
+    # Tarjan's strongly connected components: any component of two or more is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            # A package's __init__ re-exporting its own modules is no cycle of layers.
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            connect(node)
+    assert cycles == []
+
+
+@pytest.mark.parametrize("library", SERVER_ONLY)
+def test_server_libraries_are_used_only_by_the_server_layer(library: str) -> None:
+    users = sorted(
+        name
+        for name, path in proxy_modules().items()
+        if floor_of(name) != "proxy.server"
+        and any(target.split(".")[0] == library for target, _ in imports_of(path))
+    )
+    assert users == []
+
+
+def test_protocol_is_sans_io() -> None:
+    users = sorted(
+        f"{name} -> {target}"
+        for name, path in proxy_modules().items()
+        if floor_of(name) == "proxy.protocol"
+        for target, _ in imports_of(path)
+        if target.split(".")[0] in SANS_IO
+    )
+    assert users == []
+
+
+def test_serve_loads_no_tooling_and_no_model_stack(tmp_path: Path) -> None:
+    """An upstream-only ``sluice serve``, started for real and stopped: what it imported."""
+    config = tmp_path / "upstream.toml"
+    config.write_text(
+        textwrap.dedent(
+            """
+            [server]
+            host = "127.0.0.1"
+            port = 0
+            [upstream]
+            preconnect = 0
+            [models.remote]
+            upstreams = ["http://127.0.0.1:9"]
+            """
+        )
+    )
+    script = textwrap.dedent(
+        f"""
+        import sys, trio
+        from proxy.cli import build_parser, configure_logging
+        from proxy.config import load_config
+        from proxy.api.app import create_app
+        from proxy.server.run import serve
+
+        build_parser().parse_args(["serve", "--config", {str(config)!r}])
+        configure_logging("WARNING")
+        config = load_config({str(config)!r})
+        app = create_app(config)
+
+        async def main():
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(lambda task_status: serve(
+                    app, config, shutdown_trigger=stop.wait, task_status=task_status))
+                stop.set()
+
+        trio.run(main)
+        forbidden = ("proxy.bench", "proxy.testing", "torch", "transformers", "matplotlib",
+                     "proxy.backends.local")
+        print(sorted(name for name in sys.modules if name.startswith(forbidden)))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
