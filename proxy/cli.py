@@ -15,6 +15,8 @@ import trio
 
 from inference.loading import ModelLoadError
 from proxy.config import Config, ConfigError, check_public_bind, load_config
+from proxy.server.adapters import StartupError
+from proxy.server.adapters import check_all as check_adapters
 
 if TYPE_CHECKING:
     from proxy.server.run import Sockets
@@ -39,9 +41,10 @@ async def _serve(args: argparse.Namespace) -> None:
     from proxy.server.run import serve_until_signalled, tune_gc
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
-    # Checked here too (serve checks it again): before a model takes seconds to load, and
+    # Checked here too (serve checks them again): before a model takes seconds to load, and
     # outside the nursery, so that the error stays one clear line.
     check_public_bind(config)
+    check_adapters()
     # Local models load before the server binds, so a missing or broken model ends start-up
     # with one clear line instead of a server that cannot answer.
     local_models = await load_local_models(config)
@@ -69,12 +72,13 @@ def _worker_count(args: argparse.Namespace) -> int:
 
 def _serve_workers(args: argparse.Namespace) -> int:
     """More than one worker: the parent binds, then supervises worker processes."""
-    from proxy.server.run import hypercorn_config, listen_sockets
+    from proxy.server.run import bind
     from proxy.server.workers import serve_workers
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
     check_public_bind(config)
-    sockets = listen_sockets(hypercorn_config(config), config.relay.stall_timeout)
+    check_adapters()
+    sockets = bind(config)
     host, port = sockets.insecure_sockets[0].getsockname()[:2]
     announce(config, [f"http://{host}:{port}"], config.server.workers)
     return serve_workers(
@@ -250,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ModelLoadError as error:
         print(f"sluice: model error: {error}", file=sys.stderr)
+        return 2
+    except StartupError as error:
+        print(f"sluice: cannot start: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0

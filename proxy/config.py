@@ -42,7 +42,7 @@ class ServerConfig:
     drain_delay: float = 0.0
     # Server processes sharing the listening socket (`sluice serve --workers N`).
     workers: int = 1
-    # Pending connections the kernel queues before accept. hypercorn's default of 100
+    # Pending connections the kernel queues before accept. the HTTP server's default of 100
     # overflows when many clients connect at once: their SYNs are dropped and retried
     # after 1, 2, 4 s, which shows up as seconds of time to first token.
     backlog: int = 2048

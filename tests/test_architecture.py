@@ -224,3 +224,16 @@ def test_serve_loads_no_tooling_and_no_model_stack(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def test_grep_for_the_server_libraries_lands_only_in_the_server_layer() -> None:
+    """The check anyone can do by hand: ``grep -r "hypercorn\\|quart_trio" proxy/``."""
+    found = sorted(
+        str(path.relative_to(ROOT))
+        for path in PROXY.rglob("*")
+        if path.is_file()
+        and path.suffix in {".py", ".html", ".js", ".css"}
+        and not path.is_relative_to(PROXY / "server")
+        and any(word in path.read_text() for word in SERVER_ONLY)
+    )
+    assert found == []

@@ -12,10 +12,13 @@ from proxy.server.connection_server import IdleTimer
 
 
 class TaskGroupStandIn:
-    """What IdleTimer uses of hypercorn's TaskGroup: its nursery."""
+    """What IdleTimer uses of hypercorn's TaskGroup: spawn (start_soon in its nursery)."""
 
     def __init__(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+
+    def spawn(self, func: Callable[..., Awaitable[None]], *args: object) -> None:
+        self._nursery.start_soon(func, *args)
 
 
 async def test_restart_and_stop_take_no_checkpoint(autojump_clock: trio.abc.Clock) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import trio
-from trio_websocket import WebSocketConnection, open_websocket_url
+from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
 from tests.support import (
     DEADLINE,
@@ -50,7 +51,7 @@ async def test_full_answer_with_usage(nursery: trio.Nursery) -> None:
             await ws.send_message(chat())
             text, final = await answer(ws)
             assert text == "The quick brown fox "
-            assert final["type"] == "done"
+            assert final["type"] == "done", final
             assert final["finish_reason"] == "stop"
             assert final["usage"]["completion_tokens"] == 4
             # The same socket serves the next request.
@@ -161,3 +162,12 @@ async def test_slow_websocket_reader_pauses_upstream_then_is_cut(nursery: trio.N
             assert sent[-1] < 200_000 // 4, sent  # paused long before the end
             await fake.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
             assert fake.recorder.last().outcome == "client_disconnected"
+            await proxy.state.tracker.wait_idle()
+            assert proxy.state.tracker.stalled == 1
+            # Reading again, the client finds its connection dropped after what was in flight.
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await ws.get_message()
+            # trio-websocket leaves its TCP stream open after a reset (its _abort_web_socket
+            # skips the close); closed here so that the socket is not left to the GC.
+            await ws._stream.aclose()

@@ -7,9 +7,7 @@ import logging
 import os
 import re
 import socket
-import uuid
 from collections.abc import Mapping
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -17,7 +15,8 @@ from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
 from proxy.api import web
-from proxy.api.auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing, limited_producer
+from proxy.api.auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing
+from proxy.api.pipeline import RequestPipeline
 from proxy.api.ws import serve_websocket
 from proxy.backends.base import Backend
 from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica, check_replicas
@@ -25,9 +24,9 @@ from proxy.backends.upstream.routing import HealthPolicy
 from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
-from proxy.protocol.errors import ApiError, internal_error, model_not_found, request_too_large
-from proxy.protocol.openai import Endpoint, models_list, parse_completion_request
-from proxy.relay.body import JSON_CONTENT_TYPE, Producer, RelayBody, RelayTracker
+from proxy.protocol.errors import ApiError, internal_error, request_too_large
+from proxy.protocol.openai import Endpoint, models_list
+from proxy.relay.body import JSON_CONTENT_TYPE, RelayBody, RelayTracker
 from proxy.server.asgi import SluiceQuart
 
 if TYPE_CHECKING:
@@ -75,6 +74,10 @@ class SluiceState:
         self.local_backends: dict[str, LocalBackend] = {}
         # Preloaded local models by name (tests); the others are loaded at start-up.
         self.local_models: dict[str, Any] = dict(local_models or {})
+        # Every completion-like request, whatever its transport, goes through this one.
+        self.pipeline = RequestPipeline(
+            config, self.keys, self.metrics, self.tracker, self.backends, self.local_backends
+        )
         self.fake_upstream: Any = None
         # Serving (backends started) and not draining: what /readyz reports.
         self.started = False
@@ -203,23 +206,18 @@ def create_app(
     async def stop() -> None:
         await state.aclose()
 
-    def count_refused(status: int) -> None:
-        # Refused before a relay started. The model label stays within the configured names:
-        # a client must not be able to grow the metrics by inventing model names.
-        model = getattr(request, "sluice_model", "-")
-        state.metrics.requests.labels(model, str(status)).inc()
+    pipeline = state.pipeline
 
-    def refused(error: ApiError) -> None:
-        """What every refusal does besides answering: the access line's outcome."""
+    def refused(error: ApiError, status: int) -> None:
+        """What every refusal does besides answering: the access line's outcome and, for a
+        completion request, the requests metric (through the pipeline, in end_request)."""
         access: AccessRecord | None = getattr(request, "sluice_access", None)
         if access is not None:
             access.outcome = error.code or "error"
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
-        if request.path in COMPLETION_PATHS:  # the metric counts completion requests only
-            count_refused(error.status)
-        refused(error)
+        refused(error, error.status)
         return _json_response(error.body(), error.status, error.headers)
 
     @app.errorhandler(HTTPException)
@@ -233,16 +231,14 @@ def create_app(
                 f"{error.name}: {error.description}",
                 code=error.name.lower().replace(" ", "_"),
             )
-        if request.path in COMPLETION_PATHS:
-            count_refused(status)
-        refused(api)
+        refused(api, status)
         return _json_response(api.body(), status)
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
         log.exception("unhandled error", exc_info=error)
         api = internal_error()
-        refused(api)
+        refused(api, api.status)
         return _json_response(api.body(), api.status)
 
     cors = CorsPolicy(config.server.cors_origins)
@@ -250,16 +246,12 @@ def create_app(
     @app.before_request
     async def begin_request() -> None:
         # First of the before_request hooks, so that a refusal by any later one (a 401) has
-        # its request id and access line too. The client's id is kept when it is sane.
-        request_id = request.headers.get("X-Request-ID", "")
-        if not _REQUEST_ID.match(request_id):
-            request_id = uuid.uuid4().hex
-        request.sluice_access = AccessRecord(  # type: ignore[attr-defined]
-            request_id,
+        # its request id and access line too.
+        request.sluice_access = pipeline.begin(  # type: ignore[attr-defined]
             request.method,
             request.path,
             request.remote_addr or "-",
-            trio.current_time(),
+            request.headers.get("X-Request-ID"),
         )
 
     @app.after_request
@@ -271,14 +263,11 @@ def create_app(
             return response
         response.headers["X-Request-ID"] = access.request_id
         if not isinstance(response.response, RelayBody):
-            key = getattr(request, "sluice_key", None)
-            access.key = None if key is None else key.name
-            access.emit(
-                status=response.status_code,
-                model=getattr(request, "sluice_model", "-"),
-                outcome=access.outcome,
-                ended=trio.current_time(),
-            )
+            model = getattr(request, "sluice_model", "-")
+            if request.path in COMPLETION_PATHS and response.status_code >= 400:
+                pipeline.refused(access, response.status_code, access.outcome, model)
+            else:
+                pipeline.finished(access, response.status_code, access.outcome, model)
         return response
 
     @app.before_request
@@ -292,9 +281,10 @@ def create_app(
                 return Response("", status=204, headers=cors.preflight_headers(requested))
             return None
         # Only the API needs a key: /healthz and /metrics stay open to probes and scrapers.
-        if state.keys.enabled and request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/"):
             # Before the body is read: an unauthenticated client costs no parsing.
-            key = state.keys.identify(request.headers.get("Authorization"))
+            access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
+            key = pipeline.authenticate(request.headers.get("Authorization"), access)
             request.sluice_key = key  # type: ignore[attr-defined]
         return None
 
@@ -314,33 +304,12 @@ def create_app(
 
     async def completions(endpoint: Endpoint) -> Response:
         access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
-        request_id = access.request_id
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
-        parsed = parse_completion_request(raw, endpoint)
-        backend = state.backends.get(parsed.model)
-        if backend is None:
-            raise model_not_found(parsed.model)
+        parsed = pipeline.parse(raw, endpoint)
+        pipeline.backend_for(parsed.model)
         request.sluice_model = parsed.model  # type: ignore[attr-defined]
-        produce: Producer = partial(backend.produce, parsed, request_id)
-        key = getattr(request, "sluice_key", None)
-        if key is not None:
-            access.key = key.name
-        if key is not None and state.keys.limited(key):
-            # Admitted inside the relay, so that its 429 is counted like any relayed status
-            # and the concurrency it holds is released when the body closes.
-            produce = limited_producer(state.keys, key, produce)
-        body = RelayBody(
-            produce,
-            streaming=parsed.stream,
-            channel_capacity=config.relay.channel_capacity,
-            stall_timeout=config.relay.stall_timeout,
-            tracker=state.tracker,
-            description=request_id,
-            model=parsed.model,
-            backend="local" if parsed.model in state.local_backends else "upstream",
-            access=access,
-        )
+        body = pipeline.relay(parsed, access, getattr(request, "sluice_key", None))
         response = Response(body)
         # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's own
         # deadlines (upstream total, client stall) bound it instead.
@@ -366,7 +335,7 @@ def create_app(
 
     @app.websocket("/v1/ws")
     async def chat_websocket() -> None:
-        await serve_websocket(state)
+        await serve_websocket(pipeline)
 
     @app.get("/readyz")
     async def readyz() -> Response:

@@ -1,98 +1,73 @@
-"""``/v1/ws``: chat over a WebSocket, through the same backends as the HTTP relay.
+"""``/v1/ws``: chat over a WebSocket, through the same request pipeline as HTTP.
 
 The client sends a chat request as JSON (the body of ``POST /v1/chat/completions``; ``stream``
 is implied). The server answers with ``{"type": "token", "content": ...}`` messages, then
 ``{"type": "done", "finish_reason", "usage"}``. ``{"type": "cancel"}`` stops the current
 generation and keeps the socket open for the next request; closing the socket cancels
-whatever runs. Bad input gets ``{"type": "error", "error": {...}}`` and the socket stays
-usable. One generation at a time per socket.
+whatever runs. Bad input, a refusal (401 at the handshake, 429 from the key's limits) or a
+failure gets ``{"type": "error", "error": {...}, "status": N}`` with the codes HTTP uses, and
+the socket stays usable. One generation at a time per socket.
 
-Each generation runs in its own nursery under a cancel scope owned by the socket's handler: the
-producer (upstream stream or local worker thread) writes SSE events into a bounded channel
-exactly as for HTTP, and a consumer turns them into WebSocket messages. A slow reader fills the
-channel and pauses the producer; one that stays stalled for ``stall_timeout`` is cut off.
+This module is the transport only: its parsing of messages and its event shapes. Each
+generation is a :class:`~proxy.relay.RelayBody` from the pipeline, exactly as an HTTP request's
+(limits, metrics, access line, drain tracking, the relay's lifetime), iterated here into
+WebSocket messages. Every write to the client goes through one :class:`StallGuard`: a reader
+that takes nothing for ``stall_timeout`` is cut off and its connection dropped, since the
+server's writes cannot be cancelled.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import uuid
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 from quart import websocket
 
-from proxy.protocol.errors import ApiError, bad_request, model_not_found
-from proxy.protocol.openai import Endpoint, parse_completion_request
+from proxy.api.pipeline import RequestPipeline
+from proxy.config import KeyConfig
+from proxy.ops.logs import AccessRecord
+from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
+from proxy.protocol.json_body import parse_json_object
+from proxy.protocol.openai import Endpoint, completion_request
 from proxy.protocol.sse import SSESplitter, is_done
-from proxy.relay.body import ClientStalled, offer_to, send_within
-
-if TYPE_CHECKING:
-    from proxy.api.app import SluiceState
-    from proxy.config import Config
+from proxy.relay.body import RelayBody
+from proxy.relay.stall import StallGuard
+from proxy.server.asgi import ClientConnection, client_connection
 
 log = logging.getLogger("sluice.ws")
 
-# The close code for a client cut off for not reading (RFC 6455 "policy violation").
-_STALLED_CLOSE = 1008
+WS_PATH = "/v1/ws"
+# The close code after a refused handshake (no valid key): an application code, like 401.
+UNAUTHORIZED_CLOSE = 4401
 
 
-def _message(kind: str, request_id: str, **fields: Any) -> str:
+def message(kind: str, request_id: str, **fields: Any) -> str:
     return json.dumps({"type": kind, "id": request_id, **fields}, ensure_ascii=False)
 
 
-def _error_message(request_id: str, error: ApiError) -> str:
-    return _message("error", request_id, error=error.to_dict()["error"], status=error.status)
+def error_message(request_id: str, error: ApiError) -> str:
+    return message("error", request_id, error=error.to_dict()["error"], status=error.status)
 
 
-class WebSocketSink:
-    """The Sink a producer writes to for a WebSocket client: the same contract as RelaySink
-    (head once, then chunks into a bounded channel with a stall limit)."""
-
-    def __init__(self, capacity: int, stall_timeout: float) -> None:
-        self.send_channel, self.receive_channel = trio.open_memory_channel[bytes](capacity)
-        self.stall_timeout = stall_timeout
-        self.status: int | None = None
-        self.close_callbacks: list[Any] = []
-
-    @property
-    def started(self) -> bool:
-        return self.status is not None
-
-    @property
-    def client_gone(self) -> bool:
-        return False  # a WebSocket's close (or cancel message) cancels the producer directly
-
-    def set_phase(self, phase: str) -> None:
-        pass
-
-    def on_close(self, callback: Any) -> None:
-        self.close_callbacks.append(callback)
-
-    def begin(
-        self,
-        status: int,
-        content_type: str,
-        headers: Mapping[str, str] | None = None,
-        *,
-        content_length: int | None = None,
-    ) -> None:
-        self.status = status
-
-    def offer(self, chunk: bytes) -> bool:
-        return offer_to(self.send_channel, chunk)
-
-    def on_disconnect(self, callback: Any) -> None:
-        pass  # a WebSocket's close (or cancel message) cancels the producer directly
-
-    async def send(self, chunk: bytes) -> None:
-        await send_within(self.send_channel, chunk, self.stall_timeout)
+def upstream_event_error(detail: str) -> ApiError:
+    return ApiError(
+        502, f"The upstream sent {detail}.", type=UPSTREAM_ERROR, code="upstream_protocol_error"
+    )
 
 
-class _Translator:
-    """SSE events (OpenAI chunks) in, WebSocket messages out."""
+class UnrelayableEvent(Exception):
+    """An upstream event the translator cannot turn into a message (valid JSON that is not
+    an object, or an object of the wrong shape)."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Translator:
+    """SSE events (OpenAI chunks) in, WebSocket messages out. Sans-IO."""
 
     def __init__(self, request_id: str, max_event_bytes: int) -> None:
         self.request_id = request_id
@@ -105,11 +80,8 @@ class _Translator:
         for event in self.splitter.feed(chunk):
             if is_done(event):
                 out.append(
-                    _message(
-                        "done",
-                        self.request_id,
-                        finish_reason=self.finish_reason,
-                        usage=self.usage,
+                    message(
+                        "done", self.request_id, finish_reason=self.finish_reason, usage=self.usage
                     )
                 )
                 continue
@@ -117,138 +89,201 @@ class _Translator:
                 continue
             try:
                 payload = json.loads(event[5:])
-            except ValueError:
-                continue
+            except (ValueError, RecursionError):
+                raise UnrelayableEvent(upstream_event_error("an event that is not JSON")) from None
+            if not isinstance(payload, dict):
+                raise UnrelayableEvent(upstream_event_error("an event that is not a JSON object"))
             if "error" in payload:
-                out.append(_message("error", self.request_id, error=payload["error"]))
+                out.append(message("error", self.request_id, error=payload["error"]))
                 continue
-            if payload.get("usage"):
-                self.usage = payload["usage"]
-            for choice in payload.get("choices") or ():
-                delta = choice.get("delta") or {}
-                content = delta.get("content") or choice.get("text")
-                if content:
-                    out.append(_message("token", self.request_id, content=content))
+            usage = payload.get("usage")
+            if usage:
+                self.usage = usage
+            choices = payload.get("choices") or []
+            if not isinstance(choices, list):
+                raise UnrelayableEvent(upstream_event_error("'choices' that is not an array"))
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    raise UnrelayableEvent(upstream_event_error("a choice that is not an object"))
+                delta = choice.get("delta")
+                content = (delta.get("content") if isinstance(delta, dict) else None) or choice.get(
+                    "text"
+                )
+                if isinstance(content, str) and content:
+                    out.append(message("token", self.request_id, content=content))
                 if choice.get("finish_reason"):
                     self.finish_reason = choice["finish_reason"]
         return out
 
 
-async def serve_websocket(state: SluiceState) -> None:
-    """The handler of one WebSocket connection (``state`` is the app's SluiceState)."""
-    if state.keys.enabled:
+def upstream_error_payload(body: bytes) -> Any:
+    """The ``error`` object of an upstream's own error answer, or one made of its text."""
+    try:
+        passed = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return {"message": body.decode("utf-8", "replace"), "type": "upstream_error"}
+    return passed
+
+
+class WebSocketSession:
+    """One client socket: its key, its writes (all under one stall guard), and the generation
+    running on it, if any."""
+
+    def __init__(
+        self,
+        pipeline: RequestPipeline,
+        connection: ClientConnection,
+        key: KeyConfig | None,
+        client: str,
+    ) -> None:
+        self.pipeline = pipeline
+        self.connection = connection
+        self.key = key
+        self.client = client
+        self.guard = StallGuard(pipeline.config.relay.stall_timeout, self._stalled)
+        self.running: RelayBody | None = None
+        self.scope: trio.CancelScope | None = None
+
+    def _stalled(self) -> None:
+        log.warning("websocket client took nothing for %.1fs; dropped", self.guard.stall_timeout)
+        if self.running is not None:
+            self.running.stall()  # its access line says so; it drops the connection
+        else:
+            self.connection.abort()
+
+    async def send(self, text: str) -> None:
+        await self.guard.write(websocket.send, text)
+
+    def begin(self) -> AccessRecord:
+        access = self.pipeline.begin("WS", WS_PATH, self.client, None)
+        access.key = None if self.key is None else self.key.name
+        return access
+
+    async def refuse(self, access: AccessRecord, error: ApiError, model: str = "-") -> None:
+        self.pipeline.refused(access, error.status, error.code or "error", model)
+        await self.send(error_message(access.request_id, error))
+
+    def cancel(self) -> None:
+        """The client's ``{"type": "cancel"}``: the upstream is shut down now, as for a
+        client that leaves, and the generation's scope is cancelled."""
+        if self.running is not None:
+            self.running.client_disconnected()
+        if self.scope is not None:
+            self.scope.cancel()
+
+    async def generate(self, raw: bytes, *, task_status: trio.TaskStatus[None]) -> None:
+        access = self.begin()
+        scope = self.scope = trio.CancelScope()
+        task_status.started()
         try:
-            state.keys.identify(websocket.headers.get("Authorization"))
-        except ApiError as error:
-            await websocket.accept()
-            await websocket.send(_error_message("", error))
-            await websocket.close(4401)
-            return
-    await websocket.accept()
-    config = state.config
-    async with trio.open_nursery() as nursery:
-        current: list[trio.CancelScope] = []  # the running generation's scope, if any
-        while True:
-            raw = await websocket.receive()
-            text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-            try:
-                message = json.loads(text)
-            except ValueError:
-                await websocket.send(
-                    _error_message("", bad_request("Message is not JSON.", code="invalid_json"))
-                )
-                continue
-            if isinstance(message, dict) and message.get("type") == "cancel":
-                for scope in current:
-                    scope.cancel()
-                continue
-            if current:
-                await websocket.send(
-                    _error_message(
-                        "",
-                        ApiError(
-                            409,
-                            "A generation is already running on this socket; send "
-                            '{"type": "cancel"} first or wait for "done".',
-                            code="request_in_progress",
-                        ),
-                    )
-                )
-                continue
-            scope = trio.CancelScope()
-            current.append(scope)
-            nursery.start_soon(_generate, state, config, text, scope, current)
+            with scope:
+                await self._generate(raw, access)
+            if scope.cancelled_caught and not self.guard.stalled:
+                await self.send(message("cancelled", access.request_id))
+        finally:
+            self.scope = None
+            self.running = None
 
-
-async def _generate(
-    state: SluiceState,
-    config: Config,
-    text: str,
-    scope: trio.CancelScope,
-    current: list[trio.CancelScope],
-) -> None:
-    request_id = uuid.uuid4().hex
-    try:
-        with scope:
-            await _run_generation(state, config, text, request_id)
-        if scope.cancelled_caught:
-            await websocket.send(_message("cancelled", request_id))
-    finally:
-        current.remove(scope)
-
-
-async def _run_generation(state: SluiceState, config: Config, text: str, request_id: str) -> None:
-    try:
-        body = json.loads(text)
-        if isinstance(body, dict):
+    async def _generate(self, raw: bytes, access: AccessRecord) -> None:
+        pipeline = self.pipeline
+        model = "-"
+        try:
+            body = parse_json_object(raw, pipeline.config.server.max_body_bytes, "Message")
             body.pop("type", None)
             body["stream"] = True
             body.setdefault("stream_options", {"include_usage": True})
-        raw = json.dumps(body).encode()
-        request = parse_completion_request(raw, Endpoint.CHAT)
-        backend = state.backends.get(request.model)
-        if backend is None:
-            raise model_not_found(request.model)
-    except ApiError as error:
-        await websocket.send(_error_message(request_id, error))
-        return
-    sink = WebSocketSink(config.relay.channel_capacity, config.relay.stall_timeout)
-    translator = _Translator(request_id, config.relay.max_event_bytes)
-    failure: ApiError | None = None
-    stalled = False
-
-    async def produce() -> None:
-        nonlocal failure, stalled
-        async with sink.send_channel:
-            try:
-                await backend.produce(request, request_id, sink)
-            except ApiError as error:
-                failure = error
-            except ClientStalled:
-                stalled = True
-
-    error_body = b""
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(produce)
-            async with sink.receive_channel:
-                async for chunk in sink.receive_channel:
-                    if sink.status != 200:
-                        error_body += chunk  # an upstream's own 4xx, passed through
-                        continue
-                    for message in translator.messages(chunk):
-                        await websocket.send(message)
-    finally:
-        for callback in sink.close_callbacks:
-            callback()
-    if stalled:
-        log.warning("websocket client stalled for %.1fs; closing", sink.stall_timeout)
-        await websocket.close(_STALLED_CLOSE)
-    elif failure is not None:
-        await websocket.send(_error_message(request_id, failure))
-    elif sink.status is not None and sink.status != 200:
+            request = completion_request(body, json.dumps(body).encode(), Endpoint.CHAT)
+            pipeline.backend_for(request.model)
+            model = request.model
+            relay = pipeline.relay(request, access, self.key)
+        except ApiError as error:
+            await self.refuse(access, error, model)
+            return
+        self.running = relay
+        translator = Translator(access.request_id, pipeline.config.relay.max_event_bytes)
+        error_body = b""
+        unrelayable: ApiError | None = None
+        remove_hook = self.connection.on_client_gone(relay.client_disconnected)
+        relay.abort_connection = self.connection.abort
         try:
-            passed: Any = json.loads(error_body)["error"]
-        except (ValueError, KeyError, TypeError):
-            passed = {"message": error_body.decode("utf-8", "replace"), "type": "upstream_error"}
-        await websocket.send(_message("error", request_id, error=passed, status=sink.status))
+            async with relay:
+                async for chunk in relay:
+                    if relay.status != 200:
+                        error_body += chunk  # a refusal (429) or an upstream's own 4xx
+                        continue
+                    try:
+                        messages = translator.messages(chunk)
+                    except UnrelayableEvent as error:
+                        unrelayable = error.error
+                        relay.abandon(error.error)
+                        break
+                    for text in messages:
+                        await self.send(text)
+        finally:
+            remove_hook()
+        if relay.stalled or self.guard.stalled:
+            return
+        if unrelayable is not None:
+            await self.send(error_message(access.request_id, unrelayable))
+        elif relay.status != 200:
+            if relay.error is not None:
+                await self.send(error_message(access.request_id, relay.error))
+            else:
+                passed = upstream_error_payload(error_body)
+                await self.send(
+                    message("error", access.request_id, error=passed, status=relay.status)
+                )
+
+
+async def serve_websocket(pipeline: RequestPipeline) -> None:
+    """The handler of one WebSocket connection."""
+    connection = client_connection(websocket.scope)
+    client = websocket.remote_addr or "-"
+    handshake = pipeline.begin("WS", WS_PATH, client, None)
+    try:
+        key = pipeline.authenticate(websocket.headers.get("Authorization"), handshake)
+    except ApiError as error:
+        access = handshake
+        pipeline.refused(access, error.status, error.code or "error", "-")
+        await websocket.accept()
+        session = WebSocketSession(pipeline, connection, None, client)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.guard.watch)
+            await session.send(error_message(access.request_id, error))
+            await session.guard.write(websocket.close, UNAUTHORIZED_CLOSE)
+            nursery.cancel_scope.cancel()
+        return
+    await websocket.accept()
+    session = WebSocketSession(pipeline, connection, key, client)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.guard.watch)
+        while not session.guard.stalled:
+            received = await websocket.receive()
+            raw = received.encode() if isinstance(received, str) else received
+            if session.scope is not None and _is_cancel(raw):
+                session.cancel()
+                continue
+            if session.scope is not None:
+                busy = ApiError(
+                    409,
+                    "A generation is already running on this socket; send "
+                    '{"type": "cancel"} first or wait for "done".',
+                    code="request_in_progress",
+                )
+                await session.send(error_message("", busy))
+                continue
+            if _is_cancel(raw):
+                continue  # nothing to cancel
+            await nursery.start(session.generate, raw)
+        nursery.cancel_scope.cancel()
+
+
+def _is_cancel(raw: bytes) -> bool:
+    # Cheap before a full parse: a cancel is a small object with "type": "cancel".
+    if len(raw) > 256 or b"cancel" not in raw:
+        return False
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, dict) and value.get("type") == "cancel"

@@ -1708,7 +1708,7 @@ def cpu_layout(available: Iterable[int], workers: int) -> CpuLayout:
 
 
 # Run by a child before it becomes the program: the mask is set before its exec, so every
-# thread and process the program starts (hypercorn's workers, uvicorn's) inherits it.
+# thread and process the program starts (the proxy's workers, uvicorn's) inherits it.
 _PIN_THEN_EXEC: Final = (
     "import os, sys; "
     "os.sched_setaffinity(0, {int(cpu) for cpu in sys.argv[1].split(',')}); "

@@ -323,3 +323,26 @@ def _parse_head(data: bytes) -> ResponseHead:
     )
     reason = parts[2] if len(parts) > 2 else b""
     return ResponseHead(version, int(parts[1]), reason, headers, keep_alive)
+
+
+def request_framing_error(
+    headers: Iterable[tuple[bytes, bytes]], http_version: bytes
+) -> str | None:
+    """Why a client's request must be refused for its framing, or None.
+
+    RFC 9112 section 6.1: a request with both ``Transfer-Encoding`` and ``Content-Length`` may
+    be an attempt at request smuggling (a front proxy that frames by Content-Length sees a
+    different request boundary), and the connection must be closed after answering it.
+    Section 6.1 also leaves chunked framing to HTTP/1.1: an HTTP/1.0 peer cannot send it."""
+    content_length = transfer_encoding = False
+    for name, _ in headers:
+        lowered = name.lower()
+        if lowered == b"content-length":
+            content_length = True
+        elif lowered == b"transfer-encoding":
+            transfer_encoding = True
+    if transfer_encoding and content_length:
+        return "a request may not have both Content-Length and Transfer-Encoding"
+    if transfer_encoding and http_version == b"1.0":
+        return "HTTP/1.0 requests may not use Transfer-Encoding"
+    return None

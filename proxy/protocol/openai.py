@@ -6,12 +6,16 @@ request is well-formed enough to route, and what the relay needs to know about i
 
 from __future__ import annotations
 
-import json
+import sys
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from proxy.protocol.errors import bad_request
+from proxy.protocol.json_body import parse_json_object
+
+# No size limit of its own: the server's (max_body_bytes) applies before this is called.
+UNLIMITED = sys.maxsize
 
 
 class Endpoint(Enum):
@@ -29,11 +33,6 @@ class CompletionRequest:
     raw: bytes
 
 
-def _reject_constant(name: str) -> None:
-    # Python's json accepts NaN and Infinity; JSON does not, and upstreams would choke on them.
-    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
-
-
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -43,22 +42,15 @@ def _check_optional(body: dict[str, Any], name: str, ok: bool, expected: str) ->
         raise bad_request(f"'{name}' must be {expected}.", param=name)
 
 
-def parse_completion_request(raw: bytes, endpoint: Endpoint) -> CompletionRequest:
+def parse_completion_request(
+    raw: bytes, endpoint: Endpoint, max_bytes: int = UNLIMITED
+) -> CompletionRequest:
     """Validate an OpenAI completion request body; raise a 400 :class:`ApiError` if it is not."""
-    if not raw:
-        raise bad_request("Request body is empty; expected a JSON object.")
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise bad_request(
-            f"Request body is not valid JSON: {error}.", code="invalid_json"
-        ) from None
-    except RecursionError:
-        # Deep nesting exhausts the parser's stack; that is the client's input, not our bug.
-        raise bad_request("Request body is nested too deeply.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("Request body must be a JSON object.")
+    return completion_request(parse_json_object(raw, max_bytes), raw, endpoint)
 
+
+def completion_request(body: dict[str, Any], raw: bytes, endpoint: Endpoint) -> CompletionRequest:
+    """Validate a parsed completion request whose bytes (to forward) are ``raw``."""
     model = body.get("model")
     if model is None:
         raise bad_request("Missing required parameter: 'model'.", param="model")

@@ -2,16 +2,25 @@
 
 Every backend (an upstream server, the local model) is a *producer*: an async function that
 receives a :class:`RelaySink`, decides the response head once it knows it (status, content
-type), then sends body chunks. The :class:`RelayBody` owns the producer's task:
+type), then hands body chunks on. The :class:`RelayBody` owns the producer's task:
 
 * ``__aenter__`` opens the request's nursery, starts the producer, and waits for the head, so
   the HTTP status can still say "upstream failed" until the first byte is ready;
-* ``__anext__`` takes chunks from the channel (several at once when they are already waiting,
-  so a burst costs one socket write);
-* ``__aexit__`` cancels whatever the producer is still doing. quart-trio cancels the whole
-  request when the client disconnects, so the producer (and the upstream stream or inference
-  thread inside it) never outlives the client.
+* the chunks: while the body's task waits on an empty channel, the producer writes each chunk
+  straight to the client's socket (:meth:`RelaySink.offer` -> the server's ``DirectWriter``),
+  with no wake-up of the body's task. The channel carries only the overflow: a chunk the socket
+  does not take at once goes into it (and from then on every chunk, in order, until the body
+  has written them all), so a slow reader fills it and the producer blocks, within
+  ``stall_timeout``, which pauses the upstream's reads. ``__anext__`` takes what is queued
+  (several chunks at once when they are already waiting: one write);
+* the end, in this order: the disconnect callbacks (:meth:`client_disconnected`, called
+  synchronously in the scheduler step that saw the client go, shut the upstream connection
+  down); then the nursery's cancellation (the producer unwinds: the upstream exchange, or the
+  model thread at its next step); then ``__aexit__``'s close callbacks (the key's concurrency
+  lease), the tracker (metrics, drain), and the access line.
 
+An outcome is decided when the response is complete: a known-length answer whose every byte has
+been handed to the socket is complete, and a client that closes after it cancels nothing.
 There is no nursery inside an async generator here (trio #638): everything runs in the task
 that sends the response, plus the one producer task the nursery visibly owns.
 """
@@ -32,6 +41,7 @@ from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import GAP_BUCKETS, Metrics
 from proxy.protocol.errors import ApiError, internal_error
 from proxy.protocol.sse import error_event
+from proxy.relay.stall import StallGuard
 
 log = logging.getLogger("sluice.relay")
 
@@ -275,6 +285,13 @@ class RelayBody(ResponseBody):
         self.cancelled = False
         self.stalled = False
         self.error: ApiError | None = None
+        # A known-length (non-streamed) body: its length, and the bytes handed to the writer.
+        # Once all of them are, the response is complete, whatever the client does next.
+        self.content_length: int | None = None
+        self._handed = 0
+        # Ended by the consumer (abandon), not by the client: not a cancellation.
+        self._abandoned = False
+        self._guard: StallGuard | None = None
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
         self._producer_finished = False
@@ -341,6 +358,7 @@ class RelayBody(ResponseBody):
             self._sse = status == 200
         if content_length is not None:
             self.headers["Content-Length"] = str(content_length)
+            self.content_length = content_length
         if headers:
             self.headers.update(headers)
         self.head_ready.set()
@@ -429,7 +447,7 @@ class RelayBody(ResponseBody):
         tb: TracebackType | None,
     ) -> bool:
         assert self._nursery is not None
-        self.cancelled = not self._producer_finished
+        self.cancelled = not (self._producer_finished or self.complete or self._abandoned)
         if self.cancelled:
             exit_started = trio.current_time()
             self.undelivered = self.buffered()
@@ -443,6 +461,8 @@ class RelayBody(ResponseBody):
                 started = self._gone_at or self.disconnected_at() or exit_started
                 self.cancel_seconds = trio.current_time() - started
             self.disconnect_callbacks.clear()
+            # The guard refers back to this body (its on_stall): a cycle for the cyclic GC.
+            self._guard = None
             for callback in self.close_callbacks:
                 callback()
             if self.tracker is not None:
@@ -460,11 +480,11 @@ class RelayBody(ResponseBody):
 
     def client_disconnected(self) -> None:
         """The HTTP layer saw the client go (the loop's hangup watcher, between task steps;
-        hypercorn's read task, as it reads the EOF; or the request's message task): stop the
+        the server's read task, as it reads the EOF; or the request's message task): stop the
         producer's work now, in this scheduler step. Its callbacks shut the upstream connection
         down, and its tasks are cancelled; the body writes nothing more. The request's own
         cancellation follows as always."""
-        if self._producer_finished or self.client_gone:
+        if self._producer_finished or self.client_gone or self.complete:
             return
         self.client_gone = True
         self._gone_at = trio.current_time()
@@ -475,6 +495,31 @@ class RelayBody(ResponseBody):
             # From a hangup watcher's hook trio would name whatever task runs next as the
             # canceller: the reason says who did.
             self._nursery.cancel_scope.cancel("client disconnected")
+
+    @property
+    def complete(self) -> bool:
+        """A known-length body whose every byte has been handed to the client's socket: the
+        response is done, and a client that closes now is not cancelling anything (curl
+        closes as soon as it has read Content-Length bytes)."""
+        length = self.content_length
+        return length is not None and self._handed >= length
+
+    def abandon(self, error: ApiError) -> None:
+        """The consumer ends the response itself (a WebSocket's translator met an upstream
+        event it cannot relay): the outcome is ``error``, not a cancellation by the client."""
+        self._abandoned = True
+        if self.error is None:
+            self.error = error
+
+    def guard(self) -> StallGuard:
+        """The stall limit for writes the server layer cannot bound itself (shielded, with no
+        deadline): a write still running after ``stall_timeout`` drops the connection. Its
+        watchdog runs in this body's nursery, so only inside ``async with body``."""
+        if self._guard is None:
+            assert self._nursery is not None, "guard() is for a body that has been entered"
+            self._guard = StallGuard(self.stall_timeout, self.stall)
+            self._nursery.start_soon(self._guard.watch, name=f"relay stall guard {self}")
+        return self._guard
 
     @property
     def final_status(self) -> int:
@@ -497,8 +542,9 @@ class RelayBody(ResponseBody):
         return self
 
     async def __anext__(self) -> bytes:
-        if self.client_gone:
-            # Nobody to write to: what is still queued counts as undelivered.
+        if self.client_gone or self.complete:
+            # Nobody to write to (what is still queued counts as undelivered), or every byte
+            # of a known-length body is out: nothing waits on what the producer does next.
             raise StopAsyncIteration
         receive_channel = self._receive_channel
         if self._writer is not None and not receive_channel.statistics().current_buffer_used:
@@ -524,6 +570,8 @@ class RelayBody(ResponseBody):
             chunk = b"".join(parts)
         if self._sse and chunk:
             self._account(chunk)
+        elif self.content_length is not None:
+            self._handed += len(chunk)
         return chunk
 
     def _account(self, chunk: bytes) -> None:
@@ -580,7 +628,7 @@ class RelayBody(ResponseBody):
             async for chunk in self:
                 await writer.write(chunk)
             await writer.write(b"")  # anything still pending, before the body ends
-            await writer.wait_for_room()  # for the last chunk, which hypercorn writes
+            await writer.wait_for_room()  # for the last chunk, which the server writes
         except ClientStalled:
             self.stall()
         finally:

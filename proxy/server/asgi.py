@@ -10,23 +10,31 @@ The body's chunks then go out through chunk_writer where it applies.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import struct
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import trio
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
-from quart.asgi import ASGIHTTPConnection
-from quart.utils import encode_headers
-from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGIHTTPConnection
 
 from proxy.relay.body import RelayBody
 from proxy.server import chunk_writer
-from proxy.server.connection_server import ConnectionServer, client_socket, send_chain
+from proxy.server.adapters.hypercorn_adapter import (
+    ASGIReceiveCallable,
+    ASGISendCallable,
+    H11Protocol,
+)
+from proxy.server.adapters.quart_adapter import ASGIHTTPConnection, encode_headers
+from proxy.server.adapters.quart_trio_adapter import (
+    QuartTrio,
+    TrioASGIHTTPConnection,
+    TrioASGIWebsocketConnection,
+)
+from proxy.server.connection_server import (
+    ConnectionServer,
+    client_socket,
+    reset_socket,
+    send_chain,
+)
 
 log = logging.getLogger("sluice.asgi")
 
@@ -44,7 +52,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         # As quart-trio's, plus a timestamp (the start of cancel propagation, for metrics) and
         # the relay's disconnect hook.
         await ASGIHTTPConnection.handle_messages(self, request, receive)
-        if self.response_complete:
+        if self.response_complete or (self.relay_body is not None and self.relay_body.complete):
             # hypercorn sends http.disconnect from inside the last send, then (Connection:
             # close, HTTP/1.0) shuts the socket down, or (keep-alive) arms its idle timer.
             # Cancelling here cancelled that work at its first checkpoint: connections were
@@ -115,19 +123,79 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
                 if writer is None:
                     status = body.status
                     start = {"type": "http.response.start", "status": status, "headers": headers}
-                    await send(cast(Any, start))
+                    await body.guard().write(send, cast(Any, start))
                     writer = chunk_writer.attach(send, headers, stall_timeout)
             if writer is not None:
                 await body.write_through(writer)
             else:
+                # hypercorn's writes (a non-streamed answer, HTTP/2, HTTP/1.0): shielded and
+                # without a deadline, so the body's guard bounds each one.
+                guard = body.guard()
                 async for chunk in body:
-                    await send(
-                        cast(Any, {"type": "http.response.body", "body": chunk, "more_body": True})
-                    )
+                    message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                    await guard.write(send, cast(Any, message))
         if body.client_gone:
             return  # nobody to end the response for; the disconnect cancels the request
         self.response_complete = True
         await send(cast(Any, {"type": "http.response.body", "body": b"", "more_body": False}))
+
+
+_CONNECTION_KEY = "sluice.connection"
+
+
+class ClientConnection:
+    """What a WebSocket handler may do to its client's connection that ASGI offers no way to:
+    drop it (a reader that stalls holds hypercorn's shielded write forever otherwise), and
+    hear at once that the client has gone (before the handler's cancellation unwinds)."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self._on_gone: list[Callable[[], None]] = []
+
+    def abort(self) -> None:
+        abort_transport(self._send)
+
+    def on_client_gone(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once when the client disconnects; returns its removal."""
+        self._on_gone.append(callback)
+        return lambda: self._on_gone.remove(callback) if callback in self._on_gone else None
+
+    def client_gone(self) -> None:
+        callbacks, self._on_gone = self._on_gone, []
+        for callback in callbacks:
+            callback()
+
+
+class _Unattached(ClientConnection):
+    """A scope served by another ASGI server (a test client): nothing to drop."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def abort(self) -> None:
+        pass
+
+
+def client_connection(scope: Any) -> ClientConnection:
+    """The :class:`ClientConnection` of a WebSocket's ASGI scope."""
+    connection = scope.get(_CONNECTION_KEY)
+    return connection if isinstance(connection, ClientConnection) else _Unattached()
+
+
+class RelayWebsocketConnection(TrioASGIWebsocketConnection):
+    async def __call__(self, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        connection = ClientConnection(send)
+        cast(dict[str, Any], self.scope)[_CONNECTION_KEY] = connection
+
+        async def receive_noting_disconnect() -> Any:
+            event = await receive()
+            if event["type"] == "websocket.disconnect":
+                # Before quart-trio cancels the handler: the upstream's connection is shut
+                # down in this step, as for HTTP.
+                connection.client_gone()
+            return event
+
+        await super().__call__(receive_noting_disconnect, send)
 
 
 class ServedState(Protocol):
@@ -141,6 +209,7 @@ class ServedState(Protocol):
 
 class SluiceQuart(QuartTrio):
     asgi_http_class = RelayHTTPConnection
+    asgi_websocket_class = RelayWebsocketConnection
 
     @property
     def served_state(self) -> ServedState:
@@ -172,10 +241,8 @@ def abort_transport(send: Any) -> None:
     """Reset the client's connection: the blocked write wakes with ClosedResourceError,
     hypercorn treats the connection as closed, and the kernel frees its buffers at once."""
     sock = transport_socket(send)
-    if sock is None or sock.fileno() < 0:
+    if sock is None:
         log.warning("cannot drop a stalled client's connection: hypercorn's layout changed")
         return
-    with contextlib.suppress(OSError):
-        # Linger 0: close with RST, discarding the unsent bytes the client would not take.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
+    if sock.fileno() >= 0:  # not closed already
+        reset_socket(sock)

@@ -27,13 +27,17 @@ from typing import Any, NamedTuple
 
 import h11
 import trio
-from hypercorn.events import RawData
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.utils import build_and_validate_headers
 
 from proxy.relay.body import ClientStalled
+from proxy.server import adapters
+from proxy.server.adapters.hypercorn_adapter import (
+    ASGIHTTPState,
+    H11Protocol,
+    HTTPStream,
+    RawData,
+    TCPServer,
+    build_and_validate_headers,
+)
 from proxy.server.connection_server import send_chain
 
 log = logging.getLogger("sluice.chunk_writer")
@@ -169,6 +173,8 @@ def _chain_of(send: Any, headers: list[tuple[bytes, bytes]]) -> _Chain | None:
     whose layout differs."""
     if any(name.lower() == b"content-length" for name, _ in headers):
         return None
+    if not adapters.usable("chunk_writer"):
+        return None
     stream, protocol, server = send_chain(send)
     if not (
         isinstance(stream, HTTPStream)
@@ -182,6 +188,7 @@ def _chain_of(send: Any, headers: list[tuple[bytes, bytes]]) -> _Chain | None:
         not isinstance(transport, trio.SocketStream)
         or not isinstance(connection, h11.Connection)
         or connection.their_http_version != b"1.1"
+        or not isinstance(getattr(server, "send_lock", None), trio.Lock)
     ):
         return None
     return _Chain(stream, protocol, server, transport.socket, connection)

@@ -22,17 +22,32 @@ which :func:`install` points here (logged and skipped if that global is not the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import struct
+import weakref
 from collections.abc import Awaitable, Callable
 from math import inf
 from typing import Any
 
-import hypercorn.trio.run as hypercorn_trio_run
+import h11
 import trio
-from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
-from proxy.server import hangup
+from proxy.protocol.errors import bad_request
+from proxy.protocol.http1 import request_framing_error
+from proxy.server import adapters, hangup
+from proxy.server.adapters.hypercorn_adapter import (
+    MAX_RECV,
+    Closed,
+    Event,
+    H11Protocol,
+    RawData,
+    TCPServer,
+    Updated,
+    hypercorn_protocol,
+    hypercorn_trio_run,
+)
 
 log = logging.getLogger("sluice.connection_server")
 
@@ -52,7 +67,7 @@ class IdleTimer:
         if self._scope is not None:
             self._scope.cancel()
         scope = self._scope = trio.CancelScope()
-        task_group._nursery.start_soon(_run_in_scope, scope, action)
+        task_group.spawn(_run_in_scope, scope, action)
 
     async def stop(self) -> None:
         if self._scope is not None:
@@ -103,6 +118,9 @@ class ConnectionServer(TCPServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.idle_task = IdleTimer()  # type: ignore[assignment]
+        connections = getattr(self.config, "sluice_connections", None)
+        if isinstance(connections, ConnectionSet):
+            connections.add(self)
 
     async def _read_data(self) -> None:
         while True:
@@ -135,6 +153,72 @@ class ConnectionServer(TCPServer):
         await super().protocol_send(event)
 
 
+class ConnectionSet:
+    """The live client connections of one server, to drop at a deadline: hypercorn's writes are
+    shielded and have none, so a client that stops reading would hold its task (and the
+    server's shutdown) forever after hypercorn's own graceful deadline cancelled it."""
+
+    def __init__(self) -> None:
+        self._servers: weakref.WeakSet[ConnectionServer] = weakref.WeakSet()
+
+    def attach(self, hypercorn_config: Any) -> None:
+        """Connections served under ``hypercorn_config`` join this set."""
+        hypercorn_config.sluice_connections = self
+
+    def add(self, server: ConnectionServer) -> None:
+        self._servers.add(server)
+
+    def __len__(self) -> int:
+        return len(self._servers)
+
+    def drop_all(self) -> int:
+        """Reset every live connection (RST, unsent bytes discarded); how many there were."""
+        dropped = 0
+        for server in list(self._servers):
+            sock = client_socket(server)
+            if sock is not None and sock.fileno() >= 0:
+                reset_socket(sock)
+                dropped += 1
+        return dropped
+
+
+def reset_socket(sock: Any) -> None:
+    """Close a trio socket with an RST: a write blocked on it wakes with ClosedResourceError,
+    and the kernel frees its buffers at once."""
+    with contextlib.suppress(OSError):
+        # Linger 0: close with RST, discarding the unsent bytes the client would not take.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+class FramingCheckedProtocol(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, refusing requests whose framing RFC 9112 forbids: both
+    Content-Length and Transfer-Encoding (a smuggling attempt; h11 accepts it), or chunked on
+    HTTP/1.0. The answer is a 400 with ``Connection: close``, and nothing after it on the
+    connection is read: bytes smuggled after such a request are never answered."""
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        problem = request_framing_error(request.headers, request.http_version)
+        if problem is None:
+            await super()._create_stream(request)
+            return
+        error = bad_request(f"Bad request framing: {problem}.", code="invalid_framing")
+        body = error.body()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            *self.config.response_headers("h11"),
+        ]
+        with contextlib.suppress(h11.LocalProtocolError):
+            await self._send_h11_event(h11.Response(status_code=400, headers=headers))
+            await self._send_h11_event(h11.Data(data=body))
+            await self._send_h11_event(h11.EndOfMessage())
+        # No stream: hypercorn's event loop stops at the request's body (its stream is None),
+        # and Closed makes the connection server close the socket.
+        await self.send(Closed())
+
+
 _warned: set[str] = set()
 
 
@@ -162,7 +246,16 @@ def send_chain(send: Any) -> tuple[Any, Any, Any]:
 
 
 def install() -> None:
-    if getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, ConnectionServer):
+    if not adapters.usable("connection_server"):
+        pass  # logged by the adapter's start-up check
+    elif getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, ConnectionServer):
         log.warning("hypercorn's connection server is not the expected one; left as it is")
-        return
-    setattr(hypercorn_trio_run, "TCPServer", ConnectionServer)  # noqa: B010
+    else:
+        setattr(hypercorn_trio_run, "TCPServer", ConnectionServer)  # noqa: B010
+    if getattr(hypercorn_protocol, "H11Protocol", None) not in (
+        H11Protocol,
+        FramingCheckedProtocol,
+    ):
+        log.warning("hypercorn's HTTP/1.1 protocol is not the expected one; left as it is")
+    else:
+        setattr(hypercorn_protocol, "H11Protocol", FramingCheckedProtocol)  # noqa: B010

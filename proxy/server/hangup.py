@@ -177,7 +177,9 @@ _loop_watcher: trio.lowlevel.RunVar[_Shared | None] = trio.lowlevel.RunVar(
 
 
 def available() -> bool:
-    return bool(_HANGUP) and hasattr(select, "epoll")
+    from proxy.server import adapters
+
+    return bool(_HANGUP) and hasattr(select, "epoll") and adapters.usable("hangup")
 
 
 @contextmanager

@@ -8,16 +8,17 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets as Sockets
-from hypercorn.trio.run import worker_serve
-from hypercorn.utils import wrap_app
 
 from proxy.config import Config, check_public_bind
-from proxy.server import connection_server, hangup
+from proxy.server import adapters, connection_server, hangup
+from proxy.server.adapters.hypercorn_adapter import HypercornConfig, worker_serve, wrap_app
+from proxy.server.adapters.hypercorn_adapter import Sockets as Sockets
 from proxy.server.asgi import SluiceQuart
 
 _CLEANUP_SECONDS = 5.0
+# After hypercorn's graceful deadline, the connections still open are dropped this much later
+# (hypercorn's own cancellation ends the others first).
+_DROP_AFTER_GRACE = 0.25
 log = logging.getLogger("sluice.server")
 
 # Young-generation collections every 20,000 net allocations instead of CPython's 700: a relay
@@ -44,12 +45,19 @@ def hypercorn_config(config: Config) -> HypercornConfig:
     hyper.keep_alive_timeout = server.keep_alive_timeout
     hyper.graceful_timeout = server.graceful_timeout
     hyper.backlog = server.backlog
+    # WebSocket messages share the request body's limit: wsproto buffers a whole message.
+    hyper.websocket_max_message_size = server.max_body_bytes
     # The access log would be one synchronous write per request on the event loop.
     hyper.accesslog = None
     # A Logger (not a path) makes hypercorn use it as it is, through our logging set-up,
     # instead of adding a second handler that prints every line twice.
     hyper.errorlog = logging.getLogger("hypercorn.error")
     return hyper
+
+
+def bind(config: Config) -> Sockets:
+    """The listening sockets for ``config`` (bound before the workers start: they share them)."""
+    return listen_sockets(hypercorn_config(config), config.relay.stall_timeout)
 
 
 def listen_sockets(hyper: HypercornConfig, stall_timeout: float) -> Sockets:
@@ -75,25 +83,59 @@ async def serve(
     Raises :class:`ConfigError` before binding when the config would serve other machines
     without client keys (see :func:`check_public_bind`)."""
     check_public_bind(config)
+    adapters.check_all()
     hyper = hypercorn_config(config)
     if sockets is None:
         sockets = listen_sockets(hyper, config.relay.stall_timeout)
     connection_server.install()
-    try:
-        with hangup.watching():
-            await worker_serve(
-                wrap_app(app, hyper.wsgi_max_body_size, "asgi"),
-                hyper,
-                sockets=sockets,
-                shutdown_trigger=shutdown_trigger,
-                task_status=task_status,
-            )
-    finally:
-        # A cancelled serve skips the app's after_serving; the upstream pools must close
-        # anyway, under a shield (we may be cancelled) with a bound (never hang shutdown).
-        with trio.CancelScope(shield=True) as cleanup:
-            cleanup.deadline = trio.current_time() + _CLEANUP_SECONDS
-            await app.served_state.aclose()
+    connections = connection_server.ConnectionSet()
+    connections.attach(hyper)
+    served = trio.Event()
+
+    async def drop_stuck_connections(deadline: float) -> None:
+        # hypercorn cancels what is left at its graceful deadline, but a write the client
+        # does not take is shielded and outlives that: dropped here, just after.
+        await trio.sleep_until(deadline)
+        if not served.is_set():
+            dropped = connections.drop_all()
+            log.warning("graceful timeout: dropped %d connection(s) stuck in a write", dropped)
+
+    async def drop_connections_if_cancelled() -> None:
+        # Cancelled (a second signal, or our caller): stop now, whatever the clients do.
+        try:
+            await trio.sleep_forever()
+        finally:
+            if not served.is_set():
+                connections.drop_all()
+
+    async with trio.open_nursery() as nursery:
+
+        async def shutdown() -> None:
+            if shutdown_trigger is None:
+                await trio.sleep_forever()
+            else:
+                await shutdown_trigger()
+            deadline = trio.current_time() + hyper.graceful_timeout + _DROP_AFTER_GRACE
+            nursery.start_soon(drop_stuck_connections, deadline)
+
+        nursery.start_soon(drop_connections_if_cancelled)
+        try:
+            with hangup.watching():
+                await worker_serve(
+                    wrap_app(app, hyper.wsgi_max_body_size, "asgi"),
+                    hyper,
+                    sockets=sockets,
+                    shutdown_trigger=shutdown,
+                    task_status=task_status,
+                )
+        finally:
+            served.set()
+            # A cancelled serve skips the app's after_serving; the upstream pools must close
+            # anyway, under a shield (we may be cancelled) with a bound (never hang shutdown).
+            with trio.CancelScope(shield=True) as cleanup:
+                cleanup.deadline = trio.current_time() + _CLEANUP_SECONDS
+                await app.served_state.aclose()
+        nursery.cancel_scope.cancel()
 
 
 async def serve_until_signalled(

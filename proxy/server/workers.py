@@ -20,9 +20,8 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-from hypercorn.config import Sockets
-
 from proxy.config import Config
+from proxy.server.adapters.hypercorn_adapter import Sockets
 
 log = logging.getLogger("sluice.workers")
 

@@ -5,7 +5,7 @@ injects failures on request, and records what it saw (above all, *when* it saw t
 away). The proxy forwards the original request body, so a test steers the fake per request
 with an extra ``"fake": {...}`` field in the JSON body.
 
-HTTP/1.1 is written by hand on raw trio sockets rather than through h11 or hypercorn: at
+HTTP/1.1 is written by hand on raw trio sockets rather than through h11 or a server library: at
 benchmark time the fake must feed ~1000 concurrent streams at 20 ms/token from one core. So a
 token is one precomputed ``bytes`` object written by one clock task (``_Ticker``) that wakes
 once per due batch of tokens of all streams; a stream's own task only handles what can block.

@@ -1,0 +1,122 @@
+"""The one request pipeline: every completion-like request, over every transport, goes through
+it, and every cross-cutting contract is applied here and nowhere else.
+
+A transport (HTTP, WebSocket) brings its own parsing of the wire and its own event shapes; what
+it asks of the pipeline, in order:
+
+1. :meth:`RequestPipeline.begin`: the request id and its access record (the access line).
+2. :meth:`RequestPipeline.authenticate`: the client's key (401 otherwise).
+3. :meth:`RequestPipeline.parse`: the body, under the size limit, with one set of errors.
+4. :meth:`RequestPipeline.relay`: the :class:`~proxy.relay.RelayBody` that runs the request:
+   the key's limits (requests per minute, concurrent streams) admitted inside it, the backend's
+   own admission, the stall limit, the relay's lifetime (one nursery), metrics, drain tracking
+   (the tracker's active relays) and the access line at its close.
+5. :meth:`RequestPipeline.refused` for a request refused before a relay existed: the same
+   metric and the same access line, with the refusal's code as the outcome.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from functools import partial
+
+import trio
+
+from proxy.api.auth import KeyRing, limited_producer
+from proxy.backends.base import Backend
+from proxy.config import Config, KeyConfig
+from proxy.ops.logs import AccessRecord
+from proxy.ops.metrics import Metrics
+from proxy.protocol.errors import model_not_found
+from proxy.protocol.openai import CompletionRequest, Endpoint, parse_completion_request
+from proxy.relay.body import Producer, RelayBody, RelayTracker
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class RequestPipeline:
+    """Shared by every request of one server process."""
+
+    def __init__(
+        self,
+        config: Config,
+        keys: KeyRing,
+        metrics: Metrics,
+        tracker: RelayTracker,
+        backends: Mapping[str, Backend],
+        local_models: Mapping[str, object],
+    ) -> None:
+        self.config = config
+        self.keys = keys
+        self.metrics = metrics
+        self.tracker = tracker
+        # Filled in at start-up (the backends start with the server).
+        self.backends = backends
+        self.local_models = local_models
+
+    @staticmethod
+    def request_id(presented: str | None) -> str:
+        """The client's X-Request-ID when it is sane, else a fresh one."""
+        if presented and _REQUEST_ID.match(presented):
+            return presented
+        return uuid.uuid4().hex
+
+    def begin(self, method: str, path: str, client: str, presented_id: str | None) -> AccessRecord:
+        return AccessRecord(
+            self.request_id(presented_id), method, path, client or "-", trio.current_time()
+        )
+
+    def authenticate(self, authorization: str | None, access: AccessRecord) -> KeyConfig | None:
+        """The client's key (None when no keys are configured); a 401 ApiError otherwise."""
+        if not self.keys.enabled:
+            return None
+        key = self.keys.identify(authorization)
+        access.key = key.name
+        return key
+
+    def parse(self, raw: bytes, endpoint: Endpoint) -> CompletionRequest:
+        return parse_completion_request(raw, endpoint, self.config.server.max_body_bytes)
+
+    def backend_for(self, model: str) -> Backend:
+        backend = self.backends.get(model)
+        if backend is None:
+            raise model_not_found(model)
+        return backend
+
+    def relay(
+        self, request: CompletionRequest, access: AccessRecord, key: KeyConfig | None
+    ) -> RelayBody:
+        """The relay that runs ``request``: enter it (``async with``) and iterate it."""
+        backend = self.backend_for(request.model)
+        produce: Producer = partial(backend.produce, request, access.request_id)
+        if key is not None and self.keys.limited(key):
+            # Admitted inside the relay, so that its 429 is counted like any relayed status
+            # and the concurrency it holds is released when the body closes.
+            produce = limited_producer(self.keys, key, produce)
+        relay = self.config.relay
+        return RelayBody(
+            produce,
+            streaming=request.stream,
+            channel_capacity=relay.channel_capacity,
+            stall_timeout=relay.stall_timeout,
+            tracker=self.tracker,
+            description=access.request_id,
+            model=request.model,
+            backend="local" if request.model in self.local_models else "upstream",
+            access=access,
+        )
+
+    def refused(self, access: AccessRecord | None, status: int, outcome: str, model: str) -> None:
+        """A completion request answered without a relay (bad input, 401, unknown model): the
+        requests metric and the access line. ``model`` is a configured name or "-": a client
+        must not be able to grow the metrics by inventing model names."""
+        self.metrics.requests.labels(model, str(status)).inc()
+        if access is not None:
+            self.finished(access, status, outcome, model)
+
+    @staticmethod
+    def finished(access: AccessRecord, status: int, outcome: str, model: str) -> None:
+        """The access line of a response that is not a relay (its body writes its own)."""
+        access.emit(status=status, model=model, outcome=outcome, ended=trio.current_time())

@@ -1,0 +1,88 @@
+"""hypercorn: every name Sluice imports from it, and every internal it relies on.
+
+The server layer imports hypercorn through this module only. The internals, and what falls
+back without them:
+
+* ``connection_server``: Sluice's per-connection server (the read loop that hears a client go
+  at once, the hangup watcher's socket, the keep-alive timer without round trips). Without it:
+  hypercorn's own connection server; disconnects are seen a scheduler turn later.
+* ``chunk_writer``: writing a stream's chunks straight to the socket. Without it: every chunk
+  through ASGI ``send`` (correct, slower; the stall limit is the relay's guard).
+* required: serving on our sockets (``worker_serve``), the HTTP/1.1 framing check (the
+  request-smuggling refusal), and the chain from ASGI ``send`` to the socket (dropping a
+  stalled client). Without any of these Sluice does not start.
+"""
+
+from __future__ import annotations
+
+from proxy.server.adapters.base import Adapter, Internal, StartupError
+
+try:
+    import hypercorn.protocol as hypercorn_protocol
+    import hypercorn.trio.run as hypercorn_trio_run
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.config import Sockets
+    from hypercorn.events import Closed, Event, RawData, Updated
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
+    from hypercorn.trio.run import worker_serve
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
+    from hypercorn.utils import build_and_validate_headers, wrap_app
+except ImportError as error:  # pragma: no cover - exercised by a version that moved a module
+    raise StartupError(f"hypercorn: {error} (Sluice supports hypercorn>=0.17,<0.19)") from None
+
+__all__ = [
+    "HYPERCORN",
+    "MAX_RECV",
+    "ASGIHTTPState",
+    "ASGIReceiveCallable",
+    "ASGISendCallable",
+    "Closed",
+    "Event",
+    "H11Protocol",
+    "HTTPStream",
+    "HypercornConfig",
+    "RawData",
+    "Sockets",
+    "TCPServer",
+    "Updated",
+    "build_and_validate_headers",
+    "hypercorn_protocol",
+    "hypercorn_trio_run",
+    "worker_serve",
+    "wrap_app",
+]
+
+HYPERCORN = Adapter(
+    "hypercorn",
+    floor="0.17",
+    below="0.19",
+    internals=[
+        Internal("hypercorn.trio.run.worker_serve"),
+        Internal("hypercorn.config.Config.websocket_max_message_size"),
+        Internal("hypercorn.config.Config.keep_alive_max_requests"),
+        # The request-smuggling refusal replaces H11Protocol where ProtocolWrapper finds it.
+        Internal("hypercorn.protocol.H11Protocol"),
+        Internal("hypercorn.protocol.h11.H11Protocol._create_stream", parameters=("request",)),
+        Internal("hypercorn.protocol.h11.H11Protocol._send_h11_event", parameters=("event",)),
+        # ASGI send -> HTTPStream.app_send -> H11Protocol.stream_send -> TCPServer.protocol_send:
+        # the way from the app to a client's socket (connection_server.send_chain).
+        Internal("hypercorn.protocol.http_stream.HTTPStream.app_send"),
+        Internal("hypercorn.protocol.ws_stream.WSStream.app_send"),
+        Internal("hypercorn.protocol.h11.H11Protocol.stream_send"),
+        Internal("hypercorn.trio.tcp_server.TCPServer.protocol_send"),
+        Internal("hypercorn.trio.run.TCPServer", "connection_server"),
+        Internal("hypercorn.trio.tcp_server.TCPServer._read_data", "connection_server"),
+        Internal("hypercorn.trio.task_group.TaskGroup.spawn", "connection_server"),
+        Internal("hypercorn.protocol.http_stream.ASGIHTTPState.REQUEST", "chunk_writer"),
+        Internal("hypercorn.protocol.http_stream.ASGIHTTPState.RESPONSE", "chunk_writer"),
+        Internal("hypercorn.config.Config.response_headers", "chunk_writer"),
+        Internal("hypercorn.utils.build_and_validate_headers", "chunk_writer"),
+    ],
+    fallbacks={
+        "connection_server": "using hypercorn's own connection server: a client's disconnect "
+        "is seen a scheduler turn later, and no hangup watcher",
+        "chunk_writer": "streamed chunks go through hypercorn's ASGI send (slower)",
+    },
+)
