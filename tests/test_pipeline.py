@@ -416,3 +416,34 @@ async def test_chunked_body_on_http_1_0_is_refused(proxy: Proxy) -> None:
             received += data
         await stream.aclose()
         assert b" 400 " in received.split(b"\r\n", 1)[0]
+
+
+async def test_a_bug_in_a_websocket_generation_is_its_error_not_a_closed_socket(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from proxy.api import ws as ws_module
+
+    original = ws_module.Translator.messages
+    calls = 0
+
+    def failing_once(self: ws_module.Translator, chunk: bytes) -> list[str]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in the translator")
+        return original(self, chunk)
+
+    monkeypatch.setattr(ws_module.Translator, "messages", failing_once)
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        async with open_websocket_url(ws_url(proxy)) as ws:
+            await ws.send_message(chat())
+            _, final = await answer(ws)
+            assert (final["type"], final["status"]) == ("error", 500)
+            assert final["error"]["code"] == "internal_error"
+            await ws.send_message(chat())
+            text, final = await answer(ws)
+            assert (text, final["type"]) == ("The quick ", "done")
+        await proxy.state.tracker.wait_idle()
+    assert "websocket generation failed" in caplog.text

@@ -28,7 +28,7 @@ from quart import websocket
 from proxy.api.pipeline import RequestPipeline
 from proxy.config import KeyConfig
 from proxy.ops.logs import AccessRecord
-from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
+from proxy.protocol.errors import UPSTREAM_ERROR, ApiError, internal_error
 from proxy.protocol.json_body import parse_json_object
 from proxy.protocol.openai import Endpoint, completion_request
 from proxy.protocol.sse import SSESplitter, is_done
@@ -177,7 +177,13 @@ class WebSocketSession:
         task_status.started()
         try:
             with scope:
-                await self._generate(raw, access)
+                try:
+                    await self._generate(raw, access)
+                except Exception:
+                    # The boundary of one request, as for HTTP: a bug is this request's error
+                    # message, never a closed socket. trio.Cancelled passes through.
+                    log.exception("websocket generation failed: %s", access.request_id)
+                    await self.send(error_message(access.request_id, internal_error()))
             if scope.cancelled_caught and not self.guard.stalled:
                 await self.send(message("cancelled", access.request_id))
         finally:
