@@ -858,3 +858,8 @@ async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> No
     section = bench.markdown_section(report)
     assert section.startswith("## 3 streams, proxy on a core of its own\n")
     assert f"proxy on CPU {max(before)}" in section
+
+
+def test_the_peers_folder_is_the_shared_one_beside_the_repository() -> None:
+    root = Path(__file__).resolve().parent.parent
+    assert root.parent / "shared" / "peers" == bench.PEERS_DIR

@@ -359,10 +359,13 @@ async def test_sigterm_exits_in_time_whatever_a_stalled_client_does(
     )
     with trio.fail_after(30):
         process, url = await start_sluice(config)
+        client: trio.SocketStream | None = None
         try:
             client = await stalled_client(url, transport)
-            await fake.recorder.wait_for(lambda r: r.records and r.last().tokens_sent > 1000)
-            await trio.sleep(1.0)  # the proxy's write is stuck by now
+            await fake.recorder.wait_for(lambda r: r.records and r.last().tokens_sent > 0)
+            # The proxy's write is stuck by now: buffers fill in milliseconds at interval 0.
+            await trio.sleep(1.0)
+            assert fake.recorder.last().disconnected_at is None  # still held, not cut
             process.send_signal(signal.SIGTERM)
             signalled = trio.current_time()
             if signals == 2:
@@ -372,8 +375,9 @@ async def test_sigterm_exits_in_time_whatever_a_stalled_client_does(
             took = trio.current_time() - signalled
             assert process.returncode == 0
             assert took < (graceful if signals == 1 else 0.5) + 1.0, took
-            await client.aclose()
         finally:
+            if client is not None:
+                await client.aclose()
             await stop(process)
 
 

@@ -128,7 +128,7 @@ READY_TIMEOUT: Final = 30.0
 # The peer's first start builds its own venv with pip: minutes, not seconds.
 PEER_READY_TIMEOUT: Final = 600.0
 # Where ``--peer auto`` finds the peer's starter: ``shared/peers`` beside the repository.
-PEERS_DIR: Final = Path(__file__).resolve().parents[2] / "shared" / "peers"
+PEERS_DIR: Final = Path(__file__).resolve().parents[3] / "shared" / "peers"
 PEER_SCRIPT: Final = "run-fastapi-gateway"
 # How long a child gets to exit after SIGTERM before SIGKILL. The proxy's own graceful shutdown
 # is set to 1 s in the config we write, so this is rarely reached.

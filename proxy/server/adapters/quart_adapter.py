@@ -16,13 +16,13 @@ try:
     from quart.utils import encode_headers
     from quart.wrappers.response import ResponseBody
 except ImportError as error:  # pragma: no cover - exercised by a version that moved a module
-    raise StartupError(f"quart: {error} (Sluice supports quart>=0.20,<0.23)") from None
+    raise StartupError(f"quart: {error} (Sluice supports quart>=0.19.9,<0.23)") from None
 
 __all__ = ["QUART", "ASGIHTTPConnection", "ResponseBody", "encode_headers"]
 
 QUART = Adapter(
     "quart",
-    floor="0.20",
+    floor="0.19.9",
     below="0.23",
     internals=[
         Internal("quart.asgi.ASGIHTTPConnection._send_response", parameters=("send", "response")),

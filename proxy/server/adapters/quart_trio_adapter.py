@@ -15,13 +15,13 @@ try:
     from quart_trio import QuartTrio
     from quart_trio.asgi import TrioASGIHTTPConnection, TrioASGIWebsocketConnection
 except ImportError as error:  # pragma: no cover - exercised by a version that moved a module
-    raise StartupError(f"quart-trio: {error} (Sluice supports quart-trio>=0.12,<0.13)") from None
+    raise StartupError(f"quart-trio: {error} (Sluice supports quart-trio>=0.11,<0.13)") from None
 
 __all__ = ["QUART_TRIO", "QuartTrio", "TrioASGIHTTPConnection", "TrioASGIWebsocketConnection"]
 
 QUART_TRIO = Adapter(
     "quart-trio",
-    floor="0.12",
+    floor="0.11",
     below="0.13",
     internals=[
         Internal(
