@@ -89,7 +89,9 @@ class UpstreamConfig(UpstreamRequestConfig):
 
     max_connections: int = 256
     max_keepalive_connections: int = 64
-    keepalive_expiry: float = 30.0
+    # Below uvicorn's 5 s (vLLM's server): an idle connection is let go before its server
+    # closes it, which is when the keep-alive race happens (the pool retries that race too).
+    keepalive_expiry: float = 4.0
     # Spare connections each replica keeps open ahead of demand (0: none), so that a request
     # finding no idle connection does not connect (nor, for https, handshake) on its way to
     # the first token. Opened at start, topped up as requests take them; spares are idle

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import struct
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing, asynccontextmanager, contextmanager, nullcontext
@@ -1438,3 +1439,72 @@ async def test_a_request_the_server_never_reads_is_a_write_timeout(nursery: trio
                     server.url, content=b"x" * (32 * 1024 * 1024), timeout=httpx.Timeout(0.2)
                 )
             assert pool.connections() == []
+
+
+# ---------------------------------------------------------------- the keep-alive race
+
+
+def close_on_second_request(how: str) -> Behaviour:
+    """Answers the first request; takes the second and closes without a byte of answer (EOF,
+    or a reset), as a server does whose idle close crossed the request on the wire. Any
+    later connection is served normally."""
+
+    async def behaviour(conn: ServerConnection) -> None:
+        if conn.index > 0:
+            await keep_alive(conn)
+            return
+        if await conn.read_request():
+            await conn.respond()
+        if await conn.read_request():
+            if how == "reset":
+                conn.tcp.socket.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+            await trio.aclose_forcefully(conn.stream)
+
+    return behaviour
+
+
+@pytest.mark.parametrize("how", ["eof", "reset"])
+async def test_a_reused_connection_closed_before_any_answer_is_retried_on_a_fresh_one(
+    backend: Backend, nursery: trio.Nursery, how: str
+) -> None:
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, close_on_second_request(how), backend)
+        async with pooled_client(backend) as (client, pool):
+            assert (await client.get(server.url)).headers["x-conn"] == "0"
+            response = await client.get(server.url)
+            assert response.status_code == 200
+            assert response.headers["x-conn"] == "1"  # sent again, on a new connection
+            assert len(server.connections) == 2
+            assert [conn.requests for conn in server.connections] == [2, 1]
+            assert len(pool.connections()) == 1
+
+
+async def test_a_fresh_connection_closed_before_any_answer_is_not_retried(
+    backend: Backend, nursery: trio.Nursery
+) -> None:
+    async def close_at_once(conn: ServerConnection) -> None:
+        await conn.read_request()
+
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, close_at_once, backend)
+        async with pooled_client(backend) as (client, _):
+            with pytest.raises(httpx.TransportError):
+                await client.get(server.url)
+            assert len(server.connections) == 1  # the server's own fault: said so, not hidden
+
+
+async def test_the_keep_alive_retry_happens_once(backend: Backend, nursery: trio.Nursery) -> None:
+    async def answer_once_then_close_every_request(conn: ServerConnection) -> None:
+        if conn.index == 0 and await conn.read_request():
+            await conn.respond()
+        await conn.read_request()
+
+    with trio.fail_after(DEADLINE):
+        server = await start_server(nursery, answer_once_then_close_every_request, backend)
+        async with pooled_client(backend) as (client, _):
+            assert (await client.get(server.url)).status_code == 200
+            with pytest.raises(httpx.TransportError):
+                await client.get(server.url)
+            assert len(server.connections) == 2  # the reused one, and one retry: no more

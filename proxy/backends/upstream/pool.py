@@ -360,7 +360,7 @@ async def _connect_to_address(
 class UpstreamConnection:
     """One HTTP/1.1 connection: one request at a time, reused while the server keeps it."""
 
-    __slots__ = ("_broken", "_closed", "_idle_since", "_reader", "origin", "transport")
+    __slots__ = ("_broken", "_closed", "_idle_since", "_reader", "answered", "origin", "transport")
 
     def __init__(self, origin: Origin, transport: Transport) -> None:
         self.origin = origin
@@ -370,6 +370,8 @@ class UpstreamConnection:
         self._closed = False
         # Out of step with the server (a request not fully sent): never reused.
         self._broken = False
+        # Whether the request in progress has had any byte of an answer.
+        self.answered = False
 
     def is_idle(self) -> bool:
         return not self._closed and self._reader is None
@@ -388,6 +390,7 @@ class UpstreamConnection:
         """Send ``request``; read until its response head. Returns the head and the body bytes
         that came with it."""
         reader = self._reader = http1.ResponseReader(request.method)
+        self.answered = False
         try:
             data = http1.encode_request(
                 request.method, request.target, request.headers, request.body
@@ -418,7 +421,9 @@ class UpstreamConnection:
     ) -> tuple[http1.ResponseHead, bytes]:
         body = b""
         while reader.head is None:
-            body = self.feed(await self.read(read_timeout))
+            data = await self.read(read_timeout)
+            self.answered = self.answered or bool(data)
+            body = self.feed(data)
         return reader.head, body
 
     async def read(self, read_timeout: float | None) -> bytes:
@@ -469,6 +474,11 @@ class UpstreamConnection:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "idle" if self._reader is None else "active"
         return f"<UpstreamConnection {self.origin!r} {state}>"
+
+
+# How a reused connection fails when its server closed it as the request went out: EOF or a
+# reset while reading the head, EPIPE or a reset while writing.
+_KEEPALIVE_RACE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 class KeepAlivePool(httpx.AsyncBaseTransport):
@@ -538,17 +548,35 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         caller gives the connection back with :meth:`release` or :meth:`discard`."""
         if self._closed:
             raise RuntimeError("the upstream pool is closed")
-        connection = await self._take(request)
+        connection, was_idle = await self._take(request)
+        try:
+            head, body = await self._start(connection, request)
+        except _KEEPALIVE_RACE as error:
+            if not was_idle or connection.answered:
+                raise
+            # The keep-alive race: the server closed this idle connection as the request went
+            # out (uvicorn after 5 s idle; many servers right after an answer, without saying
+            # Connection: close). It never answered on it, so the request is sent once more on
+            # a fresh connection, and the replica is not blamed for it.
+            log.debug("%r: reused connection closed before an answer (%s); retrying", self, error)
+            connection = await self._connect(request.origin, request.connect_timeout)
+            head, body = await self._start(connection, request)
+        return connection, UpstreamResponse(connection, head, body, request.read_timeout)
+
+    async def _start(
+        self, connection: UpstreamConnection, request: UpstreamRequest
+    ) -> tuple[http1.ResponseHead, bytes]:
         self._busy.add(connection)
         try:
-            head, body = await connection.start(request)
+            return await connection.start(request)
         except BaseException:
             # Whatever state it is in, it serves nobody else.
             await self.discard(connection)
             raise
-        return connection, UpstreamResponse(connection, head, body, request.read_timeout)
 
-    async def _take(self, request: UpstreamRequest) -> UpstreamConnection:
+    async def _take(self, request: UpstreamRequest) -> tuple[UpstreamConnection, bool]:
+        """A connection for ``request``, and whether it was idle (kept alive, or a spare)
+        rather than opened for it."""
         idle = self._idle
         expiry = self._keepalive_expiry
         # The bottom of the stack is the longest idle: the one most likely past its expiry.
@@ -560,9 +588,9 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         while idle:
             connection = idle.pop()
             if connection.origin == request.origin and not connection.has_expired(expiry):
-                return connection
+                return connection, True
             await connection.aclose()
-        return await self._connect(request.origin, request.connect_timeout)
+        return await self._connect(request.origin, request.connect_timeout), False
 
     async def _connect(self, origin: Origin, connect_timeout: float | None) -> UpstreamConnection:
         transport = await connect(
