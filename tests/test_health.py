@@ -153,3 +153,53 @@ async def test_hedged_first_token_closes_the_loser(
         response = await client.post(proxy.url + CHAT, json=chat_body("m", fake={"ttft": 0.01}))
         assert response.status_code == 200
         assert len(slow.recorder.records) + len(fast.recorder.records) == 3
+
+
+async def serve_health_requiring(
+    authorization: str, seen: list[str | None], task_status: trio.TaskStatus[int]
+) -> None:
+    """A hosted API's health endpoint: 200 with the right key, 401 without it."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        received = b""
+        while b"\r\n\r\n" not in received:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            received += data
+        headers = {
+            name.strip().lower(): value.strip()
+            for name, _, value in (
+                line.decode().partition(":") for line in received.split(b"\r\n")[1:] if line
+            )
+        }
+        seen.append(headers.get("authorization"))
+        ok = headers.get("authorization") == authorization
+        status = b"200 OK" if ok else b"401 Unauthorized"
+        await stream.send_all(
+            b"HTTP/1.1 %b\r\nContent-Length: 0\r\nConnection: close\r\n\r\n" % status
+        )
+        await stream.aclose()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handle, listeners)
+
+
+async def test_health_checks_send_the_upstream_key(nursery: trio.Nursery) -> None:
+    seen: list[str | None] = []
+    with trio.fail_after(DEADLINE):
+        port = await nursery.start(serve_health_requiring, "Bearer sk-upstream", seen)
+        proxy = await start_proxy(
+            nursery,
+            {"hosted": {"upstreams": [f"http://127.0.0.1:{port}"], "api_key_env": "HOSTED_KEY"}},
+            env={"HOSTED_KEY": "sk-upstream"},
+            upstream={
+                "health_check_path": "/health",
+                "health_check_interval": 0.05,
+                "failure_threshold": 1,
+            },
+        )
+        await poll_until(lambda: len(seen) >= 3)
+        assert set(seen) == {"Bearer sk-upstream"}
+        assert proxy.state.replicas[f"http://127.0.0.1:{port}"].load.healthy()

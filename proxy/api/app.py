@@ -128,7 +128,11 @@ class SluiceState:
                     self.replicas[url] = UpstreamReplica(
                         url, upstream, socket_options=socket_options
                     )
-                replicas.append(self.replicas[url])
+                replica = self.replicas[url]
+                key = self.api_keys.get(model.name)
+                if key is not None and replica.authorization is None:
+                    replica.authorization = f"Bearer {key}"
+                replicas.append(replica)
             self.backends[model.name] = UpstreamBackend(
                 model,
                 replicas,

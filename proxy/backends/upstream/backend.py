@@ -66,6 +66,9 @@ class UpstreamReplica:
         )
         self._connect_timeout = settings.connect_timeout
         self.slots = trio.Semaphore(settings.max_connections)
+        # What health checks send as Authorization: the upstream key of a model this replica
+        # serves (set by the app), as its requests do; a hosted API answers 401 without it.
+        self.authorization: str | None = None
         parsed = httpx.URL(self.url)
         self.origin = Origin.of(parsed)
         # Sent as the Host header (with the port unless it is the scheme's default).
@@ -545,9 +548,12 @@ async def check_replicas(
     replica, so a hanging replica never delays the others' checks. Runs under the app's
     nursery and ends with it."""
     router = LeastBusyRouter(policy)
-    # Its own small client: a check must never wait behind streams for a pool slot.
+    # Its own small client: a check must never wait behind streams for a pool slot. Its TLS is
+    # the requests' own (the same context: SSL_CERT_FILE honoured as theirs is); no proxy from
+    # the environment, as requests use none.
+    verify = replicas[0].pool.tls_context() if replicas else True
     async with (
-        httpx.AsyncClient(trust_env=False, timeout=interval) as client,
+        httpx.AsyncClient(trust_env=False, timeout=interval, verify=verify) as client,
         trio.open_nursery() as nursery,
     ):
         for replica in replicas:
@@ -565,7 +571,10 @@ async def _check_replica(
         healthy = False
         with trio.move_on_after(interval):
             try:
-                response = await client.get(replica.root_url + path)
+                headers = {"User-Agent": USER_AGENT.decode()}
+                if replica.authorization is not None:
+                    headers["Authorization"] = replica.authorization
+                response = await client.get(replica.root_url + path, headers=headers)
                 healthy = response.status_code == 200
             except httpx.HTTPError:
                 healthy = False

@@ -597,7 +597,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
             origin,
             connect_timeout=connect_timeout,
             socket_options=self._socket_options,
-            ssl_context=self._tls_context() if origin.scheme == "https" else None,
+            ssl_context=self.tls_context() if origin.scheme == "https" else None,
         )
         return UpstreamConnection(origin, transport)
 
@@ -636,7 +636,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         while idle and idle[0].has_expired(self._keepalive_expiry):
             await idle.popleft().aclose()
 
-    def _tls_context(self) -> ssl.SSLContext:
+    def tls_context(self) -> ssl.SSLContext:
         # Built on first use (loading the CA bundle takes milliseconds): httpx's default, the
         # certifi bundle, and HTTP/1.1 only.
         if self._ssl_context is None:
