@@ -647,3 +647,21 @@ def test_an_http10_response_with_a_transfer_coding_is_never_reused() -> None:
     assert body == b"hello"
     assert reader.complete
     assert not reader.reusable
+
+
+def test_content_decoder_takes_the_body_in_pieces_and_bounds_what_it_makes() -> None:
+    import gzip
+
+    from proxy.protocol.http1 import ContentDecoder, ProtocolError
+
+    body = b"data: token\n\n" * 1000
+    packed = gzip.compress(body)
+    decoder = ContentDecoder("gzip", len(body))
+    out = b"".join(decoder.feed(packed[i : i + 7]) for i in range(0, len(packed), 7))
+    assert out == body
+    with pytest.raises(ProtocolError, match="limit"):
+        ContentDecoder("gzip", len(body) - 1).feed(packed)
+    with pytest.raises(ProtocolError, match="limit"):
+        ContentDecoder("gzip", 10**9, chunk_limit=100).feed(packed)
+    with pytest.raises(ProtocolError, match="undecodable"):
+        ContentDecoder("deflate", 100).feed(b"not deflate at all")

@@ -16,6 +16,7 @@ Errors are :class:`ProtocolError`; the pool turns them into httpx's.
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterable
 
 # Bounds, so a broken or hostile upstream cannot make the proxy buffer without limit.
@@ -346,3 +347,32 @@ def request_framing_error(
     if transfer_encoding and http_version == b"1.0":
         return "HTTP/1.0 requests may not use Transfer-Encoding"
     return None
+
+
+class ContentDecoder:
+    """Undoes a response's gzip or deflate Content-Encoding as its chunks arrive (a server that
+    ignored ``Accept-Encoding: identity``), never producing more than ``limit`` bytes in all
+    nor more than ``chunk_limit`` from one chunk: a small compressed body must not become an
+    unbounded one here."""
+
+    def __init__(self, encoding: str, limit: int, chunk_limit: int | None = None) -> None:
+        # 16 + MAX_WBITS: a gzip header; MAX_WBITS: zlib-wrapped deflate, as servers send it.
+        wbits = 16 + zlib.MAX_WBITS if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS
+        self._decoder = zlib.decompressobj(wbits)
+        self._room = limit
+        self._chunk_limit = limit if chunk_limit is None else chunk_limit
+
+    def feed(self, data: bytes) -> bytes:
+        most = min(self._room, self._chunk_limit)
+        try:
+            out = self._decoder.decompress(data, most + 1)
+        except zlib.error as error:
+            raise ProtocolError(f"undecodable body: {error}") from None
+        if len(out) > most or self._decoder.unconsumed_tail:
+            raise ProtocolError("the decoded body exceeds this proxy's limit")
+        self._room -= len(out)
+        return out
+
+
+# What ContentDecoder undoes; any other encoding is passed on as it came, or refused in a stream.
+DECODABLE_ENCODINGS = frozenset({"gzip", "x-gzip", "deflate"})

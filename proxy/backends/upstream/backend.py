@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
 from typing import Any
@@ -26,6 +27,7 @@ from proxy.backends.upstream.pool import KeepAlivePool, Origin, UpstreamRequest,
 from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
 from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
 from proxy.ops.metrics import Metrics
+from proxy.protocol import http1
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
@@ -334,7 +336,7 @@ class UpstreamBackend:
                     elif request.stream:
                         await self._relay_stream(replica, response, read_scope, sink)
                     else:
-                        await self._relay_whole(response, sink)
+                        await self._relay_whole(replica, response, sink)
         except httpx.ConnectTimeout:
             raise upstream_error(
                 504,
@@ -389,6 +391,7 @@ class UpstreamBackend:
             raise SSEProtocolError(
                 f"answered a streaming request with content-type {content_type!r}"
             )
+        decoder = self._decoder(replica, response, streaming=True)
         idle_timeout = self.model.idle_timeout
         # The idle deadline is moved only once it is closer than idle_timeout, and then to
         # idle_timeout + slack from now: a stream is cut between idle_timeout and
@@ -398,7 +401,7 @@ class UpstreamBackend:
         splitter = SSESplitter(self._relay.max_event_bytes)
         saw_done = False
         async for chunk in response.chunks():
-            events = splitter.feed(chunk)
+            events = splitter.feed(chunk if decoder is None else decode(decoder, chunk))
             if not events:
                 continue
             if not sink.started:
@@ -425,10 +428,42 @@ class UpstreamBackend:
                 retryable=not sink.started,
             )
 
-    async def _relay_whole(self, response: UpstreamResponse, sink: Sink) -> None:
+    def _decoder(
+        self, replica: UpstreamReplica, response: UpstreamResponse, *, streaming: bool
+    ) -> http1.ContentDecoder | None:
+        """A decoder for a body the server encoded though asked not to; None for identity (or,
+        for a whole body, an encoding passed on with its Content-Encoding)."""
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding in ("", "identity"):
+            return None
+        if encoding in http1.DECODABLE_ENCODINGS:
+            if streaming:
+                # A stream has no total: each chunk's output is bounded like an event.
+                return http1.ContentDecoder(encoding, sys.maxsize, self._relay.max_event_bytes)
+            return http1.ContentDecoder(encoding, self._relay.max_response_bytes)
+        if streaming:
+            raise upstream_error(
+                502,
+                "upstream_encoding",
+                f"{replica.url} sent its stream with Content-Encoding {encoding!r}, which "
+                "Sluice cannot decode (it asks for identity)",
+                retryable=False,
+            )
+        return None
+
+    async def _relay_whole(
+        self, replica: UpstreamReplica, response: UpstreamResponse, sink: Sink
+    ) -> None:
         body = await _read_bounded(response, self._relay.max_response_bytes)
         content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
-        sink.begin(200, content_type, content_length=len(body))
+        headers: dict[str, str] = {}
+        decoder = self._decoder(replica, response, streaming=False)
+        if decoder is not None:
+            body = decode(decoder, body)
+        elif "content-encoding" in response.headers:
+            # Not ours to decode: passed on with its encoding, never mislabelled.
+            headers["Content-Encoding"] = response.headers["content-encoding"]
+        sink.begin(200, content_type, headers, content_length=len(body))
         await sink.send(body)
 
     async def _relay_error_response(
@@ -436,6 +471,18 @@ class UpstreamBackend:
     ) -> None:
         body = await _read_bounded(response, _MAX_ERROR_BODY)
         status = response.status_code
+        if 300 <= status < 400:
+            # Never followed: a redirect from an inference server is a misconfigured URL (a
+            # missing /v1, http for https), and following it would resend the client's body
+            # to wherever it points.
+            location = response.headers.get("location", "(no Location)")
+            raise upstream_error(
+                502,
+                "upstream_redirect",
+                f"{replica.url} answered HTTP {status} to {location}; redirects are not "
+                "followed (check the model's upstreams URL)",
+                retryable=False,
+            )
         if status >= 500 or status < 400:
             snippet = body[:500].decode("utf-8", "replace")
             raise upstream_error(
@@ -454,6 +501,15 @@ class UpstreamBackend:
         content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
         sink.begin(status, content_type, headers, content_length=len(body))
         await sink.send(body)
+
+
+def decode(decoder: http1.ContentDecoder, data: bytes) -> bytes:
+    try:
+        return decoder.feed(data)
+    except http1.ProtocolError as error:
+        raise upstream_error(
+            502, "upstream_protocol_error", f"the upstream's body: {error}", retryable=False
+        ) from None
 
 
 async def _read_bounded(response: UpstreamResponse, limit: int) -> bytes:
