@@ -81,6 +81,11 @@ class UpstreamRequestConfig:
     # also goes to another replica; the first to stream wins, the other is cancelled. 0: off.
     hedge_after: float = 0.0
     api_key_env: str = ""
+    # Requests waiting for a free connection slot on a replica (every max_connections in use):
+    # more get 429 queue_full at once; one that waits longer than queue_timeout gets 503.
+    # (A local model's own queue uses the same two keys, with its own defaults.)
+    max_queue: int = 256
+    queue_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -445,9 +450,9 @@ def _build_models(
                 f"'backend' in {where} must be one of {', '.join(BACKENDS)}, not {backend!r}"
             )
         own_keys, other_keys = (
-            (_LOCAL_MODEL_KEYS, _UPSTREAM_MODEL_KEYS)
+            (_LOCAL_MODEL_KEYS, _UPSTREAM_MODEL_KEYS - _LOCAL_MODEL_KEYS)
             if backend == "local"
-            else (_UPSTREAM_MODEL_KEYS, _LOCAL_MODEL_KEYS)
+            else (_UPSTREAM_MODEL_KEYS, _LOCAL_MODEL_KEYS - _UPSTREAM_MODEL_KEYS)
         )
         values: dict[str, Any] = {}
         if backend == "upstream":

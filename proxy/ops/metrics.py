@@ -180,13 +180,14 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "sluice_queue_depth",
-            "Requests waiting for a local model's slot now.",
+            "Requests waiting now for a local model's slot or an upstream connection slot.",
             ["model"],
             registry=registry,
         )
         self.queue_wait = Histogram(
             "sluice_queue_wait_seconds",
-            "Time a request waited for a local model's slot, observed when it left the queue, "
+            "Time a request waited for a local model's slot or an upstream connection slot, "
+            "observed when it left the queue, "
             "by outcome: admitted, queue_timeout (503), cancelled (the client left), or "
             "queue_full (429 at once, 0 s).",
             ["model", "outcome"],

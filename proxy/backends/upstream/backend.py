@@ -28,7 +28,7 @@ from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, Repli
 from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol import http1
-from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
+from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
@@ -39,6 +39,8 @@ log = logging.getLogger("sluice.upstream")
 _MAX_ERROR_BODY = 64 * 1024
 # Response headers of an upstream 4xx worth passing on to the client.
 _PASSED_ERROR_HEADERS = ("retry-after",)
+# The proxy's own queue refusing a request: not the replica's fault.
+_QUEUE_REFUSALS = frozenset({"queue_full", "queue_timeout"})
 # The most an idle deadline fires after idle_timeout (see _relay_stream).
 _IDLE_SLACK = 1.0
 USER_AGENT = f"sluice/{version('sluice')}".encode()
@@ -129,6 +131,11 @@ class UpstreamBackend:
         self._api_key = api_key
         self._metrics = metrics
         self._authorization = f"Bearer {api_key}".encode() if api_key else None
+        # Requests of this model waiting for a replica's connection slot (bounded: max_queue).
+        self.queued = 0
+        if metrics is not None:
+            # Read at scrape time, as the local model's.
+            metrics.queue_depth.labels(model.name).set_function(lambda: self.queued)
 
     def _request(
         self, replica: UpstreamReplica, request: CompletionRequest, request_id: str
@@ -274,12 +281,19 @@ class UpstreamBackend:
         verdict = False
         try:
             sink.set_phase("queued")
-            async with replica.slots:
+            await self._take_slot(replica)
+            try:
                 sink.set_phase("awaiting_headers")
                 await self._exchange(replica, request, request_id, sink)
+            finally:
+                replica.slots.release()
             self._router.success(load)
             verdict = True
         except ApiError as error:
+            if error.code in _QUEUE_REFUSALS:
+                # The proxy's own queue was full or too slow: nothing about the replica.
+                self._count_error(error)
+                raise
             if not sink.client_gone:
                 self._router.failure(load, trio.current_time())
                 self._count_error(error)
@@ -291,6 +305,54 @@ class UpstreamBackend:
                 # Cancelled (client left, lost a hedge race) or stalled: says nothing about
                 # the replica, but a probe slot it held must be released.
                 self._router.release_probe(load)
+
+    async def _take_slot(self, replica: UpstreamReplica) -> None:
+        """One of the replica's max_connections slots, waiting in a bounded queue: 429 at once
+        when max_queue requests of this model already wait, 503 after queue_timeout; both
+        with Retry-After, as the local model's queue. A client that leaves while waiting
+        frees its place at once (the wait is cancelled with it)."""
+        slots = replica.slots
+        try:
+            slots.acquire_nowait()
+            return
+        except trio.WouldBlock:
+            pass
+        model = self.model
+        if self.queued >= model.max_queue:
+            self._left_queue(0.0, "queue_full")
+            raise ApiError(
+                429,
+                f"model '{model.name}' is busy: every connection to {replica.url} is in use and "
+                f"{self.queued} request(s) wait; retry later.",
+                type=RATE_LIMIT,
+                code="queue_full",
+                headers={"Retry-After": "1"},
+                retryable=True,
+            )
+        self.queued += 1
+        entered = trio.current_time()
+        outcome = "cancelled"
+        try:
+            with trio.move_on_after(model.queue_timeout) as waited:
+                await slots.acquire()
+            outcome = "queue_timeout" if waited.cancelled_caught else "admitted"
+        finally:
+            self.queued -= 1
+            self._left_queue(trio.current_time() - entered, outcome)
+        if outcome == "queue_timeout":
+            raise ApiError(
+                503,
+                f"model '{model.name}' had no free connection to {replica.url} within "
+                f"queue_timeout={model.queue_timeout:g}s; retry later.",
+                type=SERVER_ERROR,
+                code="queue_timeout",
+                headers={"Retry-After": str(max(1, math.ceil(model.queue_timeout / 10)))},
+                retryable=True,
+            )
+
+    def _left_queue(self, seconds: float, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.queue_wait.labels(self.model.name, outcome).observe(seconds)
 
     def _log_retry(self, request_id: str, load: ReplicaLoad, error: ApiError, tries: int) -> None:
         log.warning(
