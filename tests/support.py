@@ -287,3 +287,15 @@ async def cancel_while_waiting_then_mid_stream(proxy: Proxy, fake: Fake) -> None
     await streaming.read_until(b"data: ", count=3)
     await streaming.close()
     await proxy.state.tracker.wait_idle()
+
+
+async def read_request_head(stream: trio.SocketStream) -> bytes | None:
+    """For a hand-written test server: everything received up to and including the first
+    request's blank line (and what followed it in the same reads); None if the client left."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        received += data
+    return received

@@ -13,6 +13,7 @@ from tests.support import (
     DEADLINE,
     chat_body,
     poll_until,
+    read_request_head,
     sse_payloads,
     start_fake,
     start_proxy,
@@ -161,12 +162,9 @@ async def serve_health_requiring(
     """A hosted API's health endpoint: 200 with the right key, 401 without it."""
 
     async def handle(stream: trio.SocketStream) -> None:
-        received = b""
-        while b"\r\n\r\n" not in received:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            received += data
+        received = await read_request_head(stream)
+        if received is None:
+            return
         headers = {
             name.strip().lower(): value.strip()
             for name, _, value in (

@@ -27,6 +27,7 @@ from tests.support import (
     RawClient,
     chat_body,
     connect_client,
+    read_request_head,
     start_fake,
     start_proxy,
 )
@@ -147,12 +148,9 @@ async def serve_events(events: list[bytes], task_status: trio.TaskStatus[str]) -
     """An OpenAI-compatible upstream that answers every request with these SSE events."""
 
     async def handle(stream: trio.SocketStream) -> None:
-        received = b""
-        while b"\r\n\r\n" not in received:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            received += data
+        received = await read_request_head(stream)
+        if received is None:
+            return
         head, _, body = received.partition(b"\r\n\r\n")
         length = int(
             next(

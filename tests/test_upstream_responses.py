@@ -13,7 +13,14 @@ import httpx
 import pytest
 import trio
 
-from tests.support import DEADLINE, chat_body, sse_payloads, start_proxy, stream_text
+from tests.support import (
+    DEADLINE,
+    chat_body,
+    read_request_head,
+    sse_payloads,
+    start_proxy,
+    stream_text,
+)
 
 CHAT = "/v1/chat/completions"
 ANSWER = {
@@ -37,12 +44,9 @@ async def serve_response(
     """An upstream that answers every request with this status line, headers and body."""
 
     async def handle(stream: trio.SocketStream) -> None:
-        received = b""
-        while b"\r\n\r\n" not in received:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            received += data
+        received = await read_request_head(stream)
+        if received is None:
+            return
         head = f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
         head += "".join(f"{name}: {value}\r\n" for name, value in headers)
         await stream.send_all(head.encode() + b"\r\n" + body)
