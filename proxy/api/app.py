@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.app")
 
 COMPLETION_PATHS = frozenset(endpoint.value for endpoint in Endpoint)
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
@@ -212,7 +210,7 @@ def create_app(
 
     pipeline = state.pipeline
 
-    def refused(error: ApiError, status: int) -> None:
+    def refused(error: ApiError) -> None:
         """What every refusal does besides answering: the access line's outcome and, for a
         completion request, the requests metric (through the pipeline, in end_request)."""
         access: AccessRecord | None = getattr(request, "sluice_access", None)
@@ -221,7 +219,7 @@ def create_app(
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
-        refused(error, error.status)
+        refused(error)
         return _json_response(error.body(), error.status, error.headers)
 
     @app.errorhandler(HTTPException)
@@ -235,14 +233,14 @@ def create_app(
                 f"{error.name}: {error.description}",
                 code=error.name.lower().replace(" ", "_"),
             )
-        refused(api, status)
+        refused(api)
         return _json_response(api.body(), status)
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
         log.exception("unhandled error", exc_info=error)
         api = internal_error()
-        refused(api, api.status)
+        refused(api)
         return _json_response(api.body(), api.status)
 
     cors = CorsPolicy(config.server.cors_origins)
