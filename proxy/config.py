@@ -81,8 +81,9 @@ class UpstreamRequestConfig:
     # also goes to another replica; the first to stream wins, the other is cancelled. 0: off.
     hedge_after: float = 0.0
     api_key_env: str = ""
-    # Requests waiting for a free connection slot on a replica (every max_connections in use):
-    # more get 429 queue_full at once; one that waits longer than queue_timeout gets 503.
+    # A model's requests waiting for a free connection slot on a replica (every
+    # max_connections in use), per replica: more get 429 queue_full at once; one that waits
+    # longer than queue_timeout gets 503.
     # (A local model's own queue uses the same two keys, with its own defaults.)
     max_queue: int = 256
     queue_timeout: float = 30.0

@@ -358,7 +358,7 @@ async def assert_nothing_left(rig: Rig, request_connections: set[Any]) -> None:
         pooled = replica.pool_connections()
         assert not request_connections & set(pooled), pooled
         assert all(connection.is_idle() for connection in pooled), pooled
-        assert replica.slots.value == rig.proxy.config.upstream.max_connections
+        assert replica.slots.available_tokens == rig.proxy.config.upstream.max_connections
     # The fake holds open exactly the connections the pool keeps, no half-closed one.
     await settle(
         lambda: rig.fake.recorder.open_connections == len(rig.replica.pool_connections()),

@@ -25,16 +25,23 @@ class Admission:
         self,
         name: str,
         *,
-        slots: int,
+        slots: int | trio.CapacityLimiter,
         max_queue: int,
         queue_timeout: float,
         on_leave: Callable[[float, str], None] | None = None,
+        retryable: bool = False,
     ) -> None:
         self.name = name
         # Called once per request as it leaves the queue, with the seconds it waited and how
         # it left: "admitted", "queue_timeout", "cancelled", or "queue_full" (never queued).
         self.on_leave = on_leave
-        self.limiter = trio.CapacityLimiter(slots)
+        # A limiter shared with other queues (an upstream replica's connection slots, which
+        # every model it serves queues for) or this queue's own.
+        self.limiter = (
+            slots if isinstance(slots, trio.CapacityLimiter) else trio.CapacityLimiter(slots)
+        )
+        # Whether a refusal may be retried elsewhere (another replica).
+        self.retryable = retryable
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self._waiting = 0
@@ -81,6 +88,7 @@ class Admission:
                 type=RATE_LIMIT,
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after())},
+                retryable=self.retryable,
             )
         self._set_waiting(self._waiting + 1)
         entered = trio.current_time()
@@ -102,6 +110,7 @@ class Admission:
                 type=SERVER_ERROR,
                 code="queue_timeout",
                 headers={"Retry-After": str(self.retry_after())},
+                retryable=self.retryable,
             )
         started = trio.current_time()
         try:

@@ -28,9 +28,10 @@ from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, Repli
 from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol import http1
-from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, UPSTREAM_ERROR, ApiError
+from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
+from proxy.relay.admission import Admission
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 
 log = logging.getLogger("sluice.upstream")
@@ -51,12 +52,13 @@ def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> 
 
 
 class UpstreamReplica:
-    """One upstream server: its pool (upstream_pool.KeepAlivePool), and a semaphore that
+    """One upstream server: its pool (upstream_pool.KeepAlivePool), and a capacity limiter that
     bounds the requests in it.
 
-    Waiting happens on the semaphore only, never inside the pool: a request that gets a slot
-    always gets a connection (an idle one, or a new one), and a request cancelled while it
-    waits holds nothing (the bug class of httpcore #1093, whose pool leaked a connection so).
+    Waiting happens on the limiter only (in each model's bounded queue for it), never inside
+    the pool: a request that gets a slot always gets a connection (an idle one, or a new one),
+    and a request cancelled while it waits holds nothing (the bug class of httpcore #1093,
+    whose pool leaked a connection so).
     """
 
     def __init__(self, url: str, settings: UpstreamConfig, *, socket_options: Any = None) -> None:
@@ -69,7 +71,7 @@ class UpstreamReplica:
             spare=settings.preconnect,
         )
         self._connect_timeout = settings.connect_timeout
-        self.slots = trio.Semaphore(settings.max_connections)
+        self.slots = trio.CapacityLimiter(settings.max_connections)
         # What health checks send as Authorization: the upstream key of a model this replica
         # serves (set by the app), as its requests do; a hosted API answers 401 without it.
         self.authorization: str | None = None
@@ -131,11 +133,27 @@ class UpstreamBackend:
         self._api_key = api_key
         self._metrics = metrics
         self._authorization = f"Bearer {api_key}".encode() if api_key else None
-        # Requests of this model waiting for a replica's connection slot (bounded: max_queue).
-        self.queued = 0
+        # Each replica's connection slots, shared by every model it serves; this model's
+        # requests wait for them in a queue of max_queue per replica, as a local model's do.
+        self._queues = {
+            replica: Admission(
+                f"model '{model.name}' on {replica.url}",
+                slots=replica.slots,
+                max_queue=model.max_queue,
+                queue_timeout=model.queue_timeout,
+                on_leave=None if metrics is None else self._left_queue,
+                retryable=True,  # another replica may have a free slot
+            )
+            for replica in self.replicas
+        }
         if metrics is not None:
             # Read at scrape time, as the local model's.
             metrics.queue_depth.labels(model.name).set_function(lambda: self.queued)
+
+    @property
+    def queued(self) -> int:
+        """This model's requests waiting for a connection slot, on every replica."""
+        return sum(queue.waiting for queue in self._queues.values())
 
     def _request(
         self, replica: UpstreamReplica, request: CompletionRequest, request_id: str
@@ -281,12 +299,9 @@ class UpstreamBackend:
         verdict = False
         try:
             sink.set_phase("queued")
-            await self._take_slot(replica)
-            try:
+            async with self._queues[replica].slot():
                 sink.set_phase("awaiting_headers")
                 await self._exchange(replica, request, request_id, sink)
-            finally:
-                replica.slots.release()
             self._router.success(load)
             verdict = True
         except ApiError as error:
@@ -305,50 +320,6 @@ class UpstreamBackend:
                 # Cancelled (client left, lost a hedge race) or stalled: says nothing about
                 # the replica, but a probe slot it held must be released.
                 self._router.release_probe(load)
-
-    async def _take_slot(self, replica: UpstreamReplica) -> None:
-        """One of the replica's max_connections slots, waiting in a bounded queue: 429 at once
-        when max_queue requests of this model already wait, 503 after queue_timeout; both
-        with Retry-After, as the local model's queue. A client that leaves while waiting
-        frees its place at once (the wait is cancelled with it)."""
-        slots = replica.slots
-        try:
-            slots.acquire_nowait()
-            return
-        except trio.WouldBlock:
-            pass
-        model = self.model
-        if self.queued >= model.max_queue:
-            self._left_queue(0.0, "queue_full")
-            raise ApiError(
-                429,
-                f"model '{model.name}' is busy: every connection to {replica.url} is in use and "
-                f"{self.queued} request(s) wait; retry later.",
-                type=RATE_LIMIT,
-                code="queue_full",
-                headers={"Retry-After": "1"},
-                retryable=True,
-            )
-        self.queued += 1
-        entered = trio.current_time()
-        outcome = "cancelled"
-        try:
-            with trio.move_on_after(model.queue_timeout) as waited:
-                await slots.acquire()
-            outcome = "queue_timeout" if waited.cancelled_caught else "admitted"
-        finally:
-            self.queued -= 1
-            self._left_queue(trio.current_time() - entered, outcome)
-        if outcome == "queue_timeout":
-            raise ApiError(
-                503,
-                f"model '{model.name}' had no free connection to {replica.url} within "
-                f"queue_timeout={model.queue_timeout:g}s; retry later.",
-                type=SERVER_ERROR,
-                code="queue_timeout",
-                headers={"Retry-After": str(max(1, math.ceil(model.queue_timeout / 10)))},
-                retryable=True,
-            )
 
     def _left_queue(self, seconds: float, outcome: str) -> None:
         if self._metrics is not None:
