@@ -309,9 +309,9 @@ def create_app(
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
         parsed = pipeline.parse(raw, endpoint)
-        pipeline.backend_for(parsed.model)
-        request.sluice_model = parsed.model  # type: ignore[attr-defined]
+        # Raises model_not_found for a model not configured, before the label below is set.
         body = pipeline.relay(parsed, access, getattr(request, "sluice_key", None))
+        request.sluice_model = parsed.model  # type: ignore[attr-defined]
         response = Response(body)
         # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's own
         # deadlines (upstream total, client stall) bound it instead.

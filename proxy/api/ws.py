@@ -159,8 +159,9 @@ class WebSocketSession:
         access.key = None if self.key is None else self.key.name
         return access
 
-    async def refuse(self, access: AccessRecord, error: ApiError, model: str = "-") -> None:
-        self.pipeline.refused(access, error.status, error.code or "error", model)
+    async def refuse(self, access: AccessRecord, error: ApiError) -> None:
+        # Before a relay: the model is unknown or not yet read, so the metric's label is "-".
+        self.pipeline.refused(access, error.status, error.code or "error", "-")
         await self.send(error_message(access.request_id, error))
 
     def cancel(self) -> None:
@@ -192,18 +193,16 @@ class WebSocketSession:
 
     async def _generate(self, raw: bytes, access: AccessRecord) -> None:
         pipeline = self.pipeline
-        model = "-"
         try:
             body = parse_json_object(raw, pipeline.config.server.max_body_bytes, "Message")
             body.pop("type", None)
             body["stream"] = True
             body.setdefault("stream_options", {"include_usage": True})
             request = completion_request(body, json.dumps(body).encode(), Endpoint.CHAT)
-            pipeline.backend_for(request.model)
-            model = request.model
+            # An unknown model is refused here too (model_not_found), labelled "-".
             relay = pipeline.relay(request, access, self.key)
         except ApiError as error:
-            await self.refuse(access, error, model)
+            await self.refuse(access, error)
             return
         self.running = relay
         translator = Translator(access.request_id, pipeline.config.relay.max_event_bytes)
@@ -249,13 +248,12 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
     try:
         key = pipeline.authenticate(websocket.headers.get("Authorization"), handshake)
     except ApiError as error:
-        access = handshake
-        pipeline.refused(access, error.status, error.code or "error", "-")
+        pipeline.refused(handshake, error.status, error.code or "error", "-")
         await websocket.accept()
         session = WebSocketSession(pipeline, connection, None, client)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(session.guard.watch)
-            await session.send(error_message(access.request_id, error))
+            await session.send(error_message(handshake.request_id, error))
             await session.guard.write(websocket.close, UNAUTHORIZED_CLOSE)
             nursery.cancel_scope.cancel()
         return

@@ -168,9 +168,6 @@ class ConnectionSet:
     def add(self, server: ConnectionServer) -> None:
         self._servers.add(server)
 
-    def __len__(self) -> int:
-        return len(self._servers)
-
     def drop_all(self) -> int:
         """Reset every live connection (RST, unsent bytes discarded); how many there were."""
         dropped = 0

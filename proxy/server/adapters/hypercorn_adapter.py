@@ -4,8 +4,10 @@ The server layer imports hypercorn through this module only. The internals, and 
 back without them:
 
 * ``connection_server``: Sluice's per-connection server (the read loop that hears a client go
-  at once, the hangup watcher's socket, the keep-alive timer without round trips). Without it:
-  hypercorn's own connection server; disconnects are seen a scheduler turn later.
+  at once, the hangup watcher's socket, the keep-alive timer without round trips, the set of
+  live connections dropped at the graceful deadline). Without it: hypercorn's own connection
+  server; disconnects are seen a scheduler turn later, and a client stuck unread at shutdown
+  holds the process until it reads.
 * ``chunk_writer``: writing a stream's chunks straight to the socket. Without it: every chunk
   through ASGI ``send`` (correct, slower; the stall limit is the relay's guard).
 * required: serving on our sockets (``worker_serve``), the HTTP/1.1 framing check (the
@@ -82,7 +84,8 @@ HYPERCORN = Adapter(
     ],
     fallbacks={
         "connection_server": "using hypercorn's own connection server: a client's disconnect "
-        "is seen a scheduler turn later, and no hangup watcher",
+        "is seen a scheduler turn later, no hangup watcher, and connections stuck in a write "
+        "at the graceful deadline are not dropped",
         "chunk_writer": "streamed chunks go through hypercorn's ASGI send (slower)",
     },
 )
