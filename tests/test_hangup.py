@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from traceback import walk_stack
 
+import h2.exceptions
 import httpx
 import pytest
 import trio
@@ -664,7 +665,9 @@ async def test_http2_streams_are_not_watched_and_still_end_with_their_client(
         long_started = trio.Event()
 
         async def stream_long() -> None:
-            with contextlib.suppress(httpx.HTTPError):
+            # The client's own close ends this read: httpx's error, or, when the close lands
+            # between two of httpcore's reads, h2's own (httpcore lets it through).
+            with contextlib.suppress(httpx.HTTPError, h2.exceptions.ProtocolError):
                 async with client.stream("POST", proxy.url + CHAT, json=long) as response:
                     versions.append(response.http_version)
                     async for _ in response.aiter_bytes():
