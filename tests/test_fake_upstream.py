@@ -7,14 +7,20 @@ matter, a ``fail_after`` on every I/O test, millisecond ttft/interval so the fil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
+import ssl
 import struct
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
+import trio.testing
+import trustme
 
 from proxy.testing.fake_upstream import (
     MALFORMED_EVENT,
@@ -362,6 +368,10 @@ async def test_per_request_override_and_bad_requests(nursery: trio.Nursery) -> N
         (b"GET /health HTTP/1.1\r\nbad header\r\n\r\n", 400),
         (b"NONSENSE\r\n\r\n", 400),
         (b"GET /health HTTP/2.0\r\n\r\n", 505),
+        (b"GET ftp://upstream.internal/health HTTP/1.1\r\n\r\n", 400),
+        (b"GET http:///health HTTP/1.1\r\n\r\n", 400),
+        # Not started as a proxy: a client that tunnels must learn so at once.
+        (b"CONNECT upstream.internal:443 HTTP/1.1\r\nhost: upstream.internal:443\r\n\r\n", 405),
     ],
 )
 async def test_framing_errors_answered_and_closed(
@@ -687,6 +697,22 @@ def test_settings_validate() -> None:
         FakeSettings(ttft=-1)
     with pytest.raises(ValueError, match="models"):
         FakeSettings(models=[])
+    with pytest.raises(ValueError, match="keepalive_timeout"):
+        FakeSettings(keepalive_timeout=-1)
+    with pytest.raises(ValueError, match="late_close"):
+        FakeSettings(late_close=float("inf"))
+    with pytest.raises(ValueError, match="at most one"):
+        FakeSettings(close_after_response=True, keepalive_timeout=0)
+    with pytest.raises(ValueError, match="at most one"):
+        FakeSettings(keepalive_timeout=5, late_close=1)
+    with pytest.raises(ValueError, match="close_after_response"):
+        FakeSettings(close_after_response=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="go together"):
+        FakeSettings(tls_cert="server.pem")
+    with pytest.raises(ValueError, match="tls_client_ca"):
+        FakeSettings(tls_client_ca="ca.pem")
+    with pytest.raises(ValueError, match="via_proxy"):
+        FakeSettings(via_proxy="yes")  # type: ignore[arg-type]
 
 
 async def test_command_line(nursery: trio.Nursery, capsys: pytest.CaptureFixture[str]) -> None:
@@ -756,3 +782,327 @@ async def test_many_streams_share_the_clock(nursery: trio.Nursery) -> None:
     assert all(texts == expected for texts in results.values())
     outcomes = sorted(r.outcome for r in fake.recorder.records)
     assert outcomes == ["client_disconnected"] * 20 + ["completed"] * 20
+
+
+def test_command_line_habits_tls_and_proxy() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--keepalive-timeout", "5", "--tls-cert", "s.pem", "--tls-key", "k.pem"]
+    args = parser.parse_args([*argv, "--tls-client-ca", "ca.pem", "--via-proxy"])
+    assert settings_from_args(args) == FakeSettings(
+        keepalive_timeout=5,
+        tls_cert="s.pem",
+        tls_key="k.pem",
+        tls_client_ca="ca.pem",
+        via_proxy=True,
+    )
+    assert settings_from_args(parser.parse_args(["--close-after-response"])).close_after_response
+    assert settings_from_args(parser.parse_args(["--late-close", "0.5"])).late_close == 0.5
+    defaults = settings_from_args(parser.parse_args([]))
+    assert (defaults.keepalive_timeout, defaults.tls_cert, defaults.via_proxy) == (None, "", False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--close-after-response", "--late-close", "1"])
+
+
+# --------------------------------------------------------------------------- connection habits
+
+
+@pytest.fixture
+def virtual_clock(mock_clock: trio.testing.MockClock) -> trio.testing.MockClock:
+    """Virtual time that jumps once the loop idled 10 ms of real time: long enough for the
+    loopback bytes in flight to land first."""
+    mock_clock.autojump_threshold = 0.01
+    return mock_clock
+
+
+async def read_response(stream: trio.abc.ReceiveStream, buf: bytearray) -> bytes:
+    """One whole response (Content-Length or chunked) off a kept-alive connection."""
+    while b"\r\n\r\n" not in buf:
+        data = await stream.receive_some()
+        assert data, f"EOF after {bytes(buf)!r}"
+        buf += data
+    end = buf.index(b"\r\n\r\n") + 4
+    head = bytes(buf[:end])
+    if b"transfer-encoding: chunked" in head:
+        while not buf.endswith(b"\r\n0\r\n\r\n"):
+            buf += await stream.receive_some()
+        total = len(buf)
+    else:
+        total = end + int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(buf) < total:
+            buf += await stream.receive_some()
+    response = bytes(buf[:total])
+    del buf[:total]
+    return response
+
+
+async def answer_on_reuse(stream: trio.abc.Stream, request: bytes) -> bytes:
+    """What a client gets that writes ``request`` onto a connection the server has given up:
+    every byte until EOF or a reset."""
+    received = bytearray()
+    with contextlib.suppress(trio.BrokenResourceError):
+        await stream.send_all(request)
+        while data := await stream.receive_some():
+            received += data
+    return bytes(received)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+async def test_close_after_response_closes_unannounced(
+    nursery: trio.Nursery, streamed: bool
+) -> None:
+    fake, port = await start(nursery, close_after_response=True)
+    request = post("/v1/completions", json.dumps(completion(stream=streamed)).encode())
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(request)
+            buf = bytearray()
+            head = (await read_response(stream, buf)).partition(b"\r\n\r\n")[0]
+            # The answer promised nothing: a client has no reason not to reuse the connection.
+            assert b"connection: keep-alive" in head
+            assert b"connection: close" not in head
+            assert await answer_on_reuse(stream, request) == b""
+        await fake.recorder.wait_for(lambda r: r.open_connections == 0)
+    assert [r.outcome for r in fake.recorder.records] == ["completed"]
+
+
+async def test_keepalive_timeout_closes_idle_connections(
+    nursery: trio.Nursery, virtual_clock: trio.testing.MockClock
+) -> None:
+    fake, port = await start(nursery, keepalive_timeout=5)
+    request = post("/v1/completions", json.dumps(completion()).encode())
+    with trio.fail_after(60):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            buf = bytearray()
+            await stream.send_all(request)
+            await read_response(stream, buf)
+            # A request inside the timeout is served, and the timeout starts over after it.
+            await trio.sleep(4)
+            await stream.send_all(request)
+            await read_response(stream, buf)
+            answered = trio.current_time()
+            assert await stream.receive_some() == b""
+            idle = trio.current_time() - answered
+        assert 5 <= idle < 5.1
+        assert fake.recorder.connections_accepted == 1
+
+        # A pool that notices the FIN before reusing the connection just opens another.
+        async with client(port) as c:
+            assert (await c.get("/health")).status_code == 200
+            await trio.sleep(6)
+            assert (await c.get("/health")).status_code == 200
+    assert fake.recorder.connections_accepted == 3
+    assert [r.outcome for r in fake.recorder.records] == ["completed"] * 4
+
+
+async def test_late_close_leaves_a_request_unanswered(
+    nursery: trio.Nursery, virtual_clock: trio.testing.MockClock
+) -> None:
+    fake, port = await start(nursery, late_close=1)
+    request = post("/v1/completions", json.dumps(completion()).encode())
+    with trio.fail_after(60):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(request)
+            head = (await read_response(stream, bytearray())).partition(b"\r\n\r\n")[0]
+            assert b"connection: keep-alive" in head
+            answered = trio.current_time()
+            # The connection still looks alive when the client writes its next request.
+            await trio.sleep(0.5)
+            assert await answer_on_reuse(stream, request) == b""
+            closed = trio.current_time() - answered
+    assert 1 <= closed < 1.1
+    assert len(fake.recorder.records) == 1
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+@dataclass
+class PKI:
+    """A throwaway CA, the fake's certificate (127.0.0.1, localhost, upstream.internal) and a
+    client certificate, all signed by that CA."""
+
+    ca: trustme.CA
+    ca_file: str
+    server_pem: str  # key and chain in one file: both tls_cert and tls_key
+    client: trustme.LeafCert
+
+    def settings(self, **extra: Any) -> dict[str, Any]:
+        return {"tls_cert": self.server_pem, "tls_key": self.server_pem, **extra}
+
+    def client_context(self, cert: trustme.LeafCert | None = None) -> ssl.SSLContext:
+        context = ssl.create_default_context()
+        self.ca.configure_trust(context)
+        if cert is not None:
+            cert.configure_cert(context)
+        return context
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    directory: Path = tmp_path_factory.mktemp("pki")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost", "upstream.internal")
+    server.private_key_and_cert_chain_pem.write_to_path(directory / "server.pem")
+    ca.cert_pem.write_to_path(directory / "ca.pem")
+    client_cert = ca.issue_cert("client.example", common_name="sluice-test-client")
+    return PKI(ca, str(directory / "ca.pem"), str(directory / "server.pem"), client_cert)
+
+
+def tls_client(port: int, context: ssl.SSLContext, **kwargs: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=context, **kwargs)
+
+
+async def test_tls_streamed_and_whole_answers(nursery: trio.Nursery, pki: PKI) -> None:
+    fake, port = await start(nursery, **pki.settings())
+    with trio.fail_after(10):
+        async with tls_client(port, pki.client_context()) as c:
+            body = chat(stream=True, stream_options={"include_usage": True})
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                assert r.extensions["http_version"] == b"HTTP/1.1"
+                events = await sse_events(r)
+            streamed = await settled(fake.recorder)
+            r = await c.post("/v1/completions", json=completion())
+            assert r.json()["choices"][0]["text"] == "The quick brown fox jumps "
+            whole = await settled(fake.recorder)
+    assert events[-1] == "[DONE]"
+    assert _contents(events[:-2]) == [""] + [token_text(i) for i in range(5)] + [None]
+    assert (streamed.outcome, streamed.tokens_sent) == ("completed", 5)
+    assert (whole.outcome, whole.tokens_sent) == ("completed", 5)
+    assert streamed.tls and whole.tls
+    assert streamed.client_cert_cn is None
+    assert whole.connection == streamed.connection
+    assert fake.recorder.tls_handshake_failures == 0
+
+
+async def test_tls_disconnect_noticed_mid_stream(nursery: trio.Nursery, pki: PKI) -> None:
+    """The watcher reads through the TLS stream, and tokens go out through its task."""
+    fake, port = await start(nursery, **pki.settings())
+    with trio.fail_after(10):
+        async with tls_client(port, pki.client_context()) as c:
+            left = await _leave_mid_stream(c, fake.recorder)
+        await fake.recorder.wait_for(lambda r: r.last().outcome != "pending")
+        record = fake.recorder.last()
+        assert record.outcome == "client_disconnected"
+        assert record.disconnected_at is not None
+        assert record.disconnected_at - left < DISCONNECT_BUDGET
+        await fake.recorder.wait_for(lambda r: r.open_connections == 0)
+
+
+async def test_mtls_records_the_client_certificate(nursery: trio.Nursery, pki: PKI) -> None:
+    fake, port = await start(nursery, **pki.settings(tls_client_ca=pki.ca_file))
+    stranger = trustme.CA().issue_cert("stranger.example", common_name="stranger")
+    with trio.fail_after(10):
+        async with tls_client(port, pki.client_context(pki.client)) as c:
+            r = await c.post("/v1/chat/completions", json=chat())
+            assert r.status_code == 200
+        record = await settled(fake.recorder)
+        assert (record.tls, record.client_cert_cn) == (True, "sluice-test-client")
+
+        for cert in (None, stranger):
+            async with tls_client(port, pki.client_context(cert)) as c:
+                # Under TLS 1.3 the client's side of the handshake is done before the server
+                # judges its certificate, and trio closes without the alert: so the client
+                # sees the refusal as EOF or a reset where its answer should be.
+                refused = (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)
+                with pytest.raises(refused):
+                    await c.get("/health")
+        await fake.recorder.wait_for(lambda r: r.tls_handshake_failures == 2)
+    assert len(fake.recorder.records) == 1
+
+
+async def test_unreadable_certificate_fails_at_start(nursery: trio.Nursery, tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.pem")
+    fake = FakeUpstream(FakeSettings(tls_cert=missing, tls_key=missing))
+    with pytest.raises(FileNotFoundError):
+        await nursery.start(fake.serve)
+
+
+# --------------------------------------------------------------------------- as its own proxy
+
+
+async def test_via_proxy_absolute_form_and_direct_refusal(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, via_proxy=True)
+    proxy = f"http://127.0.0.1:{port}"
+    with trio.fail_after(10):
+        # The origin's name need not resolve: the proxy is the origin.
+        async with httpx.AsyncClient(base_url="http://upstream.internal:8000", proxy=proxy) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                assert r.status_code == 200
+                events = await sse_events(r)
+            proxied = await settled(fake.recorder)
+            r = await c.get("/v1/models?x=1")
+            assert r.status_code == 200
+        assert events[-1] == "[DONE]"
+        assert (proxied.path, proxied.via_proxy, proxied.tunnel) == (
+            "/v1/chat/completions",
+            True,
+            None,
+        )
+        assert proxied.headers["host"] == "upstream.internal:8000"
+        assert fake.recorder.last().path == "/v1/models"
+
+        async with client(port) as c:
+            r = await c.post("/v1/chat/completions", json=chat())
+            assert r.status_code == 403
+            error = r.json()["error"]
+            assert error["type"] == "PermissionDeniedError"
+            assert "only through a proxy" in error["message"]
+            # The fake's own endpoints stay reachable directly (the bench polls them).
+            assert (await c.get("/_fake/requests")).status_code == 200
+    direct = fake.recorder.last()
+    assert (direct.via_proxy, direct.outcome, direct.tokens_sent) == (False, "completed", 0)
+    assert fake.recorder.proxy_tunnels == []
+
+
+async def test_via_proxy_connect_tunnel_with_tls(nursery: trio.Nursery, pki: PKI) -> None:
+    fake, port = await start(nursery, **pki.settings(via_proxy=True))
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(
+            base_url="https://upstream.internal",
+            proxy=f"http://127.0.0.1:{port}",
+            verify=pki.client_context(),
+        ) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+                events = await sse_events(r)
+            r = await c.post("/v1/completions", json=completion())
+            assert r.status_code == 200
+        await fake.recorder.wait_for(lambda r: r.last().outcome != "pending")
+    assert events[-1] == "[DONE]"
+    assert fake.recorder.proxy_tunnels == ["upstream.internal:443"]
+    assert fake.recorder.connections_accepted == 1
+    for record in fake.recorder.records:
+        assert (record.tls, record.via_proxy, record.tunnel) == (
+            True,
+            True,
+            "upstream.internal:443",
+        )
+        assert record.outcome == "completed"
+
+
+async def test_via_proxy_plain_tunnel(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, via_proxy=True)
+    connect = b"CONNECT upstream.internal:80 HTTP/1.1\r\nhost: upstream.internal:80\r\n\r\n"
+    request = post("/v1/completions", json.dumps(completion()).encode())
+    with trio.fail_after(10):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(connect)
+            buf = bytearray()
+            while b"\r\n\r\n" not in buf:
+                buf += await stream.receive_some()
+            assert bytes(buf) == b"HTTP/1.1 200 Connection established\r\n\r\n"
+            buf.clear()
+            # Inside the tunnel a request is origin-form, as to any server; a second
+            # CONNECT is no request for the origin.
+            await stream.send_all(request)
+            answer = await read_response(stream, buf)
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert (await answer_on_reuse(stream, connect)).startswith(b"HTTP/1.1 405 ")
+    record = await settled(fake.recorder)
+    assert (record.tls, record.via_proxy, record.tunnel) == (False, True, "upstream.internal:80")
+    assert fake.recorder.proxy_tunnels == ["upstream.internal:80"]

@@ -15,6 +15,22 @@ Timing follows vLLM: a streaming response sends its headers at once (Starlette s
 ``http.response.start`` before the first token exists), the first token ``ttft`` seconds after
 the request was read, and token ``i`` at ``ttft + i * interval``. The schedule is absolute, so
 a slow reader gets the tokens it missed in a burst, as from a real server that kept generating.
+
+By default a connection lives as long as its client wants. Real servers are less patient, and a
+client's pool must survive them, so the fake can take up their habits: close right after an
+answer without saying ``Connection: close`` (legal, and common), close a connection idle for
+``keepalive_timeout`` seconds (uvicorn, vLLM's server, does so after 5 s), or close ``late_close``
+seconds after an answer without reading what arrived meanwhile: the keep-alive race, in which a
+request written onto a connection the server has already given up meets EOF or a reset before
+any byte of an answer.
+
+It can serve HTTPS (``tls_cert``/``tls_key``, optionally requiring a client certificate signed
+by ``tls_client_ca``), and with ``via_proxy`` it is the HTTP proxy in front of itself: it answers
+``CONNECT`` (whatever the target's name, the tunnel leads to the fake) and absolute-form
+requests, and refuses a client that bypassed the proxy, so a client's proxy settings can be
+tested without a second server. Over TLS the ticker cannot write a token to the socket itself
+(the bytes need encrypting), so it hands each token to the stream's task: TLS costs a task
+switch per token, the plain path nothing.
 """
 
 from __future__ import annotations
@@ -29,10 +45,11 @@ import json
 import math
 import os
 import socket
+import ssl
 import struct
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from http import HTTPStatus
@@ -111,6 +128,10 @@ class FakeSettings:
 
     ``mode``/``at``/``status`` apply to the completion endpoints only: a proxy's health check or
     model listing must not turn a streaming test into a different test.
+
+    With ``via_proxy`` the listener speaks plain HTTP, as a proxy does: TLS, if set, starts
+    inside each CONNECT tunnel, and absolute-form requests are answered in plain HTTP. The
+    fake's own ``/_fake/`` endpoints answer direct requests either way.
     """
 
     ttft: float = 0.05
@@ -122,6 +143,15 @@ class FakeSettings:
     status: int = 500
     sndbuf: int | None = None
     max_records: int = 100_000
+    # Connection habits of real servers; at most one of the three applies.
+    close_after_response: bool = False
+    keepalive_timeout: float | None = None
+    late_close: float | None = None
+    # HTTPS: PEM files; with a client CA, a client must present a certificate it signed.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    via_proxy: bool = False
 
     def __post_init__(self) -> None:
         _check_seconds("ttft", self.ttft)
@@ -135,6 +165,23 @@ class FakeSettings:
             raise _Invalid("models must be a non-empty list of non-empty strings")
         if self.sndbuf is not None:
             _check_int("sndbuf", self.sndbuf, 1)
+        _check_bool("close_after_response", self.close_after_response)
+        _check_bool("via_proxy", self.via_proxy)
+        if self.keepalive_timeout is not None:
+            _check_seconds("keepalive_timeout", self.keepalive_timeout)
+        if self.late_close is not None:
+            _check_seconds("late_close", self.late_close)
+        timers = (self.keepalive_timeout, self.late_close)
+        if self.close_after_response + sum(t is not None for t in timers) > 1:
+            # Each ends a kept-alive connection its own way: two would shadow each other.
+            raise _Invalid("set at most one of close_after_response, keepalive_timeout, late_close")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            if not isinstance(getattr(self, name), str):
+                raise _Invalid(f"{name} must be a path (a string)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise _Invalid("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise _Invalid("tls_client_ca needs tls_cert and tls_key")
 
 
 class _Invalid(ValueError):
@@ -155,6 +202,12 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
     if value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise _Invalid(f"{name} must be {bounds}")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"{name} must be a boolean")
     return value
 
 
@@ -232,6 +285,13 @@ class RequestRecord:
     disconnected_at_mono: float | None = None
     tokens_sent: int = 0
     outcome: Outcome = "pending"
+    # How it arrived. ``client_cert_cn``: the subject common name of the client certificate
+    # (mTLS only). ``via_proxy``: through the fake as a proxy, as an absolute-form request or
+    # inside a CONNECT tunnel; ``tunnel`` is then that tunnel's target, None for absolute-form.
+    tls: bool = False
+    client_cert_cn: str | None = None
+    via_proxy: bool = False
+    tunnel: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -250,6 +310,11 @@ class Recorder:
         self.max_records = max_records
         self.open_connections = 0
         self.connections_accepted = 0
+        # CONNECT targets ("host:port") in arrival order, bounded like the records.
+        self.proxy_tunnels: list[str] = []
+        # Handshakes that did not complete: a refused client certificate, a client that does
+        # not trust the fake's, a client that left.
+        self.tls_handshake_failures = 0
         self._next_id = 0
         self._lot = trio.lowlevel.ParkingLot()
 
@@ -289,25 +354,40 @@ class Recorder:
         self._changed()
 
     def _new_record(
-        self, connection: int, request: _Request, body: dict[str, Any] | None
+        self, conn: _Connection, request: _Request, body: dict[str, Any] | None
     ) -> RequestRecord:
         record = RequestRecord(
             id=self._next_id,
-            connection=connection,
+            connection=conn.id,
             method=request.method,
             path=request.path,
             body=body,
             headers=request.headers,
             received_at=trio.current_time(),
             received_at_mono=time.monotonic(),
+            tls=conn.tls,
+            client_cert_cn=conn.client_cert_cn,
+            via_proxy=request.absolute or conn.tunnel is not None,
+            tunnel=conn.tunnel,
         )
         self._next_id += 1
-        self.records.append(record)
-        if len(self.records) > self.max_records:
-            # Trim in batches so that a long benchmark does not pay O(n) per request.
-            del self.records[: len(self.records) - self.max_records + self.max_records // 8]
+        self._append(self.records, record)
         self._changed()
         return record
+
+    def _append(self, history: list[Any], item: object) -> None:
+        history.append(item)
+        if len(history) > self.max_records:
+            # Trim in batches so that a long benchmark does not pay O(n) per request.
+            del history[: len(history) - self.max_records + self.max_records // 8]
+
+    def _tunnel_opened(self, target: str) -> None:
+        self._append(self.proxy_tunnels, target)
+        self._changed()
+
+    def _tls_failed(self) -> None:
+        self.tls_handshake_failures += 1
+        self._changed()
 
     def _planned(self, record: RequestRecord, mode: str) -> None:
         record.mode = mode
@@ -367,6 +447,8 @@ class _Request:
     headers: dict[str, str]
     body: bytes
     keep_alive: bool
+    # The request line carried a whole URL, as a client sends it to a proxy.
+    absolute: bool
 
     @property
     def chunked(self) -> bool:
@@ -445,7 +527,7 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-def _parse_head(head: bytes) -> tuple[str, str, str, str, dict[str, str]]:
+def _parse_head(head: bytes) -> tuple[str, str, str, str, dict[str, str], bool]:
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[0] or not parts[1]:
@@ -464,8 +546,21 @@ def _parse_head(head: bytes) -> tuple[str, str, str, str, dict[str, str]]:
         key = name.lower()
         value = value.strip(" \t")
         headers[key] = f"{headers[key]}, {value}" if key in headers else value
+    absolute = target[0] != "/" and "://" in target
+    if absolute:
+        target = _origin_form(target)
     path, _, query = target.partition("?")
-    return method, path, query, version, headers
+    return method, path, query, version, headers, absolute
+
+
+def _origin_form(target: str) -> str:
+    """The path and query of an absolute-form target (RFC 9112 §3.2.2)."""
+    scheme, _, rest = target.partition("://")
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    if scheme.lower() not in ("http", "https") or cut == 0:
+        raise _HTTPError(400, "malformed absolute-form request target")
+    origin = rest[cut:]
+    return origin if origin.startswith("/") else "/" + origin
 
 
 def _content_length(method: str, headers: dict[str, str]) -> int:
@@ -488,15 +583,38 @@ def _content_length(method: str, headers: dict[str, str]) -> int:
     return length
 
 
+def _common_name(cert: Mapping[str, Any] | None) -> str | None:
+    """The subject CN of a certificate as ``getpeercert()`` decodes it."""
+    for rdn in (cert or {}).get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
 class _Connection:
     """One accepted socket and the bytes read from it but not consumed yet."""
 
-    __slots__ = ("buf", "id", "stream")
+    __slots__ = ("buf", "client_cert_cn", "fd", "id", "stream", "tcp", "tls", "tunnel")
 
-    def __init__(self, stream: trio.SocketStream, conn_id: int) -> None:
-        self.stream = stream
+    def __init__(self, tcp: trio.SocketStream, conn_id: int) -> None:
+        # Socket options (SO_SNDBUF, SO_LINGER) go on `tcp`; HTTP goes through `stream`.
+        self.tcp = tcp
+        self.stream: trio.abc.Stream = tcp
+        # Where the ticker writes tokens itself; -1 once TLS stands between.
+        self.fd = tcp.socket.fileno()
         self.id = conn_id
         self.buf = bytearray()
+        self.tls = False
+        self.client_cert_cn: str | None = None
+        self.tunnel: str | None = None
+
+    def secured(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+        """From now on HTTP goes through this TLS stream over ``tcp``."""
+        self.stream = stream
+        self.fd = -1
+        self.tls = True
+        self.client_cert_cn = _common_name(stream.getpeercert())
 
     async def _receive_more(self) -> bool:
         data = await self.stream.receive_some(RECEIVE_SIZE)
@@ -521,7 +639,7 @@ class _Connection:
                 return None
         if end > MAX_HEADER_BYTES:
             raise _HTTPError(431, f"request head over {MAX_HEADER_BYTES} bytes")
-        method, path, query, version, headers = _parse_head(bytes(buf[:end]))
+        method, path, query, version, headers, absolute = _parse_head(bytes(buf[:end]))
         length = _content_length(method, headers)
         body_end = end + 4 + length
         while len(buf) < body_end:
@@ -532,7 +650,7 @@ class _Connection:
         tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
         # HTTP/1.0 keep-alive is an opt-in extension that no client here needs.
         keep_alive = version == "HTTP/1.1" and "close" not in tokens
-        return _Request(method, path, query, version, headers, body, keep_alive)
+        return _Request(method, path, query, version, headers, body, keep_alive, absolute)
 
 
 # --------------------------------------------------------------------------- OpenAI shapes
@@ -724,7 +842,8 @@ class _Job:
 
     def __init__(
         self,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
+        fd: int,
         record: RequestRecord,
         recorder: Recorder,
         frames: _StreamFrames,
@@ -733,7 +852,8 @@ class _Job:
         stop: int,
     ) -> None:
         self.stream = stream
-        self.fd = stream.socket.fileno()
+        # -1: not a socket the ticker may write to (TLS); every token goes through `stream`.
+        self.fd = fd
         self.record = record
         self.recorder = recorder
         self.frames = frames
@@ -761,7 +881,7 @@ class _Ticker:
     checkpoint after ``send_all``); at 50,000 tokens/s that alone saturates a core. The ticker
     writes with a non-blocking ``os.write`` on the socket and hands a job back to its task
     for anything that could block (a full send buffer: backpressure) or fail (the task's
-    ``send_all`` then raises ``BrokenResourceError`` as usual).
+    ``send_all`` then raises ``BrokenResourceError`` as usual) or must be encrypted (TLS).
     """
 
     def __init__(self) -> None:
@@ -807,12 +927,17 @@ class _Ticker:
             if job.withdrawn:
                 continue
             data = job.frames.token(job.i)
-            try:
-                written = os.write(job.fd, data)
-            except OSError:
-                # A full buffer (BlockingIOError) or a dead peer: either way the job's task
-                # takes over, and meets the error, if any, through trio's own send path.
+            fd = job.fd
+            if fd < 0:
+                # TLS: the bytes need encrypting, and only the stream's own task may do that.
                 written = 0
+            else:
+                try:
+                    written = os.write(fd, data)
+                except OSError:
+                    # A full buffer (BlockingIOError) or a dead peer: either way the job's task
+                    # takes over, and meets the error, if any, through trio's own send path.
+                    written = 0
             if written == len(data):
                 job.sent()
                 if job.i < job.stop:
@@ -836,6 +961,7 @@ class FakeUpstream:
         self.settings = settings if settings is not None else FakeSettings()
         self.recorder = Recorder(max_records=self.settings.max_records)
         self._ticker = _Ticker()
+        self._tls: tuple[tuple[str, str, str], ssl.SSLContext] | None = None
 
     async def serve(
         self,
@@ -845,6 +971,8 @@ class FakeUpstream:
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen, report the bound port through ``task_status``, serve until cancelled."""
+        # Unreadable certificate files fail here, before the caller believes it is serving.
+        self._tls_context()
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound: int = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
@@ -859,12 +987,32 @@ class FakeUpstream:
             )
             task_status.started(bound)
 
-    async def _handle_connection(self, stream: trio.SocketStream) -> None:
-        conn = _Connection(stream, self.recorder._connection_opened())
+    def _tls_context(self) -> ssl.SSLContext | None:
+        """The server context of the current settings, None for plain HTTP."""
+        settings = self.settings
+        if not settings.tls_cert:
+            return None
+        files = (settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        if self._tls is None or self._tls[0] != files:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(settings.tls_cert, settings.tls_key)
+            context.set_alpn_protocols(["http/1.1"])
+            if settings.tls_client_ca:
+                # This CA alone: the system store must not vouch for a client.
+                context.load_verify_locations(cafile=settings.tls_client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+            self._tls = (files, context)
+        return self._tls[1]
+
+    async def _handle_connection(self, tcp: trio.SocketStream) -> None:
+        conn = _Connection(tcp, self.recorder._connection_opened())
         ending = _End.CLOSE
         try:
             if self.settings.sndbuf is not None:
-                stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.sndbuf)
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.sndbuf)
+            # Behind the fake's own proxy, TLS starts inside the tunnel, after CONNECT.
+            if not self.settings.via_proxy:
+                await self._start_tls(conn)
             ending = await self._serve_connection(conn)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             # The client vanished between requests: nobody to answer and nothing to record.
@@ -874,12 +1022,30 @@ class FakeUpstream:
                 # Linger on with timeout 0 makes close() send RST instead of FIN.
                 linger = struct.pack("ii", 1, 0)
                 with contextlib.suppress(OSError):
-                    stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-            await trio.aclose_forcefully(stream)
+                    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            await trio.aclose_forcefully(conn.stream)
             self.recorder._connection_closed()
 
+    async def _start_tls(self, conn: _Connection) -> None:
+        """Secure the connection if the settings say HTTPS; raise BrokenResourceError if the
+        handshake fails."""
+        context = self._tls_context()
+        if context is None:
+            return
+        # https_compatible: an HTTP client may close without close_notify (RFC 9112 §9.8).
+        stream = trio.SSLStream(conn.tcp, context, server_side=True, https_compatible=True)
+        try:
+            await stream.do_handshake()
+        except trio.BrokenResourceError:
+            self.recorder._tls_failed()
+            raise
+        conn.secured(stream)
+
     async def _serve_connection(self, conn: _Connection) -> _End:
+        answered = False
         while True:
+            if answered and not await self._next_request_wanted(conn):
+                return _End.CLOSE
             try:
                 request = await conn.read_request()
             except _HTTPError as exc:
@@ -888,12 +1054,57 @@ class FakeUpstream:
                 return _End.CLOSE
             if request is None:
                 return _End.CLOSE
-            if request.path.startswith("/_fake/"):
+            if request.method == "CONNECT":
+                ending = await self._serve_connect(conn, request)
+                # The tunnel is a fresh connection to its client: the habits start over.
+                answered = False
+            elif request.path.startswith("/_fake/"):
                 ending = await self._serve_control(conn, request)
+                answered = True
             else:
                 ending = await self._serve_request(conn, request)
+                answered = True
             if ending is not _End.KEEP:
                 return ending
+
+    async def _next_request_wanted(self, conn: _Connection) -> bool:
+        """Whether the fake reads another request after an answer, per its habits; a response
+        that said keep-alive is no promise."""
+        settings = self.settings
+        if settings.close_after_response:
+            return False
+        if settings.late_close is not None:
+            # Nothing reads meanwhile: a request written in these seconds meets the close.
+            await trio.sleep(settings.late_close)
+            return False
+        if settings.keepalive_timeout is not None and not conn.buf:
+            # Only the wait for a request's first byte is timed, as in uvicorn.
+            with trio.move_on_after(settings.keepalive_timeout):
+                return await conn._receive_more()
+            return False
+        return True
+
+    async def _serve_connect(self, conn: _Connection, request: _Request) -> _End:
+        """Open a tunnel to the requested origin, which is the fake whatever its name."""
+        if not self.settings.via_proxy or conn.tunnel is not None:
+            message = "the fake upstream is no proxy here (via_proxy is off, or in a tunnel)"
+            await conn.stream.send_all(_error_response(405, message, keep_alive=False))
+            return _End.CLOSE
+        target = request.path
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit():
+            message = f"CONNECT needs host:port, not {target!r}"
+            await conn.stream.send_all(_error_response(400, message, keep_alive=False))
+            return _End.CLOSE
+        conn.tunnel = target
+        self.recorder._tunnel_opened(target)
+        await conn.stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        if self.settings.tls_cert:
+            if conn.buf:
+                # A TLS client waits for the 200; what came before it is no handshake.
+                return _End.CLOSE
+            await self._start_tls(conn)
+        return _End.KEEP
 
     async def _serve_control(self, conn: _Connection, request: _Request) -> _End:
         """The fake's own endpoints: not recorded, never subject to fault injection."""
@@ -913,7 +1124,7 @@ class FakeUpstream:
 
     async def _serve_request(self, conn: _Connection, request: _Request) -> _End:
         body = _parse_json_object(request.body)
-        record = self.recorder._new_record(conn.id, request, body)
+        record = self.recorder._new_record(conn, request, body)
         ending = _End.CLOSE
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_client, conn, record, nursery.cancel_scope)
@@ -952,7 +1163,10 @@ class FakeUpstream:
         plain = _End.KEEP if keep else _End.CLOSE
         path, method = request.path, request.method
         settings = self.settings
-        if path in (_CHAT_PATH, _COMPLETIONS_PATH):
+        if settings.via_proxy and not record.via_proxy:
+            message = "this fake upstream answers only through a proxy (it is one: use it)"
+            response = _error_response(403, message, keep_alive=keep)
+        elif path in (_CHAT_PATH, _COMPLETIONS_PATH):
             if method != "POST":
                 response = _error_response(405, f"use POST for {path}", keep_alive=keep)
             elif record.body is None:
@@ -1038,7 +1252,9 @@ class FakeUpstream:
         await conn.stream.send_all(_stream_head(request))
         stop = fault_at if ends_early else n
         if stop:
-            job = _Job(conn.stream, record, self.recorder, frames, start, plan.interval, stop)
+            job = _Job(
+                conn.stream, conn.fd, record, self.recorder, frames, start, plan.interval, stop
+            )
             await self._ticker.send_tokens(job)
         # Token k is due at start + k * interval; the finish chunk goes with the last token.
         await trio.sleep_until(start + min(stop, max(n - 1, 0)) * plan.interval)
@@ -1122,6 +1338,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sndbuf", type=int, default=None, help="SO_SNDBUF of accepted sockets, in bytes"
     )
+    habits = parser.add_mutually_exclusive_group()
+    habits.add_argument(
+        "--close-after-response",
+        action="store_true",
+        help="close each connection after its first answer, without saying Connection: close",
+    )
+    habits.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="close a keep-alive connection idle for S seconds after an answer (uvicorn: 5)",
+    )
+    habits.add_argument(
+        "--late-close",
+        type=float,
+        default=None,
+        metavar="S",
+        help="close S seconds after an answer, leaving a request sent meanwhile unanswered",
+    )
+    parser.add_argument("--tls-cert", default="", metavar="FILE", help="serve HTTPS: PEM chain")
+    parser.add_argument("--tls-key", default="", metavar="FILE", help="the PEM private key")
+    parser.add_argument(
+        "--tls-client-ca",
+        default="",
+        metavar="FILE",
+        help="require a client certificate signed by this PEM CA (mTLS)",
+    )
+    parser.add_argument(
+        "--via-proxy",
+        action="store_true",
+        help="be the HTTP proxy in front of itself: answer CONNECT and absolute-form "
+        "requests, refuse direct ones with 403",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> FakeSettings:
@@ -1135,16 +1385,27 @@ def settings_from_args(args: argparse.Namespace) -> FakeSettings:
         at=args.at,
         status=getattr(args, "status", 500),
         sndbuf=args.sndbuf,
+        close_after_response=args.close_after_response,
+        keepalive_timeout=args.keepalive_timeout,
+        late_close=args.late_close,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        via_proxy=args.via_proxy,
     )
 
 
 async def run_from_args(args: argparse.Namespace) -> None:
     """Serve until cancelled, announcing the address once listening (scripts wait for it)."""
-    fake = FakeUpstream(settings_from_args(args))
+    settings = settings_from_args(args)
+    fake = FakeUpstream(settings)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(partial(fake.serve, args.host, args.port))
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"fake upstream listening on http://{host}:{port}", flush=True)
+        # Behind its own proxy the listener speaks plain HTTP; TLS starts inside the tunnel.
+        scheme = "https" if settings.tls_cert and not settings.via_proxy else "http"
+        role = " (as an HTTP proxy: only through it)" if settings.via_proxy else ""
+        print(f"fake upstream listening on {scheme}://{host}:{port}{role}", flush=True)
 
 
 def main(
