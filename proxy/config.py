@@ -11,6 +11,7 @@ import ipaddress
 import math
 import os
 import re
+import ssl
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -87,6 +88,27 @@ class UpstreamRequestConfig:
     # (A local model's own queue uses the same two keys, with its own defaults.)
     max_queue: int = 256
     queue_timeout: float = 30.0
+    # How requests travel. "lean": Sluice's own HTTP/1.1 client (http:// and https://, no
+    # proxy), the measured fast path. "httpx": the design card's client, for proxies and
+    # HTTP/2. "auto": lean for plain http:// with no proxy, httpx for everything else.
+    transport: str = "auto"
+    # TLS. ca_file: a PEM bundle trusted instead of the default (certifi, or SSL_CERT_FILE /
+    # SSL_CERT_DIR when set); client_cert (+ client_key when not in the same file): mTLS.
+    ca_file: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    # false: any certificate is accepted (logged loudly at start-up; never for production).
+    verify: bool = True
+    # An http(s):// proxy URL ("http://user:pass@proxy:3128"); "": HTTP(S)_PROXY, ALL_PROXY
+    # and NO_PROXY from the environment; "none": direct, whatever the environment says.
+    proxy: str = ""
+    # Offer HTTP/2 (ALPN) on https:// upstreams: one connection carries many streams.
+    http2: bool = False
+
+
+TRANSPORTS = ("auto", "lean", "httpx")
+# The `proxy` that means a direct connection whatever the environment says.
+PROXY_DIRECT = "none"
 
 
 @dataclass(frozen=True)
@@ -432,6 +454,75 @@ def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None
         max_attempts=settings.max_attempts,
     )
     _check_not_negative(where, hedge_after=settings.hedge_after)
+    _check_connection_settings(where, settings)
+
+
+def _check_connection_settings(where: str, settings: UpstreamRequestConfig) -> None:
+    if settings.transport not in TRANSPORTS:
+        raise ConfigError(
+            f"'transport' in {where} must be one of {', '.join(TRANSPORTS)}, "
+            f"not {settings.transport!r}"
+        )
+    explicit_proxy = settings.proxy not in ("", PROXY_DIRECT)
+    if explicit_proxy:
+        parts = urlsplit(settings.proxy)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"'proxy' in {where} must be an http:// or https:// proxy URL (SOCKS is not "
+                f'supported), "{PROXY_DIRECT}", or "" for the environment\'s'
+            )
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ConfigError(f"'proxy' in {where}: a proxy URL has no path, query or fragment")
+    if settings.transport == "lean":
+        if explicit_proxy:
+            raise ConfigError(
+                f'{where}: transport = "lean" cannot go through a proxy; use '
+                '"httpx" or "auto" with \'proxy\''
+            )
+        if settings.http2:
+            raise ConfigError(
+                f'{where}: transport = "lean" speaks HTTP/1.1 only; http2 = true needs '
+                '"httpx" or "auto"'
+            )
+    if settings.client_key and not settings.client_cert:
+        raise ConfigError(f"{where}: 'client_key' needs 'client_cert' (the certificate)")
+    if not settings.verify and settings.ca_file:
+        raise ConfigError(f"{where}: 'ca_file' has no effect with verify = false; drop one of them")
+    for key in ("ca_file", "client_cert", "client_key"):
+        path = getattr(settings, key)
+        if path and not os.access(path, os.R_OK):
+            raise ConfigError(f"'{key}' in {where}: cannot read {path!r}")
+    # Loaded once here, so that a wrong file is this one line at start-up, not a failure of
+    # every request (each pool loads them again for its own context).
+    if settings.ca_file:
+        try:
+            ssl.create_default_context(cafile=settings.ca_file)
+        except (ssl.SSLError, ValueError) as error:
+            raise ConfigError(
+                f"'ca_file' in {where}: {settings.ca_file!r} is not a PEM CA bundle ({error})"
+            ) from None
+    if settings.client_cert:
+        try:
+            load_client_certificate(
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), settings.client_cert, settings.client_key
+            )
+        except (ssl.SSLError, ValueError) as error:
+            raise ConfigError(
+                f"'client_cert' in {where}: cannot load {settings.client_cert!r}"
+                + (f" with {settings.client_key!r}" if settings.client_key else "")
+                + f" as a PEM certificate and unencrypted key ({error})"
+            ) from None
+
+
+def load_client_certificate(context: ssl.SSLContext, cert: str, key: str = "") -> None:
+    """The mTLS certificate (and its key, when not in the same file) into ``context``. An
+    encrypted key is refused rather than prompted for on the terminal, which OpenSSL would do
+    with no password given."""
+    context.load_cert_chain(cert, key or None, password=_no_password)
+
+
+def _no_password() -> bytes:
+    raise ValueError("the key is encrypted; give Sluice an unencrypted key file (mode 0600)")
 
 
 def _build_models(

@@ -245,11 +245,33 @@ def test_unreadable_files(tmp_path: Path) -> None:
             {"fake_upstream": {"enabled": False}, "models": {"m": {"upstreams": ["fake:"]}}},
             r"\[fake_upstream\]",
         ),
+        ({"models": {"m": {**MODEL, "transport": "fast"}}}, "'transport'.*auto, lean, httpx"),
+        ({"upstream": {"transport": "h2"}}, r"'transport' in \[upstream\]"),
+        ({"models": {"m": {**MODEL, "proxy": "socks5://p:1080"}}}, "'proxy'.*SOCKS"),
+        ({"models": {"m": {**MODEL, "proxy": "p:3128"}}}, "'proxy'"),
+        ({"models": {"m": {**MODEL, "proxy": "http://p:3128/x"}}}, "no path"),
+        (
+            {"models": {"m": {**MODEL, "transport": "lean", "proxy": "http://p:3128"}}},
+            "cannot go through a proxy",
+        ),
+        ({"models": {"m": {**MODEL, "transport": "lean", "http2": True}}}, "HTTP/1.1 only"),
+        ({"models": {"m": {**MODEL, "client_key": "k.pem"}}}, "'client_key' needs"),
+        ({"models": {"m": {**MODEL, "verify": False, "ca_file": "x"}}}, "no effect"),
+        ({"models": {"m": {**MODEL, "ca_file": "/nonexistent/ca.pem"}}}, "'ca_file'.*cannot read"),
+        ({"models": {"m": {**MODEL, "verify": "no"}}}, "'verify'.*true or false"),
     ],
 )
 def test_validation(data: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         build(data)
+
+
+def test_tls_files_are_loaded_at_start_up(tmp_path: Path) -> None:
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello\n")
+    for key in ("ca_file", "client_cert"):
+        with pytest.raises(ConfigError, match=f"'{key}' in \\[models.m\\].*not.pem"):
+            build({"models": {"m": {**MODEL, key: str(not_pem)}}})
 
 
 def test_validation_boundaries_that_are_allowed() -> None:
