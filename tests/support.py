@@ -90,6 +90,16 @@ async def start_proxy(
     return Proxy(binds[0], app, config)
 
 
+# The two upstream transports, for tests that must hold over both (model key "transport").
+UPSTREAM_TRANSPORTS = ("lean", "httpx")
+
+
+def only_replica(proxy: Proxy) -> Any:
+    """The proxy's one upstream replica, whichever transport reaches it."""
+    (replica,) = proxy.state.replicas.values()
+    return replica
+
+
 @pytest.fixture
 async def fake(nursery: trio.Nursery) -> Fake:
     return await start_fake(nursery, ttft=0.02, interval=0.01, tokens=5)

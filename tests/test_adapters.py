@@ -51,6 +51,7 @@ def test_the_installed_libraries_pass_every_check() -> None:
         "quart",
         "quart-trio",
         "trio",
+        "httpcore",
     ]
     for report in reports:
         assert report.in_range, report

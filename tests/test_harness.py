@@ -105,7 +105,14 @@ PHASES = (
 )
 # WebSocket: add "websocket" here (and to Rig.post/read_to_end) once the proxy serves it.
 TRANSPORTS = ("sse", "json")
-BACKENDS = ("upstream", "local")
+# "upstream" relays through the lean HTTP/1.1 client, "upstream-httpx" through httpx (the same
+# fake upstream, a model with transport = "httpx"): both keep every contract.
+BACKENDS = ("upstream", "upstream-httpx", "local")
+UPSTREAM_BACKENDS = ("upstream", "upstream-httpx")
+# Where each upstream transport's producer parks while it connects, and while it waits for
+# the response head (read from the producer task's await frames).
+CONNECTING_IN = {"upstream": "_connect_to_address", "upstream-httpx": "connect_tcp"}
+READING_HEAD_IN = {"upstream": "_read_head", "upstream-httpx": "_receive_response_headers"}
 NOT_APPLICABLE = {
     ("connecting", "local"): "the local backend opens no connection",
     ("awaiting-headers", "local"): (
@@ -223,6 +230,8 @@ class Rig:
     fd_count: int = 0
     cancelled: int = 0
     records: int = 0
+    # Which upstream transport the drivers use: "upstream" (lean) or "upstream-httpx".
+    upstream: str = "upstream"
 
     @property
     def local(self) -> LocalBackend:
@@ -230,16 +239,31 @@ class Rig:
 
     @property
     def replica(self) -> UpstreamReplica:
+        return self.replica_of(self.upstream)
+
+    def replica_of(self, backend: str) -> UpstreamReplica:
+        if backend == "upstream-httpx":
+            return self.proxy.state.replicas[f"{self.fake.url} (httpx)"]
         return self.proxy.state.replicas[self.fake.url]
+
+    def fake_replicas(self) -> list[UpstreamReplica]:
+        return [self.replica_of(backend) for backend in UPSTREAM_BACKENDS]
+
+    def model_name(self, name: str) -> str:
+        """The lean model ``name``, or its httpx twin when the drivers use httpx."""
+        return f"{name}-httpx" if self.upstream == "upstream-httpx" else name
 
     def body(self, backend: str, transport: str, **options: Any) -> dict[str, Any]:
         stream = transport == "sse"
-        if backend == "upstream":
-            model = options.pop("model", "fake-model")
+        if backend in UPSTREAM_BACKENDS:
+            default = "fake-httpx" if backend == "upstream-httpx" else "fake-model"
+            model = options.pop("model", default)
             return chat_body(model, stream=stream, fake=options.pop("fake", {}), **options)
         return chat_body("tiny", stream=stream, max_tokens=options.pop("max_tokens", 5), **options)
 
     async def post(self, backend: str, transport: str, **options: Any) -> RawClient:
+        if backend == "upstream":
+            backend = self.upstream
         return await RawClient.post(self.proxy, CHAT, self.body(backend, transport, **options))
 
     def in_flight_connections(self) -> set[Any]:
@@ -263,6 +287,9 @@ class Rig:
             lambda: not connection_handlers(proxy_tasks()),
             lambda: f"the warm-up's connections remain: {connection_handlers(proxy_tasks())}",
         )
+        # The warm-up's garbage (httpx's and httpcore's objects among it) is collected now, not
+        # by an automatic collection in the middle of a timed disconnect.
+        gc.collect()
         self.idle_tasks = proxy_tasks()
         self.fds = open_fds()
         self.fd_count = len(os.listdir("/proc/self/fd"))
@@ -277,6 +304,7 @@ async def start_rig(nursery: trio.Nursery, loaded: Any, **more_models: Any) -> R
         nursery,
         {
             "fake-model": [fake.url],
+            "fake-httpx": {"upstreams": [fake.url], "transport": "httpx"},
             "tiny": {
                 "backend": "local",
                 "path": "unused-preloaded",
@@ -359,13 +387,15 @@ async def assert_nothing_left(rig: Rig, request_connections: set[Any]) -> None:
         assert not request_connections & set(pooled), pooled
         assert all(connection.is_idle() for connection in pooled), pooled
         assert replica.slots.available_tokens == rig.proxy.config.upstream.max_connections
-    # The fake holds open exactly the connections the pool keeps, no half-closed one.
+
+    # The fake holds open exactly the connections the pools keep (the lean one's and
+    # httpx's), no half-closed one.
+    def pooled() -> int:
+        return sum(len(replica.pool_connections()) for replica in rig.fake_replicas())
+
     await settle(
-        lambda: rig.fake.recorder.open_connections == len(rig.replica.pool_connections()),
-        lambda: (
-            f"{rig.fake.recorder.open_connections} open at the fake, "
-            f"{rig.replica.pool_connections()} pooled"
-        ),
+        lambda: rig.fake.recorder.open_connections == pooled(),
+        lambda: f"{rig.fake.recorder.open_connections} open at the fake, {pooled()} pooled",
     )
     # Sockets: no descriptor that the baseline lacks, and no more of them.
     await settle(
@@ -425,12 +455,12 @@ async def upstream_queued(rig: Rig, transport: str) -> Left:
 
 
 async def upstream_connecting(rig: Rig, transport: str) -> Left:
-    raw = await rig.post("upstream", transport, model="unreachable")
-    await wait_for_producer_in("_connect_to_address")
-    # A connection joins its pool once connected: a leaked socket would show in the
-    # descriptors assert_nothing_left compares.
+    raw = await rig.post("upstream", transport, model=rig.model_name("unreachable"))
+    await wait_for_producer_in(CONNECTING_IN[rig.upstream])
+    # A lean connection joins its pool once connected; httpcore's is in its pool, CONNECTING.
+    # Either way a leaked socket would show in the descriptors assert_nothing_left compares.
     connections = rig.in_flight_connections()
-    assert connections == set()
+    assert len(connections) == (1 if rig.upstream == "upstream-httpx" else 0), connections
     closed_at = await raw.close()
     with trio.fail_after(SETTLE):
         await rig.proxy.state.tracker.wait_idle()
@@ -452,13 +482,13 @@ async def _upstream_leave_parked(rig: Rig, transport: str, fake: dict[str, Any],
 
 async def upstream_awaiting_headers(rig: Rig, transport: str) -> Left:
     fake = {"mode": "stall_headers"}
-    return await _upstream_leave_parked(rig, transport, fake, "_read_head")
+    return await _upstream_leave_parked(rig, transport, fake, READING_HEAD_IN[rig.upstream])
 
 
 async def upstream_awaiting_first_token(rig: Rig, transport: str) -> Left:
     # A streaming response has its head at once (vLLM's way); a whole one has nothing until
     # the end, so the proxy still waits for the head.
-    parked_in = "_relay_stream" if transport == "sse" else "_read_head"
+    parked_in = "_relay_stream" if transport == "sse" else READING_HEAD_IN[rig.upstream]
     return await _upstream_leave_parked(rig, transport, {"ttft": 30}, parked_in)
 
 
@@ -549,12 +579,18 @@ async def local_after_last_token(rig: Rig, transport: str) -> Left:
 
 Driver = Callable[[Rig, str], Awaitable[Left]]
 DRIVERS: dict[tuple[str, str], Driver] = {
-    ("queued", "upstream"): upstream_queued,
-    ("connecting", "upstream"): upstream_connecting,
-    ("awaiting-headers", "upstream"): upstream_awaiting_headers,
-    ("awaiting-first-token", "upstream"): upstream_awaiting_first_token,
-    ("mid-stream", "upstream"): upstream_mid_stream,
-    ("after-last-token", "upstream"): upstream_after_last_token,
+    **{
+        (phase, backend): driver
+        for backend in UPSTREAM_BACKENDS
+        for phase, driver in (
+            ("queued", upstream_queued),
+            ("connecting", upstream_connecting),
+            ("awaiting-headers", upstream_awaiting_headers),
+            ("awaiting-first-token", upstream_awaiting_first_token),
+            ("mid-stream", upstream_mid_stream),
+            ("after-last-token", upstream_after_last_token),
+        )
+    },
     ("queued", "local"): local_queued,
     ("awaiting-first-token", "local"): local_awaiting_first_token,
     ("mid-stream", "local"): local_mid_stream,
@@ -576,7 +612,14 @@ async def test_disconnect_leaves_nothing_behind(
     with unreachable_port() as (listener, filler), trio.fail_after(DEADLINE):
         port = listener.getsockname()[1]
         unreachable = {"upstreams": [f"http://127.0.0.1:{port}"], "connect_timeout": 60}
-        rig = await start_rig(nursery, tiny_loaded_model, unreachable=unreachable)
+        rig = await start_rig(
+            nursery,
+            tiny_loaded_model,
+            unreachable=unreachable,
+            **{"unreachable-httpx": {**unreachable, "transport": "httpx"}},
+        )
+        if backend in UPSTREAM_BACKENDS:
+            rig.upstream = backend
         left = await DRIVERS[phase, backend](rig, transport)
         await assert_nothing_left(rig, left.connections)
         assert rig.proxy.state.tracker.cancelled - rig.cancelled == left.cancelled
@@ -586,7 +629,9 @@ async def test_disconnect_leaves_nothing_behind(
             filler.close()
             upstream = FakeUpstream(FakeSettings(ttft=0, interval=0, tokens=3))
             await nursery.start(upstream.serve, "127.0.0.1", port)
-            await assert_next_request_works(rig, backend, transport, model="unreachable")
+            await assert_next_request_works(
+                rig, backend, transport, model=rig.model_name("unreachable")
+            )
         else:
             await assert_next_request_works(rig, backend, transport)
 
@@ -606,6 +651,8 @@ async def disconnect_at(delay: float, transport: str, backend: str, loaded: Any)
     with trio.fail_after(DEADLINE):
         async with trio.open_nursery() as nursery:
             rig = await start_rig(nursery, loaded)
+            if backend in UPSTREAM_BACKENDS:
+                rig.upstream = backend
             rig.model.prefill_seconds = RANDOM_PREFILL
             rig.model.step_seconds = RANDOM_STEP
             raw = await rig.post(backend, transport, fake=RANDOM_FAKE, max_tokens=RANDOM_TOKENS)

@@ -1,28 +1,42 @@
-"""The upstream queue is bounded like the local model's: a request waits for a replica's
-connection slot in a queue of max_queue, gets 429 queue_full at once past it and 503
-queue_timeout after queue_timeout, both with Retry-After; a queued client that leaves frees its
-place at once; and none of it counts against the replica."""
+"""The upstream queue is bounded like the local model's, over either transport: a request
+waits for a replica's connection slot in a queue of max_queue, gets 429 queue_full at once past
+it and 503 queue_timeout after queue_timeout, both with Retry-After; a queued client that leaves
+frees its place at once; and none of it counts against the replica."""
 
 from __future__ import annotations
 
 import httpx
+import pytest
 import trio
 
-from tests.support import DEADLINE, RawClient, chat_body, poll_until, start_fake, start_proxy
+from tests.support import (
+    DEADLINE,
+    UPSTREAM_TRANSPORTS,
+    RawClient,
+    chat_body,
+    only_replica,
+    poll_until,
+    start_fake,
+    start_proxy,
+)
+
+pytestmark = pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)
 
 CHAT = "/v1/chat/completions"
 
 
-async def test_the_upstream_queue_is_bounded_in_size_and_time(nursery: trio.Nursery) -> None:
+async def test_the_upstream_queue_is_bounded_in_size_and_time(
+    nursery: trio.Nursery, transport: str
+) -> None:
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=100_000)
         proxy = await start_proxy(
             nursery,
-            {"m": [fake.url]},
+            {"m": {"upstreams": [fake.url], "transport": transport}},
             upstream={"max_connections": 1, "max_queue": 1, "queue_timeout": 0.5},
         )
         backend = proxy.state.backends["m"]
-        replica = proxy.state.replicas[fake.url]
+        replica = only_replica(proxy)
         async with (
             httpx.AsyncClient(timeout=10, trust_env=False) as client,
             client.stream("POST", proxy.url + CHAT, json=chat_body("m")) as holder,
@@ -57,12 +71,14 @@ async def test_the_upstream_queue_is_bounded_in_size_and_time(nursery: trio.Nurs
         assert waits.labels("m", "queue_timeout")._sum.get() >= 0.5
 
 
-async def test_a_queued_client_that_leaves_frees_its_place(nursery: trio.Nursery) -> None:
+async def test_a_queued_client_that_leaves_frees_its_place(
+    nursery: trio.Nursery, transport: str
+) -> None:
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=100_000)
         proxy = await start_proxy(
             nursery,
-            {"m": [fake.url]},
+            {"m": {"upstreams": [fake.url], "transport": transport}},
             upstream={"max_connections": 1, "max_queue": 1, "queue_timeout": 30},
         )
         backend = proxy.state.backends["m"]

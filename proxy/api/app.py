@@ -20,6 +20,7 @@ from proxy.api.ws import serve_websocket
 from proxy.backends.base import Backend
 from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica, check_replicas
 from proxy.backends.upstream.routing import HealthPolicy
+from proxy.backends.upstream.transports import ConnectionSettings
 from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
@@ -62,6 +63,8 @@ class SluiceState:
         local_models: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
+        # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
+        self.env = env
         self.api_keys = resolve_api_keys(config, env)
         # The clients' keys (not the upstreams' above) and their per-process counters.
         self.keys = KeyRing(config.keys)
@@ -122,11 +125,22 @@ class SluiceState:
                 if url == FAKE_UPSTREAM_URL:
                     assert fake_upstream_url is not None
                     url = fake_upstream_url
-                if url not in self.replicas:
-                    self.replicas[url] = UpstreamReplica(
-                        url, upstream, socket_options=socket_options
+                connection = ConnectionSettings.resolve(url, model, self.env)
+                name = UpstreamReplica.key(url, connection)
+                if name not in self.replicas:
+                    if not connection.verify:
+                        log.warning(
+                            "!!! TLS VERIFICATION IS OFF for %s (model '%s', verify = false): "
+                            "any server, or anyone between, can answer as this upstream and "
+                            "read its requests. Use ca_file for a private CA instead.",
+                            url,
+                            model.name,
+                        )
+                    self.replicas[name] = UpstreamReplica(
+                        url, upstream, connection, socket_options=socket_options
                     )
-                replica = self.replicas[url]
+                    log.info("upstream %s via %s", url, connection.label)
+                replica = self.replicas[name]
                 key = self.api_keys.get(model.name)
                 if key is not None and replica.authorization is None:
                     replica.authorization = f"Bearer {key}"

@@ -11,6 +11,7 @@ import trio
 
 from proxy.config import Config, check_public_bind
 from proxy.server import adapters, connection_server, hangup
+from proxy.server.adapters import httpcore_adapter
 from proxy.server.adapters.hypercorn_adapter import HypercornConfig, worker_serve, wrap_app
 from proxy.server.adapters.hypercorn_adapter import Sockets as Sockets
 from proxy.server.asgi import SluiceQuart
@@ -88,6 +89,7 @@ async def serve(
     if sockets is None:
         sockets = listen_sockets(hyper, config.relay.stall_timeout)
     connection_server.install()
+    httpcore_adapter.install()
     connections = connection_server.ConnectionSet()
     connections.attach(hyper)
     served = trio.Event()

@@ -13,6 +13,7 @@ before anything has been sent to the client.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -23,8 +24,10 @@ from typing import Any
 import httpx
 import trio
 
-from proxy.backends.upstream.pool import KeepAlivePool, Origin, UpstreamRequest, UpstreamResponse
+from proxy.backends.upstream.httpx_pool import HttpxPool
+from proxy.backends.upstream.pool import KeepAlivePool, Origin, UpstreamRequest
 from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
+from proxy.backends.upstream.transports import ConnectionSettings, Pool, Response, health_client
 from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol import http1
@@ -52,8 +55,9 @@ def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> 
 
 
 class UpstreamReplica:
-    """One upstream server: its pool (upstream_pool.KeepAlivePool), and a capacity limiter that
-    bounds the requests in it.
+    """One upstream server, as reached with one set of :class:`ConnectionSettings`: its pool
+    (the lean KeepAlivePool or the HttpxPool), and a capacity limiter that bounds the requests
+    in it.
 
     Waiting happens on the limiter only (in each model's bounded queue for it), never inside
     the pool: a request that gets a slot always gets a connection (an idle one, or a new one),
@@ -61,15 +65,35 @@ class UpstreamReplica:
     whose pool leaked a connection so).
     """
 
-    def __init__(self, url: str, settings: UpstreamConfig, *, socket_options: Any = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        settings: UpstreamConfig,
+        connection: ConnectionSettings | None = None,
+        *,
+        socket_options: Any = None,
+    ) -> None:
         self.url = url.rstrip("/")
+        self.connection = connection or ConnectionSettings(transport="lean")
         self.load = ReplicaLoad(self.url)
-        self._pool = KeepAlivePool(
-            max_keepalive=settings.max_keepalive_connections,
-            keepalive_expiry=settings.keepalive_expiry,
-            socket_options=socket_options,
-            spare=settings.preconnect,
-        )
+        self._pool: Pool
+        if self.connection.transport == "httpx":
+            self._pool = HttpxPool(
+                self.connection,
+                max_connections=settings.max_connections,
+                max_keepalive=settings.max_keepalive_connections,
+                keepalive_expiry=settings.keepalive_expiry,
+                socket_options=socket_options,
+            )
+        else:
+            https = self.url.startswith("https://")
+            self._pool = KeepAlivePool(
+                max_keepalive=settings.max_keepalive_connections,
+                keepalive_expiry=settings.keepalive_expiry,
+                socket_options=socket_options,
+                ssl_context=self.connection.ssl_context(alpn=["http/1.1"]) if https else None,
+                spare=settings.preconnect,
+            )
         self._connect_timeout = settings.connect_timeout
         self.slots = trio.CapacityLimiter(settings.max_connections)
         # What health checks send as Authorization: the upstream key of a model this replica
@@ -84,6 +108,17 @@ class UpstreamReplica:
         root = httpx.URL(self.root_url).raw_path.rstrip(b"/")
         self._targets = {endpoint: root + endpoint.value.encode() for endpoint in Endpoint}
 
+    @staticmethod
+    def key(url: str, connection: ConnectionSettings) -> str:
+        """How the app names a replica: its URL, with its connection settings unless it is
+        the plain lean default (two models may reach one URL in two ways)."""
+        url = url.rstrip("/")
+        return (
+            url
+            if connection == ConnectionSettings(transport="lean")
+            else (f"{url} ({connection.label})")
+        )
+
     def endpoint_target(self, endpoint: Endpoint) -> bytes:
         return self._targets[endpoint]
 
@@ -97,7 +132,7 @@ class UpstreamReplica:
         return self._pool.connections()
 
     @property
-    def pool(self) -> KeepAlivePool:
+    def pool(self) -> Pool:
         return self._pool
 
     async def keep_spare_connections(self) -> None:
@@ -377,18 +412,26 @@ class UpstreamBackend:
                 f"could not connect to {replica.url} within {model.connect_timeout:g}s",
                 retryable=True,
             ) from None
+        except httpx.ProxyError as error:
+            # The proxy refused the tunnel (407: credentials; 403: not allowed there...).
+            raise upstream_error(
+                502,
+                "upstream_proxy_error",
+                f"the proxy to {replica.url} refused: {reason(error)}",
+                retryable=True,
+            ) from None
         except httpx.ConnectError as error:
             raise upstream_error(
                 502,
                 "upstream_connect_error",
-                f"could not connect to {replica.url}: {error}",
+                f"could not connect to {replica.url}: {reason(error)}",
                 retryable=True,
             ) from None
         except (httpx.TransportError, httpx.StreamError) as error:
             raise upstream_error(
                 502,
                 "upstream_protocol_error",
-                f"the connection to {replica.url} failed: {type(error).__name__}: {error}",
+                f"the connection to {replica.url} failed: {type(error).__name__}: {reason(error)}",
                 retryable=not sink.started,
             ) from None
         except SSEProtocolError as error:
@@ -415,7 +458,7 @@ class UpstreamBackend:
     async def _relay_stream(
         self,
         replica: UpstreamReplica,
-        response: UpstreamResponse,
+        response: Response,
         read_scope: trio.CancelScope,
         sink: Sink,
     ) -> None:
@@ -462,7 +505,7 @@ class UpstreamBackend:
             )
 
     def _decoder(
-        self, replica: UpstreamReplica, response: UpstreamResponse, *, streaming: bool
+        self, replica: UpstreamReplica, response: Response, *, streaming: bool
     ) -> http1.ContentDecoder | None:
         """A decoder for a body the server encoded though asked not to; None for identity (or,
         for a whole body, an encoding passed on with its Content-Encoding)."""
@@ -484,9 +527,7 @@ class UpstreamBackend:
             )
         return None
 
-    async def _relay_whole(
-        self, replica: UpstreamReplica, response: UpstreamResponse, sink: Sink
-    ) -> None:
+    async def _relay_whole(self, replica: UpstreamReplica, response: Response, sink: Sink) -> None:
         body = await _read_bounded(response, self._relay.max_response_bytes)
         content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
         headers: dict[str, str] = {}
@@ -500,7 +541,7 @@ class UpstreamBackend:
         await sink.send(body)
 
     async def _relay_error_response(
-        self, replica: UpstreamReplica, response: UpstreamResponse, sink: Sink
+        self, replica: UpstreamReplica, response: Response, sink: Sink
     ) -> None:
         body = await _read_bounded(response, _MAX_ERROR_BODY)
         status = response.status_code
@@ -536,6 +577,19 @@ class UpstreamBackend:
         await sink.send(body)
 
 
+def reason(error: BaseException) -> str:
+    """What went wrong, in words: httpx's own message, or, where it has none (a TLS handshake
+    that failed under httpcore says nothing), that of the error it came from."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            break
+        if str(seen):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return type(error).__name__
+
+
 def decode(decoder: http1.ContentDecoder, data: bytes) -> bytes:
     try:
         return decoder.feed(data)
@@ -545,7 +599,7 @@ def decode(decoder: http1.ContentDecoder, data: bytes) -> bytes:
         ) from None
 
 
-async def _read_bounded(response: UpstreamResponse, limit: int) -> bytes:
+async def _read_bounded(response: Response, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
     async for chunk in response.chunks():
@@ -637,16 +691,15 @@ async def check_replicas(
     replica, so a hanging replica never delays the others' checks. Runs under the app's
     nursery and ends with it."""
     router = LeastBusyRouter(policy)
-    # Its own small client: a check must never wait behind streams for a pool slot. Its TLS is
-    # the requests' own (the same context: SSL_CERT_FILE honoured as theirs is); no proxy from
-    # the environment, as requests use none.
-    verify = replicas[0].pool.tls_context() if replicas else True
-    async with (
-        httpx.AsyncClient(trust_env=False, timeout=interval, verify=verify) as client,
-        trio.open_nursery() as nursery,
-    ):
-        for replica in replicas:
-            nursery.start_soon(_check_replica, client, router, replica, path, interval)
+    async with contextlib.AsyncExitStack() as stack:
+        # Each replica's own client: its requests' proxy, TLS and key (transports.health_client).
+        clients = [
+            await stack.enter_async_context(health_client(replica.connection, interval))
+            for replica in replicas
+        ]
+        async with trio.open_nursery() as nursery:
+            for client, replica in zip(clients, replicas, strict=True):
+                nursery.start_soon(_check_replica, client, router, replica, path, interval)
 
 
 async def _check_replica(

@@ -478,7 +478,7 @@ class UpstreamConnection:
 
 # How a reused connection fails when its server closed it as the request went out: EOF or a
 # reset while reading the head, EPIPE or a reset while writing.
-_KEEPALIVE_RACE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+KEEPALIVE_RACE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
 class KeepAlivePool(httpx.AsyncBaseTransport):
@@ -551,7 +551,7 @@ class KeepAlivePool(httpx.AsyncBaseTransport):
         connection, was_idle = await self._take(request)
         try:
             head, body = await self._start(connection, request)
-        except _KEEPALIVE_RACE as error:
+        except KEEPALIVE_RACE as error:
             if not was_idle or connection.answered:
                 raise
             # The keep-alive race: the server closed this idle connection as the request went

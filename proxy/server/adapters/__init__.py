@@ -1,4 +1,5 @@
-"""One adapter per library whose internals Sluice relies on: hypercorn, quart, quart-trio, trio.
+"""One adapter per library whose internals Sluice relies on: hypercorn, quart, quart-trio, trio,
+httpcore.
 
 Each adapter module names the installed version range it supports and every private internal
 it uses (a dotted path), with what depends on it: a *required* internal has no fallback (the
@@ -11,12 +12,13 @@ modules that use an internal ask :func:`usable` for its feature.
 from __future__ import annotations
 
 from proxy.server.adapters.base import Adapter, AdapterReport, StartupError
+from proxy.server.adapters.httpcore_adapter import HTTPCORE
 from proxy.server.adapters.hypercorn_adapter import HYPERCORN
 from proxy.server.adapters.quart_adapter import QUART
 from proxy.server.adapters.quart_trio_adapter import QUART_TRIO
 from proxy.server.adapters.trio_adapter import TRIO
 
-ADAPTERS: tuple[Adapter, ...] = (HYPERCORN, QUART, QUART_TRIO, TRIO)
+ADAPTERS: tuple[Adapter, ...] = (HYPERCORN, QUART, QUART_TRIO, TRIO, HTTPCORE)
 
 __all__ = ["ADAPTERS", "AdapterReport", "StartupError", "check_all", "usable"]
 

@@ -1,0 +1,129 @@
+"""httpcore (under httpx): the HTTP/2 stream reset that httpcore does not do.
+
+* ``http2``: when a response is closed before its end (its client left), httpcore 1.0.x
+  forgets the stream but never tells the server (httpcore #943, #1022; PR #1098 open): no
+  RST_STREAM is sent, so the upstream keeps generating for nobody, and h2's count of open
+  streams drifts by one per cancelled request until the connection refuses new ones ("Max
+  outbound streams is 100, 100 open"). :func:`install` wraps
+  ``AsyncHTTP2Connection._response_closed`` to reset a stream still open, through h2's public
+  API (``reset_stream``), and to write the frame at once, under httpcore's write lock, shielded
+  and bounded. Without these internals HTTP/2 is not offered: ALPN says http/1.1 only, and
+  every contract holds over HTTP/1.1.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from proxy.backends.upstream import httpx_pool
+from proxy.server.adapters.base import Adapter, Internal
+
+__all__ = ["HTTPCORE", "install", "original_response_closed"]
+
+log = logging.getLogger("sluice.adapters")
+
+_H2_CONNECTION = "httpcore._async.http2.AsyncHTTP2Connection"
+# The instance attributes the reset uses, set by AsyncHTTP2Connection.__init__.
+_CONNECTION_ATTRIBUTES = ("_h2_state", "_write_lock", "_network_stream", "_write_exception")
+# Writing one RST_STREAM frame: a few bytes, unless the connection is itself stuck.
+_RESET_WRITE_TIMEOUT = 1.0
+
+
+def _connection_has_its_attributes() -> bool:
+    try:
+        import httpcore
+        from httpcore._async.http2 import AsyncHTTP2Connection
+
+        connection = AsyncHTTP2Connection(
+            origin=httpcore.Origin(b"https", b"example.invalid", 443),
+            stream=None,  # type: ignore[arg-type]  # never used: nothing is sent
+        )
+    except Exception:  # noqa: BLE001 - any failure means "not usable"; Cancelled is not one
+        return False
+    return all(hasattr(connection, name) for name in _CONNECTION_ATTRIBUTES)
+
+
+def _h2_has_its_api() -> bool:
+    try:
+        import h2.connection
+        import h2.errors
+    except ImportError:
+        return False
+    return hasattr(h2.connection.H2Connection, "reset_stream") and hasattr(
+        h2.errors.ErrorCodes, "CANCEL"
+    )
+
+
+HTTPCORE = Adapter(
+    "httpcore",
+    floor="1.0.7",
+    below="1.1",
+    internals=[
+        Internal(f"{_H2_CONNECTION}._response_closed", "http2", parameters=("stream_id",)),
+        Internal(f"{_H2_CONNECTION}.__init__", "http2", check=_connection_has_its_attributes),
+        Internal("h2.connection.H2Connection.reset_stream", "http2", check=_h2_has_its_api),
+    ],
+    fallbacks={
+        "http2": "HTTP/2 is not offered to upstreams (http2 = true falls back to HTTP/1.1): "
+        "without the stream reset a client's disconnect would not reach the server",
+    },
+)
+
+# httpcore's own method, kept once the reset wraps it (tests show what it does alone).
+original_response_closed: Any = None
+
+
+def install() -> bool:
+    """Install the HTTP/2 stream reset (once per process); True when it is in place, and then
+    the httpx transport offers HTTP/2 where configured."""
+    global original_response_closed
+    if original_response_closed is not None:
+        return True
+    if not HTTPCORE.usable("http2"):
+        return False
+    from httpcore._async.http2 import AsyncHTTP2Connection
+
+    response_closed = original_response_closed = AsyncHTTP2Connection._response_closed
+
+    async def _response_closed(self: Any, stream_id: int) -> None:
+        try:
+            await reset_open_stream(self, stream_id)
+        finally:
+            await response_closed(self, stream_id)
+
+    AsyncHTTP2Connection._response_closed = _response_closed  # type: ignore[method-assign]
+    httpx_pool.http2_stream_reset_installed = True
+    return True
+
+
+async def reset_open_stream(connection: Any, stream_id: int) -> None:
+    """Reset ``stream_id`` if it is still open (its response was closed before its end) and
+    send the frame now: the server cancels the request (a vLLM behind an HTTP/2 front aborts
+    the sequence) and both sides agree the stream is gone."""
+    import h2.errors
+    import h2.exceptions
+    import httpcore
+
+    state = connection._h2_state
+    stream = state.streams.get(stream_id)
+    if stream is None or stream.closed:
+        return
+    try:
+        state.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+    except h2.exceptions.ProtocolError:
+        return  # closed meanwhile (the server reset it, or the connection ended)
+    # Shielded: this runs as a cancelled request unwinds. Bounded: by the write's own timeout
+    # and by this scope, should another task hold the write lock on a stuck connection.
+    with trio.move_on_after(_RESET_WRITE_TIMEOUT, shield=True):
+        async with connection._write_lock:
+            data = state.data_to_send()
+            if not data or connection._write_exception is not None:
+                return
+            try:
+                await connection._network_stream.write(data, _RESET_WRITE_TIMEOUT)
+            except (httpcore.NetworkError, OSError) as error:
+                # The connection is broken: httpcore's next read or write on it says so.
+                log.debug("HTTP/2 stream %d reset not sent: %s", stream_id, error)
