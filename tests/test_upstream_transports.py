@@ -132,6 +132,36 @@ async def test_every_keepalive_race_gets_a_200_and_the_replica_stays_healthy(
 
 
 @pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)
+async def test_concurrent_clients_on_connections_that_close_behind_them_get_only_200s(
+    nursery: trio.Nursery, client: httpx.AsyncClient, transport: str
+) -> None:
+    """Many idle connections, each closed by its server 50 ms after its answer, and requests
+    arriving all the while: a request may meet several dead ones in a row (httpcore hands
+    out its oldest idle connection first), and still gets a 200."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.01, interval=0, tokens=5, late_close=0.05)
+        proxy = await start_proxy(
+            nursery,
+            {"m": {"upstreams": [fake.url], "transport": transport}},
+            upstream={"max_attempts": 1, "failure_threshold": 1},
+        )
+        statuses: list[int] = []
+
+        async def client_loop(index: int) -> None:
+            await trio.sleep(index * 0.007)
+            for _ in range(8):
+                response = await ask(client, proxy, "m", stream=False)
+                statuses.append(response.status_code)
+
+        async with trio.open_nursery() as clients:
+            for index in range(8):
+                clients.start_soon(client_loop, index)
+    assert statuses == [200] * 64
+    assert only_replica(proxy).load.healthy()
+    assert upstream_errors(proxy) == 0
+
+
+@pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)
 async def test_a_reset_on_a_reused_connection_after_its_head_is_not_retried(
     nursery: trio.Nursery, client: httpx.AsyncClient, transport: str
 ) -> None:
@@ -314,18 +344,26 @@ async def test_verify_false_serves_and_says_so_loudly(
 # -- HTTP proxies -----------------------------------------------------------------------------
 
 
+async def start_egress(
+    nursery: trio.Nursery, tls_files: dict[str, str], **fake: Any
+) -> tuple[Fake, dict[str, Any]]:
+    """A TLS upstream reachable only through itself as an HTTP proxy, and the model table
+    that reaches it so (by a name only the proxy knows)."""
+    settings = {"ttft": 0, "interval": 0, "tokens": 5, **fake}
+    egress = await start_fake(nursery, via_proxy=True, **tls_fake_settings(tls_files, **settings))
+    model = {
+        "upstreams": [f"https://{HIDDEN}:8443"],
+        "proxy": egress.url,
+        "ca_file": tls_files["ca"],
+    }
+    return egress, model
+
+
 async def test_https_through_a_connect_proxy_that_sees_the_tunnel(
     nursery: trio.Nursery, client: httpx.AsyncClient, tls_files: dict[str, str]
 ) -> None:
     with trio.fail_after(DEADLINE):
-        egress = await start_fake(
-            nursery, ttft=0, interval=0, tokens=5, via_proxy=True, **tls_fake_settings(tls_files)
-        )
-        model = {
-            "upstreams": [f"https://{HIDDEN}:8443"],
-            "proxy": egress.url,
-            "ca_file": tls_files["ca"],
-        }
+        egress, model = await start_egress(nursery, tls_files)
         proxy = await start_proxy(nursery, {"m": model})
         assert only_replica(proxy).connection.transport == "httpx"  # auto: a proxy
         assert_streamed(await ask(client, proxy, "m"))
@@ -385,19 +423,7 @@ async def test_a_client_that_leaves_closes_the_tunnel_at_once(
     nursery: trio.Nursery, tls_files: dict[str, str]
 ) -> None:
     with trio.fail_after(DEADLINE):
-        egress = await start_fake(
-            nursery,
-            ttft=0,
-            interval=0.02,
-            tokens=1000,
-            via_proxy=True,
-            **tls_fake_settings(tls_files),
-        )
-        model = {
-            "upstreams": [f"https://{HIDDEN}:8443"],
-            "proxy": egress.url,
-            "ca_file": tls_files["ca"],
-        }
+        egress, model = await start_egress(nursery, tls_files, interval=0.02, tokens=1000)
         proxy = await start_proxy(nursery, {"m": model})
         raw = await RawClient.post(proxy, CHAT, chat_body("m"))
         await raw.read_until(b"data: ", count=3)
@@ -414,15 +440,8 @@ async def test_health_checks_go_the_requests_way(
 ) -> None:
     """Through the proxy, with the TLS settings and the upstream key that requests use."""
     with trio.fail_after(DEADLINE):
-        egress = await start_fake(
-            nursery, ttft=0, interval=0, tokens=5, via_proxy=True, **tls_fake_settings(tls_files)
-        )
-        model = {
-            "upstreams": [f"https://{HIDDEN}:8443"],
-            "proxy": egress.url,
-            "ca_file": tls_files["ca"],
-            "api_key_env": "UPSTREAM_KEY",
-        }
+        egress, model = await start_egress(nursery, tls_files)
+        model["api_key_env"] = "UPSTREAM_KEY"
         proxy = await start_proxy(
             nursery,
             {"m": model},

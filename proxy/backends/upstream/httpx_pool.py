@@ -14,8 +14,8 @@ What this module guards against, and where:
   and httpcore's pool is that large, so a request always gets a connection at once. The pool
   wait is bounded anyway (by connect_timeout), so a bug would be an error, not a hang.
 * The keep-alive race: httpcore does not retry a request whose reused connection the server
-  closed as it went out. :meth:`HttpxPool.open` does, once, as the lean pool does; httpx's
-  ``trace`` extension says whether the connection was opened for the request.
+  closed as it went out. :meth:`HttpxPool.open` does, as the lean pool does; httpx's ``trace``
+  extension says whether the connection was opened for the request.
 * HTTP/2 cancellation (httpcore #943/#1022): httpcore never resets the stream of a response
   closed early, so the upstream would keep generating for nobody. See
   ``proxy.server.adapters.httpcore_adapter``, which is the only module that touches httpcore's
@@ -57,6 +57,7 @@ class HttpxPool:
         socket_options: Iterable[Sequence[Any]] | None = None,
     ) -> None:
         self.settings = settings
+        self._max_keepalive = max_keepalive
         http2 = settings.http2 and http2_stream_reset_installed
         if settings.http2 and not http2:
             log.warning(
@@ -103,7 +104,11 @@ class HttpxPool:
         timeouts = {"connect": timeout, "write": timeout, "read": request.read_timeout}
         # Bounded though nothing should wait for the pool (see the module's docstring).
         timeouts["pool"] = timeout
-        for attempt in (1, 2):
+        # httpcore cannot be asked for a fresh connection, and every idle one may be in its
+        # server's closing window (a burst after a quiet spell): a race costs httpcore that
+        # connection, so the retries are bounded by the idle connections it can hold, plus one.
+        races = 0
+        while True:
             fresh = False
 
             async def trace(event: str, info: dict[str, Any]) -> None:
@@ -121,16 +126,15 @@ class HttpxPool:
             try:
                 response = await self._transport.handle_async_request(outgoing)
             except KEEPALIVE_RACE as error:
-                if fresh or attempt == 2:
+                races += 1
+                if fresh or races > self._max_keepalive:
                     raise
-                # As in the lean pool: a reused connection the server closed as the request
-                # went out; it never answered on it, so once more, and the replica is not
-                # blamed. httpcore checks an idle connection before reuse, so the next one
-                # is most likely new.
+                # As in the lean pool: a reused connection that the server closed as the
+                # request went out, with no answer on it; sent again, and the replica is not
+                # blamed.
                 log.debug("reused connection closed before an answer (%s); retrying", error)
                 continue
             return HttpxResponse(response)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def aclose(self) -> None:
         with trio.move_on_after(5, shield=True):

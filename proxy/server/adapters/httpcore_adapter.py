@@ -59,7 +59,7 @@ def _h2_has_its_api() -> bool:
 
 HTTPCORE = Adapter(
     "httpcore",
-    floor="1.0.7",
+    floor="1.0.9",
     below="1.1",
     internals=[
         Internal(f"{_H2_CONNECTION}._response_closed", "http2", parameters=("stream_id",)),
