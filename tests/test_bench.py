@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -863,3 +865,262 @@ async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> No
 def test_the_peers_folder_is_the_shared_one_beside_the_repository() -> None:
     root = Path(__file__).resolve().parent.parent
     assert root.parent / "shared" / "peers" == bench.PEERS_DIR
+
+
+# --------------------------------------------------------------------------- transports, habits
+
+
+def parse(*argv: str) -> BenchSettings:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.settings_from_args(parser.parse_args(list(argv)))
+
+
+def test_transport_and_habit_settings_extend_the_key_only_when_set() -> None:
+    plain = BenchSettings()
+    assert (plain.transport, plain.versus_transport, plain.upstream_habit) == ("auto", None, "none")
+    assert parse().key() == plain.key()  # the old sections' keys stay valid
+    assert parse().slug() == plain.slug()
+    httpx = BenchSettings(transport="httpx")
+    assert httpx.key() == plain.key() + " transport=httpx"
+    assert httpx.slug().startswith("100-streams-httpx-")
+    assert "Sluice's upstream transport httpx" in httpx.describe()
+    # An auto --transport, compared with one transport, is the other one: the same load as
+    # naming both, with the same key.
+    versus = BenchSettings(versus_transport="httpx")
+    assert versus.transport == "lean"
+    assert versus.key() == plain.key() + " transport=lean versus=httpx"
+    assert versus == BenchSettings(transport="lean", versus_transport="httpx")
+    assert BenchSettings(versus_transport="lean").transport == "httpx"
+    assert versus.slug().startswith("100-streams-lean-vs-httpx-")
+    assert "lean vs httpx (two proxies, alternating)" in versus.describe()
+    closing = BenchSettings(upstream_habit="close-after-response")
+    assert closing.upstream_habit_seconds is None
+    assert closing.key() == plain.key() + " habit=close-after-response"
+    assert closing.slug().startswith("100-streams-close-after-response-")
+    assert "the fake upstream closes each connection after its answer" in closing.describe()
+    assert closing.habit_argv() == ["--close-after-response"]
+    timed = BenchSettings(upstream_habit="late-close")
+    assert timed.upstream_habit_seconds == bench.DEFAULT_HABIT_SECONDS == 0.05
+    assert timed.key().endswith(" habit=late-close@0.05")
+    assert timed.habit_argv() == ["--late-close", "0.05"]
+    idle = BenchSettings(upstream_habit="keepalive-timeout", upstream_habit_seconds=0.2)
+    assert idle.key().endswith(" habit=keepalive-timeout@0.2")
+    assert "closes a connection idle for 200 ms" in idle.describe()
+    assert plain.habit_argv() == []
+    assert len({s.key() for s in (plain, httpx, versus, closing, timed, idle)}) == 6
+    # dataclasses.replace runs the checks again, on settings already resolved.
+    assert dataclasses.replace(versus, streams=5).transport == "lean"
+    assert dataclasses.replace(timed, streams=5).upstream_habit_seconds == 0.05
+
+
+def test_transport_and_habit_settings_are_checked() -> None:
+    with pytest.raises(BenchError, match="--transport must be one of"):
+        BenchSettings(transport="h2")
+    with pytest.raises(BenchError, match="--versus-transport must be lean or httpx"):
+        BenchSettings(versus_transport="auto")
+    with pytest.raises(BenchError, match="is --transport already"):
+        BenchSettings(transport="httpx", versus_transport="httpx")
+    for transports in ({"transport": "httpx"}, {"versus_transport": "httpx"}):
+        with pytest.raises(BenchError, match="the proxy the bench starts, not --target"):
+            BenchSettings(target="http://127.0.0.1:8000", **transports)  # type: ignore[arg-type]
+    with pytest.raises(BenchError, match="--upstream-habit must be one of"):
+        BenchSettings(upstream_habit="rude")
+    with pytest.raises(BenchError, match="--upstream-habit-seconds goes with"):
+        BenchSettings(upstream_habit_seconds=0.1)
+    with pytest.raises(BenchError, match="--upstream-habit-seconds goes with"):
+        BenchSettings(upstream_habit="close-after-response", upstream_habit_seconds=0.1)
+    with pytest.raises(BenchError, match="--upstream-habit-seconds must be"):
+        BenchSettings(upstream_habit="late-close", upstream_habit_seconds=-1)
+    with pytest.raises(BenchError, match="--upstream-habit-seconds must be"):
+        BenchSettings(upstream_habit="late-close", upstream_habit_seconds=math.inf)
+    for elsewhere in ({"upstream": "http://127.0.0.1:9"}, {"target": "http://127.0.0.1:8"}):
+        with pytest.raises(BenchError, match="the fake upstream the bench starts"):
+            BenchSettings(upstream_habit="close-after-response", **elsewhere)  # type: ignore[arg-type]
+    # A versus proxy goes with the peer, --direct and the baseline: more columns, one schedule.
+    BenchSettings(versus_transport="httpx", peer="auto", direct=True, slow=0.3, baseline=True)
+    # The command line.
+    settings = parse(
+        "--versus-transport",
+        "httpx",
+        "--upstream-habit",
+        "keepalive-timeout",
+        "--upstream-habit-seconds",
+        "0.5",
+    )
+    assert (settings.transport, settings.versus_transport) == ("lean", "httpx")
+    assert (settings.upstream_habit, settings.upstream_habit_seconds) == ("keepalive-timeout", 0.5)
+    assert parse("--transport", "httpx").transport == "httpx"
+    for wrong in (["--transport", "h2"], ["--versus-transport", "auto"], ["--upstream-habit", "x"]):
+        with pytest.raises(SystemExit):
+            parse(*wrong)
+
+
+def test_the_fake_upstream_takes_the_habit_flags_the_bench_gives_it() -> None:
+    from proxy.testing import fake_upstream
+
+    for habit in bench.HABITS:
+        settings = BenchSettings(upstream_habit=habit)
+        parser = argparse.ArgumentParser()
+        fake_upstream.add_arguments(parser)
+        fake = fake_upstream.settings_from_args(parser.parse_args(settings.habit_argv()))
+        assert fake.close_after_response == (habit == "close-after-response")
+        assert fake.keepalive_timeout == (0.05 if habit == "keepalive-timeout" else None)
+        assert fake.late_close == (0.05 if habit == "late-close" else None)
+
+
+def test_proxy_config_names_the_transport_and_no_proxy_and_loads(tmp_path: Path) -> None:
+    from proxy import config as proxy_config
+
+    settings = BenchSettings(versus_transport="httpx")
+    first = bench._proxy_config(8000, "http://127.0.0.1:9000", settings)
+    second = bench._proxy_config(8001, "http://127.0.0.1:9000", settings, "httpx")
+    assert 'transport = "lean"\n' in first
+    assert 'transport = "httpx"\n' in second
+    # The same config otherwise: only the transport (and the port) tell the two apart.
+    assert first.replace("lean", "httpx").replace("8000", "8001") == second
+    plain = bench._proxy_config(8000, "http://127.0.0.1:9000", BenchSettings())
+    assert 'transport = "auto"\n' in plain and 'proxy = "none"\n' in plain
+    for text, transport in ((first, "lean"), (second, "httpx"), (plain, "auto")):
+        path = tmp_path / f"{transport}.toml"
+        path.write_text(text)
+        loaded = proxy_config.load_config(path, env={})
+        assert (loaded.upstream.transport, loaded.upstream.proxy) == (transport, "none")
+
+
+def test_schedule_alternates_the_two_transports_as_it_does_the_peer() -> None:
+    versus = BenchSettings(versus_transport="httpx", repeat=3)
+    assert bench._schedule(versus) == ["proxy", "versus", "versus", "proxy", "proxy", "versus"]
+    both = BenchSettings(versus_transport="httpx", peer="auto", direct=True, repeat=2)
+    assert bench._schedule(both) == [
+        "direct",
+        "proxy",
+        "versus",
+        "peer",
+        "peer",
+        "versus",
+        "proxy",
+        "direct",
+    ]
+
+
+def test_versus_columns_are_labelled_by_transport_in_table_markdown_and_json() -> None:
+    dropped = {"events": 16, "content": 15, "done": False, "complete": False}
+    results = [result(0), result(1, "drop", closed_at=101.0, **dropped)]
+    records = {"t1": {"disconnected_at_mono": 101.002, "tokens_sent": 16}}
+    lean = summarize(RunData("proxy", results, records, 1.0, 0.1, proxy_cpu_s=0.0138))
+    failed = [*results, result(2, status=502, done=False)]
+    httpx = summarize(RunData("versus", failed, records, 1.0, 0.1, proxy_cpu_s=0.0276))
+    peer = summarize(RunData("peer", results, records, 1.0, 0.1, proxy_cpu_s=0.0276))
+    summaries = {"proxy": lean, "versus": httpx, "peer": peer}
+    settings = BenchSettings(versus_transport="httpx", peer="auto")
+    labels = bench.column_labels(settings)
+    header, rows = bench.table_rows(summaries, labels)
+    assert header == [
+        "figure",
+        "proxy (lean)",
+        "proxy (httpx)",
+        "peer",
+        "lean/httpx",
+        "lean/peer",
+    ]
+    row = {cells[0]: cells[1:] for cells in rows}
+    assert row["cancel propagation p50 (ms)"] == ["2.00", "2.00", "2.00", "1.00x", "1.00x"]
+    assert row["cancel propagation p99 (ms)"][3] == "1.00x"
+    assert row["errors"] == ["0", "1", "0", "0.00x", "—"]
+    cpu = row["proxy CPU per event (µs)"]
+    # 13.8 ms over 69 events, 27.6 ms over 69 + 53 (the failed stream got its events too)
+    assert cpu == ["200", "226", "400", "0.88x", "0.50x"]
+    assert bench._errors_line(summaries, labels) == "errors by kind — proxy (httpx): HTTP 502: 1"
+    # Without labels (the table the old way), the modes.
+    assert bench.table_rows(summaries)[0][1:3] == ["proxy", "versus"]
+    assert bench.column_labels(BenchSettings()) == {}
+    assert bench.column_labels(BenchSettings(transport="httpx")) == {"proxy": "proxy (httpx)"}
+    report = bench.BenchReport(
+        settings=settings,
+        summaries=summaries,
+        machine={},
+        command="test",
+        commit=None,
+        date="today",
+        env={},
+        pids={},
+    )
+    section = bench.markdown_section(report)
+    assert section.startswith("## 100 streams, transport lean vs httpx, proxy vs peer\n")
+    assert "| figure | proxy (lean) | proxy (httpx) | peer | lean/httpx | lean/peer |" in section
+    assert "- proxy (httpx): a second Sluice process, identical to proxy (lean) but for " in section
+    assert '`transport = "httpx"` in its `[upstream]`' in section
+    assert "errors by kind — proxy (httpx): HTTP 502: 1" in section
+    out = report.to_json()
+    assert set(out["runs"]) == {"proxy", "versus", "peer"}
+    assert out["ratios_versus"]["cancel_p50_ms"] == pytest.approx(1.0)
+    assert out["labels"]["proxy/versus"] == "lean/httpx"
+    assert (out["settings"]["transport"], out["settings"]["versus_transport"]) == ("lean", "httpx")
+    closing = BenchSettings(upstream_habit="close-after-response")
+    report.settings, report.summaries = closing, {"proxy": lean}
+    assert bench.markdown_section(report).startswith(
+        "## 100 streams, upstream closes each connection after its answer\n"
+    )
+
+
+async def test_tiny_bench_lean_versus_httpx() -> None:
+    settings = tiny_load(
+        streams=5, tokens=5, drop=0.4, drop_at=2, versus_transport="httpx", repeat=2, grace=2.0
+    )
+    with trio.fail_after(60):
+        report = await bench.run_bench(settings, command="test")
+    assert list(report.summaries) == ["proxy", "versus"]
+    for mode in ("proxy", "versus"):
+        s = report.summaries[mode]
+        assert s.errors == 0, (mode, s.error_kinds)
+        assert (s.streams, s.completed, s.dropped) == (10, 6, 4)
+        assert (s.cancel_unseen, s.cancel_unmatched) == (0, 0)
+        for figure in (s.cancel_p50_ms, s.cancel_p99_ms):
+            assert figure is not None and 0 <= figure < 1000
+        assert s.proxy_cpu_us_per_event is not None and s.proxy_cpu_us_per_event > 0
+        assert s.proxy_peak_rss_mib is not None and s.proxy_peak_rss_mib > 10
+    assert set(report.pids) == {"proxy", "versus_proxy", "fake_upstream"}
+    assert report.pids["proxy"] != report.pids["versus_proxy"]
+    for pid in report.pids.values():
+        assert not alive(pid), "a child outlived the bench"
+    # Each proxy's RSS sampled in its own runs, two of each.
+    assert len(report.runs["versus"].rss) == 2
+    assert set(report.runs["versus"].rss[0]) == {"proxy", "fake_upstream"}
+    table = format_table(report.summaries, bench.column_labels(settings))
+    header = table.splitlines()[0].split()
+    assert header[-5:] == ["proxy", "(lean)", "proxy", "(httpx)", "lean/httpx"]
+    for row in ("cancel propagation p50", "cancel propagation p99", "proxy CPU per event"):
+        assert row in table
+    assert bench.all_ratios(report.summaries)["proxy/versus"]["proxy_cpu_us_per_event"]
+
+
+async def test_tiny_bench_with_an_upstream_that_closes_after_each_response() -> None:
+    # Streams a little apart and answers shorter than the gap between them, so that each
+    # proxy's pool hands out connections the fake has already closed.
+    settings = tiny_load(
+        streams=6,
+        ramp=0.3,
+        tokens=3,
+        drop=0,
+        transport="httpx",
+        versus_transport="lean",
+        upstream_habit="close-after-response",
+        repeat=2,
+        grace=1.0,
+    )
+    with trio.fail_after(60):
+        report = await bench.run_bench(settings, command="test")
+    assert set(report.summaries) == {"proxy", "versus"}
+    for s in report.summaries.values():
+        assert s.errors == 0, s.error_kinds
+        assert (s.completed, s.tokens) == (12, 12 * 3)
+    # The fake answered every request in full (none met a closed connection and was lost).
+    records = [*report.runs["proxy"].records.values(), *report.runs["versus"].records.values()]
+    assert len(records) == 24
+    assert all(record.get("outcome") == "completed" for record in records)
+    section = bench.markdown_section(report)
+    assert "## 6 streams, transport httpx vs lean, upstream closes each connection" in section
+    assert "| figure | proxy (httpx) | proxy (lean) | httpx/lean |" in section
+    assert "| errors | 0 | 0 | — |" in section
+    assert "errors by kind" not in section

@@ -23,6 +23,24 @@ every figure is printed for both and proxy/peer: above all CPU per relayed event
 that survives a noisy machine. ``--plots DIR`` (on by default
 next to ``--markdown``) draws latency CDFs and RSS over time with matplotlib.
 
+Sluice reaches its upstream through one of two transports, ``--transport auto|lean|httpx``
+(written as ``[upstream] transport`` into the config the bench gives the proxy; auto is lean
+here, since the config also says ``proxy = "none"``: the bench's upstream is never reached
+through the environment's proxy). With ``--versus-transport lean|httpx`` a second Sluice
+process, identical but for its transport, runs the same load alternating with the first,
+exactly as the peer does (A, B; then B, A; ``--repeat`` rounds); every figure is printed for
+both, in columns labelled by transport (``proxy (lean)``, ``proxy (httpx)``) with the ratio
+``lean/httpx`` (``--transport`` over ``--versus-transport``; an ``auto`` ``--transport`` is
+then the other of the two). It combines with ``--peer``, ``--direct`` and ``--baseline``,
+whose ratios stay those of the first proxy.
+
+``--upstream-habit close-after-response|keepalive-timeout|late-close`` (with
+``--upstream-habit-seconds S``, 0.05 by default, for the two timed ones) gives the fake
+upstream a real server's way of ending kept-alive connections: close after every answer, close
+one idle S seconds, or close S seconds after an answer without reading a request written
+meanwhile (the keep-alive race). The proxy's pool must survive each with 0 errors; any
+error is counted by kind, for each proxy, below the table.
+
 The client must stay cheap at 1000 streams on a 2-core machine, or it would measure itself: it
 is a tiny HTTP/1.1 client on raw trio sockets (one request per connection, ``Connection:
 close``), de-chunks by hand and counts SSE events with ``bytes.find``; no JSON is decoded per
@@ -80,6 +98,7 @@ __all__ = [
     "cdf_points",
     "classify",
     "collect_samples",
+    "column_labels",
     "format_table",
     "latency_series",
     "load_pyplot",
@@ -113,9 +132,16 @@ __all__ = [
 Role = Literal["normal", "drop", "slow"]
 _E = TypeVar("_E", bound=BaseException)
 # "baseline": the proxy again, with every slow reader reading at full speed. "peer": the same
-# load through the peer to beat (another relay in front of the same fake upstream).
-Mode = Literal["proxy", "peer", "direct", "baseline"]
-MODES: Final[tuple[Mode, ...]] = ("proxy", "peer", "direct", "baseline")
+# load through the peer to beat (another relay in front of the same fake upstream). "versus":
+# a second Sluice process, the same but for its upstream transport (--versus-transport).
+Mode = Literal["proxy", "versus", "peer", "direct", "baseline"]
+MODES: Final[tuple[Mode, ...]] = ("proxy", "versus", "peer", "direct", "baseline")
+# Sluice's upstream transports (``[upstream] transport``), as proxy.config knows them.
+TRANSPORTS: Final = ("auto", "lean", "httpx")
+# The fake upstream's connection habits (its flag of the same name, "none": no flag).
+HABITS: Final = ("none", "close-after-response", "keepalive-timeout", "late-close")
+TIMED_HABITS: Final = ("keepalive-timeout", "late-close")
+DEFAULT_HABIT_SECONDS: Final = 0.05
 # One run's RSS samples per process ("proxy", "fake_upstream"): (seconds since the run
 # began, bytes).
 RssTrace = dict[str, list[tuple[float, int]]]
@@ -1073,7 +1099,7 @@ _DROP_ROWS: Final = frozenset(
     name for name, _, _ in FIGURES if name.startswith(("cancel_", "wasted_"))
 )
 # Modes a proxy run is compared with, in the order of their ratio columns.
-_REFERENCES: Final[tuple[Mode, ...]] = ("peer", "direct", "baseline")
+_REFERENCES: Final[tuple[Mode, ...]] = ("versus", "peer", "direct", "baseline")
 
 
 def ratios(proxy: RunSummary, direct: RunSummary) -> dict[str, float | None]:
@@ -1099,8 +1125,8 @@ def _fmt(value: float | int | None, spec: str) -> str:
 
 
 def all_ratios(summaries: dict[str, RunSummary]) -> dict[str, dict[str, float | None]]:
-    """``{"proxy/peer": ..., "proxy/direct": ..., "proxy/baseline": ...}`` for the references
-    present."""
+    """``{"proxy/versus": ..., "proxy/peer": ..., "proxy/direct": ..., "proxy/baseline": ...}``
+    for the references present."""
     if "proxy" not in summaries:
         return {}
     return {
@@ -1110,10 +1136,15 @@ def all_ratios(summaries: dict[str, RunSummary]) -> dict[str, dict[str, float | 
     }
 
 
-def table_rows(summaries: dict[str, RunSummary]) -> tuple[list[str], list[list[str]]]:
+def table_rows(
+    summaries: dict[str, RunSummary], labels: dict[str, str] | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """The table's header and rows; ``labels`` (see :func:`column_labels`) rename the columns
+    of modes and ratios."""
+    labels = labels or {}
     modes = list(summaries)
     rates = all_ratios(summaries)
-    header = ["figure", *modes, *rates]
+    header = ["figure", *(labels.get(m, m) for m in modes), *(labels.get(r, r) for r in rates)]
     slow = any(summary.slow_streams for summary in summaries.values())
     dropped = any(summary.dropped for summary in summaries.values())
     rows = []
@@ -1129,8 +1160,8 @@ def table_rows(summaries: dict[str, RunSummary]) -> tuple[list[str], list[list[s
     return header, rows
 
 
-def format_table(summaries: dict[str, RunSummary]) -> str:
-    header, rows = table_rows(summaries)
+def format_table(summaries: dict[str, RunSummary], labels: dict[str, str] | None = None) -> str:
+    header, rows = table_rows(summaries, labels)
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = []
     for row in [header, *rows]:
@@ -1141,13 +1172,29 @@ def format_table(summaries: dict[str, RunSummary]) -> str:
     return "\n".join(lines)
 
 
-def _errors_line(summaries: dict[str, RunSummary]) -> str:
+def _errors_line(summaries: dict[str, RunSummary], labels: dict[str, str] | None = None) -> str:
+    """Every error by kind, per mode (its column's label); "" when there were none."""
+    labels = labels or {}
     parts = []
     for mode, summary in summaries.items():
         if summary.error_kinds:
             kinds = ", ".join(f"{kind}: {n}" for kind, n in sorted(summary.error_kinds.items()))
-            parts.append(f"{mode}: {kinds}")
+            parts.append(f"{labels.get(mode, mode)}: {kinds}")
     return "errors by kind — " + "; ".join(parts) if parts else ""
+
+
+def column_labels(settings: BenchSettings) -> dict[str, str]:
+    """Column names for modes and ratios that say more than the mode: with
+    ``--versus-transport``, ``proxy (lean)``, ``proxy (httpx)`` and ``lean/httpx`` (and
+    ``lean/peer`` and so on for the first proxy's other ratios); with ``--transport`` alone,
+    ``proxy (httpx)``."""
+    a, b = settings.transport, settings.versus_transport
+    if b is None:
+        return {"proxy": f"proxy ({a})"} if a != "auto" else {}
+    labels = {"proxy": f"proxy ({a})", "versus": f"proxy ({b})", "proxy/versus": f"{a}/{b}"}
+    for ref in ("peer", "direct", "baseline"):
+        labels[f"proxy/{ref}"] = f"{a}/{ref}"
+    return labels
 
 
 # --------------------------------------------------------------------------- markdown
@@ -1164,7 +1211,13 @@ def _title(report: BenchReport) -> str:
         )
     if settings.slow:
         title += f", {settings.slow:.0%} slow readers"
-    others = [mode for mode in report.summaries if mode != "proxy"]
+    if settings.versus_transport is not None:
+        title += f", transport {settings.transport} vs {settings.versus_transport}"
+    elif settings.transport != "auto":
+        title += f", {settings.transport} transport"
+    if settings.upstream_habit != "none":
+        title += ", upstream " + settings.habit_text()
+    others = [mode for mode in report.summaries if mode not in ("proxy", "versus")]
     if "proxy" in report.summaries and others:
         title += ", proxy vs " + " and ".join(others)
     return title
@@ -1176,7 +1229,8 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
     machine = report.machine
     ram = machine.get("ram_bytes")
     ram_text = f"{ram / 2**30:.1f} GiB RAM" if ram else "RAM unknown"
-    header, rows = table_rows(report.summaries)
+    labels = column_labels(settings)
+    header, rows = table_rows(report.summaries, labels)
     lines = [
         f"## {_title(report)}",
         "",
@@ -1191,6 +1245,14 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
         lines.append(
             "- baseline: the same load through the same proxy, run just before, with the slow "
             "readers reading at full speed"
+        )
+    if "versus" in report.summaries:
+        a, b = settings.transport, settings.versus_transport
+        lines.append(
+            f"- {labels['versus']}: a second Sluice process, identical to {labels['proxy']} but "
+            f'for `transport = "{b}"` in its `[upstream]`, relaying to the same fake upstream '
+            f"and alternating with it run by run; {a}/{b} is {labels['proxy']} over "
+            f"{labels['versus']}"
         )
     if "peer" in report.summaries:
         how = "started by the bench" if report.settings.peer == "auto" else "already running"
@@ -1210,7 +1272,7 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
         lines.append(f"- Environment: `{env}`")
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    errors = _errors_line(report.summaries)
+    errors = _errors_line(report.summaries, labels)
     if errors:
         lines += ["", errors]
     if plots:
@@ -1324,6 +1386,7 @@ _STYLE: Final[dict[str, dict[str, Any]]] = {
     "direct": {"color": "tab:gray", "linestyle": "--"},
     "baseline": {"color": "tab:green", "linestyle": "--"},
     "peer": {"color": "tab:orange"},
+    "versus": {"color": "tab:purple"},
 }
 
 
@@ -1359,6 +1422,7 @@ def write_plots(report: BenchReport, directory: Path) -> list[tuple[str, Path]]:
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{report.settings.slug()}"
     title = _title(report)
+    labels = column_labels(report.settings)
     written: list[tuple[str, Path]] = []
 
     series = {mode: latency_series(run) for mode, run in report.runs.items()}
@@ -1374,7 +1438,7 @@ def write_plots(report: BenchReport, directory: Path) -> list[tuple[str, Path]]:
                 # of 0 (tokens that arrived in one read): the line starts at their share.
                 xs, ys = cdf_points(max(v, LOG_FLOOR_MS) for v in values[key])
                 if xs:
-                    label_ = cdf_label(mode, values[key])
+                    label_ = cdf_label(labels.get(mode, mode), values[key])
                     ax.step(xs, ys, where="post", label=label_, **_STYLE[mode])
             _log_axis(ax, ticker, log_axis_left([values[key] for values in series.values()]))
             ax.set_xlabel(label)
@@ -1394,7 +1458,8 @@ def write_plots(report: BenchReport, directory: Path) -> list[tuple[str, Path]]:
         fig, ax = plt.subplots(figsize=(9, 4.2), layout="constrained")
         for mode, runs in lines.items():
             for i, (xs, ys) in enumerate(runs):
-                name = mode if len(runs) == 1 else f"{mode} #{i + 1}"
+                shown = labels.get(mode, mode)
+                name = shown if len(runs) == 1 else f"{shown} #{i + 1}"
                 who = "peer" if mode == "peer" else "proxy"
                 ax.plot(xs, ys, label=f"{who} RSS, {name} run", **_STYLE[mode])
         ax.set_xlabel("seconds since the run began")
@@ -1446,6 +1511,14 @@ class BenchSettings:
     # The proxy (and the peer) on CPUs of their own, the load generator and the fake on the
     # others: latency figures then show the relay's cost, not a wait for a core it shares.
     pin: bool = False
+    # The proxy's ``[upstream] transport``; with ``versus_transport``, a second proxy with
+    # that one runs the same load, alternating (an "auto" ``transport`` becomes the other).
+    transport: str = "auto"
+    versus_transport: str | None = None
+    # How the fake upstream ends kept-alive connections (HABITS); the seconds of a timed one
+    # (None: DEFAULT_HABIT_SECONDS for those, and nothing for the others).
+    upstream_habit: str = "none"
+    upstream_habit_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -1502,6 +1575,64 @@ class BenchSettings:
         for url in (self.target, self.upstream, peer_url):
             if url is not None:
                 _address(url)
+        self._check_transports()
+        self._check_habit()
+
+    def _check_transports(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise BenchError(f"--transport must be one of {', '.join(TRANSPORTS)}")
+        versus = self.versus_transport
+        if versus is not None:
+            if versus not in ("lean", "httpx"):
+                raise BenchError("--versus-transport must be lean or httpx")
+            if self.transport == "auto":
+                # auto is lean here (plain http://, proxy = "none"): compare with the other.
+                other = "httpx" if versus == "lean" else "lean"
+                object.__setattr__(self, "transport", other)
+            if self.transport == versus:
+                raise BenchError(
+                    f"--versus-transport {versus} is --transport already: name the other one"
+                )
+        if self.target is not None and (self.transport != "auto" or versus is not None):
+            raise BenchError(
+                "--transport and --versus-transport configure the proxy the bench starts, "
+                "not --target"
+            )
+
+    def _check_habit(self) -> None:
+        habit, seconds = self.upstream_habit, self.upstream_habit_seconds
+        if habit not in HABITS:
+            raise BenchError(f"--upstream-habit must be one of {', '.join(HABITS)}")
+        if habit in TIMED_HABITS:
+            if seconds is None:
+                object.__setattr__(self, "upstream_habit_seconds", DEFAULT_HABIT_SECONDS)
+            elif not (0 <= seconds < math.inf):
+                raise BenchError("--upstream-habit-seconds must be a finite number >= 0")
+        elif seconds is not None:
+            raise BenchError(
+                "--upstream-habit-seconds goes with --upstream-habit " + " or ".join(TIMED_HABITS)
+            )
+        if habit != "none" and (self.upstream is not None or self.target is not None):
+            raise BenchError("--upstream-habit applies to the fake upstream the bench starts")
+
+    def habit_text(self) -> str:
+        """The fake upstream's habit in words ("" for none)."""
+        seconds = (self.upstream_habit_seconds or 0) * 1000
+        return {
+            "none": "",
+            "close-after-response": "closes each connection after its answer",
+            "keepalive-timeout": f"closes a connection idle for {seconds:g} ms",
+            "late-close": f"closes {seconds:g} ms after each answer, leaving what came unread",
+        }[self.upstream_habit]
+
+    def habit_argv(self) -> list[str]:
+        """The fake upstream's command-line flags for the habit."""
+        if self.upstream_habit == "none":
+            return []
+        flag = "--" + self.upstream_habit
+        if self.upstream_habit in TIMED_HABITS:
+            return [flag, str(self.upstream_habit_seconds)]
+        return [flag]
 
     def describe(self) -> str:
         parts = [
@@ -1530,6 +1661,15 @@ class BenchSettings:
             parts.append(", ".join(buffers))
         if self.event_pad:
             parts.append(f"events padded by {self.event_pad} B")
+        if self.versus_transport is not None:
+            parts.append(
+                f"Sluice's upstream transport {self.transport} vs {self.versus_transport} "
+                "(two proxies, alternating)"
+            )
+        elif self.transport != "auto":
+            parts.append(f"Sluice's upstream transport {self.transport}")
+        if self.upstream_habit != "none":
+            parts.append(f"the fake upstream {self.habit_text()}")
         if self.workers > 1:
             parts.append(f"proxy with {self.workers} workers")
         if self.pin:
@@ -1575,13 +1715,25 @@ class BenchSettings:
             extra.append("peer=1")
         if self.pin:
             extra.append("pin=1")
+        if self.transport != "auto":
+            extra.append(f"transport={self.transport}")
+        if self.versus_transport is not None:
+            extra.append(f"versus={self.versus_transport}")
+        if self.upstream_habit in TIMED_HABITS:
+            extra.append(f"habit={self.upstream_habit}@{self.upstream_habit_seconds:g}")
+        elif self.upstream_habit != "none":
+            extra.append(f"habit={self.upstream_habit}")
         return "".join(" " + part for part in extra)
 
     def slug(self) -> str:
         """A file-name part for this load: readable, and unique per key."""
         digest = hashlib.sha1(self.key().encode(), usedforsecurity=False).hexdigest()[:6]
         slow = f"-slow{round(self.slow * 100)}" if self.slow else ""
-        return f"{self.streams}-streams{slow}-{digest}"
+        transport = f"-{self.transport}" if self.transport != "auto" else ""
+        if self.versus_transport is not None:
+            transport += f"-vs-{self.versus_transport}"
+        habit = f"-{self.upstream_habit}" if self.upstream_habit != "none" else ""
+        return f"{self.streams}-streams{slow}{transport}{habit}-{digest}"
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -1625,6 +1777,10 @@ class BenchReport:
             out["ratios_baseline"] = rates["proxy/baseline"]
         if "proxy/peer" in rates:
             out["ratios_peer"] = rates["proxy/peer"]
+        if "proxy/versus" in rates:
+            out["ratios_versus"] = rates["proxy/versus"]
+        # What the columns are called in the table (the transports, with --versus-transport).
+        out["labels"] = column_labels(self.settings)
         # RSS over time, per mode and run: [seconds since the run began, bytes].
         out["rss_samples"] = {
             mode: [
@@ -1807,7 +1963,11 @@ def peer_script(peers_dir: Path | None = None) -> Path:
     return script
 
 
-def _proxy_config(port: int, upstream: str, settings: BenchSettings) -> str:
+def _proxy_config(
+    port: int, upstream: str, settings: BenchSettings, transport: str | None = None
+) -> str:
+    """The config of a proxy the bench starts; ``transport``: its ``[upstream] transport``
+    (None: ``settings.transport``; the versus proxy's is ``settings.versus_transport``)."""
     return (
         "# Written by proxy.bench for one run.\n"
         "[server]\n"
@@ -1817,6 +1977,10 @@ def _proxy_config(port: int, upstream: str, settings: BenchSettings) -> str:
         "[upstream]\n"
         # Nothing of the bench's own load may queue in front of the pool.
         f"max_connections = {max(256, settings.streams + 16)}\n"
+        f"transport = {json.dumps(transport or settings.transport)}\n"
+        # The bench's upstream is on this machine: never through the environment's proxy
+        # (which would also make auto mean httpx).
+        'proxy = "none"\n'
         + (f"socket_rcvbuf = {settings.proxy_rcvbuf}\n" if settings.proxy_rcvbuf else "")
         + "\n"
         f"[models.{json.dumps(settings.model_name)}]\n"
@@ -1897,6 +2061,8 @@ class _Endpoints:
     upstream_pid: int | None
     peer: tuple[str, int] | None = None
     peer_pid: int | None = None
+    versus: tuple[str, int] | None = None  # the second Sluice, with --versus-transport
+    versus_pid: int | None = None
 
 
 async def _run_once(
@@ -1906,7 +2072,11 @@ async def _run_once(
     endpoints: _Endpoints,
     cursor: int,
 ) -> tuple[RunData, int]:
-    address = {"direct": endpoints.upstream, "peer": endpoints.peer}.get(mode, endpoints.proxy)
+    address = {
+        "direct": endpoints.upstream,
+        "peer": endpoints.peer,
+        "versus": endpoints.versus,
+    }.get(mode, endpoints.proxy)
     assert address is not None
     # The baseline's slow readers read at full speed: the same draw with slow = 0 gives the
     # same leavers, and everyone else normal.
@@ -1920,8 +2090,13 @@ async def _run_once(
         results.append(StreamResult(index=i, tag=tag, role=role))
         body = chat_body(model, tag, settings.ttft, settings.interval, settings.tokens)
         requests.append(build_request(host, port, "/v1/chat/completions", body))
-    # The relay measured: the proxy, or the peer in its place (its figures fill the same rows).
-    proxy_pid = {"direct": None, "peer": endpoints.peer_pid}.get(mode, endpoints.proxy_pid)
+    # The relay measured: the proxy, or the peer or the versus proxy in its place (their
+    # figures fill the same rows).
+    proxy_pid = {
+        "direct": None,
+        "peer": endpoints.peer_pid,
+        "versus": endpoints.versus_pid,
+    }.get(mode, endpoints.proxy_pid)
     if proxy_pid is not None:
         reset_peak_rss(proxy_pid)
     proxy_cpu0 = process_cpu_seconds(proxy_pid) if proxy_pid is not None else None
@@ -1940,7 +2115,8 @@ async def _run_once(
     trace: RssTrace = {}
     async with trio.open_nursery() as nursery:
         if settings.progress:
-            nursery.start_soon(_show_progress, mode, progress, settings.streams, sys.stderr)
+            shown = column_labels(settings).get(mode, mode)
+            nursery.start_soon(_show_progress, shown, progress, settings.streams, sys.stderr)
         if watched:
             nursery.start_soon(partial(sample_rss, watched, trace, since=wall0))
         with trio.move_on_after(settings.ramp + settings.timeout):
@@ -2033,14 +2209,17 @@ async def _git_commit() -> str | None:
 
 
 def _schedule(settings: BenchSettings) -> list[Mode]:
-    """Alternate direct, proxy and peer across repeats (direct, proxy, peer; then peer, proxy,
-    direct), so that none always runs first on a cold machine or last on a warm one. The
+    """Alternate direct, proxy, versus and peer across repeats (direct, proxy, versus, peer;
+    then peer, versus, proxy, direct), so that none always runs first on a cold machine or last
+    on a warm one. The
     baseline runs right before each proxy run: the proxy's memory is then at its lowest for
     the baseline, and whatever the slow readers add shows in the proxy run (the other way
     round, the baseline would inherit the slow run's heap)."""
     proxy: list[Mode] = ["baseline", "proxy"] if settings.baseline else ["proxy"]
     one: list[Mode] = ["direct"] if settings.direct else []
     one += proxy
+    if settings.versus_transport is not None:
+        one.append("versus")
     if settings.peer is not None:
         one.append("peer")
     order: list[Mode] = []
@@ -2090,6 +2269,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 argv += ["--tokens", str(settings.tokens)]
                 if settings.upstream_sndbuf:
                     argv += ["--sndbuf", str(settings.upstream_sndbuf)]
+                argv += settings.habit_argv()
                 argv = pinned_argv(argv, load_cpus)
                 process = await nursery.start(_supervise, "fake upstream", argv, log)
                 upstream_pid = pids["fake_upstream"] = process.pid
@@ -2100,18 +2280,31 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 await _wait_ready("proxy", proxy, "", None)
             else:
                 assert upstream_url is not None
-                proxy = ("127.0.0.1", _free_port("127.0.0.1"))
-                config = workdir / "proxy.toml"
-                _write_text(config, _proxy_config(proxy[1], upstream_url, settings))
-                log = workdir / "proxy.log"
-                argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
-                if settings.workers > 1:
-                    argv += ["--workers", str(settings.workers)]
-                argv = pinned_argv(argv, proxy_cpus)
-                process = await nursery.start(_supervise, "proxy", argv, log)
-                proxy_pid = pids["proxy"] = process.pid
-                await _wait_ready("proxy", proxy, "/healthz", log)
+                proxy, proxy_pid = await _start_proxy(
+                    nursery,
+                    "proxy",
+                    settings.transport,
+                    upstream_url,
+                    settings,
+                    workdir,
+                    proxy_cpus,
+                )
+                pids["proxy"] = proxy_pid
             endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
+            if settings.versus_transport is not None:
+                # The same proxy but for its transport, alternating with the first (settings
+                # refuse --versus-transport with --target, so upstream_url is ours).
+                assert upstream_url is not None
+                endpoints.versus, endpoints.versus_pid = await _start_proxy(
+                    nursery,
+                    "versus",
+                    settings.versus_transport,
+                    upstream_url,
+                    settings,
+                    workdir,
+                    proxy_cpus,
+                )
+                pids["versus_proxy"] = endpoints.versus_pid
             if peer_starter is not None:
                 assert upstream_url is not None  # settings refuse --peer auto without one
                 endpoints.peer = ("127.0.0.1", _free_port("127.0.0.1"))
@@ -2132,6 +2325,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                 for name, pid in pids.items():
                     _record_cpus(placed, name, pid)
             await _warm_up(proxy, settings, f"bench-{nonce}-warmup-proxy")
+            if endpoints.versus is not None:
+                await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus")
             if endpoints.peer is not None:
                 await _warm_up(endpoints.peer, settings, f"bench-{nonce}-warmup-peer")
             if settings.direct:
@@ -2170,6 +2365,33 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         runs=pooled,
         cpus=placed,
     )
+
+
+async def _start_proxy(
+    nursery: trio.Nursery,
+    mode: Mode,
+    transport: str,
+    upstream_url: str,
+    settings: BenchSettings,
+    workdir: Path,
+    cpus: frozenset[int] | None,
+) -> tuple[tuple[str, int], int]:
+    """Start a Sluice proxy with ``transport`` in front of ``upstream_url`` under ``nursery``,
+    wait for it to be ready, return its address and PID. ``mode`` names its files and, for
+    "versus", its transport the errors."""
+    name = "proxy" if mode == "proxy" else f"proxy ({transport})"
+    stem = "proxy" if mode == "proxy" else f"proxy-{mode}"
+    address = ("127.0.0.1", _free_port("127.0.0.1"))
+    config = workdir / f"{stem}.toml"
+    _write_text(config, _proxy_config(address[1], upstream_url, settings, transport))
+    log = workdir / f"{stem}.log"
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+    if settings.workers > 1:
+        argv += ["--workers", str(settings.workers)]
+    argv = pinned_argv(argv, cpus)
+    process = await nursery.start(_supervise, name, argv, log)
+    await _wait_ready(name, address, "/healthz", log)
+    return address, process.pid
 
 
 def _first_leaf(group: BaseExceptionGroup[_E]) -> _E:
@@ -2255,6 +2477,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="give the proxy (and peer) CPUs of their own, the load generator and the fake "
         "upstream the others (Linux; needs workers + 1 CPUs)",
     )
+    add(
+        "--transport",
+        choices=TRANSPORTS,
+        default=d.transport,
+        help="the proxy's [upstream] transport (auto: lean here, the upstream being plain "
+        "http:// with no proxy)",
+    )
+    add(
+        "--versus-transport",
+        choices=("lean", "httpx"),
+        help="also run the load through a second proxy, the same but for this transport, "
+        "alternating; ratios are --transport over it (an auto --transport is the other one)",
+    )
+    add(
+        "--upstream-habit",
+        choices=HABITS,
+        default=d.upstream_habit,
+        help="how the fake upstream ends kept-alive connections, as real servers do",
+    )
+    add(
+        "--upstream-habit-seconds",
+        type=float,
+        metavar="S",
+        help=f"the seconds of keepalive-timeout or late-close (default {DEFAULT_HABIT_SECONDS:g})",
+    )
     add("--json", type=Path, help="write every figure as JSON here")
     add("--markdown", type=Path, help="write (or replace) this load's section in this file")
     add(
@@ -2297,6 +2544,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         model=args.model,
         workers=args.workers,
         pin=args.pin,
+        transport=args.transport,
+        versus_transport=args.versus_transport,
+        upstream_habit=args.upstream_habit,
+        upstream_habit_seconds=args.upstream_habit_seconds,
         progress=not args.quiet,
     )
 
@@ -2338,8 +2589,9 @@ async def run_from_args(args: argparse.Namespace) -> None:
         print(f"sluice bench: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"sluice bench: {settings.describe()}")
-    print(format_table(report.summaries))
-    errors = _errors_line(report.summaries)
+    labels = column_labels(settings)
+    print(format_table(report.summaries, labels))
+    errors = _errors_line(report.summaries, labels)
     if errors:
         print(errors)
     # Small local files, written once at the end: a blocking write is fine here.
