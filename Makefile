@@ -92,6 +92,13 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --streams 200 --ramp 2 --drop 0 --tokens 70 --interval 0.1 \
 		--event-pad 3800 --slow 0.3 --slow-delay 0.45 --slow-rcvbuf 4096 --slow-mss 1460 \
 		--upstream-sndbuf 4096 --proxy-rcvbuf 16384 --baseline --markdown docs/benchmarks.md
+	# The two upstream transports side by side (alternating), and an upstream that closes
+	# every connection right after its answer (legal HTTP/1.1; the keep-alive race): 0 errors.
+	$(BIN)/python -m proxy.bench --streams 100 --versus-transport httpx --repeat 3 \
+		--markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 1000 --versus-transport httpx --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 1000 --upstream-habit close-after-response \
+		--versus-transport httpx --markdown docs/benchmarks.md
 	# Side by side with the FastAPI + uvicorn peer in ../shared/peers (skipped where absent).
 	# 100 streams run three times each (alternating): single runs of the unsaturated load
 	# vary by ~10%. --workers 2: what using both cores changes (the peer keeps one worker).
