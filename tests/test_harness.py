@@ -34,7 +34,9 @@ Testing policy
   cancel, and must leak nothing either; its upstream connection goes back to the pool, idle.
 
 * **Matrix and marks.** ``PHASES`` x ``TRANSPORTS`` x ``BACKENDS``, less ``NOT_APPLICABLE``
-  (with the reason for each). The SSE column is the fast subset that ``make test`` runs; the
+  (with the reason for each). The upstream backend appears twice, once per upstream transport:
+  ``upstream`` (the lean HTTP/1.1 client) and ``upstream-httpx`` (a model with ``transport =
+  "httpx"`` in front of the same fake), with the same drivers and bounds. The SSE column is the fast subset that ``make test`` runs; the
   rest is ``slow``. A hypothesis test picks the moment of the disconnect (anywhere in the
   stream, or after it) and the transport and backend at random, and checks the same invariants.
 
