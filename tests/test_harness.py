@@ -36,9 +36,10 @@ Testing policy
 * **Matrix and marks.** ``PHASES`` x ``TRANSPORTS`` x ``BACKENDS``, less ``NOT_APPLICABLE``
   (with the reason for each). The upstream backend appears twice, once per upstream transport:
   ``upstream`` (the lean HTTP/1.1 client) and ``upstream-httpx`` (a model with ``transport =
-  "httpx"`` in front of the same fake), with the same drivers and bounds. The SSE column is the fast subset that ``make test`` runs; the
-  rest is ``slow``. A hypothesis test picks the moment of the disconnect (anywhere in the
-  stream, or after it) and the transport and backend at random, and checks the same invariants.
+  "httpx"`` in front of the same fake), with the same drivers and bounds. The SSE column is
+  the fast subset that ``make test`` runs; the rest is ``slow``. A hypothesis test picks the
+  moment of the disconnect (anywhere in the stream, or after it) and the transport and backend
+  at random, and checks the same invariants.
 
 * **Hygiene.** Every test runs under ``trio.fail_after``. No virtual clock: real sockets, real
   worker threads. Conditions are waited for (events, or polling where there is none), never
