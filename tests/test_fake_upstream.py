@@ -7,7 +7,9 @@ matter, a ``fail_after`` on every I/O test, millisecond ttft/interval so the fil
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import hashlib
 import json
 import socket
 import ssl
@@ -17,13 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
+import openai
+import pydantic
 import pytest
 import trio
 import trio.testing
 import trustme
+from openai.types import CreateEmbeddingResponse
+from openai.types.audio import Transcription
+from openai.types.responses import Response, ResponseStreamEvent
 
 from proxy.testing.fake_upstream import (
     MALFORMED_EVENT,
+    MAX_BODY_BYTES,
+    MAX_MODEL_LEN,
     WORDS,
     FakeSettings,
     FakeUpstream,
@@ -31,6 +41,8 @@ from proxy.testing.fake_upstream import (
     Recorder,
     RequestRecord,
     add_arguments,
+    embedding_vector,
+    relevance_score,
     run_from_args,
     settings_from_args,
     token_text,
@@ -48,6 +60,8 @@ async def start(nursery: trio.Nursery, **settings: Any) -> tuple[FakeUpstream, i
 
 
 def client(port: int, **kwargs: Any) -> httpx.AsyncClient:
+    # trust_env=False: a proxy from the environment must not stand between test and fake.
+    kwargs.setdefault("trust_env", False)
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", **kwargs)
 
 
@@ -1106,3 +1120,651 @@ async def test_via_proxy_plain_tunnel(nursery: trio.Nursery) -> None:
     record = await settled(fake.recorder)
     assert (record.tls, record.via_proxy, record.tunnel) == (False, True, "upstream.internal:80")
     assert fake.recorder.proxy_tunnels == ["upstream.internal:80"]
+
+
+# --------------------------------------------------------------------------- more endpoints
+
+RESPONSE_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
+FIVE = "".join(token_text(i) for i in range(5))
+
+
+def responses_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "input": "one two three"} | extra
+
+
+def messages_body(**extra: Any) -> dict[str, Any]:
+    body = {"model": "claude-fake", "max_tokens": 100}
+    return body | {"messages": [{"role": "user", "content": "one two"}]} | extra
+
+
+async def typed_events(response: httpx.Response) -> list[tuple[str | None, str]]:
+    """(event name, data) of each server-sent event; any other line as (None, line)."""
+    events: list[tuple[str | None, str]] = []
+    name: str | None = None
+    async for line in response.aiter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            events.append((name, line.removeprefix("data: ")))
+            name = None
+        elif line:
+            events.append((None, line))
+    return events
+
+
+def openai_client(port: int) -> openai.AsyncOpenAI:
+    """The official SDK, under trio (through anyio). It takes an httpx client too, but is typed
+    for its own fork, httpx2."""
+    http = httpx2.AsyncClient(trust_env=False)
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, http_client=http
+    )
+
+
+def anthropic_event_adapter() -> pydantic.TypeAdapter[Any]:
+    types = pytest.importorskip("anthropic.types")
+    return pydantic.TypeAdapter(types.RawMessageStreamEvent)
+
+
+RESPONSES_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    *["response.output_text.delta"] * 5,
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
+
+
+async def test_responses_stream_parses_as_the_sdks_events(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            body = responses_body(stream=True, instructions="be brief")
+            async with c.stream("POST", "/v1/responses", json=body) as r:
+                assert r.status_code == 200
+                assert r.headers["content-type"].startswith("text/event-stream")
+                events = await typed_events(r)
+        record = await settled(fake.recorder)
+    assert [name for name, _ in events] == RESPONSES_EVENTS
+    parsed = [RESPONSE_EVENT.validate_json(data) for _, data in events]
+    assert [e.type for e in parsed] == RESPONSES_EVENTS  # the event line names the data's type
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    assert [e.delta for e in parsed if e.type == "response.output_text.delta"] == [
+        token_text(i) for i in range(5)
+    ]
+    created, final = parsed[0].response, parsed[-1].response
+    assert (created.status, created.output, created.usage) == ("in_progress", [], None)
+    assert final.status == "completed" and final.incomplete_details is None
+    assert final.output_text == FIVE
+    assert final.instructions == "be brief"
+    assert final.usage is not None
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (5, 5)
+    assert final.usage.total_tokens == 10
+    assert parsed[-4].text == FIVE  # response.output_text.done
+    assert "[DONE]" not in [data for _, data in events]
+    assert (record.path, record.model, record.outcome) == (
+        "/v1/responses",
+        "fake-model",
+        "completed",
+    )
+    assert record.tokens_sent == 5
+    assert record.first_token_at is not None
+    assert record.first_token_at - record.received_at >= FAST["ttft"]
+
+
+async def test_responses_whole_and_max_output_tokens(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            items = [{"role": "user", "content": [{"type": "input_text", "text": "a b"}]}]
+            r = await c.post("/v1/responses", json=responses_body(input=items, model="m2"))
+            whole = Response.model_validate(r.json())
+            assert (whole.status, whole.output_text, whole.model) == ("completed", FIVE, "m2")
+            assert whole.usage is not None and whole.usage.input_tokens == 2
+            assert fake.recorder.last().model == "m2"
+
+            r = await c.post("/v1/responses", json=responses_body(max_output_tokens=2))
+            capped = Response.model_validate(r.json())
+            assert (capped.status, capped.output_text) == ("incomplete", "The quick ")
+            assert capped.incomplete_details is not None
+            assert capped.incomplete_details.reason == "max_output_tokens"
+            assert capped.max_output_tokens == 2
+
+            body = responses_body(stream=True, max_output_tokens=2)
+            async with c.stream("POST", "/v1/responses", json=body) as r:
+                events = await typed_events(r)
+            parsed = [RESPONSE_EVENT.validate_json(data) for _, data in events]
+            assert [e.type for e in parsed].count("response.output_text.delta") == 2
+            last = parsed[-1]
+            assert last.type == "response.incomplete"
+            assert last.response.incomplete_details.reason == "max_output_tokens"
+            assert last.response.usage.output_tokens == 2
+            assert parsed[-2].item.status == "incomplete"
+            assert fake.recorder.last().tokens_sent == 2
+
+            r = await c.post("/v1/responses", json={"model": "m"})
+            assert r.status_code == 400
+            assert r.json()["error"]["type"] == "BadRequestError"
+
+
+async def test_responses_through_the_openai_sdk(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with openai_client(port) as sdk:
+            async with sdk.responses.stream(model="fake-model", input="hi") as stream:
+                deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+                final = await stream.get_final_response()
+            assert "".join(deltas) == final.output_text == FIVE
+            whole = await sdk.responses.create(model="fake-model", input="hi", max_output_tokens=3)
+            assert (whole.status, whole.output_text) == ("incomplete", "The quick brown ")
+    assert [r.path for r in fake.recorder.records] == ["/v1/responses"] * 2
+
+
+MESSAGES_EVENTS = [
+    "message_start",
+    "content_block_start",
+    "ping",
+    *["content_block_delta"] * 5,
+    "content_block_stop",
+    "message_delta",
+    "message_stop",
+]
+
+
+async def test_messages_stream_parses_as_the_sdks_events(nursery: trio.Nursery) -> None:
+    adapter = anthropic_event_adapter()
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            body = messages_body(stream=True, system="terse")
+            async with c.stream("POST", "/v1/messages", json=body) as r:
+                assert r.status_code == 200
+                events = await typed_events(r)
+        record = await settled(fake.recorder)
+    assert [name for name, _ in events] == MESSAGES_EVENTS
+    assert json.loads(events[2][1]) == {"type": "ping"}  # not in the SDK's union: it skips them
+    parsed = [adapter.validate_json(data) for name, data in events if name != "ping"]
+    assert [e.type for e in parsed] == [n for n in MESSAGES_EVENTS if n != "ping"]
+    start_event, block, *deltas, block_stop, delta, _ = parsed
+    assert start_event.message.role == "assistant" and start_event.message.content == []
+    assert start_event.message.model == "claude-fake"
+    assert start_event.message.usage.input_tokens == 3
+    assert (block.index, block.content_block.type, block.content_block.text) == (0, "text", "")
+    assert [d.delta.text for d in deltas] == [token_text(i) for i in range(5)]
+    assert {d.delta.type for d in deltas} == {"text_delta"}
+    assert block_stop.index == 0
+    assert delta.delta.stop_reason == "end_turn"
+    assert delta.usage.output_tokens == 5
+    assert (record.path, record.model, record.outcome) == (
+        "/v1/messages",
+        "claude-fake",
+        "completed",
+    )
+    assert record.tokens_sent == 5
+
+
+async def test_messages_whole_max_tokens_and_anthropic_errors(nursery: trio.Nursery) -> None:
+    types = pytest.importorskip("anthropic.types")
+    adapter = anthropic_event_adapter()
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            r = await c.post("/v1/messages", json=messages_body())
+            message = types.Message.model_validate(r.json())
+            assert (message.stop_reason, message.content[0].text) == ("end_turn", FIVE)
+            assert (message.usage.input_tokens, message.usage.output_tokens) == (2, 5)
+
+            r = await c.post("/v1/messages", json=messages_body(max_tokens=2))
+            message = types.Message.model_validate(r.json())
+            assert (message.stop_reason, message.content[0].text) == ("max_tokens", "The quick ")
+
+            async with c.stream(
+                "POST", "/v1/messages", json=messages_body(stream=True, max_tokens=3)
+            ) as r:
+                events = await typed_events(r)
+            delta = adapter.validate_json(events[-2][1])
+            assert (delta.delta.stop_reason, delta.usage.output_tokens) == ("max_tokens", 3)
+
+            body = messages_body()
+            del body["max_tokens"]
+            r = await c.post("/v1/messages", json=body)
+            assert r.status_code == 400
+            assert r.json() == {
+                "type": "error",
+                "error": {"type": "invalid_request_error", "message": '"max_tokens" is required'},
+            }
+            r = await c.post("/v1/messages", content=b"{not json")
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            r = await c.get("/v1/messages")
+            assert r.status_code == 405 and r.json()["type"] == "error"
+            for stream in (False, True):
+                body = messages_body(stream=stream, fake={"mode": "status", "status": 529})
+                r = await c.post("/v1/messages", json=body)
+                assert r.status_code == 529
+                assert r.json() == {
+                    "type": "error",
+                    "error": {"type": "overloaded_error", "message": "fake upstream error"},
+                }
+            r = await c.post("/v1/messages", json=messages_body(fake={"mode": "status"}))
+            assert r.json()["error"]["type"] == "api_error"
+    assert fake.recorder.last().outcome == "failed_injected"
+
+
+async def test_messages_through_the_anthropic_sdk(nursery: trio.Nursery) -> None:
+    anthropic = pytest.importorskip("anthropic")  # not a declared dev dependency
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with anthropic.AsyncAnthropic(
+            base_url=f"http://127.0.0.1:{port}",
+            api_key="x",
+            max_retries=0,
+            http_client=httpx2.AsyncClient(trust_env=False),  # it refuses an httpx client
+        ) as sdk:
+            messages = [{"role": "user", "content": "hi"}]
+            async with sdk.messages.stream(
+                model="claude-fake", max_tokens=3, messages=messages
+            ) as stream:
+                text = "".join([t async for t in stream.text_stream])
+                final = await stream.get_final_message()
+            assert text == final.content[0].text == "The quick brown "
+            assert final.stop_reason == "max_tokens"
+            whole = await sdk.messages.create(model="claude-fake", max_tokens=99, messages=messages)
+            assert (whole.stop_reason, whole.content[0].text) == ("end_turn", FIVE)
+            with pytest.raises(anthropic.RateLimitError):
+                await sdk.messages.create(
+                    model="claude-fake",
+                    max_tokens=9,
+                    messages=messages,
+                    extra_body={"fake": {"mode": "status", "status": 429}},
+                )
+    assert [r.model for r in fake.recorder.records] == ["claude-fake"] * 3
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/responses", responses_body()), ("/v1/messages", messages_body())],
+    ids=["responses", "messages"],
+)
+@pytest.mark.parametrize("phase", ["ttft", "mid-stream"])
+async def test_disconnect_from_typed_streams_recorded(
+    nursery: trio.Nursery, path: str, body: dict[str, Any], phase: str
+) -> None:
+    fake, port = await start(nursery)
+    steer = {"ttft": 5} if phase == "ttft" else {"interval": 0.02, "tokens": 1000}
+    with trio.fail_after(10):
+        steered = body | {"stream": True, "fake": steer}
+        async with client(port) as c, c.stream("POST", path, json=steered) as r:
+            assert r.status_code == 200
+            if phase == "mid-stream":
+                await fake.recorder.wait_for(lambda rec: rec.last().tokens_sent >= 3)
+            left = trio.current_time()
+        with trio.fail_after(1):
+            await fake.recorder.wait_for(lambda rec: rec.last().outcome != "pending")
+        record = fake.recorder.last()
+        assert (record.outcome, record.path, record.finished_at) == (
+            "client_disconnected",
+            path,
+            None,
+        )
+        assert record.disconnected_at is not None
+        assert record.disconnected_at - left < DISCONNECT_BUDGET
+        sent = record.tokens_sent
+        await trio.sleep(0.05)
+        assert record.tokens_sent == sent
+        await fake.recorder.wait_for(lambda rec: rec.open_connections == 0)
+
+
+TERMINAL = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/responses", responses_body()), ("/v1/messages", messages_body())],
+    ids=["responses", "messages"],
+)
+async def test_faults_cut_typed_streams_before_their_end(
+    nursery: trio.Nursery, path: str, body: dict[str, Any]
+) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        for mode, error in (("eof", httpx.RemoteProtocolError), ("reset", httpx.ReadError)):
+            names: list[str | None] = []
+            async with client(port) as c:
+                steered = body | {"stream": True, "fake": {"mode": mode, "at": 2}}
+                with pytest.raises(error):
+                    async with c.stream("POST", path, json=steered) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("event: "):
+                                names.append(line.removeprefix("event: "))
+            deltas = [n for n in names if n and n.endswith("delta")]
+            assert len(deltas) == 2
+            assert TERMINAL[path] not in names
+            assert (await settled(fake.recorder)).outcome == "failed_injected"
+
+        async with client(port) as c:
+            steered = body | {"stream": True, "fake": {"mode": "malformed", "at": 1}}
+            async with c.stream("POST", path, json=steered) as r:
+                events = await typed_events(r)
+            assert (None, MALFORMED_EVENT.decode().strip()) in events
+            assert events[-1][0] == TERMINAL[path]
+            r = await c.post(path, json=body | {"fake": {"mode": "malformed"}})
+            assert r.content == MALFORMED_EVENT
+            with pytest.raises(httpx.RemoteProtocolError):
+                await c.post(path, json=body | {"fake": {"mode": "eof"}})
+        async with client(port) as c:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await c.post(path, json=body | {"stream": True, "fake": {"mode": "refuse"}})
+
+
+async def test_one_http_chunk_per_typed_event(nursery: trio.Nursery) -> None:
+    _, port = await start(nursery, tokens=3)
+    for path, body in (("/v1/responses", responses_body()), ("/v1/messages", messages_body())):
+        raw_body = json.dumps(body | {"stream": True}).encode()
+        with trio.fail_after(10):
+            raw = await raw_exchange(port, post(path, raw_body, extra=b"connection: close\r\n"))
+        _, chunks, rest = split_chunked(raw)
+        assert rest == b""
+        for chunk in chunks:
+            assert chunk.startswith(b"event: ")
+            assert chunk.count(b"\ndata: ") == 1
+            assert chunk.endswith(b"\n\n") and chunk.count(b"\n\n") == 1
+
+
+def f32(values: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+
+
+async def test_embeddings_floats_base64_and_token_arrays(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, ttft=0.03)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            before = trio.current_time()
+            r = await c.post("/v1/embeddings", json={"model": "emb", "input": ["a b", "c"]})
+            assert trio.current_time() - before >= 0.03  # ttft is the delay
+            answer = CreateEmbeddingResponse.model_validate(r.json())
+            assert [d.embedding for d in answer.data] == [
+                embedding_vector("a b"),
+                embedding_vector("c"),
+            ]
+            assert [d.index for d in answer.data] == [0, 1]
+            assert (answer.model, answer.usage.prompt_tokens, answer.usage.total_tokens) == (
+                "emb",
+                3,
+                3,
+            )
+            assert len(answer.data[0].embedding) == 8
+            assert embedding_vector("a b") != embedding_vector("c")
+
+            body = {"model": "emb", "input": "a b", "encoding_format": "base64"}
+            r = await c.post("/v1/embeddings", json=body)
+            encoded = r.json()["data"][0]["embedding"]
+            assert encoded == f32(embedding_vector("a b"))
+            decoded = list(struct.unpack("<8f", base64.b64decode(encoded)))
+            assert decoded == embedding_vector("a b")  # exact in float32
+            # The type says list[float]: the SDK builds it unvalidated and decodes after (the
+            # SDK test below); strictly validated, it is the decoded answer that must fit.
+            answer_json = r.json()
+            answer_json["data"][0]["embedding"] = decoded
+            CreateEmbeddingResponse.model_validate(answer_json)
+
+            r = await c.post("/v1/embeddings", json={"input": [[1, 2, 3], [4]], "dimensions": 4})
+            data = r.json()
+            assert [d["embedding"] for d in data["data"]] == [
+                embedding_vector([1, 2, 3], 4),
+                embedding_vector([4], 4),
+            ]
+            assert data["usage"]["prompt_tokens"] == 4
+            assert data["model"] == "fake-model"
+            assert fake.recorder.last().model is None  # it named none
+            r = await c.post("/v1/embeddings", json={"input": [1, 2]})
+            assert r.json()["data"][0]["embedding"] == embedding_vector([1, 2])
+
+            bad_bodies: list[dict[str, Any]] = [
+                {"input": 3},
+                {"input": []},
+                {"input": "a", "encoding_format": "hex"},
+            ]
+            for bad in bad_bodies:
+                assert (await c.post("/v1/embeddings", json=bad)).status_code == 400
+    assert fake.recorder.records[0].path == "/v1/embeddings"
+    assert fake.recorder.records[0].model == "emb"
+
+
+async def test_embeddings_through_the_openai_sdk_base64(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with openai_client(port) as sdk:
+            answer = await sdk.embeddings.create(model="emb", input=["one", "two three"])
+            assert fake.recorder.last().body == {
+                "model": "emb",
+                "input": ["one", "two three"],
+                "encoding_format": "base64",  # the SDK's default, decoded by the SDK
+            }
+            assert [d.embedding for d in answer.data] == [
+                embedding_vector("one"),
+                embedding_vector("two three"),
+            ]
+            floats = await sdk.embeddings.create(model="emb", input="one", encoding_format="float")
+            assert floats.data[0].embedding == embedding_vector("one")
+            assert fake.recorder.last().model == "emb"
+
+
+async def test_embeddings_fault_modes(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    body = {"model": "emb", "input": "x"}
+    with trio.fail_after(10):
+        async with client(port) as c:
+            r = await c.post(
+                "/v1/embeddings", json=body | {"fake": {"mode": "status", "status": 429}}
+            )
+            assert (r.status_code, r.json()["error"]["type"]) == (429, "RateLimitError")
+        for mode, error in (("refuse", httpx.RemoteProtocolError), ("reset", httpx.ReadError)):
+            async with client(port) as c:
+                with pytest.raises(error):
+                    await c.post("/v1/embeddings", json=body | {"fake": {"mode": mode}})
+        async with client(port, timeout=0.1) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/embeddings", json=body | {"fake": {"mode": "stall_headers"}})
+        await fake.recorder.wait_for(lambda r: r.last().outcome == "client_disconnected")
+    outcomes = [r.outcome for r in fake.recorder.records]
+    assert outcomes == ["failed_injected"] * 3 + ["client_disconnected"]
+
+
+async def test_tokenize_and_detokenize(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    with trio.fail_after(10):
+        async with client(port) as c:
+            r = await c.post("/tokenize", json={"model": "tok", "prompt": "The quick zebra"})
+            answer = r.json()
+            assert answer["count"] == 3 and len(answer["tokens"]) == 3
+            assert answer["tokens"][:2] == [0, 1]  # words of WORDS are their index
+            assert answer["max_model_len"] == MAX_MODEL_LEN
+            again = (await c.post("/tokenize", json={"prompt": "The quick zebra"})).json()
+            assert again["tokens"] == answer["tokens"]  # deterministic
+            chat_form = {"messages": [{"role": "user", "content": "one two"}]}
+            assert (await c.post("/tokenize", json=chat_form)).json()["count"] == 2
+            assert (await c.post("/tokenize", json={"model": "tok"})).status_code == 400
+
+            r = await c.post("/detokenize", json={"model": "tok", "tokens": [0, 1, 2, 18]})
+            assert r.json() == {"prompt": "The quick brown " + token_text(18)}
+            assert (await c.post("/detokenize", json={"tokens": ["x"]})).status_code == 400
+    assert [(r.path, r.model) for r in fake.recorder.records[:2]] == [
+        ("/tokenize", "tok"),
+        ("/tokenize", None),
+    ]
+
+
+async def test_rerank_score_and_pooling(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    docs = ["alpha", "beta", "gamma"]
+    with trio.fail_after(10):
+        async with client(port) as c:
+            body = {"model": "rr", "query": "q", "documents": [docs[0], {"text": docs[1]}, docs[2]]}
+            answer = (await c.post("/v1/rerank", json=body | {"top_n": 2})).json()
+            assert answer["model"] == "rr" and answer["id"].startswith("rerank-")
+            scores = {d: relevance_score("q", d) for d in docs}
+            best = sorted(docs, key=lambda d: -scores[d])[:2]
+            assert [r["document"]["text"] for r in answer["results"]] == best
+            assert [r["relevance_score"] for r in answer["results"]] == [scores[d] for d in best]
+            assert [r["index"] for r in answer["results"]] == [docs.index(d) for d in best]
+            assert all(0 <= s < 1 for s in scores.values())
+            assert len((await c.post("/rerank", json=body)).json()["results"]) == 3
+
+            score = {"model": "sc", "text_1": "q", "text_2": docs}
+            answer = (await c.post("/v1/score", json=score)).json()
+            assert answer["object"] == "list"
+            assert [d["score"] for d in answer["data"]] == [scores[d] for d in docs]
+            assert [d["object"] for d in answer["data"]] == ["score"] * 3
+            pairs = {"text_1": ["a", "b"], "text_2": ["c", "d"]}
+            answer = (await c.post("/score", json=pairs)).json()
+            assert [d["score"] for d in answer["data"]] == [
+                relevance_score("a", "c"),
+                relevance_score("b", "d"),
+            ]
+            assert (
+                await c.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c"] * 3})
+            ).status_code == 400
+
+            answer = (await c.post("/pooling", json={"model": "pl", "input": ["x", "y"]})).json()
+            assert [d["data"] for d in answer["data"]] == [
+                embedding_vector("x"),
+                embedding_vector("y"),
+            ]
+            assert [d["object"] for d in answer["data"]] == ["pooling"] * 2
+            r = await c.post("/pooling", json={"input": "x", "fake": {"mode": "status"}})
+            assert r.status_code == 500
+    paths = [(r.path, r.model) for r in fake.recorder.records]
+    assert paths[:3] == [("/v1/rerank", "rr"), ("/rerank", "rr"), ("/v1/score", "sc")]
+    assert ("/pooling", "pl") in paths
+
+
+def transcription_request(port: int, audio: bytes, **fields: str) -> httpx.Request:
+    return httpx.Request(
+        "POST",
+        f"http://127.0.0.1:{port}/v1/audio/transcriptions",
+        data={"model": "whisper-fake", **fields},
+        files={"file": ("clip.wav", audio, "audio/wav")},
+    )
+
+
+async def test_transcription_digests_the_multipart_body_it_got(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    audio = bytes(range(256)) * 40 + b"\r\n--not-a-boundary\r\n"
+    with trio.fail_after(10):
+        async with client(port) as c:
+            request = transcription_request(port, audio)
+            sent = request.read()  # the exact bytes on the wire
+            assert "content-length" in request.headers
+            r = await c.send(request)
+            answer = Transcription.model_validate(r.json())
+            assert answer.text == FIVE
+            assert r.json() == {
+                "text": FIVE,
+                "sha256": hashlib.sha256(sent).hexdigest(),
+                "bytes": len(sent),
+                "file_sha256": hashlib.sha256(audio).hexdigest(),
+            }
+            record = fake.recorder.last()
+            assert (record.path, record.model, record.body) == (
+                "/v1/audio/transcriptions",
+                "whisper-fake",
+                None,
+            )
+            assert record.form == {"model": "whisper-fake"}
+
+            # Streamed, and steered through a "fake" form field.
+            steer = json.dumps({"tokens": 3})
+            request = transcription_request(port, audio, stream="true", fake=steer)
+            sent = request.read()
+            r = await c.send(request, stream=True)
+            events = await sse_events(r)
+            await r.aclose()
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert {ch["object"] for ch in chunks} == {"transcription.chunk"}
+            assert [ch["choices"][0]["delta"].get("content") for ch in chunks] == [
+                token_text(0),
+                token_text(1),
+                token_text(2),
+                None,
+            ]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+            assert chunks[-1]["sha256"] == hashlib.sha256(sent).hexdigest()
+            assert chunks[-1]["file_sha256"] == hashlib.sha256(audio).hexdigest()
+            record = await settled(fake.recorder)
+            assert (record.outcome, record.tokens_sent) == ("completed", 3)
+            assert record.form is not None and record.form["stream"] == "true"
+
+            no_file = await c.post("/v1/audio/transcriptions", data={"model": "w"}, files={})
+            assert no_file.status_code == 400
+            r = await c.post("/v1/audio/transcriptions", json={"model": "w"})
+            assert r.status_code == 400 and "multipart" in r.json()["error"]["message"]
+            boundary = b"multipart/form-data; boundary=xyz"
+            r = await c.post(
+                "/v1/audio/transcriptions",
+                content=b"--xyz\r\nno disposition\r\n\r\ndata",
+                headers={"content-type": boundary.decode()},
+            )
+            assert r.status_code == 400
+            r = await c.send(
+                transcription_request(port, audio, fake=json.dumps({"mode": "status"}))
+            )
+            assert r.status_code == 500
+
+    # Too big is refused before it is read, as on every path.
+    head = (
+        f"POST /v1/audio/transcriptions HTTP/1.1\r\nhost: x\r\n"
+        f"content-type: multipart/form-data; boundary=b\r\n"
+        f"content-length: {MAX_BODY_BYTES + 1}\r\n\r\n"
+    ).encode()
+    with trio.fail_after(10):
+        raw = await raw_exchange(port, head)
+    assert raw.startswith(b"HTTP/1.1 413 ")
+
+
+async def test_transcription_through_the_openai_sdk(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery)
+    audio = b"RIFF" + bytes(1000)
+    with trio.fail_after(10):
+        async with openai_client(port) as sdk:
+            answer = await sdk.audio.transcriptions.create(model="whisper-1", file=("a.wav", audio))
+    assert answer.text == FIVE
+    extra = answer.model_extra or {}
+    assert extra["file_sha256"] == hashlib.sha256(audio).hexdigest()
+    record = fake.recorder.last()
+    assert extra["bytes"] == int(record.headers["content-length"])
+    assert (record.model, record.outcome) == ("whisper-1", "completed")
+
+
+async def test_every_endpoint_records_path_and_model(nursery: trio.Nursery) -> None:
+    fake, port = await start(nursery, tokens=1)
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/chat/completions", chat(model="a")),
+        ("/v1/completions", completion(model="b")),
+        ("/v1/responses", responses_body(model="c")),
+        ("/v1/messages", messages_body(model="d")),
+        ("/v1/embeddings", {"model": "e", "input": "x"}),
+        ("/tokenize", {"model": "f", "prompt": "x"}),
+        ("/detokenize", {"model": "g", "tokens": [1]}),
+        ("/v1/rerank", {"model": "h", "query": "q", "documents": ["d"]}),
+        ("/v1/score", {"model": "i", "text_1": "a", "text_2": "b"}),
+        ("/pooling", {"model": "j", "input": "x"}),
+    ]
+    with trio.fail_after(10):
+        async with client(port) as c:
+            for path, body in calls:
+                r = await c.post(path, json=body)
+                assert r.status_code == 200, (path, r.text)
+            r = await c.send(transcription_request(port, b"audio"))
+            assert r.status_code == 200
+            await c.get("/v1/models")
+            records = (await c.get("/_fake/requests")).json()
+    expected = [(path, body["model"]) for path, body in calls]
+    expected += [("/v1/audio/transcriptions", "whisper-fake"), ("/v1/models", None)]
+    assert [(r.path, r.model) for r in fake.recorder.records] == expected
+    assert [(r["path"], r["model"]) for r in records] == expected
+    assert {r.outcome for r in fake.recorder.records} == {"completed"}

@@ -31,14 +31,50 @@ requests, and refuses a client that bypassed the proxy, so a client's proxy sett
 tested without a second server. Over TLS the ticker cannot write a token to the socket itself
 (the bytes need encrypting), so it hands each token to the stream's task: TLS costs a task
 switch per token, the plain path nothing.
+
+Endpoints, each in the shape vLLM serves it (``POST`` unless said otherwise):
+
+* ``/v1/chat/completions``, ``/v1/completions``: chunks as ``data:`` lines and ``data: [DONE]``
+  when streamed, the completion object when not.
+* ``/v1/responses`` (OpenAI Responses): ``input`` a string or a list of items. Streamed, typed
+  events (``event: <type>`` and ``data:`` with ``type`` and ``sequence_number``, no
+  ``[DONE]``): ``response.created`` and ``response.in_progress`` with the headers,
+  ``response.output_item.added`` and ``response.content_part.added`` with token 0, one
+  ``response.output_text.delta`` per token, then ``response.output_text.done``,
+  ``response.content_part.done``, ``response.output_item.done`` and ``response.completed``;
+  a ``max_output_tokens`` at or under the planned tokens stops there and ends with
+  ``response.incomplete`` (``incomplete_details.reason`` ``max_output_tokens``).
+* ``/v1/messages`` (Anthropic Messages; ``max_tokens`` required): ``message_start``,
+  ``content_block_start`` and ``ping`` with token 0, one ``content_block_delta``
+  (``text_delta``) per token, then ``content_block_stop``, ``message_delta`` (``stop_reason``
+  ``end_turn`` or ``max_tokens``) and ``message_stop``. Its errors, ``mode=status`` included,
+  are in Anthropic's shape, ``{"type": "error", "error": {"type": ..., "message": ...}}``.
+* ``/v1/embeddings`` and ``/pooling``: ``embedding_vector(item)`` per input (8 floats from a
+  SHA-256 of it, exact in float32), as floats or, with ``encoding_format: "base64"`` (the
+  OpenAI SDK's default), little-endian float32 in base64.
+* ``/tokenize``, ``/detokenize``: a word of the fake's vocabulary ``WORDS`` is its index, any
+  other a CRC-32 of it; token ``t`` reads back as ``token_text(t)``.
+* ``/v1/rerank`` (also ``/rerank``, ``/v2/rerank``), ``/v1/score`` (also ``/score``):
+  ``relevance_score(query, document)``, a number in [0, 1) from a SHA-256 of the pair.
+* ``/v1/audio/transcriptions``: ``multipart/form-data`` with ``model``, ``file``, optional
+  ``stream`` (and ``fake``, as JSON text); the answer carries ``sha256``/``bytes`` of the exact
+  request body received and ``file_sha256`` of the file part, so a test can prove a proxy
+  relayed the body intact. Streamed: ``transcription.chunk`` events, the digests on the last.
+* ``GET /v1/models``, ``GET /health``; ``/_fake/requests`` lists the records as JSON.
+
+Every ``POST`` endpoint follows the schedule (a non-generating one answers at ``ttft``) and
+takes the ``"fake"`` steering and its fault modes; each request gets a ``RequestRecord`` with
+its ``path``, the ``model`` it named and, for a multipart body, its text fields (``form``).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import dataclasses
 import enum
+import hashlib
 import heapq
 import itertools
 import json
@@ -49,13 +85,16 @@ import ssl
 import struct
 import sys
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from http import HTTPStatus
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import trio
+from werkzeug.http import parse_options_header
+from werkzeug.sansio.multipart import Data, Epilogue, Field, File, MultipartDecoder, NeedData
 
 __all__ = [
     "MODES",
@@ -67,7 +106,9 @@ __all__ = [
     "Recorder",
     "RequestRecord",
     "add_arguments",
+    "embedding_vector",
     "main",
+    "relevance_score",
     "run_from_args",
     "settings_from_args",
     "token_text",
@@ -109,13 +150,43 @@ MALFORMED_EVENT: Final = b"this is not server-sent events\n\n"
 
 _CHAT_PATH: Final = "/v1/chat/completions"
 _COMPLETIONS_PATH: Final = "/v1/completions"
+_RESPONSES_PATH: Final = "/v1/responses"
+_MESSAGES_PATH: Final = "/v1/messages"
+_TRANSCRIPTIONS_PATH: Final = "/v1/audio/transcriptions"
 _OVERRIDABLE: Final = frozenset({"ttft", "interval", "tokens", "mode", "at", "status"})
 _TOKEN_JSON: Final = tuple(json.dumps(word + " ").encode() for word in WORDS)
+# What /tokenize reports as the context length.
+MAX_MODEL_LEN: Final = 8192
+# Token ids of words outside WORDS: a CRC-32 of the word, folded into a Llama-sized vocabulary.
+VOCAB_SIZE: Final = 32_000
+EMBEDDING_DIMENSIONS: Final = 8
 
 
 def token_text(i: int) -> str:
     """The text of token ``i`` of every response."""
     return WORDS[i % len(WORDS)] + " "
+
+
+def embedding_vector(
+    item: str | Sequence[int], dimensions: int = EMBEDDING_DIMENSIONS
+) -> list[float]:
+    """The vector of one embedding (or pooling) input: a text or a list of token ids.
+
+    Each value is ``(b - 128) / 128`` for a byte ``b`` of the input's SHA-256, so it survives a
+    float32 round trip exactly (base64 answers are float32).
+    """
+    if isinstance(item, str):
+        raw = b"text:" + item.encode()
+    else:
+        raw = b"tokens:" + json.dumps(list(item)).encode()
+    digest = hashlib.sha256(raw).digest()
+    return [(digest[k] - 128) / 128 for k in range(dimensions)]
+
+
+def relevance_score(query: str, document: str) -> float:
+    """The /rerank and /score answer for a pair: a number in [0, 1) from its SHA-256."""
+    digest = hashlib.sha256(query.encode() + b"\0" + document.encode()).digest()
+    return int.from_bytes(digest[:4], "big") / 2**32
 
 
 # --------------------------------------------------------------------------- settings
@@ -124,10 +195,11 @@ def token_text(i: int) -> str:
 @dataclass
 class FakeSettings:
     """Server-wide defaults; a request may override ttft, interval, tokens, mode, at and
-    status with an extra ``"fake": {...}`` object in its JSON body.
+    status with an extra ``"fake": {...}`` object in its JSON body (in a multipart body: a
+    ``fake`` field holding that object as JSON text).
 
-    ``mode``/``at``/``status`` apply to the completion endpoints only: a proxy's health check or
-    model listing must not turn a streaming test into a different test.
+    ``mode``/``at``/``status`` apply to the model endpoints (every ``POST`` one) only: a proxy's
+    health check or model listing must not turn a streaming test into a different test.
 
     With ``via_proxy`` the listener speaks plain HTTP, as a proxy does: TLS, if set, starts
     inside each CONNECT tunnel, and absolute-form requests are answered in plain HTTP. The
@@ -270,10 +342,15 @@ class RequestRecord:
     connection: int
     method: str
     path: str
+    # The JSON body; None for another body (multipart: see ``form``) or none.
     body: dict[str, Any] | None
     headers: dict[str, str]
     received_at: float
     received_at_mono: float
+    # The model the request named (JSON ``model``, or the multipart field); None if none.
+    model: str | None = None
+    # The text fields of a multipart/form-data body.
+    form: dict[str, str] | None = None
     mode: str = "ok"
     first_token_at: float | None = None
     first_token_at_mono: float | None = None
@@ -365,6 +442,7 @@ class Recorder:
             headers=request.headers,
             received_at=trio.current_time(),
             received_at_mono=time.monotonic(),
+            model=_named_model(body),
             tls=conn.tls,
             client_cert_cn=conn.client_cert_cn,
             via_proxy=request.absolute or conn.tunnel is not None,
@@ -387,6 +465,11 @@ class Recorder:
 
     def _tls_failed(self) -> None:
         self.tls_handshake_failures += 1
+        self._changed()
+
+    def _form_parsed(self, record: RequestRecord, form: dict[str, str]) -> None:
+        record.form = form
+        record.model = _named_model(form)
         self._changed()
 
     def _planned(self, record: RequestRecord, mode: str) -> None:
@@ -508,6 +591,28 @@ def _json_response(status: int, obj: object, *, keep_alive: bool) -> bytes:
 
 def _error_response(status: int, message: str, *, keep_alive: bool) -> bytes:
     return _response(status, _error_body(status, message), keep_alive=keep_alive)
+
+
+_ANTHROPIC_ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def _anthropic_error_body(status: int, message: str) -> bytes:
+    """Anthropic's error shape, which vLLM's /v1/messages answers in too."""
+    kind = _ANTHROPIC_ERROR_TYPES.get(status)
+    if kind is None:
+        kind = "api_error" if status >= 500 else "invalid_request_error"
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
 
 
 def _stream_head(request: _Request) -> bytes:
@@ -736,11 +841,14 @@ class _Completion:
         }
         return json.dumps(obj, separators=(",", ":")).encode()
 
+    def frames(self, *, chunked: bool) -> _Frames:
+        return _StreamFrames(self, chunked=chunked)
 
-def _count_prompt_tokens(body: dict[str, Any]) -> int:
-    """Whitespace-separated words of the prompt: deterministic, and cheap to check in a test."""
+
+def _message_texts(messages: object) -> list[str]:
+    """The text of chat-style messages: string contents and the ``text`` of content parts
+    (OpenAI's ``text``/``input_text`` parts, Anthropic's text blocks alike)."""
     texts: list[str] = []
-    messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
@@ -752,6 +860,12 @@ def _count_prompt_tokens(body: dict[str, Any]) -> int:
                     for p in content
                     if isinstance(p, dict) and isinstance(p.get("text"), str)
                 )
+    return texts
+
+
+def _count_prompt_tokens(body: dict[str, Any]) -> int:
+    """Whitespace-separated words of the prompt: deterministic, and cheap to check in a test."""
+    texts = _message_texts(body.get("messages"))
     count = 0
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -767,13 +881,94 @@ def _count_prompt_tokens(body: dict[str, Any]) -> int:
     return count + sum(len(text.split()) for text in texts)
 
 
-class _StreamFrames:
-    """Every byte of a stream, precomputed once per request so a token costs one lookup."""
+def _count_words(texts: Sequence[str]) -> int:
+    return sum(len(text.split()) for text in texts)
 
-    __slots__ = ("extra", "frame", "tail", "tokens")
+
+def _named_model(fields: Mapping[str, Any] | None) -> str | None:
+    model = fields.get("model") if fields is not None else None
+    return model if isinstance(model, str) else None
+
+
+def _model(body: Mapping[str, Any], default_model: str) -> str:
+    model = body.get("model", default_model)
+    if not isinstance(model, str):
+        raise _Invalid('"model" must be a string')
+    return model
+
+
+def _stream_flag(body: Mapping[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _Invalid('"stream" must be a boolean')
+    return stream
+
+
+def _limit(body: Mapping[str, Any], name: str, planned: int) -> tuple[int, bool]:
+    """Tokens to generate under the limit ``name``, and whether the limit ended generation.
+
+    As vLLM: a limit at exactly the natural length still ends it (the end-of-sequence token
+    would have been one more).
+    """
+    limit = body.get(name)
+    if limit is None:
+        return planned, False
+    _check_int(name, limit, 0)
+    return (limit, True) if limit <= planned else (planned, False)
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _sse(kind: str, obj: object) -> bytes:
+    """One typed server-sent event, as vLLM writes the Responses and Messages streams."""
+    return f"event: {kind}\ndata: {_dumps(obj)}\n\n".encode()
+
+
+class _Frames:
+    """Every byte of one stream but the tokens' own, decided before the first is sent.
+
+    ``head`` goes with the response head, ``extra[i]`` right before token ``i`` (``extra[n]``
+    before the tail), ``tail`` after the last token. Each SSE event is one HTTP chunk.
+    """
+
+    __slots__ = ("extra", "frame", "head", "tail")
+
+    def __init__(self, *, chunked: bool) -> None:
+        self.frame: Callable[[bytes], bytes] = _chunk if chunked else bytes
+        self.extra: dict[int, bytes] = {}
+        self.head = b""
+        self.tail = b""
+
+    def _framed(self, events: Sequence[bytes]) -> bytes:
+        return b"".join(self.frame(e) for e in events)
+
+    def _set_tail(self, events: Sequence[bytes]) -> None:
+        tail = self._framed(events)
+        if self.frame is _chunk:
+            tail += b"0\r\n\r\n"
+        self.tail = tail
+
+    def insert_before(self, i: int, frame: bytes) -> None:
+        self.extra[i] = frame + self.extra.get(i, b"")
+
+    def before(self, i: int) -> bytes:
+        return self.extra.get(i, b"")
+
+    def token(self, i: int) -> bytes:
+        """Token ``i`` with whatever must precede it."""
+        raise NotImplementedError
+
+
+class _StreamFrames(_Frames):
+    """A chat or text completion stream, precomputed once per request so a token costs one
+    lookup."""
+
+    __slots__ = ("tokens",)
 
     def __init__(self, c: _Completion, *, chunked: bool) -> None:
-        self.frame: Callable[[bytes], bytes] = _chunk if chunked else bytes
+        super().__init__(chunked=chunked)
         ident = json.dumps(c.response_id)
         model = json.dumps(c.model)
         kind = "chat.completion.chunk" if c.chat else "text_completion"
@@ -786,33 +981,670 @@ class _StreamFrames:
             self.frame(choice + open_field + word + close_field + pending)
             for word in _TOKEN_JSON[: max(1, min(c.tokens, len(_TOKEN_JSON)))]
         )
-        # Frames that go right before token i (the role chunk, an injected malformed event).
-        self.extra: dict[int, bytes] = {}
+        # The role chunk goes with token 0, as vLLM sends it with the first output.
         if c.chat:
             role = b'"delta":{"role":"assistant","content":""}'
             self.extra[0] = self.frame(choice + role + pending)
         empty = b'"delta":{}' if c.chat else b'"text":""'
         finish = f',"logprobs":null,"finish_reason":"{c.finish_reason}"}}]}}\n\n'.encode()
-        tail = [self.frame(choice + empty + finish)]
+        tail = [choice + empty + finish]
         if c.include_usage:
-            usage = json.dumps(c.usage(), separators=(",", ":"))
-            tail.append(self.frame(f'{prefix}"choices":[],"usage":{usage}}}\n\n'.encode()))
-        tail.append(self.frame(b"data: [DONE]\n\n"))
-        if chunked:
-            tail.append(b"0\r\n\r\n")
-        self.tail = b"".join(tail)
-
-    def insert_before(self, i: int, frame: bytes) -> None:
-        self.extra[i] = frame + self.extra.get(i, b"")
-
-    def before(self, i: int) -> bytes:
-        return self.extra.get(i, b"")
+            usage = _dumps(c.usage())
+            tail.append(f'{prefix}"choices":[],"usage":{usage}}}\n\n'.encode())
+        tail.append(b"data: [DONE]\n\n")
+        self._set_tail(tail)
 
     def token(self, i: int) -> bytes:
-        """Token ``i`` with whatever must precede it."""
         data = self.tokens[i % len(self.tokens)]
         extra = self.extra.get(i)
         return data if extra is None else extra + data
+
+
+class _EventFrames(_Frames):
+    """A stream whose token ``i`` is ``before + <its text as JSON> + after``, or, numbered,
+    ``before + text + middle + <first + i> + after`` (a Responses ``sequence_number``)."""
+
+    __slots__ = ("_after", "_before", "_cycle", "_first", "_middle")
+
+    def __init__(
+        self,
+        *,
+        chunked: bool,
+        head: Sequence[bytes],
+        first: Sequence[bytes],
+        before: bytes,
+        after: bytes,
+        tail: Sequence[bytes],
+        numbered: tuple[bytes, int] | None = None,
+    ) -> None:
+        super().__init__(chunked=chunked)
+        self.head = self._framed(head)
+        if first:
+            self.extra[0] = self._framed(first)
+        self._set_tail(tail)
+        self._before, self._after = before, after
+        self._middle, self._first = numbered if numbered is not None else (b"", -1)
+        self._cycle = (
+            ()
+            if numbered is not None
+            else tuple(self.frame(before + word + after) for word in _TOKEN_JSON)
+        )
+
+    def token(self, i: int) -> bytes:
+        if self._cycle:
+            data = self._cycle[i % len(self._cycle)]
+        else:
+            word = _TOKEN_JSON[i % len(_TOKEN_JSON)]
+            seq = b"%d" % (self._first + i)
+            data = self.frame(self._before + word + self._middle + seq + self._after)
+        extra = self.extra.get(i)
+        return data if extra is None else extra + data
+
+
+class _Answer(Protocol):
+    """What a model endpoint will answer, decided before any byte is sent."""
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def tokens(self) -> int: ...
+
+    def whole_body(self) -> bytes: ...
+
+    def frames(self, *, chunked: bool) -> _Frames: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Static:
+    """A whole JSON answer of an endpoint that generates nothing (embeddings, tokenize, ...)."""
+
+    body: bytes
+    stream: bool = False
+    tokens: int = 0
+
+    def whole_body(self) -> bytes:
+        return self.body
+
+    def frames(self, *, chunked: bool) -> _Frames:
+        raise AssertionError("a static answer is never streamed")
+
+
+def _generated_text(n: int) -> str:
+    return "".join(token_text(i) for i in range(n))
+
+
+@dataclass(frozen=True, slots=True)
+class _Responses:
+    """An OpenAI Responses API answer (``POST /v1/responses``)."""
+
+    stream: bool
+    model: str
+    tokens: int
+    incomplete: bool
+    prompt_tokens: int
+    number: int
+    created: int
+    max_output_tokens: int | None
+    instructions: str | None
+
+    @classmethod
+    def build(
+        cls, body: dict[str, Any], plan: _Plan, default_model: str, number: int
+    ) -> _Responses:
+        model = _model(body, default_model)
+        stream = _stream_flag(body)
+        items = body.get("input")
+        if isinstance(items, str):
+            texts = [items]
+        elif isinstance(items, list):
+            texts = _message_texts(items)
+        else:
+            raise _Invalid('"input" must be a string or a list of items')
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise _Invalid('"instructions" must be a string')
+        if instructions:
+            texts.append(instructions)
+        tokens, incomplete = _limit(body, "max_output_tokens", plan.tokens)
+        return cls(
+            stream=stream,
+            model=model,
+            tokens=tokens,
+            incomplete=incomplete,
+            prompt_tokens=_count_words(texts),
+            number=number,
+            created=int(time.time()),
+            max_output_tokens=body.get("max_output_tokens"),
+            instructions=instructions,
+        )
+
+    @property
+    def item_id(self) -> str:
+        return f"msg_{self.number}"
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.incomplete else "completed"
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.item_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+    def _usage(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": self.tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + self.tokens,
+        }
+
+    def response(self, *, final: bool) -> dict[str, Any]:
+        """The response object: as it ends, or (not ``final``) as it starts."""
+        if final:
+            status = self.status
+            output = [self._item(status, [self._part(_generated_text(self.tokens))])]
+        else:
+            status, output = "in_progress", []
+        details = {"reason": "max_output_tokens"} if final and self.incomplete else None
+        return {
+            "id": f"resp_{self.number}",
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": details,
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": None,
+            "metadata": None,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "reasoning": None,
+            "service_tier": "auto",
+            "temperature": 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_logprobs": None,
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": self._usage() if final else None,
+            "user": None,
+        }
+
+    def whole_body(self) -> bytes:
+        return _dumps(self.response(final=True)).encode()
+
+    def frames(self, *, chunked: bool) -> _Frames:
+        n = self.tokens
+        text = _generated_text(n)
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        seq = itertools.count()
+
+        def event(kind: str, **fields: Any) -> bytes:
+            return _sse(kind, {"type": kind, "sequence_number": next(seq), **fields})
+
+        start = self.response(final=False)
+        head = [
+            event("response.created", response=start),
+            event("response.in_progress", response=start),
+        ]
+        first = [
+            event(
+                "response.output_item.added",
+                output_index=0,
+                item=self._item("in_progress", []),
+            ),
+            event("response.content_part.added", **where, part=self._part("")),
+        ]
+        delta = "response.output_text.delta"
+        ids = _dumps(where)[1:-1]
+        before = f'event: {delta}\ndata: {{"type":"{delta}",{ids},"logprobs":[],"delta":'
+        # The deltas take the numbers from here on; `event` numbers the tail after them.
+        first_delta = next(seq)
+        seq = itertools.count(first_delta + n)
+        final = self.response(final=True)
+        ending = "response.incomplete" if self.incomplete else "response.completed"
+        tail = [
+            event("response.output_text.done", **where, text=text, logprobs=[]),
+            event("response.content_part.done", **where, part=self._part(text)),
+            event("response.output_item.done", output_index=0, item=final["output"][0]),
+            event(ending, response=final),
+        ]
+        return _EventFrames(
+            chunked=chunked,
+            head=head,
+            first=first,
+            before=before.encode(),
+            after=b"}\n\n",
+            tail=tail,
+            numbered=(b',"sequence_number":', first_delta),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Messages:
+    """An Anthropic Messages answer (``POST /v1/messages``)."""
+
+    stream: bool
+    model: str
+    tokens: int
+    stop_reason: str
+    prompt_tokens: int
+    number: int
+
+    @classmethod
+    def build(cls, body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Messages:
+        model = _model(body, default_model)
+        stream = _stream_flag(body)
+        if body.get("max_tokens") is None:
+            raise _Invalid('"max_tokens" is required')
+        _check_int("max_tokens", body["max_tokens"], 1)
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise _Invalid('"messages" must be a list')
+        texts = _message_texts(messages)
+        system = body.get("system")
+        if isinstance(system, str):
+            texts.append(system)
+        elif isinstance(system, list):
+            texts.extend(_message_texts([{"content": system}]))
+        tokens, capped = _limit(body, "max_tokens", plan.tokens)
+        return cls(
+            stream=stream,
+            model=model,
+            tokens=tokens,
+            stop_reason="max_tokens" if capped else "end_turn",
+            prompt_tokens=_count_words(texts),
+            number=number,
+        )
+
+    def message(self, *, final: bool) -> dict[str, Any]:
+        """The message object: whole, or (not ``final``) as ``message_start`` carries it."""
+        content = [{"type": "text", "text": _generated_text(self.tokens)}] if final else []
+        return {
+            "id": f"msg_{self.number}",
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": self.stop_reason if final else None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "output_tokens": self.tokens if final else 0,
+            },
+        }
+
+    def whole_body(self) -> bytes:
+        return _dumps(self.message(final=True)).encode()
+
+    def frames(self, *, chunked: bool) -> _Frames:
+        def event(kind: str, **fields: Any) -> bytes:
+            return _sse(kind, {"type": kind, **fields})
+
+        first = [
+            event("message_start", message=self.message(final=False)),
+            event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+            event("ping"),
+        ]
+        delta = "content_block_delta"
+        before = f'event: {delta}\ndata: {{"type":"{delta}","index":0,'
+        before += '"delta":{"type":"text_delta","text":'
+        usage = {"input_tokens": self.prompt_tokens, "output_tokens": self.tokens}
+        tail = [
+            event("content_block_stop", index=0),
+            event(
+                "message_delta",
+                delta={"stop_reason": self.stop_reason, "stop_sequence": None},
+                usage=usage,
+            ),
+            event("message_stop"),
+        ]
+        return _EventFrames(
+            chunked=chunked,
+            head=[],
+            first=first,
+            before=before.encode(),
+            after=b"}}\n\n",
+            tail=tail,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Upload:
+    """A multipart/form-data body, parsed: its text fields and its file parts' contents."""
+
+    fields: dict[str, str]
+    files: dict[str, bytes]
+
+    @classmethod
+    def parse(cls, content_type: str, body: bytes) -> _Upload:
+        kind, options = parse_options_header(content_type)
+        boundary = options.get("boundary")
+        if kind != "multipart/form-data" or not boundary:
+            raise _Invalid("the body must be multipart/form-data with a boundary")
+        fields: dict[str, str] = {}
+        files: dict[str, bytes] = {}
+        decoder = MultipartDecoder(boundary.encode("latin-1"))
+        decoder.receive_data(body)
+        decoder.receive_data(None)
+        part: Field | File | None = None
+        data = bytearray()
+        try:
+            while True:
+                event = decoder.next_event()
+                if isinstance(event, Field | File):
+                    part, data = event, bytearray()
+                elif isinstance(event, Data):
+                    data += event.data
+                    if not event.more_data and part is not None:
+                        if isinstance(part, File):
+                            files[part.name] = bytes(data)
+                        else:
+                            fields[part.name] = data.decode()
+                        part = None
+                elif isinstance(event, Epilogue | NeedData):
+                    break
+        except Exception as exc:  # noqa: BLE001 - any parser failure is the client's: a 400
+            raise _Invalid(f"malformed multipart/form-data body: {exc}") from None
+        return cls(fields, files)
+
+
+def _form_flag(fields: Mapping[str, str], name: str) -> bool:
+    value = fields.get(name, "false").strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off", ""):
+        return False
+    raise _Invalid(f'"{name}" must be a boolean')
+
+
+@dataclass(frozen=True, slots=True)
+class _Transcription:
+    """A transcription (``POST /v1/audio/transcriptions``): deterministic text, and digests of
+    what arrived so a test can prove the body was relayed intact."""
+
+    stream: bool
+    model: str
+    tokens: int
+    number: int
+    created: int
+    digests: dict[str, Any]
+
+    @classmethod
+    def build(
+        cls, upload: _Upload, raw: bytes, plan: _Plan, default_model: str, number: int
+    ) -> _Transcription:
+        audio = upload.files.get("file")
+        if audio is None:
+            raise _Invalid('"file" is required (a file part)')
+        digests = {
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "bytes": len(raw),
+            "file_sha256": hashlib.sha256(audio).hexdigest(),
+        }
+        return cls(
+            stream=_form_flag(upload.fields, "stream"),
+            model=upload.fields.get("model") or default_model,
+            tokens=plan.tokens,
+            number=number,
+            created=int(time.time()),
+            digests=digests,
+        )
+
+    def whole_body(self) -> bytes:
+        return _dumps({"text": _generated_text(self.tokens), **self.digests}).encode()
+
+    def frames(self, *, chunked: bool) -> _Frames:
+        ident = _dumps(f"trsc-{self.number}")
+        prefix = (
+            f'data: {{"id":{ident},"object":"transcription.chunk","created":{self.created},'
+            f'"model":{_dumps(self.model)},"choices":[{{'
+        )
+        finish = _dumps({"delta": {}, "finish_reason": "stop", "stop_reason": None})
+        last = f"{prefix}{finish[1:]}],{_dumps(self.digests)[1:]}\n\n"
+        return _EventFrames(
+            chunked=chunked,
+            head=[],
+            first=[],
+            before=(prefix + '"delta":{"content":').encode(),
+            after=b'},"finish_reason":null,"stop_reason":null}]}\n\n',
+            tail=[last.encode(), b"data: [DONE]\n\n"],
+        )
+
+
+def _inputs(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """The ``input`` of an embeddings or pooling request: a text, texts, or token arrays."""
+    value = body.get("input")
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return [list(value)]
+        if all(isinstance(v, str) for v in value):
+            return list(value)
+        if all(
+            isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+            for v in value
+        ):
+            return [list(v) for v in value]
+    raise _Invalid('"input" must be a string, a list of strings, or token arrays')
+
+
+def _pooled_usage(items: Sequence[str | list[int]]) -> dict[str, Any]:
+    n = sum(len(item.split()) if isinstance(item, str) else len(item) for item in items)
+    return {
+        "prompt_tokens": n,
+        "total_tokens": n,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
+
+
+def _vectors(body: Mapping[str, Any], items: Sequence[str | list[int]]) -> list[Any]:
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise _Invalid('"encoding_format" must be "float" or "base64"')
+    dimensions = body.get("dimensions")
+    if dimensions is None:
+        dimensions = EMBEDDING_DIMENSIONS
+    _check_int("dimensions", dimensions, 1, 32)
+    vectors: list[Any] = []
+    for item in items:
+        vector = embedding_vector(item, dimensions)
+        if encoding == "base64":
+            packed = struct.pack(f"<{len(vector)}f", *vector)
+            vectors.append(base64.b64encode(packed).decode())
+        else:
+            vectors.append(vector)
+    return vectors
+
+
+def _embeddings(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    model = _model(body, default_model)
+    items = _inputs(body)
+    data = [
+        {"index": i, "object": "embedding", "embedding": vector}
+        for i, vector in enumerate(_vectors(body, items))
+    ]
+    answer = {
+        "id": f"embd-{number}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": _pooled_usage(items),
+    }
+    return _Static(_dumps(answer).encode())
+
+
+def _pooling(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    model = _model(body, default_model)
+    items = _inputs(body)
+    data = [
+        {"index": i, "object": "pooling", "data": vector}
+        for i, vector in enumerate(_vectors(body, items))
+    ]
+    answer = {
+        "id": f"pool-{number}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": _pooled_usage(items),
+    }
+    return _Static(_dumps(answer).encode())
+
+
+def _token_id(word: str) -> int:
+    try:
+        return WORDS.index(word)
+    except ValueError:
+        return len(WORDS) + zlib.crc32(word.encode()) % (VOCAB_SIZE - len(WORDS))
+
+
+def _tokenize(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    _model(body, default_model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif isinstance(body.get("messages"), list):
+        texts = _message_texts(body["messages"])
+    else:
+        raise _Invalid('"prompt" (a string) or "messages" (a list) is required')
+    tokens = [_token_id(word) for text in texts for word in text.split()]
+    answer = {
+        "count": len(tokens),
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": tokens,
+        "token_strs": None,
+    }
+    return _Static(_dumps(answer).encode())
+
+
+def _detokenize(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    _model(body, default_model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise _Invalid('"tokens" must be a list of token ids')
+    return _Static(_dumps({"prompt": "".join(token_text(t) for t in tokens)}).encode())
+
+
+def _document_text(document: object) -> str:
+    if isinstance(document, str):
+        return document
+    if isinstance(document, dict) and isinstance(document.get("text"), str):
+        return str(document["text"])
+    raise _Invalid('each document must be a string or {"text": ...}')
+
+
+def _rerank(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    model = _model(body, default_model)
+    query = body.get("query")
+    documents = body.get("documents")
+    if not isinstance(query, str):
+        raise _Invalid('"query" must be a string')
+    if not isinstance(documents, list):
+        raise _Invalid('"documents" must be a list')
+    texts = [_document_text(d) for d in documents]
+    top_n = body.get("top_n")
+    if top_n is None or top_n == 0:
+        top_n = len(texts)
+    _check_int("top_n", top_n, 0)
+    scores = [relevance_score(query, text) for text in texts]
+    order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
+    results = [
+        {"index": i, "document": {"text": texts[i]}, "relevance_score": scores[i]} for i in order
+    ]
+    words = _count_words([query]) * len(texts) + _count_words(texts)
+    answer = {
+        "id": f"rerank-{number}",
+        "model": model,
+        "usage": {"total_tokens": words},
+        "results": results[:top_n],
+    }
+    return _Static(_dumps(answer).encode())
+
+
+def _score(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    model = _model(body, default_model)
+    sides: list[list[str]] = []
+    for name in ("text_1", "text_2"):
+        value = body.get(name)
+        if isinstance(value, str):
+            sides.append([value])
+        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            sides.append(list(value))
+        else:
+            raise _Invalid(f'"{name}" must be a string or a non-empty list of strings')
+    left, right = sides
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise _Invalid('"text_1" and "text_2" must pair up: one to many, or as many each')
+    data = [
+        {"index": i, "object": "score", "score": relevance_score(a, b)}
+        for i, (a, b) in enumerate(zip(left, right, strict=True))
+    ]
+    words = _count_words(left) + _count_words(right)
+    answer = {
+        "id": f"score-{number}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": {
+            "prompt_tokens": words,
+            "total_tokens": words,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
+    return _Static(_dumps(answer).encode())
+
+
+def _chat(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    return _Completion.build(body, plan, chat=True, default_model=default_model, number=number)
+
+
+def _text_completion(body: dict[str, Any], plan: _Plan, default_model: str, number: int) -> _Answer:
+    return _Completion.build(body, plan, chat=False, default_model=default_model, number=number)
+
+
+_Builder = Callable[[dict[str, Any], _Plan, str, int], _Answer]
+
+# The model endpoints that take a JSON body; the transcription endpoint takes multipart.
+_JSON_ENDPOINTS: Final[dict[str, _Builder]] = {
+    _CHAT_PATH: _chat,
+    _COMPLETIONS_PATH: _text_completion,
+    _RESPONSES_PATH: _Responses.build,
+    _MESSAGES_PATH: _Messages.build,
+    "/v1/embeddings": _embeddings,
+    "/pooling": _pooling,
+    "/tokenize": _tokenize,
+    "/detokenize": _detokenize,
+    "/v1/rerank": _rerank,
+    "/rerank": _rerank,
+    "/v2/rerank": _rerank,
+    "/v1/score": _score,
+    "/score": _score,
+}
 
 
 # --------------------------------------------------------------------------- the clock
@@ -846,7 +1678,7 @@ class _Job:
         fd: int,
         record: RequestRecord,
         recorder: Recorder,
-        frames: _StreamFrames,
+        frames: _Frames,
         start: float,
         interval: float,
         stop: int,
@@ -1166,27 +1998,18 @@ class FakeUpstream:
         if settings.via_proxy and not record.via_proxy:
             message = "this fake upstream answers only through a proxy (it is one: use it)"
             response = _error_response(403, message, keep_alive=keep)
-        elif path in (_CHAT_PATH, _COMPLETIONS_PATH):
+        elif path in _JSON_ENDPOINTS or path == _TRANSCRIPTIONS_PATH:
+            errors = _anthropic_error_body if path == _MESSAGES_PATH else _error_body
             if method != "POST":
-                response = _error_response(405, f"use POST for {path}", keep_alive=keep)
-            elif record.body is None:
-                message = "request body must be a JSON object"
-                response = _error_response(400, message, keep_alive=keep)
+                response = _response(405, errors(405, f"use POST for {path}"), keep_alive=keep)
             else:
                 try:
-                    plan = _Plan.build(settings, record.body)
-                    completion = _Completion.build(
-                        record.body,
-                        plan,
-                        chat=path == _CHAT_PATH,
-                        default_model=settings.models[0],
-                        number=record.id,
-                    )
+                    plan, answer = self._plan_answer(request, record)
                 except _Invalid as exc:
-                    response = _error_response(400, str(exc), keep_alive=keep)
+                    response = _response(400, errors(400, str(exc)), keep_alive=keep)
                 else:
                     self.recorder._planned(record, plan.mode)
-                    return await self._complete(conn, request, record, plan, completion)
+                    return await self._complete(conn, request, record, plan, answer, errors)
         elif path == "/health" and method == "GET":
             response = _response(200, b"", keep_alive=keep, content_type=None)
         elif path == "/v1/models" and method == "GET":
@@ -1198,6 +2021,28 @@ class FakeUpstream:
         await conn.stream.send_all(response)
         self.recorder._finish(record, "completed")
         return plain
+
+    def _plan_answer(self, request: _Request, record: RequestRecord) -> tuple[_Plan, _Answer]:
+        """The plan and the answer of a model endpoint's request; raise _Invalid for a 400."""
+        settings = self.settings
+        default_model = settings.models[0]
+        if request.path == _TRANSCRIPTIONS_PATH:
+            upload = _Upload.parse(request.headers.get("content-type", ""), request.body)
+            self.recorder._form_parsed(record, upload.fields)
+            steering: dict[str, Any] = {}
+            if "fake" in upload.fields:
+                fake = _parse_json_object(upload.fields["fake"].encode())
+                if fake is None:
+                    raise _Invalid('the "fake" field must be a JSON object')
+                steering["fake"] = fake
+            plan = _Plan.build(settings, steering)
+            answer = _Transcription.build(upload, request.body, plan, default_model, record.id)
+            return plan, answer
+        if record.body is None:
+            raise _Invalid("request body must be a JSON object")
+        plan = _Plan.build(settings, record.body)
+        build = _JSON_ENDPOINTS[request.path]
+        return plan, build(record.body, plan, default_model, record.id)
 
     def _models(self) -> dict[str, Any]:
         created = int(time.time())
@@ -1213,7 +2058,8 @@ class FakeUpstream:
         request: _Request,
         record: RequestRecord,
         plan: _Plan,
-        completion: _Completion,
+        answer: _Answer,
+        errors: Callable[[int, str], bytes],
     ) -> _End:
         mode = plan.mode
         if mode == "refuse":
@@ -1223,15 +2069,13 @@ class FakeUpstream:
             await trio.sleep_forever()
         if mode == "status":
             await trio.sleep_until(record.received_at + plan.ttft)
-            response = _error_response(
-                plan.status, "fake upstream error", keep_alive=request.keep_alive
-            )
-            await conn.stream.send_all(response)
+            body = errors(plan.status, "fake upstream error")
+            await conn.stream.send_all(_response(plan.status, body, keep_alive=request.keep_alive))
             self.recorder._finish(record, "failed_injected")
             return _End.KEEP if request.keep_alive else _End.CLOSE
-        if completion.stream:
-            return await self._stream(conn, request, record, plan, completion)
-        return await self._whole(conn, request, record, plan, completion)
+        if answer.stream:
+            return await self._stream(conn, request, record, plan, answer)
+        return await self._whole(conn, request, record, plan, answer)
 
     async def _stream(
         self,
@@ -1239,24 +2083,26 @@ class FakeUpstream:
         request: _Request,
         record: RequestRecord,
         plan: _Plan,
-        completion: _Completion,
+        answer: _Answer,
     ) -> _End:
-        frames = _StreamFrames(completion, chunked=request.chunked)
-        n = completion.tokens
-        # The fault fires where token `at` would go; past the end, right before the finish chunk.
+        frames = answer.frames(chunked=request.chunked)
+        n = answer.tokens
+        # The fault fires where token `at` would go; past the end, right before the tail.
         fault_at = min(plan.at, n)
         ends_early = plan.mode not in ("ok", "malformed")
         if plan.mode == "malformed":
             frames.insert_before(fault_at, frames.frame(MALFORMED_EVENT))
         start = record.received_at + plan.ttft
-        await conn.stream.send_all(_stream_head(request))
+        # What a server sends before generating (the Responses API's response.created) goes
+        # with the head.
+        await conn.stream.send_all(_stream_head(request) + frames.head)
         stop = fault_at if ends_early else n
         if stop:
             job = _Job(
                 conn.stream, conn.fd, record, self.recorder, frames, start, plan.interval, stop
             )
             await self._ticker.send_tokens(job)
-        # Token k is due at start + k * interval; the finish chunk goes with the last token.
+        # Token k is due at start + k * interval; the tail goes with the last token.
         await trio.sleep_until(start + min(stop, max(n - 1, 0)) * plan.interval)
         if ends_early:
             return await self._inject(plan.mode, record)
@@ -1279,14 +2125,14 @@ class FakeUpstream:
         request: _Request,
         record: RequestRecord,
         plan: _Plan,
-        completion: _Completion,
+        answer: _Answer,
     ) -> _End:
-        n = completion.tokens
+        n = answer.tokens
         last = max(n - 1, 0)
         if plan.mode == "ok":
             await trio.sleep_until(record.received_at + plan.ttft + last * plan.interval)
             keep = request.keep_alive
-            await conn.stream.send_all(_response(200, completion.whole_body(), keep_alive=keep))
+            await conn.stream.send_all(_response(200, answer.whole_body(), keep_alive=keep))
             self.recorder._token_sent(record, n)
             self.recorder._finish(record, "completed")
             return _End.KEEP if keep else _End.CLOSE
@@ -1295,7 +2141,7 @@ class FakeUpstream:
         await trio.sleep_until(record.received_at + fault_time)
         if plan.mode == "eof":
             # A truncated body: the client has its headers, so a retry would not be safe.
-            body = completion.whole_body()
+            body = answer.whole_body()
             head = _response(200, b"", keep_alive=False, content_length=len(body))
             await conn.stream.send_all(head + body[: len(body) // 2])
         elif plan.mode == "malformed":
