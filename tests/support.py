@@ -204,12 +204,14 @@ class RawClient:
         rcvbuf: int | None = None,
         mss: int | None = None,
         extra: bytes = b"",
+        headers: dict[str, str] | None = None,
     ) -> RawClient:
         host, port = proxy.host_port
         stream = await connect_client(proxy, rcvbuf=rcvbuf, mss=mss)
         payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+        more = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{more}"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         ).encode()
         await stream.send_all(head + payload + extra)

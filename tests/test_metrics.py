@@ -51,7 +51,14 @@ def closed_port() -> int:
 def value(
     samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
 ) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+    """The sum of the samples of ``name`` whose labels include ``labels`` (the others, such as
+    the endpoint, summed over)."""
+    wanted = set(labels.items())
+    return sum(
+        sample
+        for (sample_name, sample_labels), sample in samples.items()
+        if sample_name == name and wanted <= sample_labels
+    )
 
 
 async def test_request_counters_move(proxy: Proxy, fake: Fake, client: httpx.AsyncClient) -> None:
@@ -262,7 +269,8 @@ async def test_openmetrics_when_asked(proxy: Proxy, client: httpx.AsyncClient) -
     requests = families["sluice_requests"]
     assert requests.type == "counter"
     assert any(
-        sample.labels == {"model": "fake-model", "status": "200"} and sample.value == 1
+        sample.labels == {"model": "fake-model", "status": "200", "endpoint": "chat"}
+        and sample.value == 1
         for sample in requests.samples
     )
     assert families["sluice_token_gap_seconds"].type == "histogram"

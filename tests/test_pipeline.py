@@ -123,8 +123,8 @@ async def test_requests_per_minute_are_counted_across_http_and_ws(nursery: trio.
             assert int(again.headers["Retry-After"]) >= 1
         # Every WebSocket request is in the metrics, like HTTP's.
         requests = proxy.state.metrics.requests
-        assert requests.labels("fake-model", "200")._value.get() == 3
-        assert requests.labels("fake-model", "429")._value.get() == 2
+        assert requests.labels("fake-model", "200", "chat")._value.get() == 3
+        assert requests.labels("fake-model", "429", "chat")._value.get() == 2
 
 
 async def test_ws_without_a_valid_key_is_refused_with_401_and_logged(

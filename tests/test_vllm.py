@@ -92,3 +92,50 @@ async def test_disconnect_mid_stream_makes_vllm_abort(nursery: trio.Nursery, vll
         if VLLM_LOG:
             log = await trio.Path(VLLM_LOG).read_text(errors="replace")
             assert re.search(r"Aborted request", log), "vLLM did not log the abort"
+
+
+# Sluice relays vLLM's own /v1/responses and /v1/messages (each endpoint's events as vLLM
+# sends them): the answer, and an abort when the client leaves, on each.
+ENDPOINT_BODIES = {
+    "/v1/responses": {"input": "Write a very long story about the sea.", "max_output_tokens": 1500},
+    "/v1/messages": {
+        "max_tokens": 1500,
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+    },
+}
+ENDS = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINT_BODIES))
+async def test_responses_and_messages_through_sluice(
+    nursery: trio.Nursery, vllm_url: str, path: str
+) -> None:
+    with trio.fail_after(180):
+        proxy = await start_proxy(nursery, {MODEL: [vllm_url]})
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            short = {**ENDPOINT_BODIES[path], "model": MODEL, "temperature": 0}
+            short["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = 20
+            streamed = await client.post(proxy.url + path, json={**short, "stream": True})
+            assert streamed.status_code == 200, streamed.text
+            assert "event: " in streamed.text and ENDS[path] in streamed.text.split("\n\n")[-2]
+            whole = await client.post(proxy.url + path, json=short)
+            assert whole.status_code == 200, whole.text
+            print(f"\nvLLM {path} via Sluice: {whole.text[:300]}")
+            assert await running_requests(client, vllm_url) == 0
+            raw = await RawClient.post(
+                proxy, path, {**ENDPOINT_BODIES[path], "model": MODEL, "stream": True}
+            )
+            await raw.read_until(b"delta", count=5)
+            assert await running_requests(client, vllm_url) == 1
+            closed_at = trio.current_time()
+            await raw.close()
+            while True:
+                if await running_requests(client, vllm_url) == 0:
+                    break
+                await trio.sleep(0.01)
+            seconds = trio.current_time() - closed_at
+        print(f"{path}: client close -> vllm:num_requests_running == 0 in {seconds * 1000:.0f} ms")
+        assert seconds < 5
+        if VLLM_LOG:
+            log = await trio.Path(VLLM_LOG).read_text(errors="replace")
+            assert re.search(r"Aborted request", log), "vLLM did not log the abort"

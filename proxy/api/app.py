@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -19,6 +20,7 @@ from proxy.api.pipeline import RequestPipeline
 from proxy.api.ws import serve_websocket
 from proxy.backends.base import Backend
 from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica, check_replicas
+from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.transports import ConnectionSettings
 from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
@@ -26,6 +28,7 @@ from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.protocol.errors import ApiError, internal_error, request_too_large
 from proxy.protocol.openai import Endpoint, models_list
+from proxy.protocol.shapes import ErrorShape, endpoint_of, error_shape
 from proxy.relay.body import JSON_CONTENT_TYPE, RelayBody, RelayTracker
 from proxy.server.asgi import SluiceQuart
 
@@ -33,8 +36,6 @@ if TYPE_CHECKING:
     from proxy.backends.local import LocalBackend
 
 log = logging.getLogger("sluice.app")
-
-COMPLETION_PATHS = frozenset(endpoint.value for endpoint in Endpoint)
 
 
 def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
@@ -80,6 +81,8 @@ class SluiceState:
             config, self.keys, self.metrics, self.tracker, self.backends, self.local_backends
         )
         self.fake_upstream: Any = None
+        # What upstreams say of their models, for GET /v1/models (list_upstream_models).
+        self.catalog = ModelCatalog()
         # Serving (backends started) and not draining: what /readyz reports.
         self.started = False
         self.draining = False
@@ -209,6 +212,15 @@ def create_app(
         if upstream.preconnect:
             for replica in state.replicas.values():
                 app.nursery.start_soon(replica.keep_spare_connections)
+        if upstream.list_upstream_models and state.replicas:
+            served: dict[UpstreamReplica, list[str]] = {}
+            for name, backend in state.backends.items():
+                if isinstance(backend, UpstreamBackend):
+                    for replica in backend.replicas:
+                        served.setdefault(replica, []).append(name)
+            app.nursery.start_soon(
+                state.catalog.refresh_forever, served, upstream.models_refresh_interval
+            )
         if upstream.health_check_path and state.replicas:
             app.nursery.start_soon(
                 check_replicas,
@@ -231,10 +243,22 @@ def create_app(
         if access is not None:
             access.outcome = error.code or "error"
 
+    # Every path that the pipeline serves: the native endpoints and the models' pass-through.
+    passthrough_paths = frozenset(path for model in config.models for path in model.passthrough)
+
+    def endpoint_here() -> Endpoint | None:
+        if request.path in passthrough_paths:
+            return Endpoint.PASSTHROUGH
+        return endpoint_of(request.path)
+
+    def shape() -> ErrorShape:
+        """The error shape of the API this request speaks (Anthropic's on /v1/messages)."""
+        return error_shape(endpoint_here())
+
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
         refused(error)
-        return _json_response(error.body(), error.status, error.headers)
+        return _json_response(shape().body(error), error.status, error.headers)
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
@@ -248,14 +272,14 @@ def create_app(
                 code=error.name.lower().replace(" ", "_"),
             )
         refused(api)
-        return _json_response(api.body(), status)
+        return _json_response(shape().body(api), status)
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
         log.exception("unhandled error", exc_info=error)
         api = internal_error()
         refused(api)
-        return _json_response(api.body(), api.status)
+        return _json_response(shape().body(api), api.status)
 
     cors = CorsPolicy(config.server.cors_origins)
 
@@ -280,8 +304,9 @@ def create_app(
         response.headers["X-Request-ID"] = access.request_id
         if not isinstance(response.response, RelayBody):
             model = getattr(request, "sluice_model", "-")
-            if request.path in COMPLETION_PATHS and response.status_code >= 400:
-                pipeline.refused(access, response.status_code, access.outcome, model)
+            endpoint = endpoint_here()
+            if endpoint is not None and response.status_code >= 400:
+                pipeline.refused(access, response.status_code, access.outcome, model, endpoint)
             else:
                 pipeline.finished(access, response.status_code, access.outcome, model)
         return response
@@ -297,10 +322,16 @@ def create_app(
                 return Response("", status=204, headers=cors.preflight_headers(requested))
             return None
         # Only the API needs a key: /healthz and /metrics stay open to probes and scrapers.
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in passthrough_paths:
             # Before the body is read: an unauthenticated client costs no parsing.
             access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
-            key = pipeline.authenticate(request.headers.get("Authorization"), access)
+            authorization = request.headers.get("Authorization")
+            api_key = request.headers.get("x-api-key")
+            if authorization is None and api_key is not None:
+                # Anthropic's SDKs send the key so (with anthropic-version); checked against
+                # the same [[keys]], and, as Authorization, never forwarded.
+                authorization = f"Bearer {api_key}"
+            key = pipeline.authenticate(authorization, access)
             request.sluice_key = key  # type: ignore[attr-defined]
         return None
 
@@ -322,7 +353,12 @@ def create_app(
         access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
-        parsed = pipeline.parse(raw, endpoint)
+        parsed = pipeline.parse(
+            raw,
+            endpoint,
+            path=request.path,
+            content_type=request.headers.get("Content-Type", "application/json"),
+        )
         # Raises model_not_found for a model not configured, before the label below is set.
         body = pipeline.relay(parsed, access, getattr(request, "sluice_key", None))
         request.sluice_model = parsed.model  # type: ignore[attr-defined]
@@ -340,9 +376,30 @@ def create_app(
     async def text_completions() -> Response:
         return await completions(Endpoint.COMPLETIONS)
 
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        return await completions(Endpoint.RESPONSES)
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        return await completions(Endpoint.MESSAGES)
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        return await completions(Endpoint.EMBEDDINGS)
+
+    for path in sorted(passthrough_paths):
+        # One route per configured path: anything else is the app's 404, in OpenAI's shape.
+        app.add_url_rule(
+            path,
+            f"passthrough {path}",
+            partial(completions, Endpoint.PASSTHROUGH),
+            methods=["POST"],
+        )
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return models_list([model.name for model in config.models])
+        return models_list([model.name for model in config.models], state.catalog.entries)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,5 +1,6 @@
-"""The one request pipeline: every completion-like request, over every transport, goes through
-it, and every cross-cutting contract is applied here and nowhere else.
+"""The one request pipeline: every API request (chat, completions, Responses, Messages,
+embeddings, pass-through), over every transport, goes through it, and every cross-cutting
+contract is applied here and nowhere else.
 
 A transport (HTTP, WebSocket) brings its own parsing of the wire and its own event shapes; what
 it asks of the pipeline, in order:
@@ -17,6 +18,7 @@ it asks of the pipeline, in order:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections.abc import Mapping
@@ -29,8 +31,10 @@ from proxy.backends.base import Backend
 from proxy.config import Config, KeyConfig
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
-from proxy.protocol.errors import model_not_found
-from proxy.protocol.openai import CompletionRequest, Endpoint, parse_completion_request
+from proxy.protocol.api_request import parse_api_request
+from proxy.protocol.errors import ApiError, bad_request, model_not_found
+from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.shapes import error_shape
 from proxy.relay.body import Producer, RelayBody, RelayTracker
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -76,8 +80,48 @@ class RequestPipeline:
         access.key = key.name
         return key
 
-    def parse(self, raw: bytes, endpoint: Endpoint) -> CompletionRequest:
-        return parse_completion_request(raw, endpoint, self.config.server.max_body_bytes)
+    def parse(
+        self,
+        raw: bytes,
+        endpoint: Endpoint,
+        *,
+        path: str = "",
+        content_type: str = "application/json",
+    ) -> CompletionRequest:
+        request = parse_api_request(
+            raw,
+            endpoint,
+            path=path,
+            content_type=content_type,
+            max_bytes=self.config.server.max_body_bytes,
+        )
+        if endpoint is Endpoint.PASSTHROUGH:
+            request = self._route_passthrough(request)
+        return request
+
+    def _route_passthrough(self, request: CompletionRequest) -> CompletionRequest:
+        """A pass-through path goes to the model it names, which must list the path; one that
+        names none goes to the one model that lists it, if only one does."""
+        path = request.path
+        serving = [model.name for model in self.config.models if path in model.passthrough]
+        if not request.model:
+            if len(serving) != 1:
+                raise bad_request(
+                    f"{path} is served by {len(serving)} models here: name one in 'model' "
+                    "(the JSON body's, or a form field)",
+                    param="model",
+                )
+            return dataclasses.replace(request, model=serving[0])
+        if request.model not in serving:
+            if request.model not in self.backends:
+                raise model_not_found(request.model)
+            raise ApiError(
+                404,
+                f"{path} is not a pass-through path of model '{request.model}'"
+                + (f" (it is of: {', '.join(serving)})" if serving else ""),
+                code="not_found",
+            )
+        return request
 
     def backend_for(self, model: str) -> Backend:
         backend = self.backends.get(model)
@@ -106,13 +150,22 @@ class RequestPipeline:
             model=request.model,
             backend="local" if request.model in self.local_models else "upstream",
             access=access,
+            errors=error_shape(request.endpoint),
+            endpoint=request.endpoint.label,
         )
 
-    def refused(self, access: AccessRecord | None, status: int, outcome: str, model: str) -> None:
-        """A completion request answered without a relay (bad input, 401, unknown model): the
+    def refused(
+        self,
+        access: AccessRecord | None,
+        status: int,
+        outcome: str,
+        model: str,
+        endpoint: Endpoint = Endpoint.CHAT,
+    ) -> None:
+        """An API request answered without a relay (bad input, 401, unknown model): the
         requests metric and the access line. ``model`` is a configured name or "-": a client
         must not be able to grow the metrics by inventing model names."""
-        self.metrics.requests.labels(model, str(status)).inc()
+        self.metrics.requests.labels(model, str(status), endpoint.label).inc()
         if access is not None:
             self.finished(access, status, outcome, model)
 

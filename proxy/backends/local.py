@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -27,8 +27,10 @@ from inference import (
 )
 from proxy.config import ModelConfig
 from proxy.ops.metrics import Metrics
+from proxy.protocol.anthropic import MessagesStream, whole_message
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.responses import ResponsesStream, whole_response
 from proxy.relay.admission import Admission
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 
@@ -64,6 +66,15 @@ class LocalBackend:
         self.slow_steps = 0
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+        if request.endpoint not in _GENERATED:
+            # Before the queue: a request this model cannot answer waits for nothing.
+            raise ApiError(
+                400,
+                f"model '{self.model.name}' is a local text-generation model: it does not "
+                f"serve {request.upstream_path} (embeddings need a model that makes them)",
+                param="model",
+                code="model_not_supported",
+            )
         async with self.admission.slot():
             sink.set_phase("awaiting_first_token")
             await trio.to_thread.run_sync(
@@ -104,12 +115,16 @@ class LocalBackend:
     def _generate(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         model = self.model
         generator = self.generator
+        endpoint = request.endpoint
         body = request.body
         try:
-            if request.endpoint is Endpoint.CHAT:
+            if endpoint is Endpoint.CHAT:
                 prompt_ids = generator.chat_prompt(body["messages"])
-            else:
+            elif endpoint is Endpoint.COMPLETIONS:
                 prompt_ids = generator.text_prompt(body["prompt"])
+            else:
+                prompt_ids = generator.chat_prompt(request.detail.chat_messages())
+                body = request.detail.sampling_body()
             params = generator.check_length(
                 prompt_ids,
                 sampling_from_body(
@@ -120,32 +135,25 @@ class LocalBackend:
             )
         except PromptError as error:
             raise ApiError(400, str(error), param=error.param, code=error.code) from None
-        formatter = ChunkFormatter(
-            chat=request.endpoint is Endpoint.CHAT,
-            model=model.name,
-            response_id=("chatcmpl-" if request.endpoint is Endpoint.CHAT else "cmpl-")
-            + uuid.uuid4().hex,
-        )
+        wire = _wire(request, model.name, len(prompt_ids))
 
         def send(chunk: bytes) -> None:
             trio.from_thread.run(sink.send, chunk)
 
         if request.stream:
             trio.from_thread.run_sync(sink.begin, 200, SSE_CONTENT_TYPE)
-            if formatter.chat:
-                send(formatter.role())
+            for event in wire.start():
+                send(event)
             result = generator.generate(
                 prompt_ids,
                 params,
-                emit=lambda text: send(formatter.text(text)),
+                emit=lambda text: send(wire.text(text)),
                 checkpoint=trio.from_thread.check_cancelled,
                 request_id=request_id,
             )
             self._record_steps(result)
-            send(formatter.finish(result.finish_reason))
-            if request.include_usage:
-                send(formatter.usage(result.usage))
-            send(DONE)
+            for event in wire.end(result):
+                send(event)
             return
         pieces: list[str] = []
         result = generator.generate(
@@ -156,7 +164,7 @@ class LocalBackend:
             request_id=request_id,
         )
         self._record_steps(result)
-        whole = formatter.whole("".join(pieces), result.finish_reason, result.usage)
+        whole = wire.whole("".join(pieces), result)
 
         def begin_whole() -> None:
             sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
@@ -178,3 +186,114 @@ class LocalBackend:
             "decode_step_ms_p99": quantile_ms(0.99),
             "slow_steps": self.slow_steps,
         }
+
+
+# The endpoints a local model answers from its own generation.
+_GENERATED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES})
+
+
+class _Wire(Protocol):
+    """One generation in an endpoint's shape: the stream's events, or the whole body."""
+
+    def start(self) -> list[bytes]: ...
+
+    def text(self, text: str) -> bytes: ...
+
+    def end(self, result: GenerationResult) -> list[bytes]: ...
+
+    def whole(self, text: str, result: GenerationResult) -> bytes: ...
+
+
+class _CompletionsWire:
+    """Chat completions and legacy completions: OpenAI's chunks, then ``data: [DONE]``."""
+
+    def __init__(self, request: CompletionRequest, model: str) -> None:
+        chat = request.endpoint is Endpoint.CHAT
+        self.include_usage = request.include_usage
+        self.formatter = ChunkFormatter(
+            chat=chat,
+            model=model,
+            response_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+        )
+        self.text = self.formatter.text
+
+    def start(self) -> list[bytes]:
+        return [self.formatter.role()] if self.formatter.chat else []
+
+    def end(self, result: GenerationResult) -> list[bytes]:
+        events = [self.formatter.finish(result.finish_reason)]
+        if self.include_usage:
+            events.append(self.formatter.usage(result.usage))
+        return [*events, DONE]
+
+    def whole(self, text: str, result: GenerationResult) -> bytes:
+        return self.formatter.whole(text, result.finish_reason, result.usage)
+
+
+class _ResponsesWire:
+    """The Responses API's typed events (response.created ... response.completed)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.response_id = "resp_" + uuid.uuid4().hex
+        self.stream = ResponsesStream(model=model, response_id=self.response_id)
+        self.text = self.stream.text
+
+    def start(self) -> list[bytes]:
+        return [self.stream.start()]
+
+    def end(self, result: GenerationResult) -> list[bytes]:
+        usage = result.usage
+        return [
+            self.stream.finish(result.finish_reason, usage.prompt_tokens, usage.completion_tokens)
+        ]
+
+    def whole(self, text: str, result: GenerationResult) -> bytes:
+        return whole_response(
+            model=self.model,
+            response_id=self.response_id,
+            text=text,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens,
+        )
+
+
+class _MessagesWire:
+    """Anthropic's Messages events (message_start ... message_stop)."""
+
+    def __init__(self, model: str, prompt_tokens: int) -> None:
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.message_id = "msg_" + uuid.uuid4().hex
+        self.stream = MessagesStream(model=model, message_id=self.message_id)
+        self.text = self.stream.text
+
+    def start(self) -> list[bytes]:
+        return [self.stream.start(self.prompt_tokens)]
+
+    def end(self, result: GenerationResult) -> list[bytes]:
+        return [
+            self.stream.finish(
+                result.finish_reason, result.usage.completion_tokens, result.stop_sequence
+            )
+        ]
+
+    def whole(self, text: str, result: GenerationResult) -> bytes:
+        return whole_message(
+            model=self.model,
+            message_id=self.message_id,
+            text=text,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens,
+            stop_sequence=result.stop_sequence,
+        )
+
+
+def _wire(request: CompletionRequest, model: str, prompt_tokens: int) -> _Wire:
+    if request.endpoint is Endpoint.RESPONSES:
+        return _ResponsesWire(model)
+    if request.endpoint is Endpoint.MESSAGES:
+        return _MessagesWire(model, prompt_tokens)
+    return _CompletionsWire(request, model)

@@ -113,8 +113,9 @@ class Metrics:
         registry = self.registry
         self.requests = Counter(
             "sluice_requests",
-            "Completion requests by model and final HTTP status.",
-            ["model", "status"],
+            "API requests by model, final HTTP status and endpoint (chat, completions, "
+            "responses, messages, embeddings, passthrough).",
+            ["model", "status", "endpoint"],
             registry=registry,
         )
         self.active_streams = Gauge(

@@ -19,18 +19,46 @@ UNLIMITED = sys.maxsize
 
 
 class Endpoint(Enum):
+    """What a request asks for: the API endpoints Sluice understands (their paths), and
+    PASSTHROUGH, a path a model lists in ``passthrough``, relayed byte for byte."""
+
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"
+    EMBEDDINGS = "/v1/embeddings"
+    PASSTHROUGH = "passthrough"
+
+    @property
+    def label(self) -> str:
+        """The metrics' and access log's name for it."""
+        return self.name.lower()
+
+
+# The endpoints with a path of their own (a route each).
+NATIVE_ENDPOINTS = tuple(endpoint for endpoint in Endpoint if endpoint is not Endpoint.PASSTHROUGH)
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
+    """One request, validated as far as routing (and a local model) needs; ``raw`` is what
+    the upstream receives, as the client sent it."""
+
     endpoint: Endpoint
     model: str
     stream: bool
     include_usage: bool
     body: dict[str, Any]
     raw: bytes
+    # The upstream path (the endpoint's own; a pass-through's is the client's path).
+    path: str = ""
+    content_type: str = "application/json"
+    # The endpoint's own parsed form (responses.ResponsesRequest, anthropic.MessagesRequest).
+    detail: Any = None
+
+    @property
+    def upstream_path(self) -> str:
+        return self.path or self.endpoint.value
 
 
 def _is_number(value: object) -> bool:
@@ -42,6 +70,31 @@ def _check_optional(body: dict[str, Any], name: str, ok: bool, expected: str) ->
         raise bad_request(f"'{name}' must be {expected}.", param=name)
 
 
+def embeddings_request(body: dict[str, Any], raw: bytes) -> CompletionRequest:
+    """Validate an embeddings request: a model and an input to embed, never streamed."""
+    model = _model(body)
+    inputs = body.get("input")
+    if inputs is None:
+        raise bad_request("Missing required parameter: 'input'.", param="input")
+    if not isinstance(inputs, str | list) or (isinstance(inputs, list) and not inputs):
+        raise bad_request(
+            "'input' must be a string or a non-empty array of strings or token arrays.",
+            param="input",
+        )
+    if body.get("stream"):
+        raise bad_request("Embeddings are not streamed: 'stream' must be false.", param="stream")
+    return CompletionRequest(Endpoint.EMBEDDINGS, model, False, False, body, raw)
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("Missing required parameter: 'model'.", param="model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' must be a non-empty string.", param="model")
+    return model
+
+
 def parse_completion_request(
     raw: bytes, endpoint: Endpoint, max_bytes: int = UNLIMITED
 ) -> CompletionRequest:
@@ -51,11 +104,7 @@ def parse_completion_request(
 
 def completion_request(body: dict[str, Any], raw: bytes, endpoint: Endpoint) -> CompletionRequest:
     """Validate a parsed completion request whose bytes (to forward) are ``raw``."""
-    model = body.get("model")
-    if model is None:
-        raise bad_request("Missing required parameter: 'model'.", param="model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' must be a non-empty string.", param="model")
+    model = _model(body)
 
     stream = body.get("stream", False)
     if stream is None:
@@ -140,10 +189,22 @@ def completion_request(body: dict[str, Any], raw: bytes, endpoint: Endpoint) -> 
     )
 
 
-def models_list(names: list[str]) -> dict[str, Any]:
+def models_list(
+    names: list[str], upstream_entries: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The served models; each with what its upstream said of it, when known (its own id and
+    object stay Sluice's: the name a client must use)."""
+    entries = upstream_entries or {}
     return {
         "object": "list",
         "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "sluice"} for name in names
+            {
+                "created": 0,
+                "owned_by": "sluice",
+                **entries.get(name, {}),
+                "id": name,
+                "object": "model",
+            }
+            for name in names
         ],
     }

@@ -40,7 +40,8 @@ from quart.wrappers.response import ResponseBody
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import GAP_BUCKETS, Metrics
 from proxy.protocol.errors import ApiError, internal_error
-from proxy.protocol.sse import error_event
+from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
+from proxy.protocol.shapes import ErrorShape
 from proxy.relay.stall import StallGuard
 
 log = logging.getLogger("sluice.relay")
@@ -231,7 +232,7 @@ class RelayTracker:
     @staticmethod
     def _observe(metrics: Metrics, body: RelayBody) -> None:
         metrics.active_streams.dec()
-        metrics.requests.labels(body.model, str(body.final_status)).inc()
+        metrics.requests.labels(body.model, str(body.final_status), body.endpoint).inc()
         if body.ttft is not None:
             # A streamed response that wrote at least once: what __anext__ counted, merged.
             metrics.ttft.labels(body.model).observe(body.ttft)
@@ -271,8 +272,13 @@ class RelayBody(ResponseBody):
         model: str = "",
         backend: str = "",
         access: AccessRecord | None = None,
+        errors: ErrorShape = OPENAI_ERRORS,
+        endpoint: str = "",
     ) -> None:
         self._produce = produce
+        # How this endpoint's API says it failed (before the head, and in-band).
+        self.errors = errors
+        self.endpoint = endpoint
         self.streaming = streaming
         self.stall_timeout = stall_timeout
         self.tracker = tracker
@@ -410,12 +416,12 @@ class RelayBody(ResponseBody):
         error.__traceback__ = error.__context__ = error.__cause__ = None
         self.error = error
         if not self.head_ready.is_set():
-            body = error.body()
+            body = self.errors.body(error)
             self.set_head(error.status, JSON_CONTENT_TYPE, error.headers, len(body))
             self.send_channel.send_nowait(body)  # nothing was sent before the head
         elif self.streaming:
             try:
-                await RelaySink(self).send(error_event(error))
+                await RelaySink(self).send(self.errors.event(error))
             except ClientStalled:
                 self.stall()
 

@@ -30,9 +30,9 @@ from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, Repli
 from proxy.backends.upstream.transports import ConnectionSettings, Pool, Response, health_client
 from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
 from proxy.ops.metrics import Metrics
-from proxy.protocol import http1
+from proxy.protocol import anthropic, http1, responses
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
-from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.openai import NATIVE_ENDPOINTS, CompletionRequest, Endpoint
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
 from proxy.relay.admission import Admission
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
@@ -48,6 +48,26 @@ _QUEUE_REFUSALS = frozenset({"queue_full", "queue_timeout"})
 # The most an idle deadline fires after idle_timeout (see _relay_stream).
 _IDLE_SLACK = 1.0
 USER_AGENT = f"sluice/{version('sluice')}".encode()
+ANTHROPIC_VERSION = b"2023-06-01"
+# What each endpoint's stream ends with, when it ends properly.
+_STREAM_END: dict[Endpoint, Callable[[bytes], bool]] = {
+    Endpoint.CHAT: is_done,
+    Endpoint.COMPLETIONS: is_done,
+    Endpoint.RESPONSES: responses.is_terminal_event,
+    Endpoint.MESSAGES: anthropic.is_terminal_event,
+}
+# The Accept header, by endpoint and streaming: a pass-through takes whatever its server says.
+_ACCEPT = {
+    (endpoint, stream): (
+        b"*/*"
+        if endpoint is Endpoint.PASSTHROUGH
+        else b"text/event-stream"
+        if stream
+        else b"application/json"
+    )
+    for endpoint in Endpoint
+    for stream in (False, True)
+}
 
 
 def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> ApiError:
@@ -105,8 +125,11 @@ class UpstreamReplica:
         self.host_header = parsed.netloc
         # The request targets, built once: "http://host:8000" and "http://host:8000/v1" both
         # name the server whose /v1/... endpoints we call.
-        root = httpx.URL(self.root_url).raw_path.rstrip(b"/")
-        self._targets = {endpoint: root + endpoint.value.encode() for endpoint in Endpoint}
+        root: bytes = httpx.URL(self.root_url).raw_path.rstrip(b"/")
+        self._root = root
+        self._targets: dict[Endpoint, bytes] = {
+            endpoint: root + endpoint.value.encode() for endpoint in NATIVE_ENDPOINTS
+        }
 
     @staticmethod
     def key(url: str, connection: ConnectionSettings) -> str:
@@ -121,6 +144,13 @@ class UpstreamReplica:
 
     def endpoint_target(self, endpoint: Endpoint) -> bytes:
         return self._targets[endpoint]
+
+    def target(self, request: CompletionRequest) -> bytes:
+        """The request target: the endpoint's, or a pass-through's path on the server's root
+        (a pass-through "/tokenize" is the root's, as vLLM serves it)."""
+        if request.endpoint is Endpoint.PASSTHROUGH:
+            return self._root + request.path.encode()
+        return self._targets[request.endpoint]
 
     @property
     def root_url(self) -> str:
@@ -198,19 +228,23 @@ class UpstreamBackend:
         headers = [
             (b"host", replica.host_header),
             (b"user-agent", USER_AGENT),
-            (b"content-type", b"application/json"),
-            (b"accept", b"text/event-stream" if request.stream else b"application/json"),
+            (b"content-type", request.content_type.encode("latin-1")),
+            (b"accept", _ACCEPT[request.endpoint, request.stream]),
             (b"accept-encoding", b"identity"),
             (b"content-length", str(len(request.raw)).encode()),
             (b"x-request-id", request_id.encode()),
         ]
         if self._authorization is not None:
             headers.append((b"authorization", self._authorization))
+        if request.endpoint is Endpoint.MESSAGES:
+            # The Messages API is versioned by this header (vLLM ignores it; Anthropic's
+            # own API requires it).
+            headers.append((b"anthropic-version", ANTHROPIC_VERSION))
         # Reads are bounded by the relay's own deadlines (first token, idle, total).
         return UpstreamRequest(
             replica.origin,
             b"POST",
-            replica.endpoint_target(request.endpoint),
+            replica.target(request),
             headers,
             request.raw,
             connect_timeout=self.model.connect_timeout,
@@ -401,8 +435,12 @@ class UpstreamBackend:
                     sink.set_phase("awaiting_first_token")
                     if response.status_code != 200:
                         await self._relay_error_response(replica, response, sink)
+                    elif request.endpoint is Endpoint.PASSTHROUGH and request.stream:
+                        await self._relay_bytes(replica, response, read_scope, sink)
                     elif request.stream:
-                        await self._relay_stream(replica, response, read_scope, sink)
+                        await self._relay_stream(
+                            replica, response, read_scope, sink, _STREAM_END[request.endpoint]
+                        )
                     else:
                         await self._relay_whole(replica, response, sink)
         except httpx.ConnectTimeout:
@@ -461,7 +499,11 @@ class UpstreamBackend:
         response: Response,
         read_scope: trio.CancelScope,
         sink: Sink,
+        ends_stream: Callable[[bytes], bool],
     ) -> None:
+        """Relay an SSE stream event by event; it must end with the endpoint's own last event
+        (``ends_stream``: chat's ``data: [DONE]``, Responses' ``response.completed``...), or it
+        was cut."""
         content_type = response.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
             raise SSEProtocolError(
@@ -485,7 +527,7 @@ class UpstreamBackend:
                 sink.begin(200, SSE_CONTENT_TYPE)
             for event in events:
                 check_event(event)
-                if is_done(event):
+                if ends_stream(event):
                     saw_done = True
                 if not sink.offer(event):
                     # Waiting on the client now: the upstream is not the one being idle.
@@ -500,9 +542,33 @@ class UpstreamBackend:
             raise upstream_error(
                 502,
                 "upstream_protocol_error",
-                f"{replica.url} ended the stream before 'data: [DONE]'",
+                f"{replica.url} ended the stream before its last event",
                 retryable=not sink.started,
             )
+
+    async def _relay_bytes(
+        self,
+        replica: UpstreamReplica,
+        response: Response,
+        read_scope: trio.CancelScope,
+        sink: Sink,
+    ) -> None:
+        """A streamed pass-through: its bytes as they come, with the upstream's content type
+        and encoding (nothing here knows their format). The idle deadline applies as to SSE."""
+        content_type = response.headers.get("content-type", "application/octet-stream")
+        headers = {}
+        if "content-encoding" in response.headers:
+            headers["Content-Encoding"] = response.headers["content-encoding"]
+        idle_timeout = self.model.idle_timeout
+        async for chunk in response.chunks():
+            if not sink.started:
+                sink.begin(200, content_type, headers)
+            if not sink.offer(chunk):
+                read_scope.deadline = math.inf
+                await sink.send(chunk)
+            read_scope.deadline = trio.current_time() + idle_timeout
+        if not sink.started:
+            sink.begin(200, content_type, headers, content_length=0)
 
     def _decoder(
         self, replica: UpstreamReplica, response: Response, *, streaming: bool
