@@ -353,3 +353,41 @@ async def test_models_lists_what_the_upstream_says_of_each(nursery: trio.Nursery
                 await trio.sleep(0.02)
     # The ids stay Sluice's (what a client must send); the rest is the upstream's.
     assert owners == {"fake-model": "sluice-fake", "alias": "sluice-fake", "unknown": "sluice"}
+
+
+async def test_leaving_an_sdk_stream_early_closes_the_upstream(rig: tuple[Proxy, Fake]) -> None:
+    """The SDKs' own early exit (closing the stream, leaving its ``async with``), not a test
+    client's socket close: the fake sees its connection go within CANCEL_BOUND."""
+    proxy, fake = rig
+    long: Any = {"fake": LONG}
+    with trio.fail_after(DEADLINE):
+        async with openai_client(proxy) as client:
+            stream = await client.responses.create(
+                model="fake-model", input="hi", stream=True, extra_body=long
+            )
+            async for event in stream:
+                if event.type == "response.output_text.delta":
+                    break
+            responses_record = fake.recorder.last()
+            closed_at = trio.current_time()
+            await stream.close()
+        await fake.recorder.wait_for(lambda _: responses_record.outcome != "pending")
+        responses_after = responses_record.disconnected_at - closed_at
+        async with (
+            anthropic_client(proxy) as claude,
+            claude.messages.stream(
+                model="fake-model",
+                max_tokens=1000,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body=long,
+            ) as message_stream,
+        ):
+            async for _ in message_stream.text_stream:
+                break
+            messages_record = fake.recorder.last()
+            closed_at = trio.current_time()
+        await fake.recorder.wait_for(lambda _: messages_record.outcome != "pending")
+        messages_after = messages_record.disconnected_at - closed_at
+    assert responses_record.outcome == messages_record.outcome == "client_disconnected"
+    assert responses_after < CANCEL_BOUND, responses_after
+    assert messages_after < CANCEL_BOUND, messages_after

@@ -36,8 +36,12 @@ Testing policy
 * **Matrix and marks.** ``PHASES`` x ``TRANSPORTS`` x ``BACKENDS``, less ``NOT_APPLICABLE``
   (with the reason for each). The upstream backend appears twice, once per upstream transport:
   ``upstream`` (the lean HTTP/1.1 client) and ``upstream-httpx`` (a model with ``transport =
-  "httpx"`` in front of the same fake), with the same drivers and bounds. The SSE column is
-  the fast subset that ``make test`` runs; the rest is ``slow``. A hypothesis test picks the
+  "httpx"`` in front of the same fake), with the same drivers and bounds. The endpoint axis
+  (``_endpoint_matrix``): the upstream backends' drivers again, with the Responses API,
+  Anthropic Messages, embeddings and a pass-through path (``/tokenize``) in place of chat;
+  embeddings and pass-through answer whole and at once, so they have no SSE column and no
+  "mid-stream". The SSE column (for the other endpoints, on the lean transport) is the fast
+  subset that ``make test`` runs; the rest is ``slow``. A hypothesis test picks the
   moment of the disconnect (anywhere in the stream, or after it) and the transport and backend
   at random, and checks the same invariants.
 
@@ -79,7 +83,6 @@ from tests.support import (
     poll_until,
     producer_tasks,
     slowed,
-    sse_payloads,
     start_fake,
     start_proxy,
 )
@@ -123,6 +126,65 @@ NOT_APPLICABLE = {
         "or after the whole generation (JSON), which awaiting-first-token and mid-stream cover"
     ),
 }
+
+
+# The endpoint axis (upstream backends; the local model's Responses and Messages are in
+# tests/test_endpoints.py): each endpoint's request, and how its stream says it is done.
+ENDPOINT_PATHS = {
+    "chat": CHAT,
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+    "embeddings": "/v1/embeddings",
+    "passthrough": "/tokenize",
+}
+STREAM_ENDS = {
+    "chat": b"data: [DONE]",
+    "responses": b"event: response.completed",
+    "messages": b"event: message_stop",
+}
+# A token on each endpoint's stream (what "mid-stream" counts).
+TOKEN_MARKS = {"chat": b"data: ", "responses": b"output_text.delta", "messages": b"text_delta"}
+# Embeddings and pass-through answer whole, at once: no stream, and no middle to leave in.
+WHOLE_ONLY = ("embeddings", "passthrough")
+
+
+def endpoint_body(endpoint: str, model: str, stream: bool, **options: Any) -> dict[str, Any]:
+    fake = options.pop("fake", {})
+    if endpoint == "chat":
+        return chat_body(model, stream=stream, fake=fake, **options)
+    shaped: dict[str, Any] = {
+        "responses": {"input": "hello there", "stream": stream},
+        "messages": {
+            "max_tokens": 1000,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "stream": stream,
+        },
+        "embeddings": {"input": "hello there"},
+        "passthrough": {"prompt": "hello there"},
+    }[endpoint]
+    return {"model": model, **shaped, "fake": fake, **options}
+
+
+def _endpoint_matrix() -> list[Any]:
+    cases = []
+    for endpoint in ("responses", "messages", *WHOLE_ONLY):
+        for phase in PHASES:
+            if endpoint in WHOLE_ONLY and phase == "mid-stream":
+                continue  # the answer comes whole, at once: there is no middle
+            for backend in UPSTREAM_BACKENDS:
+                for transport in ("json",) if endpoint in WHOLE_ONLY else TRANSPORTS:
+                    fast = transport == "sse" and backend == "upstream"
+                    cases.append(
+                        pytest.param(
+                            endpoint,
+                            phase,
+                            transport,
+                            backend,
+                            marks=() if fast else (pytest.mark.slow,),
+                            id=f"{endpoint}-{backend}-{transport}-{phase}",
+                        )
+                    )
+    return cases
 
 
 def _matrix() -> list[Any]:
@@ -235,6 +297,8 @@ class Rig:
     records: int = 0
     # Which upstream transport the drivers use: "upstream" (lean) or "upstream-httpx".
     upstream: str = "upstream"
+    # Which endpoint the upstream drivers' requests go to (ENDPOINT_PATHS).
+    endpoint: str = "chat"
 
     @property
     def local(self) -> LocalBackend:
@@ -256,18 +320,28 @@ class Rig:
         """The lean model ``name``, or its httpx twin when the drivers use httpx."""
         return f"{name}-httpx" if self.upstream == "upstream-httpx" else name
 
-    def body(self, backend: str, transport: str, **options: Any) -> dict[str, Any]:
+    def path(self, backend: str, endpoint: str | None = None) -> str:
+        if backend not in UPSTREAM_BACKENDS:
+            return CHAT
+        return ENDPOINT_PATHS[endpoint or self.endpoint]
+
+    def body(
+        self, backend: str, transport: str, endpoint: str | None = None, **options: Any
+    ) -> dict[str, Any]:
         stream = transport == "sse"
         if backend in UPSTREAM_BACKENDS:
             default = "fake-httpx" if backend == "upstream-httpx" else "fake-model"
             model = options.pop("model", default)
-            return chat_body(model, stream=stream, fake=options.pop("fake", {}), **options)
+            return endpoint_body(endpoint or self.endpoint, model, stream, **options)
         return chat_body("tiny", stream=stream, max_tokens=options.pop("max_tokens", 5), **options)
 
-    async def post(self, backend: str, transport: str, **options: Any) -> RawClient:
+    async def post(
+        self, backend: str, transport: str, endpoint: str | None = None, **options: Any
+    ) -> RawClient:
         if backend == "upstream":
             backend = self.upstream
-        return await RawClient.post(self.proxy, CHAT, self.body(backend, transport, **options))
+        body = self.body(backend, transport, endpoint, **options)
+        return await RawClient.post(self.proxy, self.path(backend, endpoint), body)
 
     def in_flight_connections(self) -> set[Any]:
         """Upstream connections serving a request now (connecting, or not idle)."""
@@ -306,8 +380,12 @@ async def start_rig(nursery: trio.Nursery, loaded: Any, **more_models: Any) -> R
     proxy = await start_proxy(
         nursery,
         {
-            "fake-model": [fake.url],
-            "fake-httpx": {"upstreams": [fake.url], "transport": "httpx"},
+            "fake-model": {"upstreams": [fake.url], "passthrough": ["/tokenize"]},
+            "fake-httpx": {
+                "upstreams": [fake.url],
+                "transport": "httpx",
+                "passthrough": ["/tokenize"],
+            },
             "tiny": {
                 "backend": "local",
                 "path": "unused-preloaded",
@@ -325,11 +403,11 @@ async def start_rig(nursery: trio.Nursery, loaded: Any, **more_models: Any) -> R
     return rig
 
 
-async def read_to_end(raw: RawClient, transport: str) -> None:
-    """Read the whole response: through ``[DONE]`` and the chunked terminator (SSE), or the
-    head and ``Content-Length`` bytes (JSON)."""
+async def read_to_end(raw: RawClient, transport: str, endpoint: str = "chat") -> None:
+    """Read the whole response: through the stream's last event (``[DONE]`` on chat) and the
+    chunked terminator (SSE), or the head and ``Content-Length`` bytes (JSON)."""
     if transport == "sse":
-        await raw.read_until(b"data: [DONE]")
+        await raw.read_until(STREAM_ENDS[endpoint])
         await raw.read_until(b"\r\n0\r\n\r\n")
         return
     await raw.read_until(b"\r\n\r\n")
@@ -419,12 +497,17 @@ async def assert_next_request_works(rig: Rig, backend: str, transport: str, **op
     # Short: with one upstream connection and one local slot, a leak makes this hang.
     with trio.fail_after(5):
         async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
-            response = await client.post(rig.proxy.url + CHAT, json=body)
+            response = await client.post(rig.proxy.url + rig.path(backend), json=body)
     assert response.status_code == 200, response.text
+    endpoint = rig.endpoint if backend in UPSTREAM_BACKENDS else "chat"
     if transport == "sse":
-        assert sse_payloads(response.text)[-1] == "[DONE]"
-    else:
+        assert (
+            response.text.rstrip("\n").split("\n\n")[-1].startswith(STREAM_ENDS[endpoint].decode())
+        ), response.text[-300:]
+    elif endpoint == "chat":
         assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    else:
+        assert isinstance(response.json(), dict)
 
 
 # -- the phases ------------------------------------------------------------------------------
@@ -440,7 +523,7 @@ class Left:
 
 
 async def upstream_queued(rig: Rig, transport: str) -> Left:
-    holder = await rig.post("upstream", "sse", fake=LONG_STREAM)
+    holder = await rig.post("upstream", "sse", endpoint="chat", fake=LONG_STREAM)
     await holder.read_until(b"data: ")
     holder_record = rig.fake.recorder.last()
     raw = await rig.post("upstream", transport)
@@ -500,7 +583,7 @@ async def upstream_mid_stream(rig: Rig, transport: str) -> Left:
     await rig.fake.recorder.wait_for(lambda r: len(r.records) == rig.records + 1)
     record = rig.fake.recorder.last()
     if transport == "sse":
-        await raw.read_until(b"data: ", count=3)
+        await raw.read_until(TOKEN_MARKS[rig.endpoint], count=3)
     else:
         # Nothing of a whole response is visible before its end: the upstream is three tokens
         # into its generation by the fake's schedule.
@@ -514,7 +597,7 @@ async def upstream_mid_stream(rig: Rig, transport: str) -> Left:
 
 async def upstream_after_last_token(rig: Rig, transport: str) -> Left:
     raw = await rig.post("upstream", transport)
-    await read_to_end(raw, transport)
+    await read_to_end(raw, transport, rig.endpoint)
     if transport == "json":
         # A whole body has no terminator: "after the last token" is once the proxy is done.
         await rig.proxy.state.tracker.wait_idle()
@@ -612,17 +695,45 @@ def test_the_matrix_is_complete() -> None:
 async def test_disconnect_leaves_nothing_behind(
     phase: str, transport: str, backend: str, nursery: trio.Nursery, tiny_loaded_model: Any
 ) -> None:
+    await leave_and_check(nursery, tiny_loaded_model, "chat", phase, transport, backend)
+
+
+@pytest.mark.parametrize(("endpoint", "phase", "transport", "backend"), _endpoint_matrix())
+async def test_disconnect_leaves_nothing_behind_on_every_endpoint(
+    endpoint: str,
+    phase: str,
+    transport: str,
+    backend: str,
+    nursery: trio.Nursery,
+    tiny_loaded_model: Any,
+) -> None:
+    await leave_and_check(nursery, tiny_loaded_model, endpoint, phase, transport, backend)
+
+
+async def leave_and_check(
+    nursery: trio.Nursery,
+    loaded: Any,
+    endpoint: str,
+    phase: str,
+    transport: str,
+    backend: str,
+) -> None:
     with unreachable_port() as (listener, filler), trio.fail_after(DEADLINE):
         port = listener.getsockname()[1]
-        unreachable = {"upstreams": [f"http://127.0.0.1:{port}"], "connect_timeout": 60}
+        unreachable = {
+            "upstreams": [f"http://127.0.0.1:{port}"],
+            "connect_timeout": 60,
+            "passthrough": ["/tokenize"],
+        }
         rig = await start_rig(
             nursery,
-            tiny_loaded_model,
+            loaded,
             unreachable=unreachable,
             **{"unreachable-httpx": {**unreachable, "transport": "httpx"}},
         )
         if backend in UPSTREAM_BACKENDS:
             rig.upstream = backend
+            rig.endpoint = endpoint
         left = await DRIVERS[phase, backend](rig, transport)
         await assert_nothing_left(rig, left.connections)
         assert rig.proxy.state.tracker.cancelled - rig.cancelled == left.cancelled
