@@ -8,6 +8,7 @@ import importlib.metadata
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ def force_offline() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    # transformers' GGUF reader draws its own tqdm bar, which disable_progress_bar() does not
+    # reach: in a log it is one 3 KB line. Our stages say the same (proxy/ops/progress.py).
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @dataclass(frozen=True)
@@ -109,14 +113,26 @@ def eos_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(spec: str, name: str) -> LoadedModel:
-    """Load synchronously (call it from a worker thread); logs progress and time taken."""
+def _log_stage(name: str, stage: str) -> None:
+    log.info("model %s: %s", name, stage)
+
+
+def load_model(
+    spec: str, name: str, progress: Callable[[str, str], None] = _log_stage
+) -> LoadedModel:
+    """Load synchronously (call it from a worker thread); ``progress(name, stage)`` hears each
+    stage (reading the tokenizer, reading the weights, warming up, ready)."""
     force_offline()
     source = resolve_source(spec)
     started = time.perf_counter()
     log.info("loading model %s from %s ...", name, source.describe())
+    progress(name, "importing torch and transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    # Its bars fold into one long line in a log; our stages say the same in a line.
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
     kwargs: dict[str, Any] = {"local_files_only": True}
     directory = source.path
@@ -124,8 +140,14 @@ def load_model(spec: str, name: str) -> LoadedModel:
         directory = source.path.parent
         kwargs["gguf_file"] = source.path.name
     try:
+        progress(name, "reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
-        log.info("tokenizer loaded in %.1fs; loading weights", time.perf_counter() - started)
+        progress(
+            name,
+            "reading and dequantizing the weights"
+            if source.kind == "gguf"
+            else "reading the weights",
+        )
         model: Any = AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=torch.float32, **kwargs
         )
@@ -142,11 +164,13 @@ def load_model(spec: str, name: str) -> LoadedModel:
             )
         ) from error
     model.eval()
+    progress(name, "warming up")
     with torch.inference_mode():
         # The first forward pass allocates and initialises kernels (seconds on CPU); do it
         # here rather than in the first user's time to first token.
         model(input_ids=torch.tensor([[int(tokenizer.eos_token_id or 0)]]), logits_to_keep=1)
     seconds = time.perf_counter() - started
+    progress(name, "ready")
     log.info("model %s ready in %.1fs", name, seconds)
     return LoadedModel(
         name=name,

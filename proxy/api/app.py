@@ -23,9 +23,10 @@ from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica, ch
 from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.transports import ConnectionSettings
-from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
+from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, ModelConfig
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
+from proxy.ops.progress import stage_reporter
 from proxy.protocol.errors import ApiError, internal_error, request_too_large
 from proxy.protocol.openai import Endpoint, models_list
 from proxy.protocol.shapes import ErrorShape, endpoint_of, error_shape
@@ -76,9 +77,22 @@ class SluiceState:
         self.local_backends: dict[str, LocalBackend] = {}
         # Preloaded local models by name (tests); the others are loaded at start-up.
         self.local_models: dict[str, Any] = dict(local_models or {})
+        # Local models still loading (the port answers meanwhile: /v1/* with 503
+        # model_loading), by name, with the stage they are in.
+        self.loading: dict[str, str] = {
+            model.name: "queued"
+            for model in config.models
+            if model.backend == "local" and model.name not in self.local_models
+        }
         # Every completion-like request, whatever its transport, goes through this one.
         self.pipeline = RequestPipeline(
-            config, self.keys, self.metrics, self.tracker, self.backends, self.local_backends
+            config,
+            self.keys,
+            self.metrics,
+            self.tracker,
+            self.backends,
+            self.local_backends,
+            loading=self.loading,
         )
         self.fake_upstream: Any = None
         # What upstreams say of their models, for GET /v1/models (list_upstream_models).
@@ -86,22 +100,48 @@ class SluiceState:
         # Serving (backends started) and not draining: what /readyz reports.
         self.started = False
         self.draining = False
+        # A model that failed to load: the server stops, and this is its one-line reason.
+        self.load_error: BaseException | None = None
+        self.failed = trio.Event()
 
     @property
     def ready(self) -> bool:
-        return self.started and not self.draining
+        return self.started and not self.draining and not self.loading
 
     async def load_local_models(self) -> None:
         """Load every configured local model not given preloaded, one at a time, in a thread
-        (loading takes seconds and must not block the event loop)."""
+        (loading takes seconds and must not block the event loop), each made servable as soon
+        as it is loaded. A failure stops the server (``failed``), with its reason."""
+        report = stage_reporter()
         for model in self.config.models:
-            if model.backend != "local" or model.name in self.local_models:
+            if model.name not in self.loading:
                 continue
-            from inference import load_model
+            from inference import ModelLoadError, load_model
 
-            self.local_models[model.name] = await trio.to_thread.run_sync(
-                load_model, model.path, model.name
-            )
+            def stage(name: str, what: str) -> None:
+                self.loading[name] = what
+                report(name, what)
+
+            try:
+                loaded = await trio.to_thread.run_sync(
+                    partial(load_model, model.path, model.name, progress=stage)
+                )
+            except ModelLoadError as error:
+                report(model.name, "failed")
+                self.load_error = error
+                self.failed.set()
+                return
+            self.local_models[model.name] = loaded
+            self.start_local_backend(model)
+            del self.loading[model.name]
+            log.info("model %s loaded: serving it", model.name)
+
+    def start_local_backend(self, model: ModelConfig) -> None:
+        from proxy.backends.local import LocalBackend
+
+        local = LocalBackend(model, self.local_models[model.name], self.metrics)
+        self.local_backends[model.name] = local
+        self.backends[model.name] = local
 
     @property
     def health_policy(self) -> HealthPolicy:
@@ -117,11 +157,8 @@ class SluiceState:
         )
         for model in self.config.models:
             if model.backend == "local":
-                from proxy.backends.local import LocalBackend
-
-                local = LocalBackend(model, self.local_models[model.name], self.metrics)
-                self.local_backends[model.name] = local
-                self.backends[model.name] = local
+                if model.name in self.local_models:
+                    self.start_local_backend(model)
                 continue
             replicas = []
             for url in model.upstreams:
@@ -205,9 +242,12 @@ def create_app(
             port = await app.nursery.start(state.fake_upstream.serve, "127.0.0.1", 0)
             fake_url = f"http://127.0.0.1:{port}"
             log.info("embedded fake upstream on %s", fake_url)
-        await state.load_local_models()
         state.start_backends(fake_url)
         state.started = True
+        if state.loading:
+            # In the background: the port answers while the weights load (/healthz says
+            # "loading", requests to the model get 503 model_loading with Retry-After).
+            app.nursery.start_soon(state.load_local_models)
         upstream = config.upstream
         if upstream.preconnect:
             for replica in state.replicas.values():
@@ -421,7 +461,9 @@ def create_app(
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {
-            "status": "ok",
+            "status": "loading" if state.loading else "ok",
+            # Each model still loading, with its stage ("reading weights"...).
+            "loading": dict(state.loading),
             "pid": os.getpid(),  # which worker answered, with --workers
             "active_streams": len(state.tracker.active),
             "local_models": {

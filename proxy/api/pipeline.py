@@ -32,7 +32,7 @@ from proxy.config import Config, KeyConfig
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.protocol.api_request import parse_api_request
-from proxy.protocol.errors import ApiError, bad_request, model_not_found
+from proxy.protocol.errors import SERVER_ERROR, ApiError, bad_request, model_not_found
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.shapes import error_shape
 from proxy.relay.body import Producer, RelayBody, RelayTracker
@@ -51,6 +51,8 @@ class RequestPipeline:
         tracker: RelayTracker,
         backends: Mapping[str, Backend],
         local_models: Mapping[str, object],
+        *,
+        loading: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
         self.keys = keys
@@ -59,6 +61,8 @@ class RequestPipeline:
         # Filled in at start-up (the backends start with the server).
         self.backends = backends
         self.local_models = local_models
+        # Local models still loading, and their stage: requests for them get a 503 meanwhile.
+        self.loading: Mapping[str, str] = loading if loading is not None else {}
 
     @staticmethod
     def request_id(presented: str | None) -> str:
@@ -126,6 +130,14 @@ class RequestPipeline:
     def backend_for(self, model: str) -> Backend:
         backend = self.backends.get(model)
         if backend is None:
+            if model in self.loading:
+                raise ApiError(
+                    503,
+                    f"model '{model}' is loading ({self.loading[model]}); try again shortly",
+                    type=SERVER_ERROR,
+                    code="model_loading",
+                    headers={"Retry-After": "5"},
+                )
             raise model_not_found(model)
         return backend
 

@@ -200,9 +200,12 @@ class RelayWebsocketConnection(TrioASGIWebsocketConnection):
 
 class ServedState(Protocol):
     """What the server layer needs of the app's per-process state (api.app.SluiceState): the
-    drain flag /readyz reports, and the upstream pools to close at shutdown."""
+    drain flag /readyz reports, the upstream pools to close at shutdown, and a failure (a
+    model that would not load) that must stop the server."""
 
     draining: bool
+    failed: trio.Event
+    load_error: BaseException | None
 
     async def aclose(self) -> None: ...
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
+import warnings
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -57,8 +58,20 @@ def hypercorn_config(config: Config) -> HypercornConfig:
 
 
 def bind(config: Config) -> Sockets:
-    """The listening sockets for ``config`` (bound before the workers start: they share them)."""
-    return listen_sockets(hypercorn_config(config), config.relay.stall_timeout)
+    """The listening sockets for ``config`` (bound before a model loads, and before the
+    workers start: they share them). An OSError says why not (its errno: in use...)."""
+    try:
+        return listen_sockets(hypercorn_config(config), config.relay.stall_timeout)
+    except OSError as caught:
+        error = caught
+    # hypercorn's create_sockets drops the socket whose bind failed without closing it, and
+    # the traceback's frames hold it: let go of them and collect it now, quietly, rather than
+    # be warned about it at some later collection.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        error.__traceback__ = None
+        gc.collect()
+    raise error
 
 
 def listen_sockets(hyper: HypercornConfig, stall_timeout: float) -> Sockets:
@@ -166,6 +179,12 @@ async def serve_until_signalled(
             )
             nursery.cancel_scope.cancel()  # served and drained: stop watching signals
 
+        async def stop_if_a_model_fails() -> None:
+            # A local model loads while the port answers; if it cannot load, the server has
+            # nothing to serve it with: stop, and say why (below).
+            await app.served_state.failed.wait()
+            nursery.cancel_scope.cancel()
+
         async def close_listeners_later() -> None:
             await trio.sleep(server.drain_delay)
             stop_accepting.set()
@@ -187,4 +206,7 @@ async def serve_until_signalled(
                     nursery.start_soon(close_listeners_later)
 
         nursery.start_soon(watch_signals)
+        nursery.start_soon(stop_if_a_model_fails)
         task_status.started(await nursery.start(run_server))
+    if app.served_state.load_error is not None:
+        raise app.served_state.load_error
