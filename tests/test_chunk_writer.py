@@ -665,7 +665,7 @@ async def test_the_head_is_the_one_hypercorn_sends(
             b"HTTP/1.1 200 "
         ]
         (asgi_status, asgi_fields), (fast_status, fast_fields) = heads
-        assert fast_status == asgi_status == b"HTTP/1.1 200 "
+        assert fast_status == asgi_status == b"HTTP/1.1 200 OK"
         # Same fields, in the same order; the same values but for the date (a clock) and
         # the request id (per request).
         assert [name for name, _ in fast_fields] == [name for name, _ in asgi_fields]

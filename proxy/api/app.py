@@ -19,7 +19,12 @@ from proxy.api.auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing
 from proxy.api.pipeline import RequestPipeline
 from proxy.api.ws import serve_websocket
 from proxy.backends.base import Backend
-from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica, check_replicas
+from proxy.backends.upstream.backend import (
+    UpstreamBackend,
+    UpstreamReplica,
+    check_replicas,
+    report_reachability,
+)
 from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.transports import ConnectionSettings
@@ -27,7 +32,7 @@ from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, ModelConfig
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
-from proxy.protocol.errors import ApiError, internal_error, request_too_large
+from proxy.protocol.errors import ApiError, internal_error, model_not_found, request_too_large
 from proxy.protocol.openai import Endpoint, models_list
 from proxy.protocol.shapes import ErrorShape, endpoint_of, error_shape
 from proxy.relay.body import JSON_CONTENT_TYPE, RelayBody, RelayTracker
@@ -48,8 +53,9 @@ def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
         value = env.get(model.api_key_env)
         if not value:
             raise ConfigError(
-                f"[models.{model.name}] api_key_env names {model.api_key_env}, "
-                "which is not set in the environment"
+                f"[models.{model.name}] api_key_env names {model.api_key_env}, which is not "
+                f"set: export {model.api_key_env}=<the upstream's key> (vLLM's --api-key), or "
+                "remove api_key_env if the upstream runs without one"
             )
         keys[model.name] = value
     return keys
@@ -252,6 +258,10 @@ def create_app(
         if upstream.preconnect:
             for replica in state.replicas.values():
                 app.nursery.start_soon(replica.keep_spare_connections)
+        if state.replicas and state.fake_upstream is None:
+            app.nursery.start_soon(
+                report_reachability, list(state.replicas.values()), upstream.connect_timeout
+            )
         if upstream.list_upstream_models and state.replicas:
             served: dict[UpstreamReplica, list[str]] = {}
             for name, backend in state.backends.items():
@@ -303,8 +313,32 @@ def create_app(
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
         status = error.code or 500
+        headers: dict[str, str] = {}
         if status == 413:
             api = request_too_large(config.server.max_body_bytes)
+        elif status == 404:
+            api = ApiError(
+                404,
+                f"No such path: {request.path}. Sluice serves POST /v1/chat/completions, "
+                "/v1/completions, /v1/responses, /v1/messages and /v1/embeddings, GET "
+                "/v1/models, WebSocket /v1/ws"
+                + (
+                    f", and the pass-through paths {', '.join(sorted(passthrough_paths))}"
+                    if passthrough_paths
+                    else ""
+                )
+                + ".",
+                code="not_found",
+            )
+        elif status == 405:
+            allowed = sorted(getattr(error, "valid_methods", None) or ())
+            headers["Allow"] = ", ".join(allowed)
+            api = ApiError(
+                405,
+                f"{request.method} is not allowed on {request.path}"
+                + (f"; use {' or '.join(allowed)}" if allowed else ""),
+                code="method_not_allowed",
+            )
         else:
             api = ApiError(
                 status,
@@ -312,7 +346,7 @@ def create_app(
                 code=error.name.lower().replace(" ", "_"),
             )
         refused(api)
-        return _json_response(shape().body(api), status)
+        return _json_response(shape().body(api), status, headers)
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
@@ -440,6 +474,14 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return models_list([model.name for model in config.models], state.catalog.entries)
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> dict[str, Any]:
+        # Model names may hold slashes ("HuggingFaceTB/SmolLM2-135M-Instruct"): a path.
+        if config.model(model_id) is None:
+            raise model_not_found(model_id)
+        listed: dict[str, Any] = models_list([model_id], state.catalog.entries)["data"][0]
+        return listed
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -38,7 +38,7 @@ from proxy.server.adapters.hypercorn_adapter import (
     TCPServer,
     build_and_validate_headers,
 )
-from proxy.server.connection_server import send_chain
+from proxy.server.connection_server import reason_phrase, send_chain
 
 log = logging.getLogger("sluice.chunk_writer")
 
@@ -230,7 +230,9 @@ def start_response(
     h11_headers = [*build_and_validate_headers(headers), *config.response_headers("h11")]
     if protocol.keep_alive_requests >= config.keep_alive_max_requests:
         h11_headers.append((b"connection", b"close"))
-    head = connection.send(h11.Response(status_code=status, headers=h11_headers))
+    head = connection.send(
+        h11.Response(status_code=status, headers=h11_headers, reason=reason_phrase(status))
+    )
     assert head is not None  # a Response always has bytes; h11's type says "maybe"
     stream.response = {"type": "http.response.start", "status": status, "headers": headers}
     stream.state = ASGIHTTPState.RESPONSE

@@ -28,6 +28,7 @@ import socket
 import struct
 import weakref
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from math import inf
 from typing import Any
 
@@ -194,6 +195,18 @@ class FramingCheckedProtocol(H11Protocol):
     HTTP/1.0. The answer is a 400 with ``Connection: close``, and nothing after it on the
     connection is read: bytes smuggled after such a request are never answered."""
 
+    async def _send_h11_event(self, event: Any) -> None:
+        # hypercorn sends no reason phrase ("HTTP/1.1 404 "): legal, but curl -i and every
+        # log then show a bare number.
+        if isinstance(event, h11.Response) and not event.reason:
+            event = h11.Response(
+                status_code=event.status_code,
+                headers=list(event.headers),
+                http_version=event.http_version,
+                reason=reason_phrase(event.status_code),
+            )
+        await super()._send_h11_event(event)
+
     async def _create_stream(self, request: h11.Request) -> None:
         problem = request_framing_error(request.headers, request.http_version)
         if problem is None:
@@ -214,6 +227,13 @@ class FramingCheckedProtocol(H11Protocol):
         # No stream: hypercorn's event loop stops at the request's body (its stream is None),
         # and Closed makes the connection server close the socket.
         await self.send(Closed())
+
+
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+
+
+def reason_phrase(status: int) -> bytes:
+    return _REASONS.get(status, b"")
 
 
 _warned: set[str] = set()

@@ -274,8 +274,10 @@ class UpstreamBackend:
             await self._hedged(request, request_id, sink)
             return
         tried: list[ReplicaLoad] = []
+        failures: list[str] = []
         last_error: ApiError | None = None
-        for _ in range(self.model.max_attempts):
+        attempts = min(self.model.max_attempts, len(self._loads))
+        for _ in range(attempts):
             load = self._router.choose(self._loads, tried, trio.current_time())
             if load is None:
                 break
@@ -287,8 +289,16 @@ class UpstreamBackend:
                 if sink.started or not error.retryable or sink.client_gone:
                     raise
                 last_error = error
-                self._log_retry(request_id, load, error, len(tried))
-        raise last_error or self._no_healthy_replica()
+                failures.append(f"{load.url}: {error.message}")
+                if len(tried) < attempts:
+                    self._log_retry(request_id, load, error, len(tried))
+        if last_error is None:
+            raise self._no_healthy_replica()
+        if len(failures) > 1:
+            # The client hears of every replica that was tried, not just the last one.
+            last_error.message = "every replica tried failed: " + "; ".join(failures)
+            last_error.args = (last_error.message,)
+        raise last_error
 
     async def _hedged(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         """Attempts that may overlap: after hedge_after without a first token another replica
@@ -395,12 +405,13 @@ class UpstreamBackend:
             self._metrics.queue_wait.labels(self.model.name, outcome).observe(seconds)
 
     def _log_retry(self, request_id: str, load: ReplicaLoad, error: ApiError, tries: int) -> None:
+        # Only when another attempt will follow: a single replica, or the last attempt, has
+        # nobody to try, and its failure is the client's error (and the access line's).
         log.warning(
-            "request %s: %s failed before the first byte (%s); %s",
+            "request %s: %s failed before the first byte (%s); trying another replica",
             request_id,
             load.url,
             error.code,
-            "trying another replica" if tries < self.model.max_attempts else "giving up",
         )
 
     def _no_healthy_replica(self) -> ApiError:
@@ -791,3 +802,31 @@ async def _check_replica(
         else:
             router.failure(replica.load, trio.current_time())
         await trio.sleep(interval)
+
+
+async def report_reachability(replicas: Sequence[UpstreamReplica], within: float) -> None:
+    """One line per replica at start-up: whether its server (or, through a proxy, the proxy)
+    accepts a TCP connection. Only said, never acted on: health is the router's and the
+    checks' business. No request is sent, so that the upstream's logs (and its request
+    counters) see nothing of it."""
+
+    async def probe(replica: UpstreamReplica) -> None:
+        proxy = replica.connection.proxy
+        target = httpx.URL(proxy) if proxy else httpx.URL(replica.url)
+        port = target.port or (443 if target.scheme == "https" else 80)
+        where = f"upstream {replica.url} ({replica.connection.label})"
+        hop = f"its proxy {target.host}:{port}" if proxy else f"{target.host}:{port}"
+        with trio.move_on_after(within):
+            try:
+                stream = await trio.open_tcp_stream(target.host, port)
+            except OSError as error:
+                log.warning("%s: %s not reachable: %s", where, hop, error.strerror or error)
+                return
+            await trio.aclose_forcefully(stream)
+            log.info("%s: %s reachable", where, hop)
+            return
+        log.warning("%s: %s not reachable within %gs", where, hop, within)
+
+    async with trio.open_nursery() as nursery:
+        for replica in replicas:
+            nursery.start_soon(probe, replica)
