@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -131,8 +134,8 @@ def test_new_settings_extend_the_key_only_when_set() -> None:
     )
     slow = BenchSettings(slow=0.3, slow_delay=0.5, slow_rcvbuf=4096, baseline=True)
     assert slow.key().endswith(" delay=0.5 rcvbuf=4096 baseline=1")
-    assert slow.slug().startswith("100-streams-slow30-")
-    assert slow.slug() != BenchSettings(slow=0.3).slug()
+    assert slow.slug() == "100-streams-slow30-vs-baseline-delay0.5s-rcvbuf4096"
+    assert BenchSettings(slow=0.3).slug() == "100-streams-slow30"
     assert plain.slug() == BenchSettings().slug()
     padded = BenchSettings(model="m", event_pad=5)
     assert padded.model_name == "m-pppp"
@@ -427,7 +430,8 @@ def test_rss_stats_and_pooling() -> None:
     assert s.upstream_peak_rss_mib is None
     merged = merge_runs([run, run])
     assert len(merged.rss) == 2
-    assert bench.rss_series(merged) == [([0.0, 1], [1.0, 3.0])] * 2
+    assert bench.rss_series(merged) == [bench.RssGrowth([0.0, 1], [0.0, 2.0], 1.0)] * 2
+    assert bench.rss_series(merged, "fake_upstream") == []
 
 
 async def test_rss_sampler_stamps_each_sample(autojump_clock: trio.abc.Clock) -> None:
@@ -470,7 +474,7 @@ def test_latency_series_and_axis_helpers() -> None:
     assert bench.log_axis_left([[0.0, 0.0], []]) is None
     assert bench.log_axis_left([[0.0, 10.0, 20.0], [4.0]]) == pytest.approx(2.0)
     assert bench.log_axis_left([[1e-6]]) == bench.LOG_FLOOR_MS
-    assert bench.cdf_label("proxy", [0.0, 1.0, 2.0, 3.0]) == "proxy (n=4, 1 of them 0)"
+    assert bench.cdf_label("Sluice", [0.0, 1.0, 2.0, 3.0]) == "Sluice, n=4, 1 of them 0"
     assert [bench.minor_tick_label(v) for v in (20.0, 30.0, 40.0, 0.5, 0.0)] == [
         "20",
         "30",
@@ -478,7 +482,13 @@ def test_latency_series_and_axis_helpers() -> None:
         "0.5",
         "",
     ]
-    assert bench.cdf_label("direct", [1.0]) == "direct (n=1)"
+    assert bench.cdf_label("direct", [1.0]) == "direct, n=1"
+    assert [bench.ms_text(v) for v in (0.0, 0.6234, 53.84, 1234.4)] == [
+        "0",
+        "0.623",
+        "53.8",
+        "1234",
+    ]
 
 
 def test_plots_dir_follows_the_markdown_unless_told() -> None:
@@ -518,6 +528,324 @@ async def test_plots_without_matplotlib_fail_at_once_and_clearly(
     assert not (tmp_path / "b.md").exists()
 
 
+def plot_report(settings: BenchSettings, runs: dict[str, RunData]) -> bench.BenchReport:
+    return bench.BenchReport(
+        settings=settings,
+        summaries={mode: summarize(run) for mode, run in runs.items()},
+        machine={},
+        command="test",
+        commit=None,
+        date="today",
+        env={},
+        pids={},
+        runs=dict(runs),
+    )
+
+
+def ttft_results(first_ms: int, count: int = 101, **fields: Any) -> list[StreamResult]:
+    """Streams whose TTFTs are first_ms, first_ms + 1, ... ms (sent at 100.002)."""
+    return [result(i, first_token=100.002 + (first_ms + i) / 1000, **fields) for i in range(count)]
+
+
+def figure_texts(fig: Any) -> list[str]:
+    """Every text a reader sees in a figure: titles, labels, legends, annotations, ticks aside."""
+    texts = [fig.get_suptitle()]
+    for legend in fig.legends:
+        texts += [t.get_text() for t in legend.get_texts()]
+    for ax in fig.axes:
+        texts += [ax.get_xlabel(), ax.get_ylabel(), *(t.get_text() for t in ax.texts)]
+        texts += [ax.get_ylabel() for ax in ax.child_axes]
+        if ax.get_legend() is not None:
+            texts += [t.get_text() for t in ax.get_legend().get_texts()]
+    return texts
+
+
+def test_plot_names_are_the_loads_settings_in_words_without_a_digest() -> None:
+    cases = [
+        (BenchSettings(), "100-streams"),
+        (BenchSettings(direct=True), "100-streams-vs-direct"),
+        (BenchSettings(streams=1000, peer="auto", workers=2), "1000-streams-2-workers-vs-peer"),
+        (BenchSettings(peer="auto", repeat=3), "100-streams-vs-peer-3-repeats"),
+        (BenchSettings(versus_transport="httpx", repeat=3), "100-streams-lean-vs-httpx-3-repeats"),
+        (
+            BenchSettings(
+                streams=1000, versus_transport="httpx", upstream_habit="close-after-response"
+            ),
+            "1000-streams-lean-vs-httpx-close-after-response",
+        ),
+        (
+            BenchSettings(upstream_habit="late-close", upstream_habit_seconds=0.2),
+            "100-streams-late-close-0.2s",
+        ),
+        (BenchSettings(drop=0), "100-streams-drop0"),
+        (BenchSettings(drop_at=10), "100-streams-drop30-at10"),
+        (BenchSettings(slow=0.333), "100-streams-slow33.3"),
+        (
+            BenchSettings(streams=200, slow=0.3, slow_delay=0.45, baseline=True, tokens=70),
+            "200-streams-slow30-vs-baseline-70-tokens-delay0.45s",
+        ),
+    ]
+    for settings, name in cases:
+        assert settings.slug() == name
+        # A rerun of the load (the same settings, anew) writes over its own files.
+        assert dataclasses.replace(settings).slug() == name
+        assert bench.load_name(settings.key()) == name
+    # Straight from the markers of the markdown, with parts no table knows yet, too.
+    assert bench.load_name(BenchSettings().key() + " pin=1") == "100-streams-pinned"
+    assert bench.load_name(BenchSettings().key() + " new=a@b") == "100-streams-newa_b"
+
+
+def test_two_loads_never_share_plot_names() -> None:
+    base = BenchSettings()
+    changes: list[dict[str, Any]] = [
+        {"streams": 5},
+        {"ramp": 2.0},
+        {"ramp": 0.5},
+        {"ttft": 0.1},
+        {"interval": 0.1},
+        {"tokens": 70},
+        {"drop": 0.0},
+        {"drop": 0.25},
+        {"drop_at": 10},
+        {"slow": 0.3},
+        {"slow": 0.3, "slow_delay": 0.45},
+        {"slow": 0.3, "baseline": True},
+        {"seed": 2},
+        {"seed": -1},
+        {"direct": True},
+        {"repeat": 3},
+        {"slow_rcvbuf": 4096},
+        {"slow_mss": 1460},
+        {"upstream_sndbuf": 4096},
+        {"proxy_rcvbuf": 16384},
+        {"event_pad": 3800},
+        {"workers": 2},
+        {"peer": "auto"},
+        {"transport": "lean"},
+        {"transport": "httpx"},
+        {"versus_transport": "httpx"},
+        {"versus_transport": "lean"},
+        {"upstream_habit": "close-after-response"},
+        {"upstream_habit": "late-close"},
+        {"upstream_habit": "late-close", "upstream_habit_seconds": 0.2},
+        {"upstream_habit": "keepalive-timeout"},
+    ]
+    loads = [base]
+    for i, one in enumerate(changes):
+        for other in [{}, *changes[i + 1 :]]:
+            # Settings that do not go together (two transports the same, ...) are refused.
+            with contextlib.suppress(BenchError):
+                loads.append(dataclasses.replace(base, **(one | other)))
+    names: dict[str, str] = {}
+    for load in loads:
+        # The same key, the same name; another key, another name.
+        assert names.setdefault(load.key(), load.slug()) == load.slug()
+    assert len(set(names.values())) == len(names) > 400
+
+
+def make_bench_loads() -> list[list[str]]:
+    """The arguments of every ``python -m proxy.bench`` that ``make bench`` runs."""
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = makefile.split("\nbench:", 1)[1].split("\n", 1)[1]
+    lines = []
+    for line in recipe.replace("\\\n", " ").splitlines():
+        if line and not line[0].isspace():
+            break  # the next target
+        lines.append(line)
+    found = re.findall(r"-m proxy\.bench ([^;&\n]*)", "\n".join(lines))
+    return [shlex.split(args) for args in found]
+
+
+def test_every_load_make_bench_runs_gets_plot_names_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # --pin checks for CPUs to pin to: the names must not depend on the machine's.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    loads = make_bench_loads()
+    assert len(loads) >= 11, loads
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    settings = [bench.settings_from_args(parser.parse_args(argv)) for argv in loads]
+    names = [s.slug() for s in settings]
+    assert len(set(names)) == len(names), names
+    assert len({s.key() for s in settings}) == len(settings)
+    assert "100-streams-vs-direct" in names
+    assert "1000-streams-2-workers-vs-peer" in names
+
+
+def test_the_benchmarks_doc_links_each_plot_by_its_loads_name_and_keeps_no_other() -> None:
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    text = (docs / "benchmarks.md").read_text()
+    linked: list[str] = []
+    sections = re.findall(r"<!-- bench:begin (.*?) -->(.*?)<!-- bench:end \1 -->", text, re.S)
+    assert sections
+    for key, body in sections:
+        stem = "bench-" + bench.load_name(key)
+        links = re.findall(r"\]\((bench-[^)]*\.png)\)", body)
+        assert set(links) <= {f"{stem}-latency.png", f"{stem}-rss.png"}, (key, links)
+        linked += links
+    # Every plot linked from a section of its own, and no plot on disk that none links.
+    assert sorted(re.findall(r"\]\((bench-[^)]*\.png)\)", text)) == sorted(linked)
+    assert {path.name for path in docs.glob("bench-*.png")} == set(linked)
+
+
+def test_rss_growth_is_over_the_runs_own_start_and_per_stream() -> None:
+    mib = 2**20
+    samples = [(0.0, 50 * mib), (0.5, 50 * mib + 512 * 1024), (1.0, 53 * mib), (1.5, 49 * mib)]
+    growth = bench.rss_growth(samples)
+    assert growth == bench.RssGrowth(
+        seconds=[0.0, 0.5, 1.0, 1.5], mib=[0.0, 0.5, 3.0, -1.0], start_mib=50.0
+    )
+    assert growth.peak_mib == 3.0
+    assert bench.rss_growth([]) is None
+    # 3 MiB over 100 streams: 30.72 KiB each; 15 MiB over 1000: 15.36 KiB.
+    assert bench.per_stream_kib(3.0, 100) == pytest.approx(30.72)
+    assert bench.per_stream_kib(15.0, 1000) == pytest.approx(15.36)
+    numpy = pytest.importorskip("numpy")
+    assert list(bench.per_stream_kib(numpy.array([1.0, 2.0]), 1024)) == [1.0, 2.0]
+    # Each run from its own start: a repeat that begins higher draws from 0 as well.
+    run = RunData(
+        "proxy",
+        [result(0)],
+        {},
+        1.0,
+        0.1,
+        rss=[{"proxy": [(0.0, 50 * mib), (1.0, 52 * mib)]}, {"proxy": [(0.0, 60 * mib)]}, {}],
+    )
+    assert [(line.mib, line.start_mib) for line in bench.rss_series(run)] == [
+        ([0.0, 2.0], 50.0),
+        ([0.0], 60.0),
+    ]
+
+
+def test_latency_cdfs_mark_p50_and_p99_on_each_line_and_say_sluice() -> None:
+    pytest.importorskip("matplotlib")
+    runs = {
+        "proxy": RunData("proxy", ttft_results(10), {}, 1.0, 0.1),  # 10..110 ms
+        "direct": RunData("direct", ttft_results(5), {}, 1.0, 0.1),  # 5..105 ms
+    }
+    fig = bench.latency_figure(plot_report(BenchSettings(direct=True), runs))
+    assert fig is not None
+    assert fig.get_suptitle() == "100 streams, Sluice vs direct: latency CDFs, p50 and p99 marked"
+    ttft, gap = fig.axes  # no drops: no cancel panel
+    assert (ttft.get_xlabel(), gap.get_xlabel()) == (
+        "time to first token (ms)",
+        "inter-token gap (ms)",
+    )
+    legend = [t.get_text() for t in ttft.get_legend().get_texts()]
+    assert legend == ["Sluice, n=101", "direct to the fake upstream, n=101"]
+    marks = [(t.get_text(), t.xy) for t in ttft.texts]
+    assert [text for text, _ in marks] == ["p50 60 ms", "p99 109 ms", "p50 55 ms", "p99 104 ms"]
+    assert [xy for _, xy in marks] == [
+        (pytest.approx(60.0), 0.5),
+        (pytest.approx(109.0), 0.99),
+        (pytest.approx(55.0), 0.5),
+        (pytest.approx(104.0), 0.99),
+    ]
+    # Each label and its dot in its line's colour, and the labels of the two lines apart.
+    line_colours = [line.get_color() for line in ttft.get_legend().get_lines()]
+    assert [t.get_color() for t in ttft.texts] == [line_colours[0]] * 2 + [line_colours[1]] * 2
+    assert len({t.xyann for t in ttft.texts}) == 2
+    dots = [line for line in ttft.lines if line.get_marker() == "o"]
+    assert [(list(d.get_xdata()), list(d.get_ydata())) for d in dots] == [
+        ([pytest.approx(60.0)], [0.5]),
+        ([pytest.approx(109.0)], [0.99]),
+        ([pytest.approx(55.0)], [0.5]),
+        ([pytest.approx(104.0)], [0.99]),
+    ]
+    assert [t.get_text() for t in gap.texts] == ["p50 20 ms", "p99 20 ms"] * 2
+    assert not any("proxy" in text.lower() for text in figure_texts(fig))
+    importlib.import_module("matplotlib.pyplot").close(fig)
+
+
+def test_rss_plot_draws_growth_over_the_start_with_a_per_stream_axis() -> None:
+    pytest.importorskip("matplotlib")
+    mib = 2**20
+    # 50 MiB at start, +400 KiB per sample for ten samples, then flat: +3.9 MiB.
+    rising = [(0.05 * i, 50 * mib + min(i, 10) * 400 * 1024) for i in range(20)]
+    again = [(0.05 * i, 54 * mib + min(i, 5) * 100 * 1024) for i in range(20)]
+    runs = {
+        "proxy": RunData("proxy", [result(0)], {}, 1.0, 0.1, rss=[{"proxy": rising}]),
+        "direct": RunData("direct", [result(0)], {}, 1.0, 0.1, rss=[{"fake_upstream": rising}]),
+    }
+    report = plot_report(BenchSettings(direct=True), runs)
+    fig = bench.rss_figure(report)
+    assert fig is not None
+    (ax,) = fig.axes
+    assert fig.get_suptitle() == "100 streams, Sluice vs direct: RSS growth, sampled every 50 ms"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "Sluice: 50.0 MiB at start, peak +3.9 MiB (40 KiB per stream)"
+    ]
+    (line,) = [line for line in ax.lines if line.get_label().startswith("Sluice")]
+    assert list(line.get_ydata()) == pytest.approx([min(i, 10) * 400 / 1024 for i in range(20)])
+    assert ax.get_ylabel() == "RSS growth over the run's start (MiB)"
+    (right,) = ax.child_axes
+    assert right.get_ylabel() == "KiB per concurrent stream (100 streams)"
+    low, high = ax.get_ylim()
+    assert low < 0 and high == pytest.approx(3.90625 * 1.2)
+    assert not any("proxy" in text.lower() for text in figure_texts(fig))
+    plt = importlib.import_module("matplotlib.pyplot")
+    plt.close(fig)
+    # Repeats: one line each, numbered, in the mode's colour with dashes of their own; a
+    # flat run still gets 1 MiB of height, so that it reads flat.
+    runs["proxy"].rss = [{"proxy": rising}, {"proxy": again}]
+    fig = bench.rss_figure(report)
+    assert [t.get_text()[:11] for t in fig.legends[0].get_texts()] == ["Sluice #1: ", "Sluice #2: "]
+    assert "54.0 MiB at start, peak +0.5 MiB (5 KiB per stream)" in figure_texts(fig)[2]
+    first, second = [line for line in fig.axes[0].lines if line.get_label().startswith("Sluice")]
+    assert first.get_color() == second.get_color()
+    assert first.get_linestyle() != second.get_linestyle()
+    plt.close(fig)
+    runs["proxy"].rss = [{"proxy": [(0.0, 50 * mib), (1.0, 50 * mib + 1024)]}]
+    fig = bench.rss_figure(report)
+    assert fig.axes[0].get_ylim()[1] == 1.0
+    plt.close(fig)
+    assert bench.rss_figure(plot_report(BenchSettings(), {"direct": runs["direct"]})) is None
+
+
+def test_plot_legends_name_sluice_by_transport_and_the_peer_by_what_it_is() -> None:
+    pytest.importorskip("matplotlib")
+    assert bench.plot_labels(BenchSettings())["proxy"] == "Sluice"
+    assert bench.plot_labels(BenchSettings(transport="httpx"))["proxy"] == "Sluice (httpx)"
+    slow = bench.plot_labels(BenchSettings(slow=0.3, baseline=True))
+    assert slow["baseline"] == "Sluice, slow readers reading fast"
+    settings = BenchSettings(versus_transport="httpx", peer="auto")
+    trace: bench.RssTrace = {"proxy": [(0.0, 50 << 20), (0.05, 51 << 20)]}
+    # Most of the httpx proxy's gaps are 0 (tokens read together): its p50 of 0 is marked at
+    # the axis's left edge, labelled as it is.
+    zero_gaps = ttft_results(10, gaps=[0.0, 0.0, 0.02])
+    runs = {
+        "proxy": RunData("proxy", ttft_results(10), {}, 1.0, 0.1, rss=[trace]),
+        "versus": RunData("versus", zero_gaps, {}, 1.0, 0.1, rss=[trace]),
+        "peer": RunData("peer", ttft_results(20), {}, 1.0, 0.1, rss=[trace]),
+    }
+    report = plot_report(settings, runs)
+    fig = bench.latency_figure(report)
+    assert fig.get_suptitle().startswith("100 streams, transport lean vs httpx, Sluice vs peer:")
+    ttft, gap = fig.axes
+    assert [t.get_text() for t in ttft.get_legend().get_texts()] == [
+        "Sluice (lean), n=101",
+        "Sluice (httpx), n=101",
+        "peer (FastAPI + httpx), n=101",
+    ]
+    assert gap.get_legend().get_texts()[1].get_text() == "Sluice (httpx), n=303, 202 of them 0"
+    zero = [t for t in gap.texts if t.get_text() == "p50 0 ms"]
+    assert len(zero) == 1 and zero[0].xy[0] == gap.get_xlim()[0]
+    plt = importlib.import_module("matplotlib.pyplot")
+    plt.close(fig)
+    fig = bench.rss_figure(report)
+    assert [t.get_text().split(":")[0] for t in fig.legends[0].get_texts()] == [
+        "Sluice (lean)",
+        "Sluice (httpx)",
+        "peer (FastAPI + httpx)",
+    ]
+    plt.close(fig)
+    # The markdown keeps its columns' names: there, Sluice is the "proxy".
+    assert bench.markdown_section(report).startswith(
+        "## 100 streams, transport lean vs httpx, proxy vs peer\n"
+    )
+
+
 def test_write_plots_draws_pngs_the_markdown_links(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     dropped = {"events": 16, "content": 15, "done": False, "complete": False}
@@ -532,30 +860,33 @@ def test_write_plots_draws_pngs_the_markdown_links(tmp_path: Path) -> None:
         "proxy": RunData("proxy", results, records, 1.0, 0.1, rss=[trace]),
         "direct": RunData("direct", results, records, 1.0, 0.1),
     }
-    report = bench.BenchReport(
-        settings=BenchSettings(direct=True),
-        summaries={mode: summarize(run) for mode, run in runs.items()},
-        machine=bench.machine_info(),
-        command="test",
-        commit=None,
-        date="today",
-        env={},
-        pids={},
-        runs=dict(runs),
-    )
+    report = plot_report(BenchSettings(direct=True), runs)
     written = bench.write_plots(report, tmp_path / "plots")
-    names = [path.name for _, path in written]
-    slug = BenchSettings(direct=True).slug()
-    assert names == [f"bench-{slug}-latency.png", f"bench-{slug}-rss.png"]
+    assert [(alt, path.name) for alt, path in written] == [
+        (
+            "Latency CDFs with p50 and p99: time to first token, inter-token gap, "
+            "cancel propagation",
+            "bench-100-streams-vs-direct-latency.png",
+        ),
+        (
+            "RSS growth over each run's start, and per stream",
+            "bench-100-streams-vs-direct-rss.png",
+        ),
+    ]
     for _, path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert path.stat().st_size > 10_000
     links = [(alt, bench.relative_link(path, tmp_path)) for alt, path in written]
     section = bench.markdown_section(report, links)
-    assert f"](plots/bench-{slug}-rss.png)" in section
+    assert "](plots/bench-100-streams-vs-direct-rss.png)" in section
     json_out = report.to_json()
     assert json_out["rss_samples"]["proxy"][0]["proxy"][1] == [0.05, 51 << 20]
     assert json_out["rss_samples"]["direct"] == []
+    # Drawn again (the load rerun): the same two files, nothing beside them.
+    bench.write_plots(report, tmp_path / "plots")
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
+        path.name for _, path in written
+    )
 
 
 # --------------------------------------------------------------------------- children
@@ -623,6 +954,46 @@ async def test_tiny_bench_against_real_subprocesses() -> None:
     assert set(report.runs["direct"].rss[0]) == {"fake_upstream"}
     assert proxy.proxy_rss_start_mib is not None and proxy.proxy_rss_start_mib > 10
     assert report.summaries["direct"].proxy_rss_start_mib is None
+
+
+def test_a_tiny_bench_writes_its_plots_under_the_loads_stable_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    figures: dict[str, Any] = {}
+
+    def keep(kind: str, draw: Any) -> Any:
+        def drawn(*args: Any, **kwargs: Any) -> Any:
+            figures[kind] = draw(*args, **kwargs)
+            return figures[kind]
+
+        return drawn
+
+    monkeypatch.setattr(bench, "latency_figure", keep("latency", bench.latency_figure))
+    monkeypatch.setattr(bench, "rss_figure", keep("rss", bench.rss_figure))
+    markdown = tmp_path / "benchmarks.md"
+    load = "--streams 5 --ramp 0.05 --ttft 0.02 --interval 0.01 --tokens 5 --drop 0.4 --drop-at 2"
+    argv = [*load.split(), "--direct", "--grace", "2", "--timeout", "10", "--quiet"]
+    bench.main([*argv, "--markdown", str(markdown), "--plots", str(tmp_path / "plots")])
+    name = "bench-5-streams-vs-direct-ramp0.05s-ttft0.02s-interval0.01s-5-tokens-drop40-at2"
+    files = [f"{name}-latency.png", f"{name}-rss.png"]
+    assert sorted(path.name for path in (tmp_path / "plots").iterdir()) == files
+    out = capsys.readouterr().out
+    for file in files:
+        assert (tmp_path / "plots" / file).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"](plots/{file})" in markdown.read_text()
+        assert f"plot: {tmp_path / 'plots' / file}" in out
+    ttft = figures["latency"].axes[0]
+    assert [t.get_text() for t in ttft.get_legend().get_texts()] == [
+        "Sluice, n=5",
+        "direct to the fake upstream, n=5",
+    ]
+    assert [t.get_text().split()[0] for t in ttft.texts] == ["p50", "p99"] * 2
+    (legend,) = figures["rss"].legends
+    (entry,) = [t.get_text() for t in legend.get_texts()]
+    assert entry.startswith("Sluice: ") and entry.endswith(" KiB per stream)")
+    (sluice,) = [line for line in figures["rss"].axes[0].lines if line.get_label() == entry]
+    assert sluice.get_ydata()[0] == 0.0  # from the run's own start
 
 
 async def test_tiny_slow_reader_bench_with_small_buffers_and_a_baseline() -> None:
@@ -883,7 +1254,7 @@ def test_transport_and_habit_settings_extend_the_key_only_when_set() -> None:
     assert parse().slug() == plain.slug()
     httpx = BenchSettings(transport="httpx")
     assert httpx.key() == plain.key() + " transport=httpx"
-    assert httpx.slug().startswith("100-streams-httpx-")
+    assert httpx.slug() == "100-streams-httpx-transport"
     assert "Sluice's upstream transport httpx" in httpx.describe()
     # An auto --transport, compared with one transport, is the other one: the same load as
     # naming both, with the same key.
@@ -892,12 +1263,12 @@ def test_transport_and_habit_settings_extend_the_key_only_when_set() -> None:
     assert versus.key() == plain.key() + " transport=lean versus=httpx"
     assert versus == BenchSettings(transport="lean", versus_transport="httpx")
     assert BenchSettings(versus_transport="lean").transport == "httpx"
-    assert versus.slug().startswith("100-streams-lean-vs-httpx-")
+    assert versus.slug() == "100-streams-lean-vs-httpx"
     assert "lean vs httpx (two proxies, alternating)" in versus.describe()
     closing = BenchSettings(upstream_habit="close-after-response")
     assert closing.upstream_habit_seconds is None
     assert closing.key() == plain.key() + " habit=close-after-response"
-    assert closing.slug().startswith("100-streams-close-after-response-")
+    assert closing.slug() == "100-streams-close-after-response"
     assert "the fake upstream closes each connection after its answer" in closing.describe()
     assert closing.habit_argv() == ["--close-after-response"]
     timed = BenchSettings(upstream_habit="late-close")

@@ -21,7 +21,10 @@ URL --peer-pid PID``) the same load also runs through the peer to beat, a FastAP
 gateway (``shared/peers/``) relaying to the same fake upstream, alternating with Sluice, and
 every figure is printed for both and proxy/peer: above all CPU per relayed event, the figure
 that survives a noisy machine. ``--plots DIR`` (on by default
-next to ``--markdown``) draws latency CDFs and RSS over time with matplotlib.
+next to ``--markdown``) draws with matplotlib the latency CDFs, p50 and p99 marked, and each
+relay's RSS as growth over its run's start (and per stream), in files named by the load's
+settings that differ from the defaults (``bench-100-streams-vs-direct-latency.png``), so
+that a rerun replaces its own.
 
 Sluice reaches its upstream through one of two transports, ``--transport auto|lean|httpx``
 (written as ``[upstream] transport`` into the config the bench gives the proxy; auto is lean
@@ -54,7 +57,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import hashlib
 import importlib
 import json
 import math
@@ -87,6 +89,7 @@ __all__ = [
     "EventCounter",
     "ProtocolError",
     "ResponseParser",
+    "RssGrowth",
     "RssStats",
     "RunData",
     "RunSummary",
@@ -100,23 +103,30 @@ __all__ = [
     "collect_samples",
     "column_labels",
     "format_table",
+    "latency_figure",
     "latency_series",
+    "load_name",
     "load_pyplot",
     "main",
     "markdown_section",
     "merge_runs",
     "minor_tick_label",
+    "ms_text",
     "parse_cpu_seconds",
     "parse_meminfo_total",
     "parse_schedstat_wait",
     "parse_vm_hwm",
     "parse_vm_rss",
+    "per_stream_kib",
     "percentile",
+    "plot_labels",
     "plots_dir",
     "pooled_rss",
     "process_rss",
     "ratios",
     "relative_link",
+    "rss_figure",
+    "rss_growth",
     "rss_series",
     "rss_stats",
     "run_bench",
@@ -1200,14 +1210,18 @@ def column_labels(settings: BenchSettings) -> dict[str, str]:
 # --------------------------------------------------------------------------- markdown
 
 
-def _title(report: BenchReport) -> str:
+def _title(report: BenchReport, relay: str = "proxy") -> str:
+    """What the load is, in words; ``relay`` names Sluice ("proxy" in the markdown, whose
+    columns say so, "Sluice" on the plots)."""
     settings = report.settings
     title = f"{settings.streams} streams"
     if settings.workers > 1:
-        title += f", proxy with {settings.workers} workers"
+        title += f", {relay} with {settings.workers} workers"
     if settings.pin:
         title += (
-            ", proxy on a core of its own" if settings.workers == 1 else ", proxy on its own cores"
+            f", {relay} on a core of its own"
+            if settings.workers == 1
+            else f", {relay} on its own cores"
         )
     if settings.slow:
         title += f", {settings.slow:.0%} slow readers"
@@ -1219,7 +1233,7 @@ def _title(report: BenchReport) -> str:
         title += ", upstream " + settings.habit_text()
     others = [mode for mode in report.summaries if mode not in ("proxy", "versus")]
     if "proxy" in report.summaries and others:
-        title += ", proxy vs " + " and ".join(others)
+        title += f", {relay} vs " + " and ".join(others)
     return title
 
 
@@ -1334,14 +1348,41 @@ def latency_series(run: RunData) -> dict[str, list[float]]:
     }
 
 
-def rss_series(run: RunData, process: str = "proxy") -> list[tuple[list[float], list[float]]]:
-    """One (seconds, MiB) line per pooled run in which ``process`` was sampled."""
-    lines = []
-    for trace in run.rss:
-        samples = trace.get(process)
-        if samples:
-            lines.append(([t for t, _ in samples], [size / 2**20 for _, size in samples]))
-    return lines
+@dataclass(frozen=True)
+class RssGrowth:
+    """One process's RSS over one run as growth over the run's own start: what the run cost,
+    whatever the process held before it began."""
+
+    seconds: list[float]  # since the run began
+    mib: list[float]  # MiB above the first sample
+    start_mib: float  # the first sample, in MiB
+
+    @property
+    def peak_mib(self) -> float:
+        return max(self.mib)
+
+
+def rss_growth(samples: Sequence[tuple[float, int]]) -> RssGrowth | None:
+    """(seconds, bytes) samples in time order as MiB above the first; None for none."""
+    if not samples:
+        return None
+    start = samples[0][1]
+    return RssGrowth(
+        seconds=[t for t, _ in samples],
+        mib=[(size - start) / 2**20 for _, size in samples],
+        start_mib=start / 2**20,
+    )
+
+
+def per_stream_kib(mib: Any, streams: int) -> Any:
+    """MiB of growth as KiB per concurrent stream (numbers or numpy arrays alike)."""
+    return mib * 1024 / streams
+
+
+def rss_series(run: RunData, process: str = "proxy") -> list[RssGrowth]:
+    """The RSS growth of ``process`` in each pooled run in which it was sampled."""
+    lines = [rss_growth(trace.get(process, [])) for trace in run.rss]
+    return [line for line in lines if line is not None]
 
 
 def load_pyplot() -> Any:
@@ -1376,9 +1417,9 @@ def log_axis_left(lines: Sequence[Sequence[float]]) -> float | None:
     return max(min(lows) / 2, LOG_FLOOR_MS) if lows else None
 
 
-def cdf_label(mode: str, values: Sequence[float]) -> str:
+def cdf_label(name: str, values: Sequence[float]) -> str:
     zeros = sum(1 for v in values if v <= 0)
-    return f"{mode} (n={len(values)}" + (f", {zeros} of them 0)" if zeros else ")")
+    return f"{name}, n={len(values)}" + (f", {zeros} of them 0" if zeros else "")
 
 
 _STYLE: Final[dict[str, dict[str, Any]]] = {
@@ -1414,64 +1455,171 @@ def minor_tick_label(value: float, _: object = None) -> str:
     return f"{value:g}" if round(mantissa, 6) in (2, 3, 5) else ""
 
 
-def write_plots(report: BenchReport, directory: Path) -> list[tuple[str, Path]]:
-    """Draw the latency CDFs and the proxy's RSS over time as PNGs in ``directory``; return
-    (description, path) of each file written."""
+def plot_labels(settings: BenchSettings) -> dict[str, str]:
+    """What each mode is called in the plots' legends: Sluice by name (and by transport where
+    two run, or one was named), the peer by what it is."""
+    a, b = settings.transport, settings.versus_transport
+    sluice = "Sluice" if a == "auto" and b is None else f"Sluice ({a})"
+    labels = {
+        "proxy": sluice,
+        "peer": "peer (FastAPI + httpx)",
+        "direct": "direct to the fake upstream",
+        "baseline": f"{sluice}, slow readers reading fast",
+    }
+    if b is not None:
+        labels["versus"] = f"Sluice ({b})"
+    return labels
+
+
+def ms_text(value: float) -> str:
+    """A latency in ms for a label: three significant digits, never an exponent."""
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+# The percentiles marked on every CDF line, with the fraction of samples at each.
+_MARKS: Final = ((50, 0.5), (99, 0.99))
+
+
+def _mark_percentiles(ax: Any, lines: Sequence[tuple[str, Sequence[float]]]) -> None:
+    """A dot on each line at its p50 and p99 and a short label beside it in the line's colour;
+    the labels of different lines are staggered, so that close ones stay legible. Room for
+    them is made on the right of the (log) axis."""
+    low, high = ax.get_xlim()
+    high = high * (high / low) ** 0.2
+    ax.set_xlim(low, high)
+    for _, y in _MARKS:
+        ax.axhline(y, color="0.6", linewidth=0.6, linestyle=":", zorder=1)
+    for slot, (color, values) in enumerate(lines):
+        for q, y in _MARKS:
+            value = percentile(values, q)
+            if value is None:
+                continue
+            # A value left of the axis (a gap of 0) is drawn at its edge, labelled as it is.
+            at = min(max(value, low), high)
+            ax.plot([at], [y], marker="o", markersize=4.5, color=color, linestyle="none", zorder=4)
+            ax.annotate(
+                f"p{q} {ms_text(value)} ms",
+                (at, y),
+                xytext=(5, -9 - 10 * slot),
+                textcoords="offset points",
+                color=color,
+                fontsize=7.5,
+                va="center",
+                bbox={"boxstyle": "round,pad=0.1", "facecolor": "white", "edgecolor": "none"},
+                zorder=5,
+            )
+
+
+def _latency_panels(series: dict[str, dict[str, list[float]]]) -> list[tuple[str, str]]:
+    """A panel per latency that was measured (no drops: no cancel propagation)."""
+    return [(k, label) for k, label in _PANELS if any(v[k] for v in series.values())]
+
+
+def latency_figure(
+    report: BenchReport, series: dict[str, dict[str, list[float]]] | None = None
+) -> Any | None:
+    """The latency CDFs, a panel per latency measured, p50 and p99 marked on every line; None
+    when nothing was measured. ``series``: ``latency_series`` of each run, if at hand."""
     plt = load_pyplot()
     ticker = importlib.import_module("matplotlib.ticker")
+    labels = plot_labels(report.settings)
+    if series is None:
+        series = {mode: latency_series(run) for mode, run in report.runs.items()}
+    panels = _latency_panels(series)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(5 * len(panels), 4.4), layout="constrained", squeeze=False
+    )
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        marked: list[tuple[str, Sequence[float]]] = []
+        for mode, values in series.items():
+            # Latencies span orders of magnitude: a log axis, left of which lie the gaps
+            # of 0 (tokens that arrived in one read): the line starts at their share.
+            xs, ys = cdf_points(max(v, LOG_FLOOR_MS) for v in values[key])
+            if xs:
+                name = cdf_label(labels.get(mode, mode), values[key])
+                (line,) = ax.step(xs, ys, where="post", label=name, **_STYLE[mode])
+                marked.append((line.get_color(), values[key]))
+        _log_axis(ax, ticker, log_axis_left([values[key] for values in series.values()]))
+        _mark_percentiles(ax, marked)
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of samples ≤ x")
+        ax.set_ylim(0, 1.02)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{_title(report, 'Sluice')}: latency CDFs, p50 and p99 marked")
+    return fig
+
+
+_REPEAT_DASHES: Final = ("-.", ":")
+
+
+def rss_figure(report: BenchReport) -> Any | None:
+    """Each relay's RSS as growth over its run's start (MiB, left) and per concurrent stream
+    (KiB, right), one line per run; None when no relay's RSS was sampled."""
+    plt = load_pyplot()
+    labels = plot_labels(report.settings)
+    streams = report.settings.streams
+    lines = {mode: rss_series(run) for mode, run in report.runs.items()}
+    if not any(lines.values()):
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.8), layout="constrained")
+    for mode, runs in lines.items():
+        for i, line in enumerate(runs):
+            shown = labels.get(mode, mode)
+            name = shown if len(runs) == 1 else f"{shown} #{i + 1}"
+            peak = line.peak_mib
+            # A repeat in its mode's colour, told apart by its dashes.
+            style = _STYLE[mode] | ({"linestyle": _REPEAT_DASHES[(i - 1) % 2]} if i else {})
+            ax.plot(
+                line.seconds,
+                line.mib,
+                label=f"{name}: {line.start_mib:.1f} MiB at start, peak +{peak:.1f} MiB "
+                f"({per_stream_kib(peak, streams):.0f} KiB per stream)",
+                **style,
+            )
+    values = [v for runs in lines.values() for line in runs for v in line.mib]
+    # At least 1 MiB of height: a flat line must look flat, not like noise blown up.
+    top = max(max(values) * 1.2, 1.0)
+    ax.set_ylim(min(min(values) * 1.2, 0) - 0.04 * top, top)
+    ax.axhline(0, color="0.4", linewidth=0.8)
+    ax.set_xlabel("seconds since the run began")
+    ax.set_ylabel("RSS growth over the run's start (MiB)")
+    right = ax.secondary_yaxis(
+        "right",
+        functions=(partial(per_stream_kib, streams=streams), lambda kib: kib * streams / 1024),
+    )
+    right.set_ylabel(f"KiB per concurrent stream ({streams} streams)")
+    ax.grid(True, alpha=0.3)
+    entries = sum(len(runs) for runs in lines.values())
+    fig.legend(loc="outside lower center", ncols=2 if entries > 3 else 1, fontsize=8)
+    fig.suptitle(f"{_title(report, 'Sluice')}: RSS growth, sampled every {RSS_PERIOD * 1000:g} ms")
+    return fig
+
+
+def write_plots(report: BenchReport, directory: Path) -> list[tuple[str, Path]]:
+    """Draw the latency CDFs and the relays' RSS growth as PNGs in ``directory``, named by
+    the load (``BenchSettings.slug``: a rerun of a load replaces its own files); return
+    (description, path) of each file written."""
+    plt = load_pyplot()
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{report.settings.slug()}"
-    title = _title(report)
-    labels = column_labels(report.settings)
     written: list[tuple[str, Path]] = []
-
     series = {mode: latency_series(run) for mode, run in report.runs.items()}
-    # A panel per latency that was measured (no drops: no cancel propagation).
-    panels = [(k, label) for k, label in _PANELS if any(v[k] for v in series.values())]
-    if panels:
-        fig, axes = plt.subplots(
-            1, len(panels), figsize=(5 * len(panels), 4.2), layout="constrained", squeeze=False
-        )
-        for ax, (key, label) in zip(axes[0], panels, strict=True):
-            for mode, values in series.items():
-                # Latencies span orders of magnitude: a log axis, left of which lie the gaps
-                # of 0 (tokens that arrived in one read): the line starts at their share.
-                xs, ys = cdf_points(max(v, LOG_FLOOR_MS) for v in values[key])
-                if xs:
-                    label_ = cdf_label(labels.get(mode, mode), values[key])
-                    ax.step(xs, ys, where="post", label=label_, **_STYLE[mode])
-            _log_axis(ax, ticker, log_axis_left([values[key] for values in series.values()]))
-            ax.set_xlabel(label)
-            ax.set_ylabel("fraction of samples ≤ x")
-            ax.set_ylim(0, 1.02)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(loc="lower right")
-        fig.suptitle(f"{title}: latency CDFs")
+    fig = latency_figure(report, series)
+    if fig is not None:
         path = directory / f"{stem}-latency.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
-        names = ", ".join(label.split(" (")[0] for _, label in panels)
-        written.append((f"Latency CDFs: {names}", path))
-
-    lines = {mode: rss_series(run) for mode, run in report.runs.items()}
-    if any(lines.values()):
-        fig, ax = plt.subplots(figsize=(9, 4.2), layout="constrained")
-        for mode, runs in lines.items():
-            for i, (xs, ys) in enumerate(runs):
-                shown = labels.get(mode, mode)
-                name = shown if len(runs) == 1 else f"{shown} #{i + 1}"
-                who = "peer" if mode == "peer" else "proxy"
-                ax.plot(xs, ys, label=f"{who} RSS, {name} run", **_STYLE[mode])
-        ax.set_xlabel("seconds since the run began")
-        ax.set_ylabel("RSS (MiB)")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right")
-        fig.suptitle(f"{title}: proxy RSS, sampled every {RSS_PERIOD * 1000:g} ms")
+        names = ", ".join(label.split(" (")[0] for _, label in _latency_panels(series))
+        written.append((f"Latency CDFs with p50 and p99: {names}", path))
+    fig = rss_figure(report)
+    if fig is not None:
         path = directory / f"{stem}-rss.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
-        written.append(("Proxy RSS over time", path))
+        written.append(("RSS growth over each run's start, and per stream", path))
     return written
 
 
@@ -1726,14 +1874,87 @@ class BenchSettings:
         return "".join(" " + part for part in extra)
 
     def slug(self) -> str:
-        """A file-name part for this load: readable, and unique per key."""
-        digest = hashlib.sha1(self.key().encode(), usedforsecurity=False).hexdigest()[:6]
-        slow = f"-slow{round(self.slow * 100)}" if self.slow else ""
-        transport = f"-{self.transport}" if self.transport != "auto" else ""
-        if self.versus_transport is not None:
-            transport += f"-vs-{self.versus_transport}"
-        habit = f"-{self.upstream_habit}" if self.upstream_habit != "none" else ""
-        return f"{self.streams}-streams{slow}{transport}{habit}-{digest}"
+        """A file-name part for this load, the same on every rerun of it: readable, and
+        unique per key (``load_name``)."""
+        return load_name(self.key())
+
+
+def _key_parts(key: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in key.split())
+
+
+def _percent(fraction: str) -> str:
+    """A fraction as the key writes it ("0.3", six digits at most) in percent ("30"): the
+    same digits, so two fractions never give one percent."""
+    return f"{float(fraction) * 100:g}"
+
+
+def _drop_words(value: str, default: str) -> str:
+    fraction, _, at = value.partition("@")
+    word = f"drop{_percent(fraction)}"
+    return word + (f"-at{at}" if at != default.partition("@")[2] else "")
+
+
+def _habit_words(value: str, default: str) -> str:
+    habit, _, seconds = value.partition("@")
+    return habit + (f"-{seconds}s" if seconds else "")
+
+
+# How each part of a load's key reads in its file name (from its value and the default's),
+# in the order the name gives them: what the load compares first, then the knobs that shape
+# it. A part the key gains later and this table lacks still makes the name, as name+value.
+_NAME_WORDS: Final[tuple[tuple[str, Callable[[str, str], str]], ...]] = (
+    ("workers", lambda v, d: f"{v}-workers"),
+    ("pin", lambda v, d: "pinned"),
+    ("slow", lambda v, d: f"slow{_percent(v)}"),
+    ("transport", lambda v, d: f"{v}-transport"),
+    ("versus", lambda v, d: f"vs-{v}"),
+    ("direct", lambda v, d: "vs-direct"),
+    ("peer", lambda v, d: "vs-peer"),
+    ("baseline", lambda v, d: "vs-baseline"),
+    ("habit", _habit_words),
+    ("repeat", lambda v, d: f"{v}-repeats"),
+    ("ramp", lambda v, d: f"ramp{v}s"),
+    ("ttft", lambda v, d: f"ttft{v}s"),
+    ("interval", lambda v, d: f"interval{v}s"),
+    ("tokens", lambda v, d: f"{v}-tokens"),
+    ("drop", _drop_words),
+    ("seed", lambda v, d: f"seed{v}"),
+    ("delay", lambda v, d: f"delay{v}s"),
+    ("rcvbuf", lambda v, d: f"rcvbuf{v}"),
+    ("mss", lambda v, d: f"mss{v}"),
+    ("usndbuf", lambda v, d: f"usndbuf{v}"),
+    ("prcvbuf", lambda v, d: f"prcvbuf{v}"),
+    ("pad", lambda v, d: f"pad{v}"),
+)
+
+
+def load_name(key: str) -> str:
+    """A load's file-name part from its key (``BenchSettings.key``, as in the markdown's
+    markers): the streams, then every part of the key that differs from the default load's,
+    in words, with no digest: ``100-streams-vs-direct``, ``1000-streams-2-workers-vs-peer``,
+    ``100-streams-lean-vs-httpx-3-repeats``. Each part reads as its own word and keeps its
+    value, so two keys that differ get two names, and a rerun of a load gets its old one."""
+    default = BenchSettings()
+    # The slow readers' delay is in the key whenever there are slow readers: at its default
+    # it says nothing the name needs.
+    defaults = _key_parts(default.key()) | {"delay": f"{default.slow_delay:g}"}
+    parts = _key_parts(key)
+    differ = {name: value for name, value in parts.items() if defaults.get(name) != value}
+    words = [f"{parts.pop('streams', '?')}-streams"]
+    differ.pop("streams", None)
+    if "versus" in differ and "transport" in differ:
+        # Two transports side by side read as one word: "lean-vs-httpx".
+        differ["versus"] = f"{differ.pop('transport')}-vs-{differ['versus']}"
+        words_for = dict(_NAME_WORDS) | {"versus": lambda v, d: v}
+    else:
+        words_for = dict(_NAME_WORDS)
+    for name, word in words_for.items():
+        if name in differ:
+            words.append(word(differ.pop(name), defaults.get(name, "")))
+    words += [f"{name}{value}" for name, value in differ.items()]
+    # Whatever a value holds, the name stays a plain file name.
+    return "".join(c if c.isalnum() or c in ".+-" else "_" for c in "-".join(words))
 
 
 def _address(url: str) -> tuple[str, int]:
