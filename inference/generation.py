@@ -43,6 +43,20 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # vLLM's extension: keep generating past end-of-sequence (benchmarks use it).
     ignore_eos: bool = False
+    # OpenAI's: subtracted from a token's logit per time it was generated (frequency) and
+    # once if it was at all (presence), -2..2. vLLM's/transformers': logits of tokens seen in
+    # the prompt or the output divided (if positive) or multiplied by it, > 0; 1 = off.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass
@@ -58,7 +72,11 @@ class GenerationResult:
 
 
 def sampling_from_body(
-    body: Mapping[str, Any], *, default_max_tokens: int, default_temperature: float
+    body: Mapping[str, Any],
+    *,
+    default_max_tokens: int,
+    default_temperature: float,
+    default_repetition_penalty: float = 1.0,
 ) -> SamplingParams:
     """OpenAI sampling fields (types already validated by the proxy) with this model's defaults."""
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
@@ -75,7 +93,30 @@ def sampling_from_body(
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise PromptError("'ignore_eos' must be a boolean.", param="ignore_eos")
+    penalties = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = body.get(name)
+        if value is not None:
+            if (
+                not isinstance(value, int | float)
+                or isinstance(value, bool)
+                or not -2 <= value <= 2
+            ):
+                raise PromptError(f"'{name}' must be a number between -2 and 2.", param=name)
+            penalties[name] = float(value)
+    repetition = body.get("repetition_penalty", default_repetition_penalty)
+    if (
+        not isinstance(repetition, int | float)
+        or isinstance(repetition, bool)
+        or not 0 < repetition <= 10
+    ):
+        raise PromptError(
+            "'repetition_penalty' must be a number greater than 0 (1 = off).",
+            param="repetition_penalty",
+        )
     return SamplingParams(
+        **penalties,
+        repetition_penalty=float(repetition),
         max_tokens=int(max_tokens),
         temperature=default_temperature if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
@@ -196,6 +237,7 @@ class Generator:
         stop_hit = False
         input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
         cache: Any = None
+        generated: list[int] = []
         with torch.inference_mode():
             for _ in range(params.max_tokens):
                 checkpoint()
@@ -205,7 +247,11 @@ class Generator:
                     input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1
                 )
                 cache = output.cache
-                token = _sample(output.logits[0, -1], params, generator)
+                logits = output.logits[0, -1]
+                if params.penalized:
+                    logits = _penalize(logits, params, prompt_ids, generated)
+                token = _sample(logits, params, generator)
+                generated.append(token)
                 elapsed = time.perf_counter() - started
                 steps.append(elapsed)
                 # The first step is the prefill of the whole prompt: slow by nature, not a
@@ -251,6 +297,26 @@ class Generator:
             slow_steps=slow_steps,
             stop_sequence=stops.matched if stop_hit else None,
         )
+
+
+def _penalize(
+    logits: Any, params: SamplingParams, prompt_ids: Sequence[int], generated: list[int]
+) -> Any:
+    """The logits with OpenAI's frequency and presence penalties (over the output) and the
+    repetition penalty (over the prompt and the output), as vLLM applies them."""
+    import torch
+
+    logits = logits.float().clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt_ids, *generated}), dtype=torch.long)
+        values = logits[seen]
+        logits[seen] = torch.where(
+            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+        )
+    if generated and (params.frequency_penalty or params.presence_penalty):
+        tokens, counts = torch.unique(torch.tensor(generated, dtype=torch.long), return_counts=True)
+        logits[tokens] -= params.frequency_penalty * counts.float() + params.presence_penalty
+    return logits
 
 
 def _sample(logits: Any, params: SamplingParams, generator: Any) -> int:

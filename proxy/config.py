@@ -166,6 +166,8 @@ class ModelConfig(UpstreamRequestConfig):
     queue_timeout: float = 30.0
     default_max_tokens: int = 512
     default_temperature: float = 1.0
+    # Applied when a request names none (1 = off): a small model loops without it.
+    default_repetition_penalty: float = 1.0
     # A decode step slower than this is logged (once per request): memory pressure, swapping.
     slow_step_seconds: float = 1.0
 
@@ -222,6 +224,7 @@ _LOCAL_MODEL_KEYS = frozenset(
         "queue_timeout",
         "default_max_tokens",
         "default_temperature",
+        "default_repetition_penalty",
         "slow_step_seconds",
     }
 )
@@ -442,6 +445,7 @@ def _validate_local_model(model: ModelConfig) -> None:
         queue_timeout=model.queue_timeout,
         default_max_tokens=model.default_max_tokens,
         slow_step_seconds=model.slow_step_seconds,
+        default_repetition_penalty=model.default_repetition_penalty,
     )
     _check_not_negative(
         where, max_queue=model.max_queue, default_temperature=model.default_temperature

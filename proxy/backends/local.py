@@ -29,7 +29,7 @@ from proxy.config import ModelConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol.anthropic import MessagesStream, whole_message
 from proxy.protocol.errors import ApiError
-from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.openai import CompletionRequest, Endpoint, check_local_parameters
 from proxy.protocol.responses import ResponsesStream, whole_response
 from proxy.relay.admission import Admission
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
@@ -75,6 +75,7 @@ class LocalBackend:
                 param="model",
                 code="model_not_supported",
             )
+        check_local_parameters(request.body, request.endpoint)
         async with self.admission.slot():
             sink.set_phase("awaiting_first_token")
             await trio.to_thread.run_sync(
@@ -131,6 +132,7 @@ class LocalBackend:
                     body,
                     default_max_tokens=model.default_max_tokens,
                     default_temperature=model.default_temperature,
+                    default_repetition_penalty=model.default_repetition_penalty,
                 ),
             )
         except PromptError as error:

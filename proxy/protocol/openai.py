@@ -70,6 +70,67 @@ def _check_optional(body: dict[str, Any], name: str, ok: bool, expected: str) ->
         raise bad_request(f"'{name}' must be {expected}.", param=name)
 
 
+# What a local model does not do, by endpoint: each is refused by name (400
+# unsupported_parameter) rather than silently ignored. A value that asks for nothing (n = 1,
+# logprobs = false, an empty tools list, response_format text) passes.
+_UNSUPPORTED_LOCALLY: dict[str, tuple[str, ...]] = {
+    "/v1/chat/completions": (
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "logit_bias",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+    ),
+    "/v1/completions": ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias"),
+    "/v1/responses": ("tools", "tool_choice", "text", "reasoning", "previous_response_id"),
+    "/v1/messages": ("tools", "tool_choice", "thinking"),
+}
+
+
+def _asks_nothing(value: object) -> bool:
+    # Types compared too: True == 1, and logprobs: true asks for something.
+    if value is None or value is False:
+        return True
+    if type(value) is int:
+        return value == 1
+    return value in ([], {}, "auto", "none", "text")
+
+
+def check_local_parameters(body: dict[str, Any], endpoint: Endpoint) -> None:
+    """Raise a 400 ``unsupported_parameter`` for the first parameter a local model would
+    otherwise ignore."""
+    for name in _UNSUPPORTED_LOCALLY.get(endpoint.value, ()):
+        value = body.get(name)
+        if _asks_nothing(value) or _asks_for_text(name, value):
+            continue
+        raise bad_request(
+            f"'{name}' is not supported by this local model (it would be ignored): remove it, "
+            "or use a model served by an upstream that supports it.",
+            param=name,
+            code="unsupported_parameter",
+        )
+
+
+def _asks_for_text(name: str, value: object) -> bool:
+    """response_format / text.format / modalities that ask for plain text: the default."""
+    if name == "response_format" and isinstance(value, dict):
+        return value.get("type") == "text"
+    if name == "text" and isinstance(value, dict):
+        fmt = value.get("format")
+        return fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text")
+    if name == "modalities":
+        return value == ["text"]
+    return False
+
+
 def embeddings_request(body: dict[str, Any], raw: bytes) -> CompletionRequest:
     """Validate an embeddings request: a model and an input to embed, never streamed."""
     model = _model(body)
