@@ -165,7 +165,15 @@ def run_worker(
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser("serve", help="serve the proxy")
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the proxy",
+        description="Serve the proxy: the config's models on its [server] host and port.",
+        formatter_class=HelpWithDefaults,
+    )
+    # Also after the subcommand ("sluice serve --log-level DEBUG"); SUPPRESS leaves the
+    # global one's value when it is not given here.
+    _log_level_option(parser, argparse.SUPPRESS)
     parser.add_argument(
         "--config", "-c", help=f"TOML config file (default: {DEFAULT_CONFIG} when present)"
     )
@@ -241,6 +249,7 @@ def _hash_key(args: argparse.Namespace) -> int:
 def _add_hash_key(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "hash-key",
+        formatter_class=HelpWithDefaults,
         help="print the SHA-256 of a client API key and a [[keys]] table for the config",
         description="Reads the key from stdin (prompting without echo on a terminal), so that it "
         "stays out of shell history and the process list; --key is for scripts.",
@@ -261,9 +270,43 @@ def configure_logging(level: str) -> None:
     configure_access_log()  # one bare JSON line per request, without the root prefix
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's default in its help, where it has one worth saying (argparse's own
+    ArgumentDefaultsHelpFormatter also says "(default: None)" for every unset option)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default" in help_text:
+            return help_text
+        return f"{help_text} (default: {default})"
+
+DESCRIPTION = (
+    "Sluice: an LLM streaming proxy whose requests live exactly as long as their clients. "
+    "Serve it, run its fake upstream or bench, or hash a client API key."
+)
+
+
+def _log_level_option(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="how much to log (default: INFO)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser = argparse.ArgumentParser(
+        prog="sluice",
+        description=DESCRIPTION,
+        formatter_class=HelpWithDefaults,
+    )
+    _log_level_option(parser, "INFO")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_tool(

@@ -117,3 +117,21 @@ def test_serving_without_a_local_model_never_imports_torch() -> None:
         cwd=root,
     )
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_log_level_is_taken_after_the_subcommand_too() -> None:
+    from proxy.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
+    assert parser.parse_args(["--log-level", "warning", "serve"]).log_level == "WARNING"
+    assert parser.parse_args(["serve"]).log_level == "INFO"
+
+
+def test_help_says_the_defaults_without_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["serve", "--help"], ["hash-key", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        assert "``" not in text and "(default: None)" not in text
+        assert "default" in text
