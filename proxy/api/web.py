@@ -1,8 +1,10 @@
 """The chat page: one HTML page, one script, one stylesheet, served from the package.
 
-``GET /`` is the page; ``GET /static/app.js`` and ``GET /static/style.css`` are its assets. The
-page talks to the proxy's own OpenAI-compatible API (``/v1/models``, streamed
-``/v1/chat/completions``) like any other client: nothing here touches a backend.
+``GET /`` is the page; ``GET /static/app.js`` and ``GET /static/style.css`` are its assets, and
+``GET /static/vendor/…`` the two libraries it renders answers with (marked and DOMPurify, fetched
+from the npm registry by ``scripts/vendor_js.py``; their licences lie beside them). The page
+talks to the proxy's own API (``/healthz``, ``/v1/models``, streamed ``/v1/chat/completions``)
+like any other client: nothing here touches a backend.
 
 Each asset has its own fully static URL rule rather than Quart's ``static_folder`` machinery:
 the app object is created with Quart's default static folder (``<cwd>/static`` at
@@ -26,11 +28,15 @@ from quart import Blueprint, Response, request
 
 __all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "blueprint"]
 
-# URL path -> (file under proxy/static/, content type).
+_JS = "text/javascript; charset=utf-8"
+
+# URL path -> (file under proxy/api/static/, content type).
 ASSETS: dict[str, tuple[str, str]] = {
     "/": ("index.html", "text/html; charset=utf-8"),
-    "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/static/app.js": ("app.js", _JS),
     "/static/style.css": ("style.css", "text/css; charset=utf-8"),
+    "/static/vendor/marked.umd.js": ("vendor/marked.umd.js", _JS),
+    "/static/vendor/purify.min.js": ("vendor/purify.min.js", _JS),
 }
 
 CONTENT_SECURITY_POLICY = "; ".join(
@@ -58,7 +64,7 @@ class _Asset:
 
 @cache
 def _asset(name: str, content_type: str) -> _Asset:
-    body = resources.files("proxy.api").joinpath("static", name).read_bytes()
+    body = resources.files("proxy.api").joinpath("static", *name.split("/")).read_bytes()
     etag = '"' + hashlib.sha256(body).hexdigest()[:20] + '"'
     return _Asset(body, content_type, etag)
 
@@ -84,7 +90,7 @@ def _register(path: str) -> None:
     async def view() -> Response:
         return _serve(path)
 
-    endpoint = ASSETS[path][0].replace(".", "_")
+    endpoint = ASSETS[path][0].replace(".", "_").replace("/", "_")
     blueprint.add_url_rule(path, endpoint, view, methods=["GET"])
 
 
