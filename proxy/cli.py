@@ -284,6 +284,7 @@ class HelpWithDefaults(argparse.HelpFormatter):
             return help_text
         return f"{help_text} (default: {default})"
 
+
 DESCRIPTION = (
     "Sluice: an LLM streaming proxy whose requests live exactly as long as their clients. "
     "Serve it, run its fake upstream or bench, or hash a client API key."
