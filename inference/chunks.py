@@ -34,11 +34,21 @@ def _dumps(value: Any) -> str:
 class ChunkFormatter:
     """Chunks of one response: chat (``chat.completion.chunk``) or text (``text_completion``)."""
 
-    def __init__(self, *, chat: bool, model: str, response_id: str, created: int | None = None):
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        model: str,
+        response_id: str,
+        created: int | None = None,
+        index: int = 0,
+    ):
         self.chat = chat
         self.model = model
         self.response_id = response_id
         self.created = int(time.time()) if created is None else created
+        # Which choice these chunks carry (a request for n choices has n of them).
+        self.index = index
         head = {
             "id": response_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -47,9 +57,9 @@ class ChunkFormatter:
         }
         self._head = _dumps(head)[:-1]  # without the closing brace
         self._text_prefix = (
-            self._head + ',"choices":[{"index":0,"delta":{"content":'
+            self._head + f',"choices":[{{"index":{index},"delta":{{"content":'
             if chat
-            else self._head + ',"choices":[{"index":0,"text":'
+            else self._head + f',"choices":[{{"index":{index},"text":'
         ).encode()
         self._text_suffix = (
             b'},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -63,18 +73,37 @@ class ChunkFormatter:
     def role(self) -> bytes:
         """The first chat chunk, announcing the assistant role (as vLLM and OpenAI send it)."""
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
         return self._event(self._head + ',"choices":[' + _dumps(choice) + "]}")
 
-    def text(self, text: str) -> bytes:
-        return b"data: " + self._text_prefix + _dumps(text).encode() + self._text_suffix
+    def text(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+        if logprobs is None:
+            return b"data: " + self._text_prefix + _dumps(text).encode() + self._text_suffix
+        # With logprobs (chat only): the general path, built whole.
+        choice = {
+            "index": self.index,
+            "delta": {"content": text},
+            "logprobs": {"content": logprobs},
+            "finish_reason": None,
+        }
+        return self._event(self._head + ',"choices":[' + _dumps(choice) + "]}")
+
+    def for_choice(self, index: int) -> ChunkFormatter:
+        """The chunks of choice ``index`` of the same response (same id and time)."""
+        return ChunkFormatter(
+            chat=self.chat,
+            model=self.model,
+            response_id=self.response_id,
+            created=self.created,
+            index=index,
+        )
 
     def finish(self, reason: str) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": reason}
         if self.chat:
             choice["delta"] = {}
         else:
@@ -84,19 +113,38 @@ class ChunkFormatter:
     def usage(self, usage: Usage) -> bytes:
         return self._event(self._head + ',"choices":[],"usage":' + _dumps(usage.to_dict()) + "}")
 
-    def whole(self, text: str, finish_reason: str, usage: Usage) -> bytes:
+    def whole(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: Usage,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> bytes:
         """The body of a non-streaming response."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        return self.whole_choices([(text, finish_reason, logprobs)], usage)
+
+    def whole_choices(
+        self, choices: list[tuple[str, str, list[dict[str, Any]] | None]], usage: Usage
+    ) -> bytes:
+        """The body of a non-streaming response with several choices (``n``)."""
+        built: list[dict[str, Any]] = []
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
+            choice: dict[str, Any] = {
+                "index": index,
+                "logprobs": None if logprobs is None else {"content": logprobs},
+                "finish_reason": finish_reason,
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            built.append(choice)
         body = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": built,
             "usage": usage.to_dict(),
         }
         return _dumps(body).encode()

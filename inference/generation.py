@@ -49,6 +49,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Chat's logprobs: None = off, else how many alternatives per token (top_logprobs, 0..20).
+    logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -69,6 +71,9 @@ class GenerationResult:
     slow_steps: int = 0
     # The stop string that ended it, if one did.
     stop_sequence: str | None = None
+
+
+MAX_TOP_LOGPROBS = 20
 
 
 def sampling_from_body(
@@ -114,8 +119,21 @@ def sampling_from_body(
             "'repetition_penalty' must be a number greater than 0 (1 = off).",
             param="repetition_penalty",
         )
+    logprobs = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if logprobs not in (None, True, False):
+        raise PromptError("'logprobs' must be a boolean.", param="logprobs")
+    if top is not None:
+        if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise PromptError(
+                f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}.",
+                param="top_logprobs",
+            )
+        if logprobs is not True:
+            raise PromptError("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     return SamplingParams(
         **penalties,
+        logprobs=(top or 0) if logprobs is True else None,
         repetition_penalty=float(repetition),
         max_tokens=int(max_tokens),
         temperature=default_temperature if temperature is None else float(temperature),
@@ -166,6 +184,26 @@ class Generator:
                 list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
             )
         )
+
+    def _logprob_entry(self, logits: Any, token: int, top: int) -> dict[str, Any]:
+        """OpenAI's per-token logprobs entry: the token, its log-probability under the
+        (penalized) distribution before temperature, its bytes, and the ``top`` likeliest."""
+        import torch
+
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+
+        def entry(token_id: int, value: float) -> dict[str, Any]:
+            text = self._decode([token_id])
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        chosen = entry(token, float(logprobs[token]))
+        alternatives = []
+        if top:
+            values, ids = torch.topk(logprobs, top)
+            alternatives = [
+                entry(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+            ]
+        return {**chosen, "top_logprobs": alternatives}
 
     def chat_prompt(self, messages: Sequence[Any]) -> list[int]:
         conversation = []
@@ -220,8 +258,10 @@ class Generator:
         emit: Callable[[str], None],
         checkpoint: Callable[[], None],
         request_id: str = "",
+        on_logprob: Callable[[dict[str, Any]], None] | None = None,
     ) -> GenerationResult:
-        """Run the decode loop, calling ``emit`` with each piece of complete text."""
+        """Run the decode loop, calling ``emit`` with each piece of complete text, and (with
+        ``params.logprobs``) ``on_logprob`` with each token's entry before its text."""
         import torch
 
         generator = None
@@ -252,6 +292,8 @@ class Generator:
                     logits = _penalize(logits, params, prompt_ids, generated)
                 token = _sample(logits, params, generator)
                 generated.append(token)
+                if params.logprobs is not None and on_logprob is not None:
+                    on_logprob(self._logprob_entry(logits, token, params.logprobs))
                 elapsed = time.perf_counter() - started
                 steps.append(elapsed)
                 # The first step is the prefill of the whole prompt: slow by nature, not a

@@ -9,6 +9,7 @@ the thread to return, so its slot is free only once the model really stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections import deque
@@ -23,6 +24,8 @@ from inference import (
     Generator,
     LoadedModel,
     PromptError,
+    SamplingParams,
+    Usage,
     sampling_from_body,
 )
 from proxy.config import ModelConfig
@@ -137,10 +140,16 @@ class LocalBackend:
             )
         except PromptError as error:
             raise ApiError(400, str(error), param=error.param, code=error.code) from None
-        wire = _wire(request, model.name, len(prompt_ids))
+        wire = _wire(request, model.name, len(prompt_ids), params.logprobs is not None)
 
         def send(chunk: bytes) -> None:
             trio.from_thread.run(sink.send, chunk)
+
+        choices = (body.get("n") or 1) if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else 1
+        if choices > 1:
+            assert isinstance(wire, _CompletionsWire)
+            self._generate_choices(request, request_id, sink, wire, prompt_ids, params, choices)
+            return
 
         if request.stream:
             trio.from_thread.run_sync(sink.begin, 200, SSE_CONTENT_TYPE)
@@ -152,6 +161,7 @@ class LocalBackend:
                 emit=lambda text: send(wire.text(text)),
                 checkpoint=trio.from_thread.check_cancelled,
                 request_id=request_id,
+                on_logprob=wire.record,
             )
             self._record_steps(result)
             for event in wire.end(result):
@@ -164,9 +174,73 @@ class LocalBackend:
             emit=pieces.append,
             checkpoint=trio.from_thread.check_cancelled,
             request_id=request_id,
+            on_logprob=wire.record,
         )
         self._record_steps(result)
         whole = wire.whole("".join(pieces), result)
+
+        def begin_whole() -> None:
+            sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
+
+        trio.from_thread.run_sync(begin_whole)
+        send(whole)
+
+    def _generate_choices(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
+        wire: _CompletionsWire,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        choices: int,
+    ) -> None:
+        """``n`` choices: one generation each, one after another in this slot (so a client
+        that leaves stops the one in progress and no other starts). A request's seed gives
+        each choice its own (seed + index), so that they differ and repeat alike."""
+
+        def send(chunk: bytes) -> None:
+            trio.from_thread.run(sink.send, chunk)
+
+        if request.stream:
+            trio.from_thread.run_sync(sink.begin, 200, SSE_CONTENT_TYPE)
+        answers: list[tuple[str, str, list[dict[str, Any]] | None]] = []
+        completion_tokens = 0
+        for index in range(choices):
+            formatter = wire.formatter.for_choice(index)
+            choice_wire = _CompletionsWire(request, self.model.name, params.logprobs is not None)
+            choice_wire.formatter = formatter
+            seed = None if params.seed is None else (params.seed + index) % (2**63)
+            choice_params = dataclasses.replace(params, seed=seed)
+            pieces: list[str] = []
+            if request.stream and formatter.chat:
+                send(formatter.role())
+
+            def stream_text(text: str, choice: _CompletionsWire = choice_wire) -> None:
+                send(choice.text(text))
+
+            result = self.generator.generate(
+                prompt_ids,
+                choice_params,
+                emit=stream_text if request.stream else pieces.append,
+                checkpoint=trio.from_thread.check_cancelled,
+                request_id=request_id,
+                on_logprob=choice_wire.record,
+            )
+            self._record_steps(result)
+            completion_tokens += result.usage.completion_tokens
+            if request.stream:
+                send(formatter.finish(result.finish_reason))
+            else:
+                logprobs = None if choice_wire.pending is None else choice_wire.entries
+                answers.append(("".join(pieces), result.finish_reason, logprobs))
+        usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens)
+        if request.stream:
+            if request.include_usage:
+                send(wire.formatter.usage(usage))
+            send(DONE)
+            return
+        whole = wire.formatter.whole_choices(answers, usage)
 
         def begin_whole() -> None:
             sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
@@ -197,6 +271,9 @@ _GENERATED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES,
 class _Wire(Protocol):
     """One generation in an endpoint's shape: the stream's events, or the whole body."""
 
+    def record(self, entry: dict[str, Any]) -> None:
+        """A token's logprobs entry (only chat asks for them)."""
+
     def start(self) -> list[bytes]: ...
 
     def text(self, text: str) -> bytes: ...
@@ -207,9 +284,10 @@ class _Wire(Protocol):
 
 
 class _CompletionsWire:
-    """Chat completions and legacy completions: OpenAI's chunks, then ``data: [DONE]``."""
+    """Chat completions and legacy completions: OpenAI's chunks, then ``data: [DONE]``. With
+    logprobs, each text chunk carries the entries of the tokens whose text it is."""
 
-    def __init__(self, request: CompletionRequest, model: str) -> None:
+    def __init__(self, request: CompletionRequest, model: str, logprobs: bool = False) -> None:
         chat = request.endpoint is Endpoint.CHAT
         self.include_usage = request.include_usage
         self.formatter = ChunkFormatter(
@@ -217,7 +295,21 @@ class _CompletionsWire:
             model=model,
             response_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         )
-        self.text = self.formatter.text
+        # Entries not yet sent with a chunk, and all of them (for a whole body).
+        self.pending: list[dict[str, Any]] | None = [] if logprobs else None
+        self.entries: list[dict[str, Any]] = []
+
+    def record(self, entry: dict[str, Any]) -> None:
+        if self.pending is not None:
+            self.pending.append(entry)
+            self.entries.append(entry)
+
+    def text(self, text: str) -> bytes:
+        if self.pending is None:
+            return self.formatter.text(text)
+        chunk = self.formatter.text(text, self.pending)
+        self.pending = []
+        return chunk
 
     def start(self) -> list[bytes]:
         return [self.formatter.role()] if self.formatter.chat else []
@@ -229,7 +321,8 @@ class _CompletionsWire:
         return [*events, DONE]
 
     def whole(self, text: str, result: GenerationResult) -> bytes:
-        return self.formatter.whole(text, result.finish_reason, result.usage)
+        logprobs = None if self.pending is None else self.entries
+        return self.formatter.whole(text, result.finish_reason, result.usage, logprobs)
 
 
 class _ResponsesWire:
@@ -240,6 +333,9 @@ class _ResponsesWire:
         self.response_id = "resp_" + uuid.uuid4().hex
         self.stream = ResponsesStream(model=model, response_id=self.response_id)
         self.text = self.stream.text
+
+    def record(self, entry: dict[str, Any]) -> None:
+        pass  # the Responses API's logprobs are not offered here
 
     def start(self) -> list[bytes]:
         return [self.stream.start()]
@@ -271,6 +367,9 @@ class _MessagesWire:
         self.stream = MessagesStream(model=model, message_id=self.message_id)
         self.text = self.stream.text
 
+    def record(self, entry: dict[str, Any]) -> None:
+        pass  # the Messages API has no logprobs
+
     def start(self) -> list[bytes]:
         return [self.stream.start(self.prompt_tokens)]
 
@@ -293,9 +392,11 @@ class _MessagesWire:
         )
 
 
-def _wire(request: CompletionRequest, model: str, prompt_tokens: int) -> _Wire:
+def _wire(
+    request: CompletionRequest, model: str, prompt_tokens: int, logprobs: bool = False
+) -> _Wire:
     if request.endpoint is Endpoint.RESPONSES:
         return _ResponsesWire(model)
     if request.endpoint is Endpoint.MESSAGES:
         return _MessagesWire(model, prompt_tokens)
-    return _CompletionsWire(request, model)
+    return _CompletionsWire(request, model, logprobs)

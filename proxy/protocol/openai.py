@@ -73,11 +73,10 @@ def _check_optional(body: dict[str, Any], name: str, ok: bool, expected: str) ->
 # What a local model does not do, by endpoint: each is refused by name (400
 # unsupported_parameter) rather than silently ignored. A value that asks for nothing (n = 1,
 # logprobs = false, an empty tools list, response_format text) passes.
+# Choices a local model generates for one request (one after another, in its slot).
+MAX_LOCAL_CHOICES = 8
 _UNSUPPORTED_LOCALLY: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": (
-        "n",
-        "logprobs",
-        "top_logprobs",
         "tools",
         "tool_choice",
         "functions",
@@ -89,7 +88,7 @@ _UNSUPPORTED_LOCALLY: dict[str, tuple[str, ...]] = {
         "prediction",
         "web_search_options",
     ),
-    "/v1/completions": ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias"),
+    "/v1/completions": ("best_of", "logprobs", "echo", "suffix", "logit_bias"),
     "/v1/responses": ("tools", "tool_choice", "text", "reasoning", "previous_response_id"),
     "/v1/messages": ("tools", "tool_choice", "thinking"),
 }
@@ -106,7 +105,15 @@ def _asks_nothing(value: object) -> bool:
 
 def check_local_parameters(body: dict[str, Any], endpoint: Endpoint) -> None:
     """Raise a 400 ``unsupported_parameter`` for the first parameter a local model would
-    otherwise ignore."""
+    otherwise ignore (and a 400 for an ``n`` it cannot give)."""
+    if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) and "n" in body:
+        n = body["n"]
+        if n is not None and (type(n) is not int or not 1 <= n <= MAX_LOCAL_CHOICES):
+            raise bad_request(
+                f"'n' must be an integer from 1 to {MAX_LOCAL_CHOICES} on a local model "
+                "(each choice is one more generation).",
+                param="n",
+            )
     for name in _UNSUPPORTED_LOCALLY.get(endpoint.value, ()):
         value = body.get(name)
         if _asks_nothing(value) or _asks_for_text(name, value):
