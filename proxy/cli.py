@@ -25,18 +25,6 @@ if TYPE_CHECKING:
 DEFAULT_CONFIG = "conf/local.toml"
 
 
-async def load_local_models(config: Config) -> dict[str, Any]:
-    models = [model for model in config.models if model.backend == "local"]
-    if not models:
-        return {}  # torch is never imported for a proxy without local models
-    from inference import load_model
-
-    loaded = {}
-    for model in models:
-        loaded[model.name] = await trio.to_thread.run_sync(load_model, model.path, model.name)
-    return loaded
-
-
 async def _serve(args: argparse.Namespace) -> None:
     from proxy.api.app import create_app
     from proxy.server.run import bind, serve_until_signalled, tune_gc
@@ -148,6 +136,7 @@ def run_worker(
     """One ``--workers`` process (spawned: a module-level function, imported by name)."""
     from proxy.api.app import create_app
     from proxy.server.run import serve_until_signalled, tune_gc
+    from proxy.server.workers import EXIT_CANNOT_START
 
     # Our own process group: a terminal's Ctrl-C reaches the parent only, which forwards it
     # once, so the first signal drains and only a second one cancels.
@@ -156,12 +145,16 @@ def run_worker(
     config = load_config(config_path, host=host, port=port)
 
     async def run() -> None:
-        local_models = await load_local_models(config)
-        app = create_app(config, local_models=local_models)
+        # As with one process: serving while the model loads (each worker its own copy).
+        app = create_app(config)
         tune_gc()
         await serve_until_signalled(app, config, sockets=sockets)
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    except ModelLoadError as error:
+        print(f"sluice: model error: {error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CANNOT_START)
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -135,3 +135,19 @@ def test_help_says_the_defaults_without_markup(capsys: pytest.CaptureFixture[str
         text = capsys.readouterr().out
         assert "``" not in text and "(default: None)" not in text
         assert "default" in text
+
+
+def test_workers_that_cannot_load_their_model_stop_without_restarts(tmp_path: Path) -> None:
+    config = write(
+        tmp_path, '[server]\nport = 0\n[models.m]\nbackend = "local"\npath = "/nope/m.gguf"\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", config, "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "model error" in result.stderr and "/nope/m.gguf" in result.stderr
+    assert "restarting" not in result.stderr

@@ -27,6 +27,9 @@ log = logging.getLogger("sluice.workers")
 
 # A worker that dies on its own this soon after starting is not restarted again and again.
 _MIN_UPTIME = 5.0
+# A worker's exit status when it cannot start at all (its model would not load, whenever that
+# is found out): every worker would fail the same way, so none is restarted.
+EXIT_CANNOT_START = 3
 
 
 def serve_workers(
@@ -74,7 +77,10 @@ def serve_workers(
                 if stopping:
                     workers.remove((process, started))
                     status = status or (process.exitcode or 0)
-                elif time.monotonic() - started < _MIN_UPTIME:
+                elif (
+                    process.exitcode == EXIT_CANNOT_START
+                    or time.monotonic() - started < _MIN_UPTIME
+                ):
                     log.error("worker %s exited with %s at start-up", process.pid, process.exitcode)
                     stopping = True
                     status = 1
