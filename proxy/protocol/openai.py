@@ -71,10 +71,11 @@ def _check_optional(body: dict[str, Any], name: str, ok: bool, expected: str) ->
 
 
 # What a local model does not do, by endpoint: each is refused by name (400
-# unsupported_parameter) rather than silently ignored. A value that asks for nothing (n = 1,
-# logprobs = false, an empty tools list, response_format text) passes.
-# Choices a local model generates for one request (one after another, in its slot).
-MAX_LOCAL_CHOICES = 8
+# unsupported_parameter) rather than silently ignored. response_format json_object would need
+# constrained decoding: lm-format-enforcer 0.11.3, the lightest well-kept library for it (a
+# vLLM guided-decoding backend), cannot import its transformers integration under
+# transformers 5.x (tokenization_utils moved), so it is refused rather than hand-written. A
+# value that asks for nothing (an empty tools list, response_format text) passes.
 _UNSUPPORTED_LOCALLY: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": (
         "tools",
@@ -92,6 +93,10 @@ _UNSUPPORTED_LOCALLY: dict[str, tuple[str, ...]] = {
     "/v1/responses": ("tools", "tool_choice", "text", "reasoning", "previous_response_id"),
     "/v1/messages": ("tools", "tool_choice", "thinking"),
 }
+
+
+# Choices a local model generates for one request (one after another, in its slot).
+MAX_LOCAL_CHOICES = 8
 
 
 def _asks_nothing(value: object) -> bool:
