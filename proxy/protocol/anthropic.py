@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.protocol.errors import ApiError, bad_request
+from proxy.protocol.openai import required_model
 from proxy.protocol.responses import data_type, event_name
 
 ROLES = frozenset({"user", "assistant"})
@@ -129,11 +130,7 @@ def _text_of(content: str | list[dict[str, Any]], param: str) -> str:
 
 def parse_messages_request(body: dict[str, Any]) -> MessagesRequest:
     """Validate a parsed Messages request; raise a 400 :class:`ApiError` naming the bad field."""
-    model = body.get("model")
-    if model is None:
-        raise bad_request("Missing required parameter: 'model'.", param="model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' must be a non-empty string.", param="model")
+    model = required_model(body)
 
     max_tokens = body.get("max_tokens")
     if max_tokens is None:

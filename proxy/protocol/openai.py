@@ -145,7 +145,7 @@ def _asks_for_text(name: str, value: object) -> bool:
 
 def embeddings_request(body: dict[str, Any], raw: bytes) -> CompletionRequest:
     """Validate an embeddings request: a model and an input to embed, never streamed."""
-    model = _model(body)
+    model = required_model(body)
     inputs = body.get("input")
     if inputs is None:
         raise bad_request("Missing required parameter: 'input'.", param="input")
@@ -159,7 +159,8 @@ def embeddings_request(body: dict[str, Any], raw: bytes) -> CompletionRequest:
     return CompletionRequest(Endpoint.EMBEDDINGS, model, False, False, body, raw)
 
 
-def _model(body: dict[str, Any]) -> str:
+def required_model(body: dict[str, Any]) -> str:
+    """The request's ``model``, every endpoint's one required field, or a 400 naming it."""
     model = body.get("model")
     if model is None:
         raise bad_request("Missing required parameter: 'model'.", param="model")
@@ -177,7 +178,7 @@ def parse_completion_request(
 
 def completion_request(body: dict[str, Any], raw: bytes, endpoint: Endpoint) -> CompletionRequest:
     """Validate a parsed completion request whose bytes (to forward) are ``raw``."""
-    model = _model(body)
+    model = required_model(body)
 
     stream = body.get("stream", False)
     if stream is None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.protocol.errors import ApiError, bad_request
+from proxy.protocol.openai import required_model
 
 MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
@@ -122,11 +123,7 @@ def _text_of(content: str | list[dict[str, Any]], param: str) -> str:
 
 def parse_responses_request(body: dict[str, Any]) -> ResponsesRequest:
     """Validate a parsed Responses request; raise a 400 :class:`ApiError` naming the bad field."""
-    model = body.get("model")
-    if model is None:
-        raise bad_request("Missing required parameter: 'model'.", param="model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' must be a non-empty string.", param="model")
+    model = required_model(body)
 
     stream = body.get("stream", False)
     if stream is None:
