@@ -9,6 +9,7 @@ the thread to return, so its slot is free only once the model really stopped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import uuid
@@ -207,9 +208,8 @@ class LocalBackend:
         answers: list[tuple[str, str, list[dict[str, Any]] | None]] = []
         completion_tokens = 0
         for index in range(choices):
-            formatter = wire.formatter.for_choice(index)
-            choice_wire = _CompletionsWire(request, self.model.name, params.logprobs is not None)
-            choice_wire.formatter = formatter
+            choice_wire = wire.for_choice(index)
+            formatter = choice_wire.formatter
             seed = None if params.seed is None else (params.seed + index) % (2**63)
             choice_params = dataclasses.replace(params, seed=seed)
             pieces: list[str] = []
@@ -232,8 +232,7 @@ class LocalBackend:
             if request.stream:
                 send(formatter.finish(result.finish_reason))
             else:
-                logprobs = None if choice_wire.pending is None else choice_wire.entries
-                answers.append(("".join(pieces), result.finish_reason, logprobs))
+                answers.append(("".join(pieces), result.finish_reason, choice_wire.logprobs))
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens)
         if request.stream:
             if request.include_usage:
@@ -299,6 +298,20 @@ class _CompletionsWire:
         self.pending: list[dict[str, Any]] | None = [] if logprobs else None
         self.entries: list[dict[str, Any]] = []
 
+    def for_choice(self, index: int) -> _CompletionsWire:
+        """The wire of choice ``index`` of the same response (``n``): its own chunks and
+        logprobs, the response's id."""
+        choice = copy.copy(self)
+        choice.formatter = self.formatter.for_choice(index)
+        choice.pending = None if self.pending is None else []
+        choice.entries = []
+        return choice
+
+    @property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        """Every entry so far, or None when the request asked for none."""
+        return None if self.pending is None else self.entries
+
     def record(self, entry: dict[str, Any]) -> None:
         if self.pending is not None:
             self.pending.append(entry)
@@ -321,8 +334,7 @@ class _CompletionsWire:
         return [*events, DONE]
 
     def whole(self, text: str, result: GenerationResult) -> bytes:
-        logprobs = None if self.pending is None else self.entries
-        return self.formatter.whole(text, result.finish_reason, result.usage, logprobs)
+        return self.formatter.whole(text, result.finish_reason, result.usage, self.logprobs)
 
 
 class _ResponsesWire:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.protocol.errors import ApiError, bad_request
-from proxy.protocol.openai import required_model
+from proxy.protocol.openai import chat_sampling, required_model
 from proxy.protocol.responses import data_type, event_name
 
 ROLES = frozenset({"user", "assistant"})
@@ -98,16 +98,15 @@ class MessagesRequest:
 
     def sampling_body(self) -> dict[str, Any]:
         """The sampling fields in chat-completions terms, only those the client set."""
-        sampling: dict[str, Any] = {"max_tokens": self.body["max_tokens"]}
-        for ours, theirs in (
-            ("temperature", "temperature"),
-            ("top_p", "top_p"),
-            ("stop_sequences", "stop"),
-        ):
-            value = self.body.get(ours)
-            if value is not None:
-                sampling[theirs] = value
-        return sampling
+        return chat_sampling(
+            self.body,
+            (
+                ("max_tokens", "max_tokens"),
+                ("temperature", "temperature"),
+                ("top_p", "top_p"),
+                ("stop_sequences", "stop"),
+            ),
+        )
 
 
 def _text_of(content: str | list[dict[str, Any]], param: str) -> str:

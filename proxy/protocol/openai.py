@@ -159,6 +159,12 @@ def embeddings_request(body: dict[str, Any], raw: bytes) -> CompletionRequest:
     return CompletionRequest(Endpoint.EMBEDDINGS, model, False, False, body, raw)
 
 
+def chat_sampling(body: dict[str, Any], names: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """An endpoint's sampling fields in chat-completions terms (``(its name, chat's name)``
+    pairs), only those the client set: what a local model's sampling reads."""
+    return {chat: body[own] for own, chat in names if body.get(own) is not None}
+
+
 def required_model(body: dict[str, Any]) -> str:
     """The request's ``model``, every endpoint's one required field, or a 400 naming it."""
     model = body.get("model")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.protocol.errors import ApiError, bad_request
-from proxy.protocol.openai import required_model
+from proxy.protocol.openai import chat_sampling, required_model
 
 MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
@@ -88,16 +88,14 @@ class ResponsesRequest:
 
     def sampling_body(self) -> dict[str, Any]:
         """The sampling fields in chat-completions terms, only those the client set."""
-        sampling: dict[str, Any] = {}
-        for ours, theirs in (
-            ("max_output_tokens", "max_tokens"),
-            ("temperature", "temperature"),
-            ("top_p", "top_p"),
-        ):
-            value = self.body.get(ours)
-            if value is not None:
-                sampling[theirs] = value
-        return sampling
+        return chat_sampling(
+            self.body,
+            (
+                ("max_output_tokens", "max_tokens"),
+                ("temperature", "temperature"),
+                ("top_p", "top_p"),
+            ),
+        )
 
 
 def _unsupported(what: str, param: str) -> ApiError:
