@@ -54,9 +54,18 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """The rest, at the end of generation (invalid bytes become U+FFFD only here)."""
+        """The rest, at the end of generation. The bytes of a character that never finished
+        (``max_tokens`` cut it, or the model stopped inside it) are dropped: the client gets
+        the complete text, never U+FFFD for what was held back."""
         text = self._decode(self._ids[self._start :])
-        delta = text[self._emitted :]
+        end = len(text)
+        while (
+            end > self._emitted
+            and text[end - 1] == REPLACEMENT
+            and len(text) - end < _MAX_INCOMPLETE
+        ):
+            end -= 1
+        delta = text[self._emitted : end]
         self._emitted = len(text)
         return delta
 

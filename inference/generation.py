@@ -1,24 +1,18 @@
-"""The generation loop that runs in a worker thread, one decode step at a time.
+"""Requests into prompts and sampling parameters, for one loaded model; sampling a token.
 
-It owns nothing async: the caller passes ``emit`` (hand text to the client; may block, which is
-how a slow reader pauses the model, and may raise, which is how a disconnect stops it) and
-``checkpoint`` (raises when the request is cancelled). Both are called between decode steps, so
-generation stops within one step of a cancellation.
+The decoding itself is :mod:`inference.batching`'s, for a sequence alone as in a batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .chunks import Usage
-from .detokenize import IncrementalDetokenizer
 from .loading import LoadedModel
-from .stops import StopMatcher
 
 log = logging.getLogger("sluice.inference")
 
@@ -260,88 +254,24 @@ class Generator:
         request_id: str = "",
         on_logprob: Callable[[dict[str, Any]], None] | None = None,
     ) -> GenerationResult:
-        """Run the decode loop, calling ``emit`` with each piece of complete text, and (with
-        ``params.logprobs``) ``on_logprob`` with each token's entry before its text."""
-        import torch
+        """One generation in the calling thread, through the batch engine's own steps (so a
+        sequence alone and a sequence in a batch are decoded by the same code): ``emit`` gets
+        each piece of complete text, ``on_logprob`` (with ``params.logprobs``) each token's
+        entry before its text, and ``checkpoint`` runs before each model step."""
+        from .batching import run_alone
 
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        detokenizer = IncrementalDetokenizer(self._decode)
-        stops = StopMatcher(params.stop)
-        steps: list[float] = []
-        slow_logged = False
-        slow_steps = 0
-        completion_tokens = 0
-        finish_reason = "length"
-        stop_hit = False
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-        cache: Any = None
-        generated: list[int] = []
-        with torch.inference_mode():
-            for _ in range(params.max_tokens):
-                checkpoint()
-                started = time.perf_counter()
-                # logits_to_keep=1: the prefill needs only the last position's logits.
-                output = self.model(
-                    input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1
-                )
-                cache = output.cache
-                logits = output.logits[0, -1]
-                if params.penalized:
-                    logits = _penalize(logits, params, prompt_ids, generated)
-                token = _sample(logits, params, generator)
-                generated.append(token)
-                if params.logprobs is not None and on_logprob is not None:
-                    on_logprob(self._logprob_entry(logits, token, params.logprobs))
-                elapsed = time.perf_counter() - started
-                steps.append(elapsed)
-                # The first step is the prefill of the whole prompt: slow by nature, not a
-                # symptom. The watch is for decode steps.
-                if len(steps) > 1 and elapsed > self.slow_step_seconds:
-                    slow_steps += 1
-                    if not slow_logged:
-                        # Once per request: a slow step is the symptom (memory pressure,
-                        # swapping, a noisy neighbour), not something to log per token.
-                        slow_logged = True
-                        log.warning(
-                            "request %s: decode step took %.2fs (threshold %.2fs)",
-                            request_id,
-                            elapsed,
-                            self.slow_step_seconds,
-                        )
-                if token in self.eos_token_ids and not params.ignore_eos:
-                    finish_reason = "stop"
-                    break
-                completion_tokens += 1
-                text, stopped = stops.push(detokenizer.push(token))
-                if text:
-                    emit(text)
-                if stopped:
-                    stop_hit = True
-                    finish_reason = "stop"
-                    break
-                input_ids = torch.tensor([[token]], dtype=torch.long)
-        if not stop_hit:
-            # The detokenizer may hold the bytes of an unfinished character, and the matcher
-            # text that could have begun a stop string; neither is coming now.
-            tail, stop_hit = stops.push(detokenizer.flush())
-            if stop_hit:
-                finish_reason = "stop"
-            else:
-                tail += stops.flush()
-            if tail:
-                emit(tail)
-        return GenerationResult(
-            finish_reason=finish_reason,
-            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens),
-            step_seconds=steps,
-            slow_steps=slow_steps,
-            stop_sequence=stops.matched if stop_hit else None,
+        return run_alone(
+            self,
+            prompt_ids,
+            params,
+            emit=emit,
+            checkpoint=checkpoint,
+            request_id=request_id,
+            on_logprob=on_logprob,
         )
 
 
-def _penalize(
+def penalize(
     logits: Any, params: SamplingParams, prompt_ids: Sequence[int], generated: list[int]
 ) -> Any:
     """The logits with OpenAI's frequency and presence penalties (over the output) and the
@@ -361,7 +291,7 @@ def _penalize(
     return logits
 
 
-def _sample(logits: Any, params: SamplingParams, generator: Any) -> int:
+def sample(logits: Any, params: SamplingParams, generator: Any) -> int:
     import torch
 
     if params.temperature <= 0:

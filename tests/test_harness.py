@@ -258,8 +258,9 @@ async def wait_for_producer_in(function: str) -> None:
 
 
 def worker_threads_busy() -> int:
-    """Trio worker threads running a job now (trio renames a worker after its job ends)."""
-    return sum(1 for thread in threading.enumerate() if thread.name.startswith("_work from "))
+    """Trio worker threads running a request's job now (its prompt's tokenizing; trio renames
+    a worker after its job ends). The model's batch engine has a thread of its own."""
+    return sum(1 for thread in threading.enumerate() if thread.name.startswith("_prepare from "))
 
 
 async def settle(predicate: Callable[[], object], describe: Callable[[], str]) -> None:
@@ -441,7 +442,7 @@ async def assert_local_stopped(
         await rig.local.admission.wait_free()
     freed_after = trio.current_time() - closed_at
     assert freed_after < step + LOCAL_MARGIN, freed_after
-    assert rig.local.active_threads == 0
+    assert rig.local.active_generations == 0
     assert rig.model.steps - steps_at_close <= new_steps, (rig.model.steps, steps_at_close)
 
 
@@ -458,7 +459,8 @@ async def assert_nothing_left(rig: Rig, request_connections: set[Any]) -> None:
     # The local model: thread returned, slot free, queue empty.
     with trio.fail_after(SETTLE):
         await rig.local.admission.wait_free()
-    assert rig.local.active_threads == 0
+    assert rig.local.active_generations == 0
+    assert rig.local.engine.sequences == 0
     assert worker_threads_busy() == 0
     assert rig.local.admission.waiting == 0
     # Upstream pools: nothing of the request; every pooled connection idle and reusable, and

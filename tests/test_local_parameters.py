@@ -98,14 +98,14 @@ def test_penalties_are_checked(body: dict[str, Any], param: str) -> None:
 def test_the_penalties_move_the_logits_as_vllm_applies_them() -> None:
     import torch
 
-    from inference.generation import SamplingParams, _penalize
+    from inference.generation import SamplingParams, penalize
 
     logits = torch.tensor([2.0, 1.0, -1.0, 0.5])
     params = SamplingParams(
         max_tokens=1, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=2.0
     )
     # Token 0 is in the prompt, token 2 was generated twice, token 3 never appeared.
-    moved = _penalize(logits, params, prompt_ids=[0], generated=[2, 2])
+    moved = penalize(logits, params, prompt_ids=[0], generated=[2, 2])
     assert moved.tolist() == [1.0, 1.0, -2.0 - 2 * 0.5 - 0.25, 0.5]
     assert logits.tolist() == [2.0, 1.0, -1.0, 0.5]  # the model's own tensor is untouched
 

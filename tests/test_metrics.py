@@ -218,12 +218,26 @@ async def test_local_queue_and_step_metrics(
         )
         waited = value(samples, "sluice_queue_wait_seconds_sum", model="tiny", outcome="admitted")
         assert 0.05 <= waited < DEADLINE
-        # Only the finished generation reports its steps (the cancelled one raised out of
-        # generate): one prefill and 3 decode steps for 4 tokens, each slowed to >= 20 ms.
-        assert value(samples, "sluice_local_prefill_seconds_count", model="tiny") == 1
-        assert value(samples, "sluice_local_step_seconds_count", model="tiny") == 3
-        assert value(samples, "sluice_local_step_seconds_bucket", model="tiny", le="0.01") == 0
-        assert value(samples, "sluice_local_step_seconds_sum", model="tiny") >= 3 * 0.02
+        # Every model call is in the metrics as it happens, the cancelled request's too: two
+        # prefills, and each decode step once, by batch size (one at a time here), >= 20 ms.
+        model = loaded.model
+        assert value(samples, "sluice_local_prefill_seconds_count", model="tiny") == 2
+        assert model.prefills == 2
+        steps = value(samples, "sluice_local_step_seconds_count", model="tiny", batch_size="1")
+        assert steps == model.steps - model.prefills >= 3
+        assert (
+            value(
+                samples, "sluice_local_step_seconds_bucket", model="tiny", batch_size="1", le="0.01"
+            )
+            == 0
+        )
+        assert (
+            value(samples, "sluice_local_step_seconds_sum", model="tiny", batch_size="1")
+            >= steps * 0.02
+        )
+        # One token per prefill and per sequence in each step.
+        assert value(samples, "sluice_local_generated_tokens_total", model="tiny") == steps + 2
+        assert value(samples, "sluice_local_batch_size", model="tiny") == 0
         # The local streams are in the stream metrics too.
         assert value(samples, "sluice_ttft_seconds_count", model="tiny") == 2
         assert value(samples, "sluice_tokens_out_total", model="tiny") >= 4

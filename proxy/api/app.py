@@ -114,7 +114,7 @@ class SluiceState:
     def ready(self) -> bool:
         return self.started and not self.draining and not self.loading
 
-    async def load_local_models(self) -> None:
+    async def load_local_models(self, nursery: trio.Nursery) -> None:
         """Load every configured local model not given preloaded, one at a time, in a thread
         (loading takes seconds and must not block the event loop), each made servable as soon
         as it is loaded. A failure stops the server (``failed``), with its reason."""
@@ -138,14 +138,17 @@ class SluiceState:
                 self.failed.set()
                 return
             self.local_models[model.name] = loaded
-            self.start_local_backend(model)
+            await self.start_local_backend(model, nursery)
             del self.loading[model.name]
             log.info("model %s loaded: serving it", model.name)
 
-    def start_local_backend(self, model: ModelConfig) -> None:
+    async def start_local_backend(self, model: ModelConfig, nursery: trio.Nursery) -> None:
+        """Serve a loaded model: its batch engine runs in ``nursery`` (the app's) from now
+        until the server stops."""
         from proxy.backends.local import LocalBackend
 
         local = LocalBackend(model, self.local_models[model.name], self.metrics)
+        await nursery.start(local.run)
         self.local_backends[model.name] = local
         self.backends[model.name] = local
 
@@ -163,9 +166,7 @@ class SluiceState:
         )
         for model in self.config.models:
             if model.backend == "local":
-                if model.name in self.local_models:
-                    self.start_local_backend(model)
-                continue
+                continue  # started by start_local_backend, once loaded
             replicas = []
             for url in model.upstreams:
                 if url == FAKE_UPSTREAM_URL:
@@ -249,11 +250,14 @@ def create_app(
             fake_url = f"http://127.0.0.1:{port}"
             log.info("embedded fake upstream on %s", fake_url)
         state.start_backends(fake_url)
+        for model in config.models:
+            if model.backend == "local" and model.name in state.local_models:
+                await state.start_local_backend(model, app.nursery)
         state.started = True
         if state.loading:
             # In the background: the port answers while the weights load (/healthz says
             # "loading", requests to the model get 503 model_loading with Retry-After).
-            app.nursery.start_soon(state.load_local_models)
+            app.nursery.start_soon(state.load_local_models, app.nursery)
         upstream = config.upstream
         if upstream.preconnect:
             for replica in state.replicas.values():

@@ -1,10 +1,13 @@
-"""The local backend: a model generating in a worker thread, behind the same relay.
+"""The local backend: a model's sequences decoded together by one batch engine, behind the same
+relay.
 
-The thread sends each chunk with ``trio.from_thread.run(sink.send, chunk)``: while the client
-is slow, the channel is full and the *model itself* waits there; when the client leaves, that
-call (or the ``checkpoint`` before each decode step) raises ``Cancelled`` inside the thread,
-which ends generation within one step. ``abandon_on_cancel=False`` makes the request wait for
-the thread to return, so its slot is free only once the model really stopped.
+The engine (:mod:`inference.batching`) runs in one worker thread that :meth:`LocalBackend.run`
+owns, started in the app's nursery with the model. Each request holds an admission slot (one
+row of the batch) from its prompt to its last token; its pieces come back through a bounded
+channel of its own, handed over once per step with ``TrioToken.run_sync_soon`` (the engine
+never waits for the event loop). A reader that falls behind parks its own sequence, never the
+batch; a client that leaves marks its sequence cancelled, and the request returns (its slot
+free) only once the engine has taken it out, before its next step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import dataclasses
 import logging
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -27,8 +31,10 @@ from inference import (
     PromptError,
     SamplingParams,
     Usage,
+    cache_rows,
     sampling_from_body,
 )
+from inference.batching import DEFAULT_WINDOW, BatchEngine, Generation, Piece
 from proxy.config import ModelConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol.anthropic import MessagesStream, whole_message
@@ -41,6 +47,12 @@ from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 log = logging.getLogger("sluice.local")
 
 _STEP_HISTORY = 4096
+# A sequence's engine normally leaves within one step; this bounds the wait if a step hangs.
+_LEAVE_TIMEOUT = 30.0
+
+
+class LocalGenerationError(RuntimeError):
+    """The model failed while generating (a bug or a broken model): the request's 500."""
 
 
 class LocalBackend:
@@ -57,17 +69,106 @@ class LocalBackend:
             queue_timeout=model.queue_timeout,
             on_leave=None if metrics is None else self._left_queue,
         )
+        unbatchable = cache_rows.check(loaded.model) if model.slots > 1 else None
+        if unbatchable is not None:
+            log.warning(
+                "model %s: continuous batching is unavailable (%s); its %d slots generate "
+                "one at a time",
+                model.name,
+                unbatchable,
+                model.slots,
+            )
+        self.engine = BatchEngine(
+            self.generator,
+            max_batch=model.slots,
+            prefill_chunk=model.prefill_chunk_tokens,
+            batching=unbatchable is None,
+            deliver=self._deliver,
+            on_step=self._on_step,
+            on_prefill=self._on_prefill,
+        )
+        # Each sequence's way back: its pieces' channel, and the event set when it is out.
+        self._listeners: dict[Generation, tuple[trio.MemorySendChannel[Piece], trio.Event]] = {}
+        self._token: trio.lowlevel.TrioToken | None = None
         if metrics is not None:
             # Read at scrape time: nothing to update as requests come and go.
-            metrics.queue_depth.labels(model.name).set_function(lambda: self.admission.waiting)
-        # Admission already bounds concurrency to `slots`; this limiter only has to let that
-        # many threads run (trio's default limiter is shared with every other thread user).
-        self.threads = trio.CapacityLimiter(model.slots)
-        self.active_threads = 0
-        # Recent per-token decode latencies (bounded), and prefill times: the step-time watch.
+            name = model.name
+            metrics.queue_depth.labels(name).set_function(lambda: self.admission.waiting)
+            metrics.local_batch_size.labels(name).set_function(lambda: self.engine.batch_size)
+        # Recent decode step latencies (bounded), and prefill times: the step-time watch.
         self.decode_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
         self.prefill_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
-        self.slow_steps = 0
+
+    @property
+    def active_generations(self) -> int:
+        """Sequences inside the engine now (decoding, parked, or waiting for their prefill)."""
+        return len(self._listeners)
+
+    @property
+    def slow_steps(self) -> int:
+        return self.engine.slow_steps
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The engine's thread, for as long as the server runs; cancelling this stops it after
+        the step in progress (every sequence still inside then leaves)."""
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                lambda: trio.to_thread.run_sync(
+                    self.engine.run,
+                    abandon_on_cancel=False,
+                    limiter=trio.CapacityLimiter(1),
+                    thread_name=f"sluice engine {self.model.name}",
+                )
+            )
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self.engine.stop()
+
+    def _deliver(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
+        """Runs in the engine thread, once per step: hand the step's pieces to the loop."""
+        assert self._token is not None
+        self._token.run_sync_soon(self._hand_out, pieces, gone)
+
+    def _hand_out(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
+        """Runs in the event loop."""
+        for sequence, piece in pieces:
+            listener = self._listeners.get(sequence)
+            if listener is None:
+                continue
+            try:
+                listener[0].send_nowait(piece)
+            except trio.BrokenResourceError:
+                pass  # its request has stopped reading: it is leaving
+            except trio.WouldBlock:
+                # Never: the engine steps a sequence only while its reader is less than a
+                # window behind, and the channel holds a window and one more. Were it to
+                # happen, a piece lost would corrupt the answer: end the sequence instead.
+                log.exception("request %s: its piece channel is full", sequence.request_id)
+                sequence.cancelled = True
+                self.engine.wake()
+        for sequence in gone:
+            listener = self._listeners.pop(sequence, None)
+            if listener is not None:
+                listener[0].close()
+                listener[1].set()
+
+    def _on_step(self, batch_size: int, seconds: float) -> None:
+        """Runs in the engine thread, after each decode step."""
+        self.decode_seconds.append(seconds)
+        if self.metrics is not None:
+            name = self.model.name
+            self.metrics.local_steps.observe_all((name, str(batch_size)), (seconds,))
+            self.metrics.local_tokens.labels(name).inc(batch_size)
+
+    def _on_prefill(self, seconds: float) -> None:
+        """Runs in the engine thread, once per prompt."""
+        self.prefill_seconds.append(seconds)
+        if self.metrics is not None:
+            self.metrics.local_prefill.labels(self.model.name).observe(seconds)
+            self.metrics.local_tokens.labels(self.model.name).inc()
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         if request.endpoint not in _GENERATED:
@@ -82,42 +183,29 @@ class LocalBackend:
         check_local_parameters(request.body, request.endpoint)
         async with self.admission.slot():
             sink.set_phase("awaiting_first_token")
-            await trio.to_thread.run_sync(
-                self._work,
-                request,
-                request_id,
-                sink,
-                abandon_on_cancel=False,
-                limiter=self.threads,
+            # Templating and tokenizing a long prompt takes milliseconds: off the loop.
+            prompt_ids, params, body = await trio.to_thread.run_sync(self._prepare, request)
+            wire = _wire(request, self.model.name, len(prompt_ids), params.logprobs is not None)
+            endpoint = request.endpoint
+            choices = (
+                (body.get("n") or 1) if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else 1
             )
+            if choices > 1:
+                assert isinstance(wire, _CompletionsWire)
+                await self._generate_choices(
+                    request, request_id, sink, wire, prompt_ids, params, choices
+                )
+            else:
+                await self._generate_one(request, request_id, sink, wire, prompt_ids, params)
 
     def _left_queue(self, seconds: float, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.queue_wait.labels(self.model.name, outcome).observe(seconds)
 
-    def _work(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
-        """Runs in the worker thread."""
-        self.active_threads += 1
-        try:
-            self._generate(request, request_id, sink)
-        finally:
-            self.active_threads -= 1
-
-    def _record_steps(self, result: GenerationResult) -> None:
-        """Runs in the worker thread, once per finished generation."""
-        steps = result.step_seconds
-        if steps:
-            self.prefill_seconds.append(steps[0])
-            self.decode_seconds.extend(steps[1:])
-            if self.metrics is not None:
-                name = self.model.name
-                self.metrics.local_prefill.labels(name).observe(steps[0])
-                if len(steps) > 1:
-                    # Bucketed here, off the event loop, and merged under one lock.
-                    self.metrics.local_steps.observe_all((name,), steps[1:])
-        self.slow_steps += result.slow_steps
-
-    def _generate(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+    def _prepare(
+        self, request: CompletionRequest
+    ) -> tuple[list[int], SamplingParams, dict[str, Any]]:
+        """Runs in a worker thread: the prompt's token ids and the sampling parameters."""
         model = self.model
         generator = self.generator
         endpoint = request.endpoint
@@ -141,52 +229,91 @@ class LocalBackend:
             )
         except PromptError as error:
             raise ApiError(400, str(error), param=error.param, code=error.code) from None
-        wire = _wire(request, model.name, len(prompt_ids), params.logprobs is not None)
+        return prompt_ids, params, body
 
-        def send(chunk: bytes) -> None:
-            trio.from_thread.run(sink.send, chunk)
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        on_piece: Callable[[Piece], Awaitable[None]],
+    ) -> GenerationResult:
+        """One sequence through the engine: ``on_piece`` awaited with each piece, in order.
+        However this ends (finished, the client gone, cancelled), it returns or raises only
+        once the sequence is out of the batch."""
+        sequence = Generation(prompt_ids, params, request_id=request_id, window=DEFAULT_WINDOW)
+        send, receive = trio.open_memory_channel[Piece](DEFAULT_WINDOW + 1)
+        left = trio.Event()
+        self._listeners[sequence] = (send, left)
+        self.engine.submit(sequence)
+        try:
+            async with receive:
+                async for piece in receive:
+                    if piece.error is not None:
+                        raise LocalGenerationError(
+                            f"model '{self.model.name}' failed while generating: "
+                            f"{type(piece.error).__name__}: {piece.error}"
+                        ) from piece.error
+                    await on_piece(piece)
+                    sequence.consumed += 1
+                    if sequence.parked:
+                        self.engine.wake()
+                    if piece.result is not None:
+                        return piece.result
+            raise ApiError(503, "the server is shutting down", code="shutting_down")
+        finally:
+            if not left.is_set():
+                sequence.cancelled = True
+                self.engine.wake()
+                # Shielded and bounded: the slot is free only once the model stopped.
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + _LEAVE_TIMEOUT
+                    await left.wait()
+                if scope.cancelled_caught:
+                    log.error(
+                        "request %s: the engine did not release its sequence in %.0fs",
+                        request_id,
+                        _LEAVE_TIMEOUT,
+                    )
+                    self._listeners.pop(sequence, None)
 
-        choices = (body.get("n") or 1) if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else 1
-        if choices > 1:
-            assert isinstance(wire, _CompletionsWire)
-            self._generate_choices(request, request_id, sink, wire, prompt_ids, params, choices)
-            return
-
+    async def _generate_one(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
+        wire: _Wire,
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         if request.stream:
-            trio.from_thread.run_sync(sink.begin, 200, SSE_CONTENT_TYPE)
+            sink.begin(200, SSE_CONTENT_TYPE)
             for event in wire.start():
-                send(event)
-            result = generator.generate(
-                prompt_ids,
-                params,
-                emit=lambda text: send(wire.text(text)),
-                checkpoint=trio.from_thread.check_cancelled,
-                request_id=request_id,
-                on_logprob=wire.record,
-            )
-            self._record_steps(result)
+                await sink.send(event)
+
+            async def stream(piece: Piece) -> None:
+                for entry in piece.logprobs or ():
+                    wire.record(entry)
+                if piece.text:
+                    await sink.send(wire.text(piece.text))
+
+            result = await self.generate(prompt_ids, params, request_id, stream)
             for event in wire.end(result):
-                send(event)
+                await sink.send(event)
             return
         pieces: list[str] = []
-        result = generator.generate(
-            prompt_ids,
-            params,
-            emit=pieces.append,
-            checkpoint=trio.from_thread.check_cancelled,
-            request_id=request_id,
-            on_logprob=wire.record,
-        )
-        self._record_steps(result)
+
+        async def collect(piece: Piece) -> None:
+            for entry in piece.logprobs or ():
+                wire.record(entry)
+            pieces.append(piece.text)
+
+        result = await self.generate(prompt_ids, params, request_id, collect)
         whole = wire.whole("".join(pieces), result)
+        sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
+        await sink.send(whole)
 
-        def begin_whole() -> None:
-            sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
-
-        trio.from_thread.run_sync(begin_whole)
-        send(whole)
-
-    def _generate_choices(
+    async def _generate_choices(
         self,
         request: CompletionRequest,
         request_id: str,
@@ -196,15 +323,11 @@ class LocalBackend:
         params: SamplingParams,
         choices: int,
     ) -> None:
-        """``n`` choices: one generation each, one after another in this slot (so a client
-        that leaves stops the one in progress and no other starts). A request's seed gives
-        each choice its own (seed + index), so that they differ and repeat alike."""
-
-        def send(chunk: bytes) -> None:
-            trio.from_thread.run(sink.send, chunk)
-
+        """``n`` choices: one sequence each, one after another in this slot (so a client that
+        leaves stops the one in progress and no other starts). A request's seed gives each
+        choice its own (seed + index), so that they differ and repeat alike."""
         if request.stream:
-            trio.from_thread.run_sync(sink.begin, 200, SSE_CONTENT_TYPE)
+            sink.begin(200, SSE_CONTENT_TYPE)
         answers: list[tuple[str, str, list[dict[str, Any]] | None]] = []
         completion_tokens = 0
         for index in range(choices):
@@ -214,38 +337,33 @@ class LocalBackend:
             choice_params = dataclasses.replace(params, seed=seed)
             pieces: list[str] = []
             if request.stream and formatter.chat:
-                send(formatter.role())
+                await sink.send(formatter.role())
 
-            def stream_text(text: str, choice: _CompletionsWire = choice_wire) -> None:
-                send(choice.text(text))
+            async def take(
+                piece: Piece, choice: _CompletionsWire = choice_wire, pieces: list[str] = pieces
+            ) -> None:
+                for entry in piece.logprobs or ():
+                    choice.record(entry)
+                if not request.stream:
+                    pieces.append(piece.text)
+                elif piece.text:
+                    await sink.send(choice.text(piece.text))
 
-            result = self.generator.generate(
-                prompt_ids,
-                choice_params,
-                emit=stream_text if request.stream else pieces.append,
-                checkpoint=trio.from_thread.check_cancelled,
-                request_id=request_id,
-                on_logprob=choice_wire.record,
-            )
-            self._record_steps(result)
+            result = await self.generate(prompt_ids, choice_params, request_id, take)
             completion_tokens += result.usage.completion_tokens
             if request.stream:
-                send(formatter.finish(result.finish_reason))
+                await sink.send(formatter.finish(result.finish_reason))
             else:
                 answers.append(("".join(pieces), result.finish_reason, choice_wire.logprobs))
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens)
         if request.stream:
             if request.include_usage:
-                send(wire.formatter.usage(usage))
-            send(DONE)
+                await sink.send(wire.formatter.usage(usage))
+            await sink.send(DONE)
             return
         whole = wire.formatter.whole_choices(answers, usage)
-
-        def begin_whole() -> None:
-            sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
-
-        trio.from_thread.run_sync(begin_whole)
-        send(whole)
+        sink.begin(200, JSON_CONTENT_TYPE, content_length=len(whole))
+        await sink.send(whole)
 
     def describe(self) -> dict[str, Any]:
         decode = sorted(self.decode_seconds)
@@ -257,6 +375,8 @@ class LocalBackend:
             "slots": self.admission.limiter.total_tokens,
             "busy": self.admission.limiter.borrowed_tokens,
             "queued": self.admission.waiting,
+            "batching": self.engine.batching,
+            "batch_size": self.engine.batch_size,
             "decode_step_ms_p50": quantile_ms(0.5),
             "decode_step_ms_p99": quantile_ms(0.99),
             "slow_steps": self.slow_steps,

@@ -197,14 +197,29 @@ class Metrics:
         )
         self.local_steps = BucketHistogram(
             "sluice_local_step_seconds",
-            "Local models: duration of each decode step (one token), merged per request.",
-            ["model"],
+            "Local models: duration of each decode step (one token for each sequence in the "
+            "batch), by batch size.",
+            ["model", "batch_size"],
             STEP_BUCKETS,
             registry,
         )
+        self.local_batch_size = Gauge(
+            "sluice_local_batch_size",
+            "Local models: sequences decoded together now (parked slow readers and prompts "
+            "being prefilled excluded).",
+            ["model"],
+            registry=registry,
+        )
+        self.local_tokens = Counter(
+            "sluice_local_generated_tokens",
+            "Local models: tokens generated, all sequences together (rate() is tokens/s).",
+            ["model"],
+            registry=registry,
+        )
         self.local_prefill = Histogram(
             "sluice_local_prefill_seconds",
-            "Local models: duration of the prefill step (the whole prompt), per request.",
+            "Local models: time to prefill a prompt (its chunks, and the decode steps of "
+            "others between them), per request.",
             ["model"],
             buckets=_PREFILL_BUCKETS,
             registry=registry,

@@ -1,0 +1,501 @@
+"""Continuous batching: the running sequences of a local model are decoded together, one token
+each per forward pass, and join and leave between steps.
+
+Owns nothing async: the engine runs in one worker thread (``proxy/backends/local.py`` owns it)
+and meets the requests' side only through each :class:`Generation`'s flags (``cancelled``,
+``consumed``, set from the other side, then :meth:`BatchEngine.wake`) and the ``deliver``
+callback, called once per step with every sequence's new piece and the sequences that left.
+
+The batch is one KV cache whose rows are the running sequences, right-aligned: every row's
+positions end at the cache's last column, a shorter row is padded on the left, the padding is
+masked out, and each row has its own position ids, so a row computes what it would alone.
+Rows are added (a prefilled newcomer, a resumed sequence), removed (finished, cancelled,
+parked) and their common padding trimmed by :mod:`inference.cache_rows`.
+
+Per sequence:
+
+* **leaving**: a cancelled sequence is removed before the next step starts, so it costs at
+  most the step already running;
+* **a slow reader**: a sequence whose reader is ``window`` pieces behind is *parked*: its row is
+  taken out of the batch (its cache kept aside) and it is not stepped, so it neither grows
+  memory nor slows the others; it rejoins when its reader has caught up to half the window.
+  The request pipeline's stall limit is what finally evicts one whose client stops reading;
+* **a joining prompt** is prefilled ``prefill_chunk`` tokens per step while others decode, so
+  a running stream's next token waits for one chunk, not for a whole long prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import cache_rows
+from .chunks import Usage
+from .detokenize import IncrementalDetokenizer
+from .generation import GenerationResult, SamplingParams, penalize, sample
+from .stops import StopMatcher
+
+if TYPE_CHECKING:
+    from .generation import Generator
+
+log = logging.getLogger("sluice.inference")
+
+# How far (in pieces, one per token) a sequence may run ahead of its reader before it is
+# parked. Small enough that a parked sequence holds little; large enough that an event loop
+# busy for a few steps never parks anyone.
+DEFAULT_WINDOW = 8
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one step made for one sequence: its new text (possibly ""), the logprob entries of
+    the tokens that text came from, and on its last piece the result (or the error)."""
+
+    text: str = ""
+    logprobs: list[dict[str, Any]] | None = None
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+class Generation:
+    """One generation inside the engine. The requests' side sets ``cancelled`` and counts
+    ``consumed``; everything else belongs to the engine thread."""
+
+    def __init__(
+        self,
+        prompt_ids: Ids[int],
+        params: SamplingParams,
+        *,
+        request_id: str = "",
+        window: int = DEFAULT_WINDOW,
+    ) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.request_id = request_id
+        self.window = window
+        # The requests' side writes these two (each is written by one thread only).
+        self.cancelled = False
+        self.consumed = 0
+        # The engine's.
+        self.produced = 0
+        self.parked = False
+        self.generated: list[int] = []
+        self.completion_tokens = 0
+        self.step_seconds: list[float] = []
+        self.slow_steps = 0
+        self.prefilled = 0
+        self.cache: Any = None  # its own, while prefilling or parked
+        self.parked_rows: cache_rows.Rows | None = None
+        self.started_prefill = 0.0
+        self._detokenizer: IncrementalDetokenizer | None = None
+        self._stops = StopMatcher(params.stop)
+        self._rng: Any = None
+
+    @property
+    def unread(self) -> int:
+        return self.produced - self.consumed
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1]
+
+
+StepHook = Callable[[int, float], None]
+Deliver = Callable[[list[tuple["Generation", Piece]], list["Generation"]], None]
+
+
+class BatchEngine:
+    def __init__(
+        self,
+        generator: Generator,
+        *,
+        max_batch: int,
+        deliver: Deliver,
+        prefill_chunk: int = 32,
+        batching: bool = True,
+        on_step: StepHook | None = None,
+        on_prefill: Callable[[float], None] | None = None,
+    ) -> None:
+        self.generator = generator
+        self.model = generator.model
+        self.max_batch = max_batch
+        # Without cache editing (cache_rows.check failed) one sequence runs at a time.
+        self.batching = batching
+        self.capacity = max_batch if batching else 1
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.deliver = deliver
+        self.on_step = on_step
+        self.on_prefill = on_prefill
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._inbox: list[Generation] = []
+        self._stopping = False
+        # The engine thread's own state.
+        self._waiting: deque[Generation] = deque()
+        self._rows: list[Generation] = []
+        self._starts: list[int] = []  # each row's first real column (left padding)
+        self._cache: Any = None
+        self._parked: list[Generation] = []
+        self.steps = 0
+        # Decode steps slower than the generator's slow_step_seconds.
+        self.slow_steps = 0
+
+    # --- called from any thread ------------------------------------------------------------
+
+    def submit(self, sequence: Generation) -> None:
+        with self._wakeup:
+            self._inbox.append(sequence)
+            self._wakeup.notify()
+
+    def wake(self) -> None:
+        """A sequence's flags changed (cancelled, or its reader caught up)."""
+        with self._wakeup:
+            self._wakeup.notify()
+
+    def stop(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows)
+
+    @property
+    def sequences(self) -> int:
+        """Every sequence inside: decoding, parked, or waiting for its prefill."""
+        return len(self._rows) + len(self._parked) + len(self._waiting) + len(self._inbox)
+
+    # --- the engine thread ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Step until :meth:`stop`; then every sequence still inside leaves."""
+        while True:
+            with self._wakeup:
+                while not self._stopping and not self._inbox and not self._has_work():
+                    self._wakeup.wait()
+                if self._stopping:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            self.step()
+        with self._lock:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+        everyone = [*self._rows, *self._parked, *self._waiting]
+        self._rows, self._starts, self._parked, self._cache = [], [], [], None
+        self._waiting.clear()
+        if everyone:
+            self.deliver([], everyone)
+
+    def add(self, sequence: Generation) -> None:
+        """For a caller that steps the engine itself (no thread): queue a sequence."""
+        self._waiting.append(sequence)
+
+    def _has_work(self) -> bool:
+        everyone = (*self._rows, *self._parked, *self._waiting)
+        if any(sequence.cancelled for sequence in everyone):
+            return True
+        if self._waiting and self._room():
+            return True
+        if self._rows:
+            return True
+        return any(self._may_resume(sequence) for sequence in self._parked)
+
+    def _room(self) -> bool:
+        return len(self._rows) + len(self._parked) < self.capacity
+
+    @staticmethod
+    def _may_resume(sequence: Generation) -> bool:
+        return sequence.unread <= sequence.window // 2
+
+    def step(self) -> None:
+        """One iteration: drop the cancelled, park and resume, one decode step of the batch,
+        then one prefill chunk of the first waiting sequence; deliver what it made."""
+        pieces: list[tuple[Generation, Piece]] = []
+        gone: list[Generation] = []
+        self._drop_cancelled(gone)
+        self._park_and_resume()
+        if self._rows:
+            self._decode(pieces, gone)
+        if self._waiting and self._room():
+            self._prefill(pieces, gone)
+        if pieces or gone:
+            self.deliver(pieces, gone)
+
+    def _drop_cancelled(self, gone: list[Generation]) -> None:
+        cancelled = [index for index, seq in enumerate(self._rows) if seq.cancelled]
+        if cancelled:
+            gone.extend(self._rows[index] for index in cancelled)
+            self._remove_rows(set(cancelled))
+        for holder in (self._parked, self._waiting):
+            for sequence in [seq for seq in holder if seq.cancelled]:
+                holder.remove(sequence)
+                sequence.cache = sequence.parked_rows = None
+                gone.append(sequence)
+
+    def _park_and_resume(self) -> None:
+        behind = [index for index, seq in enumerate(self._rows) if seq.unread >= seq.window]
+        for index in behind:
+            sequence = self._rows[index]
+            sequence.parked = True
+            if len(self._rows) == 1:
+                sequence.cache = self._cache
+            else:
+                sequence.parked_rows = cache_rows.take_row(self._cache, index, self._starts[index])
+            self._parked.append(sequence)
+        if behind:
+            self._remove_rows(set(behind))
+        for sequence in [seq for seq in self._parked if self._may_resume(seq)]:
+            self._parked.remove(sequence)
+            sequence.parked = False
+            if sequence.parked_rows is not None:
+                rows, sequence.parked_rows = sequence.parked_rows, None
+                self._join(sequence, rows=rows)
+            else:
+                cache, sequence.cache = sequence.cache, None
+                self._join(sequence, cache=cache)
+
+    def _remove_rows(self, indices: set[int]) -> None:
+        keep = [index for index in range(len(self._rows)) if index not in indices]
+        self._rows = [self._rows[index] for index in keep]
+        self._starts = [self._starts[index] for index in keep]
+        if not keep:
+            self._cache = None
+            return
+        cache_rows.keep_rows(self._cache, keep)
+        trim = min(self._starts)
+        if trim:
+            cache_rows.drop_left(self._cache, trim)
+            self._starts = [start - trim for start in self._starts]
+
+    def _join(
+        self, sequence: Generation, *, cache: Any = None, rows: cache_rows.Rows | None = None
+    ) -> None:
+        """Add a sequence's cache (its own object, or rows taken out of a batch) as a row."""
+        if self._cache is None:
+            if cache is None:
+                assert rows is not None
+                cache = cache_rows.cache_from_rows(self.model.config, rows)
+            self._cache = cache
+            self._rows, self._starts = [sequence], [0]
+            return
+        added = rows if rows is not None else cache_rows.rows_of(cache)
+        old_pad, new_pad = cache_rows.append_rows(self._cache, added)
+        self._starts = [start + old_pad for start in self._starts] + [new_pad]
+        self._rows.append(sequence)
+
+    def _decode(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
+        import torch
+
+        rows = self._rows
+        started = time.perf_counter()
+        try:
+            width = cache_rows.length(self._cache)
+            mask = None
+            if any(self._starts):
+                mask = torch.ones(len(rows), width + 1, dtype=torch.long)
+                for index, start in enumerate(self._starts):
+                    mask[index, :start] = 0
+            with torch.inference_mode():
+                output = self.model(
+                    input_ids=torch.tensor([[seq.last_token] for seq in rows], dtype=torch.long),
+                    position_ids=torch.tensor(
+                        [[width - start] for start in self._starts], dtype=torch.long
+                    ),
+                    attention_mask=mask,
+                    cache=self._cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                self._cache = output.cache
+                logits = output.logits[:, -1]
+                finished = set()
+                made = []
+                for index, sequence in enumerate(rows):
+                    piece = self._advance(sequence, logits[index])
+                    made.append((sequence, piece))
+                    if piece.result is not None:
+                        finished.add(index)
+        except Exception as error:  # noqa: BLE001 - the engine thread: no trio.Cancelled here
+            self._fail(rows, error, pieces, gone)
+            self._rows, self._starts, self._cache = [], [], None
+            return
+        elapsed = time.perf_counter() - started
+        self.steps += 1
+        if elapsed > self.generator.slow_step_seconds:
+            self.slow_steps += 1
+        for sequence, piece in made:
+            self._timed(sequence, elapsed)
+            if piece.result is not None:
+                piece.result.step_seconds = sequence.step_seconds
+                piece.result.slow_steps = sequence.slow_steps
+            pieces.append((sequence, piece))
+        if finished:
+            gone.extend(rows[index] for index in sorted(finished))
+            self._remove_rows(finished)
+        if self.on_step is not None:
+            self.on_step(len(rows), elapsed)
+
+    def _timed(self, sequence: Generation, elapsed: float) -> None:
+        sequence.step_seconds.append(elapsed)
+        limit = self.generator.slow_step_seconds
+        if elapsed > limit:
+            sequence.slow_steps += 1
+            if sequence.slow_steps == 1:
+                # Once per request: a slow step is the symptom (memory pressure, swapping, a
+                # noisy neighbour), not something to log per token.
+                log.warning(
+                    "request %s: decode step took %.2fs (threshold %.2fs, batch of %d)",
+                    sequence.request_id,
+                    elapsed,
+                    limit,
+                    len(self._rows),
+                )
+
+    def _prefill(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
+        import torch
+
+        sequence = self._waiting[0]
+        prompt = sequence.prompt_ids
+        if sequence.prefilled == 0:
+            sequence.started_prefill = time.perf_counter()
+            sequence._detokenizer = IncrementalDetokenizer(self.generator._decode)
+            if sequence.params.seed is not None:
+                sequence._rng = torch.Generator().manual_seed(sequence.params.seed)
+        # Alone, the whole prompt at once; beside running streams, a chunk per step.
+        size = self.prefill_chunk if self._rows else len(prompt)
+        chunk = prompt[sequence.prefilled : sequence.prefilled + size]
+        try:
+            with torch.inference_mode():
+                output = self.model(
+                    input_ids=torch.tensor([chunk], dtype=torch.long),
+                    cache=sequence.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                sequence.cache = output.cache
+                sequence.prefilled += len(chunk)
+                if sequence.prefilled < len(prompt):
+                    return
+                self._waiting.popleft()
+                piece = self._advance(sequence, output.logits[0, -1])
+        except Exception as error:  # noqa: BLE001 - the engine thread: no trio.Cancelled here
+            if self._waiting and self._waiting[0] is sequence:
+                self._waiting.popleft()
+            sequence.cache = None
+            self._fail([sequence], error, pieces, gone)
+            return
+        seconds = time.perf_counter() - sequence.started_prefill
+        sequence.step_seconds.append(seconds)
+        if self.on_prefill is not None:
+            self.on_prefill(seconds)
+        pieces.append((sequence, piece))
+        cache, sequence.cache = sequence.cache, None
+        if piece.result is not None:
+            piece.result.step_seconds = sequence.step_seconds
+            gone.append(sequence)
+            return
+        self._join(sequence, cache=cache)
+
+    def _fail(
+        self,
+        sequences: list[Generation],
+        error: Exception,
+        pieces: list[tuple[Generation, Piece]],
+        gone: list[Generation],
+    ) -> None:
+        log.error("local generation failed: %s: %s", type(error).__name__, error)
+        for sequence in sequences:
+            sequence.produced += 1
+            pieces.append((sequence, Piece(error=error)))
+            gone.append(sequence)
+
+    def _advance(self, sequence: Generation, logits: Any) -> Piece:
+        """Sample this sequence's next token from its logits; its piece (the last one, with
+        the result, when the sequence ends here)."""
+        params = sequence.params
+        generator = self.generator
+        if params.penalized:
+            logits = penalize(logits, params, sequence.prompt_ids, sequence.generated)
+        token = sample(logits, params, sequence._rng)
+        sequence.generated.append(token)
+        sequence.produced += 1
+        piece = Piece()
+        if params.logprobs is not None:
+            piece.logprobs = [generator._logprob_entry(logits, token, params.logprobs)]
+        detokenizer = sequence._detokenizer
+        assert detokenizer is not None
+        stops = sequence._stops
+        if token in generator.eos_token_ids and not params.ignore_eos:
+            finish = "stop"
+        else:
+            sequence.completion_tokens += 1
+            piece.text, stopped = stops.push(detokenizer.push(token))
+            if stopped:
+                finish = "stop"
+            elif sequence.completion_tokens >= params.max_tokens:
+                finish = "length"
+            else:
+                return piece
+        stop_hit = stops.matched is not None
+        if not stop_hit:
+            # The detokenizer may hold the bytes of an unfinished character (dropped), and
+            # the matcher text that could have begun a stop string; neither is coming now.
+            tail, stop_hit = stops.push(detokenizer.flush())
+            if stop_hit:
+                finish = "stop"
+            else:
+                tail += stops.flush()
+            piece.text += tail
+        piece.result = GenerationResult(
+            finish_reason=finish,
+            usage=Usage(
+                prompt_tokens=len(sequence.prompt_ids),
+                completion_tokens=sequence.completion_tokens,
+            ),
+            stop_sequence=stops.matched if stop_hit else None,
+        )
+        return piece
+
+
+def run_alone(
+    generator: Generator,
+    prompt_ids: Ids[int],
+    params: SamplingParams,
+    *,
+    emit: Callable[[str], None],
+    checkpoint: Callable[[], None],
+    request_id: str = "",
+    on_logprob: Callable[[dict[str, Any]], None] | None = None,
+) -> GenerationResult:
+    """One sequence through the engine's steps, in the calling thread: ``checkpoint`` before
+    each model step (it raises to stop), ``emit`` with each piece of text."""
+    made: list[Piece] = []
+    engine = BatchEngine(
+        generator,
+        max_batch=1,
+        batching=False,
+        deliver=lambda pieces, _: made.extend(piece for _, piece in pieces),
+    )
+    engine.add(Generation(prompt_ids, params, request_id=request_id, window=1 << 62))
+    while True:
+        checkpoint()
+        engine.step()
+        for piece in made:
+            if piece.error is not None:
+                raise piece.error
+            if piece.logprobs and on_logprob is not None:
+                for entry in piece.logprobs:
+                    on_logprob(entry)
+            if piece.text:
+                emit(piece.text)
+            if piece.result is not None:
+                return piece.result
+        made.clear()

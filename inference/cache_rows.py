@@ -1,0 +1,136 @@
+"""The one module that reaches inside transformers' KV cache: the rows of a batch's cache are
+added, removed and re-aligned here, and nowhere else.
+
+transformers has no public way to put two caches side by side, so a batch whose sequences come
+and go edits its ``DynamicCache`` directly. What it relies on (transformers 5.24):
+
+* ``DynamicCache.layers``: one layer object per decoder layer;
+* ``DynamicLayer.keys`` / ``.values``: tensors ``[batch, kv_heads, positions, head_dim]``, which
+  its ``update`` concatenates along ``positions`` each step (so replacing them between steps is
+  safe: the next step concatenates onto whatever is there).
+
+Everything else is public: a cache is built through ``DynamicCache.update`` and its rows are
+selected with ``batch_select_indices``. :func:`check` runs when a local model is served: a
+model whose cache is not made of plain ``DynamicLayer`` s (sliding windows, linear attention),
+or a transformers without these attributes, is served without batching (one sequence at a
+time, which needs none of this), and the reason is logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# The transformers releases this module was tested with (pyproject.toml declares the same).
+TESTED_RANGE = ">=5.24,<5.25"
+
+# Per layer: (keys, values), each [rows, kv_heads, positions, head_dim].
+Rows = list[tuple[Any, Any]]
+
+
+def check(model: Any) -> str | None:
+    """None when batching can edit this model's cache; otherwise why not (logged once)."""
+    try:
+        import torch
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError as error:
+        return f"transformers has no DynamicCache/DynamicLayer ({error})"
+    try:
+        with torch.inference_mode():
+            output = model(
+                input_ids=torch.tensor([[0]]),
+                cache=DynamicCache(config=model.config),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+    except Exception as error:  # noqa: BLE001 - start-up, in a thread: no Cancelled here
+        return f"a forward pass with a DynamicCache failed ({type(error).__name__}: {error})"
+    cache = getattr(output, "cache", None)
+    layers = getattr(cache, "layers", None)
+    if not isinstance(cache, DynamicCache) or not layers:
+        return "the model's forward pass returns no DynamicCache with layers"
+    for layer in layers:
+        if type(layer) is not DynamicLayer:
+            return f"its cache has {type(layer).__name__} layers (only DynamicLayer is batched)"
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            return "DynamicLayer has no keys/values tensors"
+        if keys.dim() != 4 or keys.shape[-2] != 1:
+            return f"DynamicLayer.keys has shape {tuple(keys.shape)}, not [batch, heads, 1, dim]"
+    if not hasattr(cache, "batch_select_indices"):
+        return "DynamicCache has no batch_select_indices"
+    return None
+
+
+def length(cache: Any) -> int:
+    return int(cache.get_seq_length())
+
+
+def rows_of(cache: Any) -> Rows:
+    """The cache's tensors (not copied)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def take_row(cache: Any, index: int, first_column: int) -> Rows:
+    """Row ``index`` from ``first_column`` on (its padding left out), copied, so that the
+    batch's tensors can be freed once the batch moves on."""
+    return [
+        (
+            keys[index : index + 1, :, first_column:].clone(),
+            values[index : index + 1, :, first_column:].clone(),
+        )
+        for keys, values in rows_of(cache)
+    ]
+
+
+def cache_from_rows(config: Any, rows: Rows) -> Any:
+    """A new cache holding ``rows``, built through the cache's public ``update``."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for index, (keys, values) in enumerate(rows):
+        cache.update(keys, values, index)
+    return cache
+
+
+def _pad_left(tensor: Any, columns: int) -> Any:
+    import torch
+
+    if columns == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[2] = columns
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=2)
+
+
+def append_rows(cache: Any, rows: Rows) -> tuple[int, int]:
+    """Add ``rows`` below the cache's rows, right-aligned: whichever is shorter is padded on
+    the left. Returns (columns added before the cache's old rows, before the new rows)."""
+    import torch
+
+    old_length = length(cache)
+    new_length = int(rows[0][0].shape[2])
+    old_pad = max(0, new_length - old_length)
+    new_pad = max(0, old_length - new_length)
+    for layer, (keys, values) in zip(cache.layers, rows, strict=True):
+        layer.keys = torch.cat([_pad_left(layer.keys, old_pad), _pad_left(keys, new_pad)], dim=0)
+        layer.values = torch.cat(
+            [_pad_left(layer.values, old_pad), _pad_left(values, new_pad)], dim=0
+        )
+    return old_pad, new_pad
+
+
+def keep_rows(cache: Any, indices: Sequence[int]) -> None:
+    """Keep only these rows, in this order."""
+    import torch
+
+    cache.batch_select_indices(torch.tensor(list(indices), dtype=torch.long))
+
+
+def drop_left(cache: Any, columns: int) -> None:
+    """Drop the first ``columns`` positions of every row (padding no row needs any more)."""
+    if columns <= 0:
+        return
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, columns:]
+        layer.values = layer.values[:, :, columns:]
