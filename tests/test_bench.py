@@ -1495,3 +1495,76 @@ async def test_tiny_bench_with_an_upstream_that_closes_after_each_response() -> 
     assert "| figure | proxy (httpx) | proxy (lean) | httpx/lean |" in section
     assert "| errors | 0 | 0 | — |" in section
     assert "errors by kind" not in section
+
+
+# --------------------------------------------------------------------------- balance bench
+
+
+async def test_balance_bench_runs_sessions_and_reports_each_balance() -> None:
+    """The balance bench's own loop and report, small: in-process fakes and proxies (one per
+    balance) instead of the subprocesses it starts."""
+    from proxy.bench import balance
+    from tests.support import start_fake, start_proxy
+
+    settings = balance.BalanceSettings(
+        replicas=2, instances=1, sessions=4, turns=2, ramp=0.05, think=0.0, doc_bytes=600,
+        ttft_hit=0.0, ttft_miss=0.05, interval=0.001, tokens=2, cache_blocks=64,
+        block_bytes=64, metrics_interval=0.05, repeat=1,
+    )  # fmt: skip
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            fakes = [
+                await start_fake(
+                    nursery,
+                    prefix_cache_size=settings.cache_blocks,
+                    prefix_block_bytes=settings.block_bytes,
+                    ttft_hit=settings.ttft_hit,
+                    ttft_miss=settings.ttft_miss,
+                    max_running=settings.max_running,
+                )
+                for _ in range(settings.replicas)
+            ]
+            urls = [fake.url for fake in fakes]
+            replicas = [bench._address(url) for url in urls]
+            runs = {}
+            for number, name in enumerate(balance.schedule(settings.balances, 1)):
+                model = {"upstreams": urls, "balance": name, "metrics_interval": 0.05}
+                proxy = await start_proxy(nursery, {"fake-model": model})
+                runs[name] = await balance.run_sessions(
+                    settings, name, [proxy.host_port], replicas, f"t{number}"
+                )
+            nursery.cancel_scope.cancel()
+    report = balance.BalanceReport(settings, runs, command="python -m proxy.bench --sessions 4")
+    results = report.to_json()["results"]
+    assert [r["balance"] for r in results] == list(balance.BALANCES)
+    for result in results:
+        assert result["requests"] == 8 and result["errors"] == 0
+        assert result["ttft_p50_ms"] is not None and result["ttft_p99_ms"] is not None
+        assert 0 <= result["cache_hit_rate"] <= 1
+        assert sum(result["replica_share"]) == pytest.approx(1)
+    # The second turn of a session pinned by its prefix finds the first turn's blocks.
+    assert runs["prefix_affinity"].hit > 0
+    table = balance.format_balance_table(report)
+    assert table.count("\n") == 2 + len(balance.BALANCES) - 1
+    markdown = balance.balance_markdown(report)
+    assert markdown.startswith("## Balance: least_busy vs upstream_metrics vs prefix_affinity")
+    doc = bench.upsert_section("", settings.key(), markdown)
+    assert doc.count(f"<!-- bench:begin {settings.key()} -->") == 1
+    assert bench.upsert_section(doc, settings.key(), markdown) == doc
+
+
+def test_balance_bench_command_line() -> None:
+    from proxy.bench import balance
+
+    assert balance.wants_balance(["--replicas", "4", "--sessions=8"])
+    assert not balance.wants_balance(["--streams", "100"])
+    assert balance.schedule(("a", "b", "c"), 2) == ["a", "b", "c", "c", "b", "a"]
+    parser = argparse.ArgumentParser()
+    balance.add_arguments(parser)
+    args = parser.parse_args(["--replicas", "3", "--instances", "2", "--sessions", "5"])
+    settings = balance.settings_from_args(args)
+    assert (settings.replicas, settings.instances, settings.sessions) == (3, 2, 5)
+    assert settings.key() == "bench=balance replicas=3 instances=2 sessions=5 turns=5"
+    assert bench.load_name(settings.key())  # the doc's tests name every section's load
+    with pytest.raises(bench.BenchError):
+        balance.BalanceSettings(sessions=0)

@@ -1768,3 +1768,71 @@ async def test_every_endpoint_records_path_and_model(nursery: trio.Nursery) -> N
     assert [(r.path, r.model) for r in fake.recorder.records] == expected
     assert [(r["path"], r["model"]) for r in records] == expected
     assert {r.outcome for r in fake.recorder.records} == {"completed"}
+
+
+# --------------------------------------------------------------------------- serving model
+
+
+def test_prefix_cache_blocks_chain_and_evict() -> None:
+    from proxy.testing.fake_upstream import PrefixCache
+
+    cache = PrefixCache(capacity=4)
+    first = b"a" * 300
+    assert cache.lookup(first, 100) == (3, 0, 1.0)
+    # The same beginning, grown: its first three blocks hit, the rest of its bytes do not.
+    blocks, hit, uncached = cache.lookup(first + b"b" * 100, 100)
+    assert (blocks, hit) == (4, 3) and uncached == pytest.approx(0.25)
+    # A different first block: nothing after it hits either (the chain).
+    assert cache.lookup(b"c" + first[1:], 100)[1] == 0
+    assert len(cache) == 4  # bounded: the oldest blocks went
+    assert (cache.queries, cache.hits) == (3 + 4 + 3, 3)
+
+
+async def test_prefix_cache_ttft_running_limit_and_metrics() -> None:
+    from tests.support import start_fake
+
+    def body(content: str, **fake: Any) -> dict[str, Any]:
+        messages = [{"role": "system", "content": "s" * 400}, {"role": "user", "content": content}]
+        return {"model": "fake-model", "messages": messages, "stream": True, "tokens": 2, **fake}
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=5) as client:
+            fake = await start_fake(
+                nursery,
+                interval=0.001,
+                tokens=2,
+                prefix_cache_size=64,
+                prefix_block_bytes=64,
+                ttft_hit=0.0,
+                ttft_miss=0.4,
+                max_running=1,
+            )
+            times = []
+            for _ in range(2):
+                started = trio.current_time()
+                response = await client.post(f"{fake.url}/v1/chat/completions", json=body("q"))
+                assert response.status_code == 200
+                times.append(trio.current_time() - started)
+            miss, hit = fake.recorder.records
+            assert miss.prefix_hit_blocks == 0 and hit.prefix_hit_blocks == hit.prefix_blocks
+            assert times[0] > 0.35 > times[1]
+
+            # One running at a time: the second waits (and says so in /metrics).
+            async def slow() -> None:
+                await client.post(
+                    f"{fake.url}/v1/chat/completions", json=body("x", fake={"ttft": 0.5})
+                )
+
+            nursery.start_soon(slow)
+            nursery.start_soon(slow)
+            await fake.recorder.wait_for(lambda r: len(r.records) == 4)
+            await trio.sleep(0.1)
+            text = (await client.get(f"{fake.url}/metrics")).text
+            assert 'vllm:num_requests_running{model_name="fake-model"} 1.0' in text
+            assert 'vllm:num_requests_waiting{model_name="fake-model"} 1.0' in text
+            assert 'vllm:kv_cache_usage_perc{model_name="fake-model"} 1.0' in text
+            assert "vllm:prefix_cache_hits_total" in text
+            assert len(fake.recorder.records) == 4  # /metrics is not recorded
+            fake.upstream.settings.metrics_status = 503
+            assert (await client.get(f"{fake.url}/metrics")).status_code == 503
+            nursery.cancel_scope.cancel()

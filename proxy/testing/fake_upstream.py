@@ -61,6 +61,22 @@ Endpoints, each in the shape vLLM serves it (``POST`` unless said otherwise):
   request body received and ``file_sha256`` of the file part, so a test can prove a proxy
   relayed the body intact. Streamed: ``transcription.chunk`` events, the digests on the last.
 * ``GET /v1/models``, ``GET /health``; ``/_fake/requests`` lists the records as JSON.
+* ``GET /metrics``: vLLM's load gauges in Prometheus text (``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``) and its prefix-cache counters
+  (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``, in blocks here);
+  ``metrics_text`` replaces the body, ``metrics_status`` the status. Not recorded.
+
+A serving model, when asked (each off by default, so every other test sees the plain fake):
+
+* ``max_running``: at most that many requests generate at once; the others wait, in order
+  (``num_requests_waiting``), and their TTFT counts from when they start.
+* ``prefix_cache_size``: an LRU of that many prompt blocks (``prefix_block_bytes`` each, hashed
+  as a chain, so a block stands for the whole prompt up to it, as vLLM's automatic prefix
+  caching does). A prompt's TTFT is ``ttft_hit`` plus ``ttft_miss - ttft_hit`` times the
+  fraction of its bytes not in the cache: a conversation's next turn on the replica that served
+  the previous one is fast, anywhere else slow. The prompt is the chat messages (role and
+  text), the prompt, or the input, and instructions or system. A request's own ``fake.ttft``
+  still wins.
 
 Every ``POST`` endpoint follows the schedule (a non-generating one answers at ``ttft``) and
 takes the ``"fake"`` steering and its fault modes; each request gets a ``RequestRecord`` with
@@ -86,6 +102,7 @@ import struct
 import sys
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -103,11 +120,13 @@ __all__ = [
     "FakeUpstream",
     "NoRecordsYet",
     "Outcome",
+    "PrefixCache",
     "Recorder",
     "RequestRecord",
     "add_arguments",
     "embedding_vector",
     "main",
+    "prompt_bytes",
     "relevance_score",
     "run_from_args",
     "settings_from_args",
@@ -224,6 +243,15 @@ class FakeSettings:
     tls_key: str = ""
     tls_client_ca: str = ""
     via_proxy: bool = False
+    # The serving model (module doc): 0 turns each off.
+    max_running: int = 0
+    prefix_cache_size: int = 0
+    prefix_block_bytes: int = 256
+    ttft_hit: float = 0.02
+    ttft_miss: float = 0.3
+    # GET /metrics: this body instead of the fake's own gauges, and this status.
+    metrics_text: str | None = None
+    metrics_status: int = 200
 
     def __post_init__(self) -> None:
         _check_seconds("ttft", self.ttft)
@@ -254,6 +282,12 @@ class FakeSettings:
             raise _Invalid("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise _Invalid("tls_client_ca needs tls_cert and tls_key")
+        _check_int("max_running", self.max_running, 0)
+        _check_int("prefix_cache_size", self.prefix_cache_size, 0)
+        _check_int("prefix_block_bytes", self.prefix_block_bytes, 1)
+        _check_seconds("ttft_hit", self.ttft_hit)
+        _check_seconds("ttft_miss", self.ttft_miss)
+        _check_int("metrics_status", self.metrics_status, 100, 599)
 
 
 class _Invalid(ValueError):
@@ -369,6 +403,11 @@ class RequestRecord:
     client_cert_cn: str | None = None
     via_proxy: bool = False
     tunnel: str | None = None
+    # With a prefix cache: the prompt's full blocks, and how many of them were cached.
+    prefix_blocks: int | None = None
+    prefix_hit_blocks: int | None = None
+    # With max_running: seconds it waited for a running slot.
+    queued_seconds: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -1780,6 +1819,69 @@ class _Ticker:
             job.done.set()
 
 
+# --------------------------------------------------------------------------- prefix cache
+
+
+def prompt_bytes(body: Mapping[str, Any]) -> bytes:
+    """The prompt as the prefix cache sees it: instructions or system, then each message's role
+    and text (or the prompt, or the input), in order."""
+    parts: list[str] = []
+    for name in ("instructions", "system"):
+        if isinstance(body.get(name), str):
+            parts.append(f"system\x1f{body[name]}")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        messages = body.get("input")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict):
+                texts = _message_texts([message])
+                parts.append(f"{message.get('role', '')}\x1f{''.join(texts)}")
+    for name in ("prompt", "input"):
+        value = body.get(name)
+        if isinstance(value, str):
+            parts.append(value)
+    return "\x1e".join(parts).encode("utf-8", "replace")
+
+
+class PrefixCache:
+    """An LRU of prompt blocks, as vLLM's automatic prefix caching keeps KV blocks: each full
+    block of ``block`` bytes is named by a hash of the prompt up to its end (a chain), so a
+    block hits only when everything before it hit too. Counts blocks queried and hit."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def lookup(self, prompt: bytes, block: int) -> tuple[int, int, float]:
+        """Look ``prompt`` up and remember it: (its full blocks, how many were cached, the
+        fraction of its bytes not cached)."""
+        chain = b""
+        names = []
+        for start in range(0, len(prompt) - block + 1, block):
+            chain = hashlib.blake2b(chain + prompt[start : start + block], digest_size=16).digest()
+            names.append(chain)
+        hit = 0
+        for name in names:
+            if name not in self._blocks:
+                break
+            hit += 1
+        for name in names:
+            self._blocks[name] = None
+            self._blocks.move_to_end(name)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        self.queries += len(names)
+        self.hits += hit
+        uncached = 1.0 - (hit * block / len(prompt)) if prompt else 1.0
+        return len(names), hit, uncached
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -1794,6 +1896,10 @@ class FakeUpstream:
         self.recorder = Recorder(max_records=self.settings.max_records)
         self._ticker = _Ticker()
         self._tls: tuple[tuple[str, str, str], ssl.SSLContext] | None = None
+        self.cache = PrefixCache(self.settings.prefix_cache_size)
+        self.running = 0
+        self.waiting = 0
+        self._slots = trio.CapacityLimiter(max(1, self.settings.max_running))
 
     async def serve(
         self,
@@ -1893,6 +1999,9 @@ class FakeUpstream:
             elif request.path.startswith("/_fake/"):
                 ending = await self._serve_control(conn, request)
                 answered = True
+            elif request.path == "/metrics" and request.method == "GET":
+                ending = await self._serve_metrics(conn, request)
+                answered = True
             else:
                 ending = await self._serve_request(conn, request)
                 answered = True
@@ -1937,6 +2046,36 @@ class FakeUpstream:
                 return _End.CLOSE
             await self._start_tls(conn)
         return _End.KEEP
+
+    def metrics_text(self) -> str:
+        """What GET /metrics answers: vLLM's names, this fake's figures."""
+        settings = self.settings
+        if settings.metrics_text is not None:
+            return settings.metrics_text
+        label = f'{{model_name="{settings.models[0]}"}}'
+        usage = self.running / settings.max_running if settings.max_running else 0.0
+        lines = [
+            ("vllm:num_requests_running", "gauge", self.running),
+            ("vllm:num_requests_waiting", "gauge", self.waiting),
+            ("vllm:kv_cache_usage_perc", "gauge", usage),
+            ("vllm:prefix_cache_queries", "counter", self.cache.queries),
+            ("vllm:prefix_cache_hits", "counter", self.cache.hits),
+        ]
+        out = []
+        for name, kind, value in lines:
+            sample = f"{name}_total" if kind == "counter" else name
+            out += [f"# TYPE {name} {kind}", f"{sample}{label} {float(value)}"]
+        return "\n".join(out) + "\n"
+
+    async def _serve_metrics(self, conn: _Connection, request: _Request) -> _End:
+        keep = request.keep_alive
+        body = self.metrics_text().encode()
+        status = self.settings.metrics_status
+        content_type = "text/plain; version=0.0.4; charset=utf-8"
+        await conn.stream.send_all(
+            _response(status, body, keep_alive=keep, content_type=content_type)
+        )
+        return _End.KEEP if keep else _End.CLOSE
 
     async def _serve_control(self, conn: _Connection, request: _Request) -> _End:
         """The fake's own endpoints: not recorded, never subject to fault injection."""
@@ -2009,7 +2148,7 @@ class FakeUpstream:
                     response = _response(400, errors(400, str(exc)), keep_alive=keep)
                 else:
                     self.recorder._planned(record, plan.mode)
-                    return await self._complete(conn, request, record, plan, answer, errors)
+                    return await self._serving(conn, request, record, plan, answer, errors)
         elif path == "/health" and method == "GET":
             response = _response(200, b"", keep_alive=keep, content_type=None)
         elif path == "/v1/models" and method == "GET":
@@ -2051,6 +2190,49 @@ class FakeUpstream:
             for name in self.settings.models
         ]
         return {"object": "list", "data": models}
+
+    async def _serving(
+        self,
+        conn: _Connection,
+        request: _Request,
+        record: RequestRecord,
+        plan: _Plan,
+        answer: _Answer,
+        errors: Callable[[int, str], bytes],
+    ) -> _End:
+        """The serving model around an answer: a running slot (waiting for one, in order),
+        then the prefix cache's TTFT, counted from when the slot was had."""
+        settings = self.settings
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.max_running:
+                self._slots.total_tokens = settings.max_running
+                self.waiting += 1
+                try:
+                    await stack.enter_async_context(self._slots)
+                finally:
+                    self.waiting -= 1
+                record.queued_seconds = trio.current_time() - record.received_at
+            self.running += 1
+            stack.callback(self._stopped_running)
+            ttft = plan.ttft
+            if settings.prefix_cache_size and record.body is not None:
+                fake = record.body.get("fake")
+                overridden = isinstance(fake, dict) and "ttft" in fake
+                self.cache.capacity = settings.prefix_cache_size
+                blocks, hit, uncached = self.cache.lookup(
+                    prompt_bytes(record.body), settings.prefix_block_bytes
+                )
+                record.prefix_blocks, record.prefix_hit_blocks = blocks, hit
+                if not overridden:
+                    ttft = settings.ttft_hit + (settings.ttft_miss - settings.ttft_hit) * uncached
+            waited = trio.current_time() - record.received_at
+            if waited or ttft != plan.ttft:
+                plan = dataclasses.replace(plan, ttft=waited + ttft)
+            return await self._complete(conn, request, record, plan, answer, errors)
+        raise AssertionError("unreachable")  # pragma: no cover (mypy: the with returns)
+
+    def _stopped_running(self) -> None:
+        self.running -= 1
 
     async def _complete(
         self,
@@ -2218,6 +2400,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="be the HTTP proxy in front of itself: answer CONNECT and absolute-form "
         "requests, refuse direct ones with 403",
     )
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=defaults.max_running,
+        help="requests generating at once; the rest wait in order (0: no limit)",
+    )
+    parser.add_argument(
+        "--prefix-cache-size",
+        type=int,
+        default=defaults.prefix_cache_size,
+        metavar="N",
+        help="an LRU of N prompt blocks; TTFT from --ttft-hit to --ttft-miss by the "
+        "uncached fraction (0: off, TTFT is --ttft)",
+    )
+    parser.add_argument(
+        "--prefix-block-bytes",
+        type=int,
+        default=defaults.prefix_block_bytes,
+        help="bytes of prompt per cached block",
+    )
+    parser.add_argument(
+        "--ttft-hit", type=float, default=defaults.ttft_hit, help="TTFT of a fully cached prompt"
+    )
+    parser.add_argument(
+        "--ttft-miss", type=float, default=defaults.ttft_miss, help="TTFT of an uncached prompt"
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> FakeSettings:
@@ -2238,6 +2446,11 @@ def settings_from_args(args: argparse.Namespace) -> FakeSettings:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         via_proxy=args.via_proxy,
+        max_running=getattr(args, "max_running", 0),
+        prefix_cache_size=getattr(args, "prefix_cache_size", 0),
+        prefix_block_bytes=getattr(args, "prefix_block_bytes", 256),
+        ttft_hit=getattr(args, "ttft_hit", 0.02),
+        ttft_miss=getattr(args, "ttft_miss", 0.3),
     )
 
 

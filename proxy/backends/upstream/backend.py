@@ -17,22 +17,32 @@ import contextlib
 import logging
 import math
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
 from typing import Any
 
 import httpx
 import trio
+from prometheus_client import Counter
 
 from proxy.backends.upstream.httpx_pool import HttpxPool
 from proxy.backends.upstream.pool import KeepAlivePool, Origin, UpstreamRequest
-from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, ReplicaLoad
+from proxy.backends.upstream.routing import (
+    HealthPolicy,
+    LeastBusyRouter,
+    MetricsRouter,
+    ReplicaLoad,
+    router_for,
+)
 from proxy.backends.upstream.transports import ConnectionSettings, Pool, Response, health_client
 from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol import anthropic, http1, responses
+from proxy.protocol.affinity import affinity_key
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import NATIVE_ENDPOINTS, CompletionRequest, Endpoint
+from proxy.protocol.replica_metrics import MetricsParseError, parse_replica_metrics
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
 from proxy.relay.admission import Admission
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
@@ -68,6 +78,28 @@ _ACCEPT = {
     for endpoint in Endpoint
     for stream in (False, True)
 }
+
+
+# A scrape's body is a few KiB (vLLM's: ~30 KiB with its histograms); bounded all the same.
+_MAX_METRICS_BODY = 4 * 1024 * 1024
+# sluice_routing_decisions_total, one per app's registry (several backends share one Metrics).
+_ROUTING_COUNTERS: weakref.WeakKeyDictionary[Metrics, Counter] = weakref.WeakKeyDictionary()
+
+
+def routing_counter(metrics: Metrics) -> Counter:
+    """``sluice_routing_decisions_total{model, balance, reason}`` in ``metrics``' registry:
+    how each attempt's replica was chosen (see routing.Decision for the reasons)."""
+    counter = _ROUTING_COUNTERS.get(metrics)
+    if counter is None:
+        counter = Counter(
+            "sluice_routing_decisions_total",
+            "Upstream replicas chosen, by model, balance and reason (least_busy, probe, "
+            "metrics, fallback, affinity_hit, affinity_overflow).",
+            ["model", "balance", "reason"],
+            registry=metrics.registry,
+        )
+        _ROUTING_COUNTERS[metrics] = counter
+    return counter
 
 
 def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> ApiError:
@@ -175,7 +207,84 @@ class UpstreamReplica:
 
 
 class UpstreamBackend:
-    """Serves one model from one or more replicas."""
+    """Serves one model from one or more replicas, chosen by its ``balance``."""
+
+    async def watch_replicas(self) -> None:
+        """Runs for the server's lifetime in the app's nursery: what this model's ``balance``
+        needs in the background. ``upstream_metrics``: one scraper per replica, in a nursery
+        of their own (a replica that hangs never delays another's scrape); ``least_busy`` and
+        ``prefix_affinity`` need nothing, and it returns at once."""
+        router = self._router
+        if not isinstance(router, MetricsRouter):
+            return
+        interval = self.model.metrics_interval
+        async with contextlib.AsyncExitStack() as stack:
+            # Each replica's own client: its requests' proxy and TLS (transports.health_client),
+            # connections of its own, so a scrape never waits behind streams for a slot.
+            clients = [
+                await stack.enter_async_context(health_client(replica.connection, interval))
+                for replica in self.replicas
+            ]
+            async with trio.open_nursery() as nursery:
+                for client, replica in zip(clients, self.replicas, strict=True):
+                    nursery.start_soon(self._scrape_replica, client, router, replica, interval)
+
+    async def _scrape_replica(
+        self,
+        client: httpx.AsyncClient,
+        router: MetricsRouter,
+        replica: UpstreamReplica,
+        interval: float,
+    ) -> None:
+        """Scrape forever, every ``interval``; each scrape bounded by the interval itself."""
+        url = replica.root_url + self.model.metrics_path
+        failing = False
+        while True:
+            problem: str | None = "no answer within metrics_interval"
+            with trio.move_on_after(interval):
+                problem = await self._scrape_once(client, router, replica, url)
+            if problem is None:
+                if failing:
+                    log.info("model %s: scraping %s works again", self.model.name, url)
+                failing = False
+            else:
+                router.failed(replica.load)
+                if not failing:
+                    # Once per failing spell, not per scrape.
+                    log.warning(
+                        "model %s: scraping %s failed (%s); least_busy for that replica "
+                        "until it answers",
+                        self.model.name,
+                        url,
+                        problem,
+                    )
+                failing = True
+            await trio.sleep(interval)
+
+    async def _scrape_once(
+        self, client: httpx.AsyncClient, router: MetricsRouter, replica: UpstreamReplica, url: str
+    ) -> str | None:
+        """One scrape, its figures given to the router; what went wrong, or None."""
+        headers = {"User-Agent": USER_AGENT.decode(), "Accept": "text/plain"}
+        if replica.authorization is not None:
+            headers["Authorization"] = replica.authorization
+        try:
+            async with client.stream("GET", url, headers=headers) as response:
+                if response.status_code != 200:
+                    return f"HTTP {response.status_code}"
+                body = bytearray()
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > _MAX_METRICS_BODY:
+                        return f"more than {_MAX_METRICS_BODY} bytes"
+        except httpx.HTTPError as error:
+            return f"{type(error).__name__}: {reason(error)}"
+        try:
+            metrics = parse_replica_metrics(body.decode("utf-8", "replace"), self.model.name)
+        except MetricsParseError as error:
+            return str(error)
+        router.observe(replica.load, metrics, trio.current_time())
+        return None
 
     def __init__(
         self,
@@ -193,7 +302,13 @@ class UpstreamBackend:
         self.replicas = list(replicas)
         self._by_load = {replica.load: replica for replica in self.replicas}
         self._loads = [replica.load for replica in self.replicas]
-        self._router = LeastBusyRouter(policy)
+        self._router: LeastBusyRouter = router_for(
+            model.balance,
+            policy,
+            metrics_interval=model.metrics_interval,
+            affinity_max_load=model.affinity_max_load,
+        )
+        self._decisions = None if metrics is None else routing_counter(metrics)
         self._relay = relay
         self._api_key = api_key
         self._metrics = metrics
@@ -250,9 +365,29 @@ class UpstreamBackend:
             connect_timeout=self.model.connect_timeout,
         )
 
+    @property
+    def router(self) -> LeastBusyRouter:
+        return self._router
+
+    def affinity_key(self, request: CompletionRequest) -> bytes:
+        """The request's key for ``prefix_affinity`` (b"" for the other balances): the value
+        of the model's ``affinity_header`` when the pipeline passed it on (``request.session``),
+        else the prompt's first ``affinity_prefix_bytes``."""
+        if self.model.balance != "prefix_affinity":
+            return b""
+        session = getattr(request, "session", "") if self.model.affinity_header else ""
+        return affinity_key(request, self.model.affinity_prefix_bytes, session or "")
+
+    def _choose(self, tried: Sequence[ReplicaLoad], key: bytes) -> ReplicaLoad | None:
+        decision = self._router.decide(self._loads, tried, trio.current_time(), key)
+        if decision.replica is not None and self._decisions is not None:
+            self._decisions.labels(self.model.name, self._router.balance, decision.reason).inc()
+        return decision.replica
+
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+        key = self.affinity_key(request)
         with trio.move_on_after(self.model.total_timeout):
-            await self._attempts(request, request_id, sink)
+            await self._attempts(request, request_id, sink, key)
             return
         error = upstream_error(
             504,
@@ -269,16 +404,18 @@ class UpstreamBackend:
         if self._metrics is not None:
             self._metrics.upstream_errors.labels(self.model.name, error.code or "error").inc()
 
-    async def _attempts(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+    async def _attempts(
+        self, request: CompletionRequest, request_id: str, sink: Sink, key: bytes = b""
+    ) -> None:
         if self.model.hedge_after > 0:
-            await self._hedged(request, request_id, sink)
+            await self._hedged(request, request_id, sink, key)
             return
         tried: list[ReplicaLoad] = []
         failures: list[str] = []
         last_error: ApiError | None = None
         attempts = min(self.model.max_attempts, len(self._loads))
         for _ in range(attempts):
-            load = self._router.choose(self._loads, tried, trio.current_time())
+            load = self._choose(tried, key)
             if load is None:
                 break
             tried.append(load)
@@ -300,7 +437,9 @@ class UpstreamBackend:
             last_error.args = (last_error.message,)
         raise last_error
 
-    async def _hedged(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+    async def _hedged(
+        self, request: CompletionRequest, request_id: str, sink: Sink, key: bytes = b""
+    ) -> None:
         """Attempts that may overlap: after hedge_after without a first token another replica
         gets the same request; the first to send an event wins and the others are cancelled
         (their streams closed, so their servers abort the work)."""
@@ -313,7 +452,7 @@ class UpstreamBackend:
 
             def launch() -> bool:
                 nonlocal running
-                load = self._router.choose(self._loads, tried, trio.current_time())
+                load = self._choose(tried, key)
                 if load is None:
                     return False
                 tried.append(load)

@@ -6,6 +6,15 @@ time it is given, so it is tested without sockets or clocks.
   ``ejection_seconds``. After that it is *half-open*: one request (a probe) may try it; success
   brings it back, failure ejects it again.
 - Active health checks report through the same two calls, ``success`` and ``failure``.
+
+Three ways to choose among the healthy replicas (a model's ``balance``); health, ejection and
+half-open probes are the same for all three (:meth:`LeastBusyRouter.decide`):
+
+- ``least_busy`` (:class:`LeastBusyRouter`): this process's in-flight count.
+- ``upstream_metrics`` (:class:`MetricsRouter`): each replica's own scraped load,
+  :func:`metrics_score`.
+- ``prefix_affinity`` (:class:`AffinityRouter`): rendezvous hashing of the request's key,
+  bounded by load, :func:`overloaded`.
 """
 
 from __future__ import annotations
@@ -13,6 +22,9 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+
+from proxy.protocol.affinity import rendezvous_order
+from proxy.protocol.replica_metrics import ReplicaMetrics
 
 
 @dataclass(frozen=True)
@@ -45,8 +57,21 @@ class ReplicaLoad:
         return self.ejected_until == 0
 
 
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A replica chosen, and why (the routing metric's ``reason``): ``least_busy``,
+    ``probe`` (a half-open replica's one request), ``metrics`` (by its scraped load),
+    ``fallback`` (upstream_metrics without a fresh scrape of the chosen replica: its in-flight
+    count), ``affinity_hit`` (the key's own replica), ``affinity_overflow`` (the key's replica
+    was over the bound: the least loaded instead)."""
+
+    replica: ReplicaLoad | None
+    reason: str = "none"
+
+
 class LeastBusyRouter:
     __slots__ = ("_picks", "policy")
+    balance = "least_busy"
 
     def __init__(self, policy: HealthPolicy | None = None) -> None:
         self._picks = 0
@@ -57,20 +82,28 @@ class LeastBusyRouter:
         replicas: Sequence[ReplicaLoad],
         exclude: Collection[ReplicaLoad] = (),
         now: float = 0.0,
+        key: bytes = b"",
     ) -> ReplicaLoad | None:
-        """The replica to try next: a half-open replica as its one probe, else the least busy
-        healthy one; None when every candidate is excluded, ejected, or being probed."""
-        best: ReplicaLoad | None = None
+        """The replica to try next: a half-open replica as its one probe, else the best
+        healthy one by this router's balance; None when every candidate is excluded, ejected,
+        or being probed."""
+        return self.decide(replicas, exclude, now, key).replica
+
+    def decide(
+        self,
+        replicas: Sequence[ReplicaLoad],
+        exclude: Collection[ReplicaLoad] = (),
+        now: float = 0.0,
+        key: bytes = b"",
+    ) -> Decision:
+        """:meth:`choose`, with the reason."""
+        healthy: list[ReplicaLoad] = []
         probe: ReplicaLoad | None = None
         for replica in replicas:
             if replica in exclude:
                 continue
             if replica.healthy():
-                if best is None or (replica.in_flight, replica.last_pick) < (
-                    best.in_flight,
-                    best.last_pick,
-                ):
-                    best = replica
+                healthy.append(replica)
             elif (
                 replica.half_open(now)
                 and not replica.probing
@@ -79,13 +112,25 @@ class LeastBusyRouter:
                 probe = replica
         # A half-open replica gets the next request as its probe (one at a time); without
         # that, a replica would never come back while any other is healthy.
-        chosen = probe or best
-        if chosen is not None:
-            if chosen is probe:
-                chosen.probing = True
-            self._picks += 1
-            chosen.last_pick = self._picks
-        return chosen
+        if probe is not None:
+            probe.probing = True
+            decision = Decision(probe, "probe")
+        elif healthy:
+            decision = self._pick(healthy, now, key)
+        else:
+            return Decision(None)
+        chosen = decision.replica
+        assert chosen is not None
+        self._picks += 1
+        chosen.last_pick = self._picks
+        self._picked(chosen)
+        return decision
+
+    def _pick(self, healthy: Sequence[ReplicaLoad], now: float, key: bytes) -> Decision:
+        return Decision(least_busy(healthy), "least_busy")
+
+    def _picked(self, replica: ReplicaLoad) -> None:
+        """After any choice (a probe too): what the balance counts."""
 
     def success(self, replica: ReplicaLoad) -> None:
         replica.consecutive_failures = 0
@@ -106,3 +151,143 @@ class LeastBusyRouter:
         """Seconds until some ejected replica may be probed (for Retry-After)."""
         waits = [r.ejected_until - now for r in replicas if r.ejected(now)]
         return max(0.0, min(waits)) if waits else 0.0 if replicas else math.inf
+
+
+def least_busy(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
+    """Fewest in flight; equal loads to the replica picked longest ago."""
+    return min(replicas, key=lambda r: (r.in_flight, r.last_pick))
+
+
+# ----------------------------------------------------------------------------- upstream_metrics
+
+# A request waiting in a replica's queue costs more than one running: it has not even started
+# its prefill, and everything queued before it must finish first.
+WAITING_WEIGHT = 4.0
+# A scrape older than this many metrics_interval is stale: the replica is scored as least_busy.
+STALE_INTERVALS = 3.0
+
+
+@dataclass(eq=False, slots=True)
+class Scrape:
+    """What one replica's last scrape said, and what this process sent it since."""
+
+    metrics: ReplicaMetrics | None = None
+    at: float = -math.inf
+    # Requests this process started on the replica since that scrape.
+    started: int = 0
+
+
+def metrics_score(
+    load: ReplicaLoad, scrape: Scrape | None, now: float, stale_after: float
+) -> tuple[float, bool]:
+    """A replica's load score for ``upstream_metrics`` (lower is better), and whether it came
+    from a fresh scrape:
+
+        WAITING_WEIGHT x waiting + running + min(started since the scrape, in_flight) + kv_usage
+
+    ``waiting`` and ``running`` are the server's own gauges (every client's requests, every
+    instance's); the requests this process started since the scrape (and still has in flight)
+    are not in them yet, so a burst between two scrapes spreads instead of piling onto the
+    replica that looked idle. KV cache usage (a fraction, 0 to 1) is worth at most one running
+    request: it breaks ties toward the replica with room for more context, and penalises one
+    close to preempting. With no scrape, a failed one, or one older than ``stale_after``
+    seconds, the score is this process's in-flight count, as least_busy's."""
+    if scrape is None or scrape.metrics is None or now - scrape.at > stale_after:
+        return float(load.in_flight), False
+    m = scrape.metrics
+    recent = min(scrape.started, load.in_flight)
+    return WAITING_WEIGHT * m.waiting + m.running + recent + m.kv_usage, True
+
+
+class MetricsRouter(LeastBusyRouter):
+    """``upstream_metrics``: the lowest :func:`metrics_score`, ties to the replica picked
+    longest ago. The backend's scrapers report through :meth:`observe` and :meth:`failed`."""
+
+    __slots__ = ("_scrapes", "stale_after")
+    balance = "upstream_metrics"
+
+    def __init__(self, policy: HealthPolicy | None = None, *, interval: float = 2.0) -> None:
+        super().__init__(policy)
+        self.stale_after = STALE_INTERVALS * interval
+        self._scrapes: dict[ReplicaLoad, Scrape] = {}
+
+    def scrape_of(self, replica: ReplicaLoad) -> Scrape:
+        return self._scrapes.setdefault(replica, Scrape())
+
+    def observe(self, replica: ReplicaLoad, metrics: ReplicaMetrics, now: float) -> None:
+        scrape = self.scrape_of(replica)
+        scrape.metrics, scrape.at, scrape.started = metrics, now, 0
+
+    def failed(self, replica: ReplicaLoad) -> None:
+        """A failed scrape: least_busy for this replica until the next good one."""
+        scrape = self.scrape_of(replica)
+        scrape.metrics, scrape.started = None, 0
+
+    def score(self, replica: ReplicaLoad, now: float) -> tuple[float, bool]:
+        return metrics_score(replica, self._scrapes.get(replica), now, self.stale_after)
+
+    def _pick(self, healthy: Sequence[ReplicaLoad], now: float, key: bytes) -> Decision:
+        scored = [(self.score(r, now), r.last_pick, i) for i, r in enumerate(healthy)]
+        (_, fresh), _, index = min(scored, key=lambda item: (item[0][0], item[1]))
+        return Decision(healthy[index], "metrics" if fresh else "fallback")
+
+    def _picked(self, replica: ReplicaLoad) -> None:
+        self.scrape_of(replica).started += 1
+
+
+# ----------------------------------------------------------------------------- prefix_affinity
+
+
+def overloaded(load: float, loads: Sequence[float], max_load: float) -> bool:
+    """Whether the key's replica, at ``load``, is over the bound: more than ``max_load`` x the
+    mean of ``loads`` (every candidate's, its own included) plus one.
+
+    The +1 is SGLang's absolute threshold next to its relative one (its router rebalances only
+    when max - min > balance_abs_threshold and max > balance_rel_threshold x min): with
+    nothing in flight the mean is 0, and a single request must not count as an overload. With
+    2 replicas and max_load 1.5, the key's replica gives way when it holds more than 3 x the
+    other's + 4: at 5 while the other is idle (5 > 1.5 x 2.5 + 1), at 11 against 2."""
+    if not loads:
+        return False
+    mean = sum(loads) / len(loads)
+    return load > max_load * mean + 1
+
+
+class AffinityRouter(LeastBusyRouter):
+    """``prefix_affinity``: the key's replica by rendezvous hashing of the healthy candidates
+    (so a retry, which excludes the one tried, goes to the key's next replica); when that one
+    is :func:`overloaded` (by this process's in-flight counts), the least busy instead. A
+    request with no key is least_busy's."""
+
+    __slots__ = ("max_load",)
+    balance = "prefix_affinity"
+
+    def __init__(self, policy: HealthPolicy | None = None, *, max_load: float = 1.5) -> None:
+        super().__init__(policy)
+        self.max_load = max_load
+
+    def _pick(self, healthy: Sequence[ReplicaLoad], now: float, key: bytes) -> Decision:
+        if not key:
+            return super()._pick(healthy, now, key)
+        owner = healthy[rendezvous_order(key, [r.url for r in healthy])[0]]
+        loads = [r.in_flight for r in healthy]
+        if overloaded(owner.in_flight, loads, self.max_load):
+            return Decision(least_busy(healthy), "affinity_overflow")
+        return Decision(owner, "affinity_hit")
+
+
+def router_for(
+    balance: str,
+    policy: HealthPolicy | None = None,
+    *,
+    metrics_interval: float = 2.0,
+    affinity_max_load: float = 1.5,
+) -> LeastBusyRouter:
+    """The router of a model's ``balance``."""
+    if balance == "upstream_metrics":
+        return MetricsRouter(policy, interval=metrics_interval)
+    if balance == "prefix_affinity":
+        return AffinityRouter(policy, max_load=affinity_max_load)
+    if balance != "least_busy":
+        raise ValueError(f"unknown balance {balance!r}")
+    return LeastBusyRouter(policy)
