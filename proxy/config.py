@@ -104,9 +104,23 @@ class UpstreamRequestConfig:
     proxy: str = ""
     # Offer HTTP/2 (ALPN) on https:// upstreams: one connection carries many streams.
     http2: bool = False
+    # How a replica is chosen. "least_busy": this process's in-flight count. "upstream_metrics":
+    # each replica's own Prometheus /metrics (vLLM's waiting/running/KV cache, llama.cpp's
+    # processing/deferred), scraped every metrics_interval, plus this process's requests since
+    # the scrape; a stale or failed scrape falls back to least_busy. "prefix_affinity":
+    # rendezvous hashing of the prompt's first affinity_prefix_bytes (or of the
+    # affinity_header's value), bounded: a replica over affinity_max_load x the mean load
+    # gives way to the least loaded.
+    balance: str = "least_busy"
+    metrics_path: str = "/metrics"
+    metrics_interval: float = 2.0
+    affinity_header: str = ""
+    affinity_prefix_bytes: int = 1024
+    affinity_max_load: float = 1.5
 
 
 TRANSPORTS = ("auto", "lean", "httpx")
+BALANCES = ("least_busy", "upstream_metrics", "prefix_affinity")
 # The `proxy` that means a direct connection whatever the environment says.
 PROXY_DIRECT = "none"
 
@@ -237,11 +251,37 @@ _MODEL_KEYS = frozenset({"backend"}) | _UPSTREAM_MODEL_KEYS | _LOCAL_MODEL_KEYS
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Where per-key limits are counted. "memory": in this process (N processes allow N x the
+    limits). "redis": in one Redis shared by every worker and instance."""
+
+    backend: str = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    # Prefix of every Redis key Sluice writes (several deployments may share one Redis).
+    key_prefix: str = "sluice:"
+    # When Redis cannot be reached: "deny" refuses (503) or "allow" admits without counting;
+    # logged at most once a minute and counted in sluice_limits_errors_total.
+    on_error: str = "deny"
+    # Each Redis call's bound: a request never waits longer than this on Redis.
+    timeout: float = 0.25
+    # A concurrency slot is a lease that its holder renews every lease_seconds / 3; a crashed
+    # instance's slots free themselves after lease_seconds.
+    lease_seconds: float = 15.0
+    # Redis connections (or worker threads, for a blocking client) per process.
+    pool_size: int = 16
+
+
+LIMITS_BACKENDS = ("memory", "redis")
+LIMITS_ON_ERROR = ("deny", "allow")
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     fake_upstream: FakeUpstreamConfig = field(default_factory=FakeUpstreamConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     models: tuple[ModelConfig, ...] = ()
     keys: tuple[KeyConfig, ...] = ()
     source: str = "<defaults>"
@@ -258,6 +298,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "relay": RelayConfig,
     "upstream": UpstreamConfig,
     "fake_upstream": FakeUpstreamConfig,
+    "limits": LimitsConfig,
 }
 
 T = TypeVar("T")
@@ -357,6 +398,7 @@ def _validate(config: Config) -> None:
         max_response_bytes=relay.max_response_bytes,
     )
     _check_request_settings("[upstream]", upstream)
+    _check_limits(config.limits)
     _check_positive(
         "[upstream]",
         max_connections=upstream.max_connections,
@@ -497,6 +539,46 @@ def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None
     )
     _check_not_negative(where, hedge_after=settings.hedge_after)
     _check_connection_settings(where, settings)
+    _check_balance(where, settings)
+
+
+def _check_limits(limits: LimitsConfig) -> None:
+    if limits.backend not in LIMITS_BACKENDS:
+        raise ConfigError(
+            f"'backend' in [limits] must be one of {', '.join(LIMITS_BACKENDS)}, "
+            f"not {limits.backend!r}"
+        )
+    if limits.on_error not in LIMITS_ON_ERROR:
+        raise ConfigError(
+            f"'on_error' in [limits] must be one of {', '.join(LIMITS_ON_ERROR)}, "
+            f"not {limits.on_error!r}"
+        )
+    if limits.backend == "redis" and urlsplit(limits.url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"'url' in [limits] must be a redis://, rediss:// or unix:// URL, not {limits.url!r}"
+        )
+    _check_positive(
+        "[limits]",
+        timeout=limits.timeout,
+        lease_seconds=limits.lease_seconds,
+        pool_size=limits.pool_size,
+    )
+
+
+def _check_balance(where: str, settings: UpstreamRequestConfig) -> None:
+    if settings.balance not in BALANCES:
+        raise ConfigError(
+            f"'balance' in {where} must be one of {', '.join(BALANCES)}, not {settings.balance!r}"
+        )
+    if not settings.metrics_path.startswith("/"):
+        raise ConfigError(f"'metrics_path' in {where} must start with '/'")
+    _check_positive(
+        where,
+        metrics_interval=settings.metrics_interval,
+        affinity_prefix_bytes=settings.affinity_prefix_bytes,
+    )
+    if settings.affinity_max_load < 1:
+        raise ConfigError(f"'affinity_max_load' in {where} must be at least 1 (x the mean load)")
 
 
 def _check_connection_settings(where: str, settings: UpstreamRequestConfig) -> None:

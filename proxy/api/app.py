@@ -74,9 +74,10 @@ class SluiceState:
         # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
         self.env = env
         self.api_keys = resolve_api_keys(config, env)
-        # The clients' keys (not the upstreams' above) and their per-process counters.
-        self.keys = KeyRing(config.keys)
         self.metrics = Metrics()
+        # The clients' keys (not the upstreams' above) and their limits' counters ([limits]:
+        # in this process, or shared through Redis).
+        self.keys = KeyRing(config.keys, config.limits, self.metrics)
         self.tracker = RelayTracker(self.metrics)
         self.replicas: dict[str, UpstreamReplica] = {}
         self.backends: dict[str, Backend] = {}
@@ -259,6 +260,11 @@ def create_app(
             # "loading", requests to the model get 503 model_loading with Retry-After).
             app.nursery.start_soon(state.load_local_models, app.nursery)
         upstream = config.upstream
+        for backend in state.backends.values():
+            if isinstance(backend, UpstreamBackend):
+                # What its balance needs in the background (upstream_metrics: a scraper per
+                # replica); returns at once when it needs nothing.
+                app.nursery.start_soon(backend.watch_replicas)
         if upstream.preconnect:
             for replica in state.replicas.values():
                 app.nursery.start_soon(replica.keep_spare_connections)
