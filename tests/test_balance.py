@@ -344,3 +344,34 @@ async def test_prefix_affinity_pins_conversations_spreads_them_and_overflows(
 async def partial_post(client: httpx.AsyncClient, url: str) -> None:
     """alpha's conversation, held on its replica (a long first token) until cancelled."""
     await post(client, url, "alpha conversation", ttft=30)
+
+
+async def test_a_session_header_pins_a_conversation_whatever_its_prompt(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fakes = [await start_fake(nursery, ttft=0.002, interval=0.001, tokens=2) for _ in range(3)]
+        model = {
+            "upstreams": [f.url for f in fakes],
+            "balance": "prefix_affinity",
+            "affinity_header": "X-Session-ID",
+        }
+        proxy = await start_proxy(nursery, {"fake-model": model})
+        homes = {}
+        for session in ("s-1", "s-2", "s-3", "s-4", "s-5", "s-6"):
+            for turn in range(4):
+                content = f"{session} turn {turn}"
+                body = {"model": "fake-model", "messages": [{"role": "user", "content": content}]}
+                response = await client.post(
+                    f"{proxy.url}/v1/chat/completions",
+                    json=body,
+                    headers={"x-session-id": session},  # header names are case-insensitive
+                )
+                assert response.status_code == 200, response.text
+                homes.setdefault(session, set()).update(replica_of(fakes, content))
+        # Each session's turns (different prompts) went to one replica; sessions spread.
+        assert all(len(replicas) == 1 for replicas in homes.values()), homes
+        assert len(set().union(*homes.values())) >= 2, homes
+        # Without the header, the prompt's prefix decides, as before.
+        await post(client, proxy.url, "no session here")
+        assert len(replica_of(fakes, "no session here")) == 1

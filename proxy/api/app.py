@@ -442,6 +442,7 @@ def create_app(
             endpoint,
             path=request.path,
             content_type=request.headers.get("Content-Type", "application/json"),
+            headers=request.headers,
         )
         # Raises model_not_found for a model not configured, before the label below is set.
         body = pipeline.relay(parsed, access, getattr(request, "sluice_key", None))

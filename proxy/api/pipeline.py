@@ -23,6 +23,7 @@ import re
 import uuid
 from collections.abc import Mapping
 from functools import partial
+from typing import Protocol
 
 import trio
 
@@ -38,6 +39,12 @@ from proxy.protocol.shapes import error_shape
 from proxy.relay.body import Producer, RelayBody, RelayTracker
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class HeaderLookup(Protocol):
+    """A request's headers, looked up by name (case-insensitively, as Quart's are)."""
+
+    def get(self, key: str, /) -> str | None: ...
 
 
 class RequestPipeline:
@@ -91,6 +98,7 @@ class RequestPipeline:
         *,
         path: str = "",
         content_type: str = "application/json",
+        headers: HeaderLookup | None = None,
     ) -> CompletionRequest:
         request = parse_api_request(
             raw,
@@ -101,7 +109,16 @@ class RequestPipeline:
         )
         if endpoint is Endpoint.PASSTHROUGH:
             request = self._route_passthrough(request)
-        return request
+        return request if headers is None else self.with_session(request, headers)
+
+    def with_session(self, request: CompletionRequest, headers: HeaderLookup) -> CompletionRequest:
+        """The request with its conversation key, when its model routes by a session header
+        (``affinity_header``) and the client sent one."""
+        model = self.config.model(request.model)
+        if model is None or not model.affinity_header:
+            return request
+        value = headers.get(model.affinity_header)
+        return dataclasses.replace(request, session=value) if value else request
 
     def _route_passthrough(self, request: CompletionRequest) -> CompletionRequest:
         """A pass-through path goes to the model it names, which must list the path; one that

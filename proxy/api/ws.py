@@ -25,7 +25,7 @@ from typing import Any
 import trio
 from quart import websocket
 
-from proxy.api.pipeline import RequestPipeline
+from proxy.api.pipeline import HeaderLookup, RequestPipeline
 from proxy.config import KeyConfig
 from proxy.ops.logs import AccessRecord
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError, internal_error
@@ -137,6 +137,7 @@ class WebSocketSession:
         client: str,
     ) -> None:
         self.pipeline = pipeline
+        self.headers: HeaderLookup = {}
         self.connection = connection
         self.key = key
         self.client = client
@@ -199,6 +200,7 @@ class WebSocketSession:
             body["stream"] = True
             body.setdefault("stream_options", {"include_usage": True})
             request = completion_request(body, json.dumps(body).encode(), Endpoint.CHAT)
+            request = pipeline.with_session(request, self.headers)
             # An unknown model is refused here too (model_not_found), labelled "-".
             relay = pipeline.relay(request, access, self.key)
         except ApiError as error:
@@ -259,6 +261,8 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
         return
     await websocket.accept()
     session = WebSocketSession(pipeline, connection, key, client)
+    # The handshake's headers: a model routed by a session header reads it from there.
+    session.headers = websocket.headers
     async with trio.open_nursery() as nursery:
         nursery.start_soon(session.guard.watch)
         while not session.guard.stalled:

@@ -55,6 +55,9 @@ class CompletionRequest:
     content_type: str = "application/json"
     # The endpoint's own parsed form (responses.ResponsesRequest, anthropic.MessagesRequest).
     detail: Any = None
+    # The value of the model's affinity_header, when it has one and the client sent it: the
+    # conversation's key for balance = "prefix_affinity".
+    session: str = ""
 
     @property
     def upstream_path(self) -> str:
