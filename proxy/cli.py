@@ -192,9 +192,16 @@ TOOLS = ("bench", "fake-upstream")
 
 def _run_tool(command: str, tool_args: list[str]) -> int:
     if command == "bench":
-        from proxy.bench import main as bench_main
+        from proxy.bench.balance import wants_balance
 
-        bench_main(tool_args, prog="sluice bench")
+        if wants_balance(tool_args):
+            from proxy.bench.balance import main as balance_main
+
+            balance_main(tool_args, prog="sluice bench")
+        else:
+            from proxy.bench import main as bench_main
+
+            bench_main(tool_args, prog="sluice bench")
     else:
         from proxy.testing.fake_upstream import main as fake_main
 
