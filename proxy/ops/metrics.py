@@ -179,6 +179,15 @@ class Metrics:
             ["model", "code"],
             registry=registry,
         )
+        self.limits_errors = Counter(
+            "sluice_limits_errors",
+            'Calls to the shared limits store ([limits] backend = "redis") that failed or '
+            "timed out, by operation (admit, renew, release) and outcome: for admit, what "
+            "on_error did (denied: 503, allowed: admitted uncounted); for renew and release, "
+            "failed (the lease expires on its own after lease_seconds).",
+            ["operation", "outcome"],
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             "sluice_queue_depth",
             "Requests waiting now for a local model's slot or an upstream connection slot.",

@@ -1,0 +1,328 @@
+"""Per-key limits shared through Redis (``[limits] backend = "redis"``): every worker and every
+instance counts against the same requests per minute and the same concurrent streams.
+
+Per key, two sorted sets, both written by one Lua script (atomic: a script runs alone on the
+server), and both named with the key's name as a hash tag so that a Redis Cluster keeps them on
+one slot:
+
+- ``<prefix>{<name>}:rpm``: one member per admission, scored by its time. The same exact
+  sliding window as :class:`~proxy.api.auth.RateWindow`: an admission at t counts until t + 60,
+  and a refusal's Retry-After is when the oldest one leaves.
+- ``<prefix>{<name>}:streams``: one member per concurrency slot, a lease scored by its expiry.
+  Its holder renews it every ``lease_seconds / 3`` and removes it when the request ends; the
+  script drops expired leases before counting, so a crashed instance's slots free themselves
+  within ``lease_seconds``.
+
+Times are the Redis server's (``TIME`` inside the script): instances' clocks never disagree.
+Both limits are checked before either is charged, as in memory.
+
+The client is coredis (anyio: native on trio, no thread per call). Every call is bounded by
+``[limits] timeout`` (connecting included): when Redis is down, slow or erroring, a request gets
+``on_error``'s answer in that time, never a hang; errors are counted in
+``sluice_limits_errors_total`` and logged at most once a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from proxy.config import KeyConfig, LimitsConfig
+from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError
+
+if TYPE_CHECKING:
+    import coredis
+
+    from proxy.ops.metrics import Metrics
+
+log = logging.getLogger("sluice.limits")
+
+RATE_PERIOD = 60.0
+# A refused concurrent stream may retry as soon as one of the key's streams ends; we cannot
+# know when that is, so suggest a short pause rather than an estimate.
+CONCURRENCY_RETRY_AFTER = 1
+# What a 503 limits_unavailable suggests: Redis is usually back (or failed over) in seconds.
+UNAVAILABLE_RETRY_AFTER = 1
+# Errors are logged at most this often (each log line says how many there were since the last).
+LOG_INTERVAL = 60.0
+
+# KEYS: the rate log, the leases. ARGV: requests per minute (0: none), concurrent streams (0:
+# none), the lease id (also the rate log's member), lease seconds, the window's period.
+# Returns {0} admitted, {1, wait} over the rate (wait as a string: Lua numbers become integers),
+# {2} over the concurrency. An id already present means this very admission is being retried
+# (the client retries a call whose connection broke): admitted, and charged only once.
+ADMIT_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rpm = tonumber(ARGV[1])
+local streams = tonumber(ARGV[2])
+local id = ARGV[3]
+local lease = tonumber(ARGV[4])
+local period = tonumber(ARGV[5])
+if (rpm > 0 and redis.call('ZSCORE', KEYS[1], id))
+    or (streams > 0 and redis.call('ZSCORE', KEYS[2], id)) then
+  return {0}
+end
+if rpm > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - period)
+  if redis.call('ZCARD', KEYS[1]) >= rpm then
+    local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+    return {1, tostring(tonumber(oldest[2]) + period - now)}
+  end
+end
+if streams > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) >= streams then
+    return {2}
+  end
+end
+if rpm > 0 then
+  redis.call('ZADD', KEYS[1], now, id)
+  redis.call('PEXPIRE', KEYS[1], math.ceil(period * 1000) + 1000)
+end
+if streams > 0 then
+  redis.call('ZADD', KEYS[2], now + lease, id)
+  redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 1000) + 1000)
+end
+return {0}
+"""
+
+# KEYS: the leases. ARGV: the lease id, lease seconds. Pushes the lease's expiry; one that has
+# expired already (renewals late by a whole lease) is not brought back: its slot may be taken.
+RENEW_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local lease = tonumber(ARGV[2])
+local renewed = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + lease, ARGV[1])
+if renewed > 0 then
+  redis.call('PEXPIRE', KEYS[1], math.ceil(lease * 1000) + 1000)
+end
+return renewed
+"""
+
+
+class _ErrorLog:
+    """At most one log line per :data:`LOG_INTERVAL`, saying how many errors it stands for."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+        self._unlogged = 0
+
+    def error(self, operation: str, what: str) -> None:
+        self._unlogged += 1
+        now = trio.current_time()
+        if now - self._last < LOG_INTERVAL:
+            return
+        log.warning(
+            "limits store (Redis) %s failed: %s (%d error(s) in the last minute)",
+            operation,
+            what,
+            self._unlogged,
+        )
+        self._last, self._unlogged = now, 0
+
+
+def rate_limited(key: KeyConfig, wait: float) -> ApiError:
+    """The 429 of a key over its requests per minute; ``wait``: until the oldest leaves."""
+    return ApiError(
+        429,
+        f"Rate limit reached for key {key.name!r}: {key.requests_per_minute} "
+        f"requests per minute. Retry in {wait:.1f}s.",
+        type=RATE_LIMIT,
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(max(1, math.ceil(wait)))},
+    )
+
+
+def concurrency_limited(key: KeyConfig) -> ApiError:
+    return ApiError(
+        429,
+        f"Concurrency limit reached for key {key.name!r}: "
+        f"{key.max_concurrent_streams} request(s) in flight. Retry when one ends.",
+        type=RATE_LIMIT,
+        code="concurrency_limit_exceeded",
+        headers={"Retry-After": str(CONCURRENCY_RETRY_AFTER)},
+    )
+
+
+def limits_unavailable() -> ApiError:
+    return ApiError(
+        503,
+        "Per-key limits cannot be checked right now (their store, Redis, does not answer); "
+        "retry shortly.",
+        type=SERVER_ERROR,
+        code="limits_unavailable",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
+    )
+
+
+class RedisLease:
+    """One admitted request's concurrency slot in Redis (a member of the key's leases)."""
+
+    __slots__ = ("_store", "id", "key")
+
+    def __init__(self, store: RedisLimits, key: str, lease_id: str) -> None:
+        self._store = store
+        self.key = key
+        self.id = lease_id
+
+    async def keep_renewed(self) -> None:
+        """Renew the lease every ``lease_seconds / 3`` until cancelled: two renewals may fail
+        (or be late) before it expires."""
+        interval = self._store.limits.lease_seconds / 3
+        while True:
+            await trio.sleep(interval)
+            await self._store.renew(self)
+
+    async def release(self) -> None:
+        await self._store.release(self)
+
+
+class RedisLimits:
+    """The Redis side of a :class:`~proxy.api.auth.KeyRing`; one per server process.
+
+    Its connections live in :meth:`run`: the app may start it in its own nursery; otherwise the
+    first request starts it as a trio system task (the connections then live as long as the
+    process's event loop, and close when it ends).
+    """
+
+    def __init__(self, limits: LimitsConfig, metrics: Metrics | None = None) -> None:
+        # Imported here, at start-up (it takes ~0.4 s), not in a request's bounded time; and
+        # only by a server that uses Redis.
+        import coredis
+
+        self._coredis = coredis
+        self.limits = limits
+        self.metrics = metrics
+        self._client: coredis.Redis[bytes] | None = None
+        self._admit: Any = None
+        self._renew: Any = None
+        self._ready: trio.Event | None = None
+        self._errors = _ErrorLog()
+
+    def _keys(self, name: str) -> tuple[str, str]:
+        base = f"{self.limits.key_prefix}{{{name}}}"
+        return f"{base}:rpm", f"{base}:streams"
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the client's connections open until cancelled. Connecting happens on first use,
+        so this starts at once whether or not Redis is up."""
+        ready = self._ready
+        if ready is None:
+            ready = self._ready = trio.Event()
+        try:
+            limits = self.limits
+            client: coredis.Redis[bytes] = self._coredis.Redis.from_url(
+                limits.url,
+                connect_timeout=limits.timeout,
+                stream_timeout=limits.timeout,
+                pool_timeout=limits.timeout,
+                max_connections=limits.pool_size,
+            )
+            async with client:
+                self._client = client
+                self._admit = client.register_script(ADMIT_SCRIPT)
+                self._renew = client.register_script(RENEW_SCRIPT)
+                ready.set()
+                task_status.started()
+                await trio.sleep_forever()
+        except Exception as error:  # noqa: BLE001
+            # The client's own tasks failed: the next request opens a fresh one.
+            self._errors.error("client", repr(error))
+        finally:
+            self._client = None
+            if self._ready is ready:
+                self._ready = None
+            ready.set()  # whoever waits for this client: it is gone
+
+    async def _connected(self) -> coredis.Redis[bytes]:
+        client = self._client
+        if client is not None:
+            return client
+        ready = self._ready
+        if ready is None:
+            ready = self._ready = trio.Event()
+            trio.lowlevel.spawn_system_task(self.run, name="sluice limits store (Redis)")
+        await ready.wait()
+        if self._client is None:
+            raise RuntimeError("the Redis client could not start")
+        return self._client
+
+    def _count(self, operation: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.limits_errors.labels(operation, outcome).inc()
+
+    async def acquire(self, key: KeyConfig) -> RedisLease | None:
+        """Admit one request for ``key``: its lease (None when it holds no concurrency slot, or
+        was admitted uncounted under ``on_error = "allow"``), or a 429 / 503 ApiError."""
+        rate, streams = self._keys(key.name)
+        lease_id = os.urandom(9).hex()
+        reply: Any = None
+        failure = "timed out"
+        with trio.move_on_after(self.limits.timeout):
+            try:
+                client = await self._connected()
+                reply = await self._admit(
+                    keys=[rate, streams],
+                    args=[
+                        key.requests_per_minute,
+                        key.max_concurrent_streams,
+                        lease_id,
+                        self.limits.lease_seconds,
+                        RATE_PERIOD,
+                    ],
+                    client=client,
+                )
+            except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
+                failure = repr(error)
+        if reply is None:
+            allow = self.limits.on_error == "allow"
+            self._count("admit", "allowed" if allow else "denied")
+            self._errors.error("admit", failure)
+            if allow:
+                return None
+            raise limits_unavailable()
+        verdict = int(reply[0])
+        if verdict == 1:
+            raise rate_limited(key, float(reply[1]))
+        if verdict == 2:
+            raise concurrency_limited(key)
+        if not key.max_concurrent_streams:
+            return None
+        return RedisLease(self, streams, lease_id)
+
+    async def renew(self, lease: RedisLease) -> None:
+        """Push ``lease``'s expiry; a failure is counted and logged, and the lease expires
+        unless a later renewal gets through."""
+        failure = "timed out"
+        with trio.move_on_after(self.limits.timeout):
+            try:
+                client = await self._connected()
+                await self._renew(
+                    keys=[lease.key], args=[lease.id, self.limits.lease_seconds], client=client
+                )
+            except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
+                failure = repr(error)
+            else:
+                return
+        self._count("renew", "failed")
+        self._errors.error("renew", failure)
+
+    async def release(self, lease: RedisLease) -> None:
+        """Give the slot back, shielded (the request may be cancelled) and bounded; a failed
+        release is counted and logged, and the lease expires on its own."""
+        failure = "timed out"
+        with trio.CancelScope(shield=True), trio.move_on_after(self.limits.timeout):
+            try:
+                client = await self._connected()
+                await client.zrem(lease.key, [lease.id])
+            except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
+                failure = repr(error)
+            else:
+                return
+        self._count("release", "failed")
+        self._errors.error("release", failure)
