@@ -221,6 +221,10 @@ class BatchEngine:
         pieces: list[tuple[Generation, Piece]] = []
         gone: list[Generation] = []
         self._drop_cancelled(gone)
+        if gone:
+            # Their slots are free now, not after this step's forward pass.
+            self.deliver([], gone)
+            gone = []
         self._park_and_resume()
         if self._rows:
             self._decode(pieces, gone)
@@ -263,13 +267,12 @@ class BatchEngine:
                 self._join(sequence, cache=cache)
 
     def _remove_rows(self, indices: set[int]) -> None:
-        keep = [index for index in range(len(self._rows)) if index not in indices]
+        if len(indices) == len(self._rows):
+            self._rows, self._starts, self._cache = [], [], None
+            return
+        keep = cache_rows.remove_rows(self._cache, sorted(indices), len(self._rows))
         self._rows = [self._rows[index] for index in keep]
         self._starts = [self._starts[index] for index in keep]
-        if not keep:
-            self._cache = None
-            return
-        cache_rows.keep_rows(self._cache, keep)
         trim = min(self._starts)
         if trim:
             cache_rows.drop_left(self._cache, trim)

@@ -7,19 +7,24 @@ and go edits its ``DynamicCache`` directly. What it relies on (transformers 5.24
 * ``DynamicCache.layers``: one layer object per decoder layer;
 * ``DynamicLayer.keys`` / ``.values``: tensors ``[batch, kv_heads, positions, head_dim]``, which
   its ``update`` concatenates along ``positions`` each step (so replacing them between steps is
-  safe: the next step concatenates onto whatever is there).
+  safe: the next step concatenates onto whatever is there, and the tensors it made are the
+  cache's alone, so a row may be overwritten in place).
 
-Everything else is public: a cache is built through ``DynamicCache.update`` and its rows are
-selected with ``batch_select_indices``. :func:`check` runs when a local model is served: a
-model whose cache is not made of plain ``DynamicLayer`` s (sliding windows, linear attention),
-or a transformers without these attributes, is served without batching (one sequence at a
-time, which needs none of this), and the reason is logged.
+Everything else is public: a cache is built through ``DynamicCache.update``. :func:`check`
+runs when a local model is served: a model whose cache is not made of plain ``DynamicLayer`` s
+(sliding windows, linear attention), or a transformers without these attributes, is served
+without batching (one sequence at a time, which needs none of this), and the reason is logged.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+log = logging.getLogger("sluice.inference")
 
 # The transformers releases this module was tested with (pyproject.toml declares the same).
 TESTED_RANGE = ">=5.24,<5.25"
@@ -28,8 +33,29 @@ TESTED_RANGE = ">=5.24,<5.25"
 Rows = list[tuple[Any, Any]]
 
 
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def in_tested_range(installed: str) -> bool:
+    floor, below = re.findall(r"[\d.]+", TESTED_RANGE)
+    return _release(floor) <= _release(installed) < _release(below)
+
+
 def check(model: Any) -> str | None:
-    """None when batching can edit this model's cache; otherwise why not (logged once)."""
+    """None when batching can edit this model's cache; otherwise why not (logged once). A
+    transformers outside the tested range is logged, and its attributes decide."""
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return "transformers is not installed"
+    if not in_tested_range(installed):
+        log.warning(
+            "transformers %s is outside the range batching is tested with (%s); its cache "
+            "is checked attribute by attribute",
+            installed,
+            TESTED_RANGE,
+        )
     try:
         import torch
         from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -57,8 +83,6 @@ def check(model: Any) -> str | None:
             return "DynamicLayer has no keys/values tensors"
         if keys.dim() != 4 or keys.shape[-2] != 1:
             return f"DynamicLayer.keys has shape {tuple(keys.shape)}, not [batch, heads, 1, dim]"
-    if not hasattr(cache, "batch_select_indices"):
-        return "DynamicCache has no batch_select_indices"
     return None
 
 
@@ -120,11 +144,26 @@ def append_rows(cache: Any, rows: Rows) -> tuple[int, int]:
     return old_pad, new_pad
 
 
-def keep_rows(cache: Any, indices: Sequence[int]) -> None:
-    """Keep only these rows, in this order."""
+def remove_rows(cache: Any, indices: Sequence[int], rows: int) -> list[int]:
+    """Remove rows ``indices`` of ``rows``; return the old index of each row that stays, in
+    its new order. A removed row's place is taken by the last row (one row copied, in place),
+    and the tail is cut off as a view, so that a leave does not copy the whole batch's cache."""
     import torch
 
-    cache.batch_select_indices(torch.tensor(list(indices), dtype=torch.long))
+    order = list(range(rows))
+    for index in sorted(set(indices), reverse=True):
+        last = len(order) - 1
+        if index != last:
+            with torch.inference_mode():
+                for layer in cache.layers:
+                    layer.keys[index] = layer.keys[last]
+                    layer.values[index] = layer.values[last]
+            order[index] = order[last]
+        order.pop()
+    for layer in cache.layers:
+        layer.keys = layer.keys[: len(order)]
+        layer.values = layer.values[: len(order)]
+    return order
 
 
 def drop_left(cache: Any, columns: int) -> None:

