@@ -209,7 +209,8 @@ class KeyConfig:
     # a key name is reported as the typo rather than as a missing key.
     name: str = ""
     sha256: str = ""
-    # 0 = unlimited. Counted per process: with several workers, each counts on its own.
+    # 0 = unlimited. Counted per process ([limits] backend = "memory": with several workers
+    # each counts on its own) or across every worker and instance (backend = "redis").
     requests_per_minute: int = 0
     max_concurrent_streams: int = 0
 
@@ -267,7 +268,7 @@ class LimitsConfig:
     # A concurrency slot is a lease that its holder renews every lease_seconds / 3; a crashed
     # instance's slots free themselves after lease_seconds.
     lease_seconds: float = 15.0
-    # Redis connections (or worker threads, for a blocking client) per process.
+    # Redis connections per process.
     pool_size: int = 16
 
 

@@ -216,9 +216,10 @@ async def test_two_workers_share_one_requests_per_minute(
         try:
             statuses: list[int] = []
             pids: set[int] = set()
-            for _ in range(30):
-                # A fresh connection each time (the kernel picks the worker); /healthz on it
-                # first says which worker that is.
+            # At least 30, and on until both workers have answered: the kernel picks the worker
+            # of each fresh connection, and may favour one for a while.
+            while len(statuses) < 30 or (len(pids) < 2 and len(statuses) < 300):
+                # A fresh connection each time; /healthz on it first says which worker it is.
                 async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
                     pids.add(await worker_pid(client, url))
                     response = await client.post(
@@ -227,7 +228,7 @@ async def test_two_workers_share_one_requests_per_minute(
                     statuses.append(response.status_code)
             assert len(pids) == 2, "the kernel sent every connection to one worker"
             assert statuses.count(200) == 10
-            assert statuses.count(429) == 20
+            assert statuses.count(429) == len(statuses) - 10
             assert statuses[:10] == [200] * 10
         finally:
             await stop(process)
@@ -271,7 +272,7 @@ async def test_two_workers_share_concurrency_and_a_killed_workers_slot_expires(
                     await ready.wait()
                 # Both slots are taken, whichever worker a third request reaches.
                 refusers: set[int] = set()
-                for _ in range(12):
+                for _ in range(300):
                     async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
                         refusers.add(await worker_pid(client, url))
                         third = await client.post(url + CHAT, json=chat_body(), headers=bearer())

@@ -250,6 +250,9 @@ def create_app(
             port = await app.nursery.start(state.fake_upstream.serve, "127.0.0.1", 0)
             fake_url = f"http://127.0.0.1:{port}"
             log.info("embedded fake upstream on %s", fake_url)
+        if state.keys.shared is not None:
+            # The shared limits' Redis client lives in the app's nursery.
+            await app.nursery.start(state.keys.shared.keep_connected)
         state.start_backends(fake_url)
         for model in config.models:
             if model.backend == "local" and model.name in state.local_models:

@@ -203,6 +203,9 @@ class RedisLimits:
         self._renew: Any = None
         self._ready: trio.Event | None = None
         self._errors = _ErrorLog()
+        # Set by keep_connected (the server's nursery owns the client's task): a request
+        # that needs a client asks for one here instead of starting it itself.
+        self._wanted: trio.Event | None = None
 
     def _keys(self, name: str) -> tuple[str, str]:
         base = f"{self.limits.key_prefix}{{{name}}}"
@@ -239,6 +242,21 @@ class RedisLimits:
                 self._ready = None
             ready.set()  # whoever waits for this client: it is gone
 
+    async def keep_connected(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """For the server's lifetime, in its nursery: run the client whenever a request needs
+        one, and again after it fails (connecting stays lazy: a server starts with Redis down)."""
+        wanted = self._wanted = trio.Event()
+        task_status.started()
+        try:
+            while True:
+                await wanted.wait()
+                wanted = self._wanted = trio.Event()
+                await self.run()
+        finally:
+            self._wanted = None
+
     async def _connected(self) -> coredis.Redis[bytes]:
         client = self._client
         if client is not None:
@@ -246,7 +264,12 @@ class RedisLimits:
         ready = self._ready
         if ready is None:
             ready = self._ready = trio.Event()
-            trio.lowlevel.spawn_system_task(self.run, name="sluice limits store (Redis)")
+            if self._wanted is not None:
+                self._wanted.set()
+            else:
+                # Only outside a server (a store used on its own, in tests): no nursery of
+                # ours to own the client's task.
+                trio.lowlevel.spawn_system_task(self.run, name="sluice limits store (Redis)")
         await ready.wait()
         if self._client is None:
             raise RuntimeError("the Redis client could not start")
