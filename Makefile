@@ -121,6 +121,10 @@ bench: $(STAMP)
 	    --markdown docs/benchmarks.md && \
 	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --workers 2 --markdown docs/benchmarks.md; \
 	else echo "no ../shared/peers: skipping the peer comparison"; fi
+	# Two instances in front of four fake replicas with a prefix cache: least_busy vs
+	# upstream_metrics vs prefix_affinity (TTFT and cache-hit rate).
+	$(BIN)/python -m proxy.bench --replicas 4 --instances 2 --sessions 48 --markdown docs/benchmarks.md
+	# The local model: one stream vs model.generate, and 1/2/4/8 streams batched vs one at a time.
 	$(BIN)/python -m proxy.bench.local --markdown docs/benchmarks.md
 
 fake-upstream: $(STAMP)
