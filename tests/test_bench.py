@@ -653,7 +653,10 @@ def make_bench_loads() -> list[list[str]]:
             break  # the next target
         lines.append(line)
     found = re.findall(r"-m proxy\.bench ([^;&\n]*)", "\n".join(lines))
-    return [shlex.split(args) for args in found]
+    from proxy.bench.balance import wants_balance
+
+    # The balance bench (--replicas/--instances/--sessions) is a bench of its own.
+    return [argv for argv in map(shlex.split, found) if not wants_balance(argv)]
 
 
 def test_every_load_make_bench_runs_gets_plot_names_of_its_own(
