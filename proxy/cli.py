@@ -193,8 +193,13 @@ TOOLS = ("bench", "fake-upstream")
 def _run_tool(command: str, tool_args: list[str]) -> int:
     if command == "bench":
         from proxy.bench.balance import wants_balance
+        from proxy.bench.matrix import wants_matrix
 
-        if wants_balance(tool_args):
+        if wants_matrix(tool_args):
+            from proxy.bench.matrix import main as matrix_main
+
+            matrix_main(tool_args, prog="sluice bench")
+        elif wants_balance(tool_args):
             from proxy.bench.balance import main as balance_main
 
             balance_main(tool_args, prog="sluice bench")

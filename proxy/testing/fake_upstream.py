@@ -252,6 +252,12 @@ class FakeSettings:
     # GET /metrics: this body instead of the fake's own gauges, and this status.
     metrics_text: str | None = None
     metrics_status: int = 200
+    # Hold each accepted plain-HTTP connection this many seconds before reading a request from
+    # it: on loopback the kernel completes the TCP handshake at once, so this is how a slow
+    # accept (or a handshake that stalls) looks to a client, still connecting as far as any
+    # answer goes. A client that closes meanwhile is stamped in ``Recorder.closed_while_held``
+    # (its bytes are kept, and served after the hold if it stays). 0: off.
+    accept_delay: float = 0.0
 
     def __post_init__(self) -> None:
         _check_seconds("ttft", self.ttft)
@@ -288,6 +294,7 @@ class FakeSettings:
         _check_seconds("ttft_hit", self.ttft_hit)
         _check_seconds("ttft_miss", self.ttft_miss)
         _check_int("metrics_status", self.metrics_status, 100, 599)
+        _check_seconds("accept_delay", self.accept_delay)
 
 
 class _Invalid(ValueError):
@@ -431,6 +438,10 @@ class Recorder:
         # Handshakes that did not complete: a refused client certificate, a client that does
         # not trust the fake's, a client that left.
         self.tls_handshake_failures = 0
+        # With ``accept_delay``: connections held now, and the ``time.monotonic()`` at which
+        # each client that closed during its hold was seen to go.
+        self.held_connections = 0
+        self.closed_while_held: list[float] = []
         self._next_id = 0
         self._lot = trio.lowlevel.ParkingLot()
 
@@ -497,6 +508,14 @@ class Recorder:
         if len(history) > self.max_records:
             # Trim in batches so that a long benchmark does not pay O(n) per request.
             del history[: len(history) - self.max_records + self.max_records // 8]
+
+    def _held(self, change: int) -> None:
+        self.held_connections += change
+        self._changed()
+
+    def _closed_during_hold(self) -> None:
+        self._append(self.closed_while_held, time.monotonic())
+        self._changed()
 
     def _tunnel_opened(self, target: str) -> None:
         self._append(self.proxy_tunnels, target)
@@ -1948,6 +1967,9 @@ class FakeUpstream:
         try:
             if self.settings.sndbuf is not None:
                 tcp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.sndbuf)
+            held = self.settings.accept_delay > 0 and self._tls_context() is None
+            if held and not await self._hold(conn):
+                return
             # Behind the fake's own proxy, TLS starts inside the tunnel, after CONNECT.
             if not self.settings.via_proxy:
                 await self._start_tls(conn)
@@ -1963,6 +1985,26 @@ class FakeUpstream:
                     tcp.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
             await trio.aclose_forcefully(conn.stream)
             self.recorder._connection_closed()
+
+    async def _hold(self, conn: _Connection) -> bool:
+        """Hold a fresh connection for ``accept_delay`` seconds, reading only to notice the
+        client leave; False if it did (the caller then closes the connection)."""
+        self.recorder._held(1)
+        try:
+            with trio.move_on_after(self.settings.accept_delay):
+                try:
+                    while len(conn.buf) <= MAX_PIPELINED_BYTES:
+                        if not await conn._receive_more():
+                            break
+                    else:
+                        await trio.sleep_forever()
+                except trio.BrokenResourceError:
+                    pass
+                self.recorder._closed_during_hold()
+                return False
+            return True
+        finally:
+            self.recorder._held(-1)
 
     async def _start_tls(self, conn: _Connection) -> None:
         """Secure the connection if the settings say HTTPS; raise BrokenResourceError if the

@@ -1,0 +1,900 @@
+"""``sluice bench --matrix``: the cancellation scorecard, for Sluice or any OpenAI-compatible
+proxy on loopback.
+
+The proxy under test sits in front of the fake upstream (``proxy.testing.fake_upstream``), which
+runs in this process and records when it saw each client go. Each cell is one way for a client
+to leave, tried ``--repeat`` times, one trial at a time (so the fake's records match trials by
+order, whatever a proxy does to a request body). The axes:
+
+* phase: ``queued`` (for an admission slot: the Sluice this bench starts has one upstream
+  connection, held by a long stream; against ``--target`` not applicable), ``connecting`` (the
+  fake holds the accepted connection without reading: ``FakeSettings.accept_delay``; the
+  fake is told to close after every answer, so a proxy's request always takes a fresh
+  connection), ``head`` (the fake never sends its response head), ``first_token`` (a long
+  TTFT), ``mid_stream``, ``after_last`` (the whole answer read, then the client leaves);
+* transport: ``sse``, ``json`` (non-streamed; its head and first token are one moment, so
+  ``first_token`` and ``mid_stream`` are not applicable), ``ws`` (Sluice's ``/v1/ws``, chat only;
+  its request comes after the handshake, so ``head`` is not applicable);
+* endpoint: ``chat``, ``completions``, ``responses``, ``messages``;
+* leave: ``fin`` (close), ``rst`` (``SO_LINGER`` 0, then close), ``abort`` (an SDK's early exit:
+  the httpx request cancelled, which closes its stream; over WebSocket, a close frame).
+
+The fake is steered through its server-wide settings between trials (never through the body,
+which a proxy may rewrite). Per cell: cancelled (the fake saw the client's connection go)
+out of N; cancel latency p50/p99/max, from the client's close to the fake's record of it (both
+``time.monotonic()``); tokens generated for nobody (the fake's tokens after the client left,
+from its absolute schedule); whether the proxy served the next request. For ``queued``,
+cancelled means the request never reached the upstream once the slot freed (no latency: the
+upstream cannot see it). For ``after_last``, nothing is left to cancel: cancelled counts
+answers the fake completed. Against the Sluice it starts, also Sluice's own view after each
+cell: ``sluice_active_streams`` back to 0 and its open file descriptors back to the baseline.
+
+Without ``--target`` it starts the fake and ``sluice serve`` (a subprocess, so that its fds are
+its own). With ``--target URL`` the proxy there must already send model ``--model`` to the
+fake on ``--fake-port``; the bench prints the line to configure and starts the fake there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import socket
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import httpx
+import trio
+
+from proxy.bench import (
+    PEER_READY_TIMEOUT,
+    BenchError,
+    _git_commit,
+    _supervise,
+    _wait_ready,
+    _write_text,
+    http_get,
+    peer_script,
+    percentile,
+)
+from proxy.testing.fake_upstream import FakeSettings, FakeUpstream, RequestRecord
+
+__all__ = [
+    "ENDPOINTS",
+    "LEAVES",
+    "PHASES",
+    "TRANSPORTS",
+    "Cell",
+    "MatrixSettings",
+    "add_arguments",
+    "main",
+    "markdown_report",
+    "run_matrix",
+    "wants_matrix",
+]
+
+PHASES: Final = ("queued", "connecting", "head", "first_token", "mid_stream", "after_last")
+TRANSPORTS: Final = ("sse", "json", "ws")
+ENDPOINTS: Final = ("chat", "completions", "responses", "messages")
+LEAVES: Final = ("fin", "rst", "abort")
+PATHS: Final = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
+# How long a trial waits for its trigger, and for the fake to see the client go.
+TRIGGER_TIMEOUT: Final = 5.0
+OBSERVE_TIMEOUT: Final = 2.0
+# The client leaves this long after the fake saw its request (the proxy is then waiting).
+SETTLE: Final = 0.03
+# Mid-stream: the schedule, and the client leaves once the fake sent this many tokens.
+INTERVAL: Final = 0.02
+MID_TOKENS: Final = 3
+LONG: Final = 30.0
+RECV_SIZE: Final = 64 * 1024
+
+
+def wants_matrix(argv: Sequence[str]) -> bool:
+    """Whether a ``python -m proxy.bench`` command line asks for this bench."""
+    return "--matrix" in argv
+
+
+@dataclass
+class MatrixSettings:
+    phases: tuple[str, ...] = PHASES
+    transports: tuple[str, ...] = TRANSPORTS
+    endpoints: tuple[str, ...] = ENDPOINTS
+    leaves: tuple[str, ...] = LEAVES
+    repeat: int = 5
+    target: str = ""
+    fake_port: int = 0
+    model: str = "fake-model"
+    # The Sluice this bench starts: its [upstream] transport.
+    transport: str = "lean"
+    system: str = ""
+    # Start the FastAPI peer (shared/peers) in front of the fake, and measure it.
+    peer: bool = False
+
+
+@dataclass
+class Trial:
+    cancelled: bool
+    latency: float | None = None
+    tokens_for_nobody: int = 0
+    next_served: bool = False
+
+
+@dataclass
+class Cell:
+    phase: str
+    transport: str
+    endpoint: str
+    leave: str
+    n: int
+    served: bool = True
+    applicable: bool = True
+    note: str = ""
+    trials: list[Trial] = field(default_factory=list)
+    # Sluice's own view after the cell (only for the Sluice this bench started).
+    active_streams_after: float | None = None
+    fds_over_baseline: int | None = None
+    # Outcomes in Sluice's access lines during the cell (its trials and its probes).
+    access_outcomes: dict[str, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        latencies = [t.latency for t in self.trials if t.latency is not None]
+        ran = self.served and self.applicable
+        return {
+            "phase": self.phase,
+            "transport": self.transport,
+            "endpoint": self.endpoint,
+            "leave": self.leave,
+            "n": self.n,
+            "served": self.served,
+            "applicable": self.applicable,
+            "note": self.note,
+            "cancelled": sum(t.cancelled for t in self.trials) if ran else None,
+            "p50_ms": _ms(percentile(latencies, 50)),
+            "p99_ms": _ms(percentile(latencies, 99)),
+            "max_ms": _ms(max(latencies) if latencies else None),
+            "tokens_for_nobody": sum(t.tokens_for_nobody for t in self.trials) if ran else None,
+            "next_served": sum(t.next_served for t in self.trials) if ran else None,
+            "active_streams_after": self.active_streams_after,
+            "fds_over_baseline": self.fds_over_baseline,
+            "access_outcomes": self.access_outcomes,
+        }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def applicability(phase: str, transport: str, endpoint: str, target: bool) -> tuple[bool, str]:
+    """(applicable, why not) for a cell, before any target is asked."""
+    if phase == "queued" and target:
+        return False, "the bench cannot set a target's concurrency"
+    if transport == "json" and phase in ("first_token", "mid_stream"):
+        return False, "a non-streamed answer's head and tokens arrive at once"
+    if transport == "ws" and phase == "head":
+        return False, "a WebSocket request has no response head"
+    return True, ""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def request_body(endpoint: str, model: str, *, stream: bool) -> dict[str, Any]:
+    text = "Say something."
+    if endpoint == "chat":
+        return {"model": model, "messages": [{"role": "user", "content": text}], "stream": stream}
+    if endpoint == "completions":
+        return {"model": model, "prompt": text, "stream": stream}
+    if endpoint == "responses":
+        return {"model": model, "input": text, "stream": stream}
+    return {
+        "model": model,
+        "max_tokens": 4096,
+        "messages": [{"role": "user", "content": text}],
+        "stream": stream,
+    }
+
+
+def _http_request(address: tuple[str, int], path: str, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n"
+        "Content-Type: application/json\r\nAuthorization: Bearer sk-matrix\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    return head.encode("latin-1") + data
+
+
+def _answer_complete(buf: bytes) -> bool:
+    """Whether a raw HTTP/1.1 response is whole (chunked or Content-Length), read loosely."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return False
+    head = buf[:end].lower()
+    if b"transfer-encoding: chunked" in head:
+        return buf.endswith(b"0\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return len(buf) - end - 4 >= int(line.split(b":", 1)[1])
+    return False
+
+
+def _linger_zero(sock: socket.socket | trio.socket.SocketType) -> None:
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+class Client:
+    """One request over one transport, left in one way. ``start`` runs it in ``nursery``;
+    ``received`` and ``done`` say what arrived; ``leave`` leaves and returns at the moment
+    the close was made (``time.monotonic()``)."""
+
+    def __init__(self, address: tuple[str, int], endpoint: str, model: str, transport: str):
+        self.address = address
+        self.endpoint = endpoint
+        self.model = model
+        self.transport = transport
+        self.received = 0
+        self.done = trio.Event()
+        self.failed: str | None = None
+        self._scope = trio.CancelScope()
+        self._sock: trio.socket.SocketType | None = None
+        self._stream: trio.SocketStream | None = None
+        self._ws: Any = None
+
+    async def start(self, nursery: trio.Nursery, leave: str) -> None:
+        if self.transport == "ws":
+            await self._start_ws(nursery)
+        elif leave == "abort":
+            nursery.start_soon(self._run_httpx)
+        else:
+            await self._start_raw(nursery)
+
+    # Raw sockets: FIN and RST.
+    async def _start_raw(self, nursery: trio.Nursery) -> None:
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock = sock
+        await sock.connect(self.address)
+        body = request_body(self.endpoint, self.model, stream=self.transport == "sse")
+        data = _http_request(self.address, PATHS[self.endpoint], body)
+        while data:
+            sent = await sock.send(data)
+            data = data[sent:]
+        nursery.start_soon(self._read_raw, sock)
+
+    async def _read_raw(self, sock: trio.socket.SocketType) -> None:
+        buf = b""
+        with self._scope:
+            try:
+                while True:
+                    data = await sock.recv(RECV_SIZE)
+                    if not data:
+                        break
+                    buf += data
+                    self.received += len(data)
+                    if _answer_complete(buf):
+                        self.done.set()
+            except (OSError, trio.ClosedResourceError) as exc:
+                self.failed = repr(exc)
+
+    # httpx: the SDK-style abort (cancelling the request closes its stream).
+    async def _run_httpx(self) -> None:
+        url = f"http://{self.address[0]}:{self.address[1]}{PATHS[self.endpoint]}"
+        body = request_body(self.endpoint, self.model, stream=self.transport == "sse")
+        headers = {"Authorization": "Bearer sk-matrix"}
+        with self._scope:
+            try:
+                async with (
+                    httpx.AsyncClient(timeout=None, trust_env=False) as client,
+                    client.stream("POST", url, json=body, headers=headers) as response,
+                ):
+                    async for chunk in response.aiter_raw():
+                        self.received += len(chunk)
+                    self.done.set()
+                    await trio.sleep_forever()
+            except httpx.HTTPError as exc:
+                self.failed = repr(exc)
+
+    # WebSocket: /v1/ws over a socket of our own, so that FIN and RST are ours to send.
+    async def _start_ws(self, nursery: trio.Nursery) -> None:
+        from trio_websocket import wrap_client_stream
+
+        stream = await trio.open_tcp_stream(*self.address)
+        self._stream = stream
+        host = f"{self.address[0]}:{self.address[1]}"
+        self._ws = await wrap_client_stream(
+            nursery, stream, host, "/v1/ws", extra_headers=[(b"authorization", b"Bearer sk-m")]
+        )
+        body = request_body("chat", self.model, stream=True)
+        del body["stream"]
+        await self._ws.send_message(json.dumps(body))
+        nursery.start_soon(self._read_ws)
+
+    async def _read_ws(self) -> None:
+        from trio_websocket import ConnectionClosed
+
+        with self._scope:
+            try:
+                while True:
+                    message = json.loads(await self._ws.get_message())
+                    self.received += 1
+                    if message.get("type") in ("done", "error"):
+                        self.done.set()
+            except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def leave(self, how: str) -> float:
+        """FIN is ``shutdown(SHUT_WR)``: a ``close()`` with unread bytes would send RST instead.
+        The reader drains until ``close()`` ends the trial."""
+        if self.transport == "ws":
+            assert self._stream is not None
+            if how == "abort":
+                left = time.monotonic()
+                with trio.move_on_after(1):
+                    await self._ws.aclose()
+            elif how == "fin":
+                left = time.monotonic()
+                self._stream.socket.shutdown(socket.SHUT_WR)
+            else:
+                _linger_zero(self._stream.socket)
+                self._scope.cancel()
+                left = time.monotonic()
+                await trio.aclose_forcefully(self._stream)
+        elif self._sock is not None:
+            left = time.monotonic()
+            if how == "fin":
+                self._sock.shutdown(socket.SHUT_WR)
+            else:
+                _linger_zero(self._sock)
+                self._scope.cancel()
+                self._sock.close()
+        else:
+            left = time.monotonic()
+            self._scope.cancel()
+        return left
+
+    async def close(self) -> None:
+        """End whatever is left of this client (the trial is over)."""
+        self._scope.cancel()
+        if self._sock is not None:
+            self._sock.close()
+        if self._stream is not None:
+            await trio.aclose_forcefully(self._stream)
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+@dataclass
+class _Context:
+    settings: MatrixSettings
+    fake: FakeUpstream
+    address: tuple[str, int]
+    ws_served: bool
+    pid: int | None = None
+    served: dict[str, bool] = field(default_factory=dict)
+    # Sluice's log (its access lines), and how far the matrix has read it.
+    log: Path | None = None
+    log_offset: int = 0
+    fd_baseline: int | None = None
+
+
+def _fake_settings(base: FakeSettings, phase: str) -> FakeSettings:
+    """The fake's behaviour for a trial in ``phase``."""
+    quick = {"ttft": 0.0, "interval": 0.0, "tokens": 3, "mode": "ok", "accept_delay": 0.0}
+    plans: dict[str, dict[str, Any]] = {
+        "queued": {"ttft": 0.0, "interval": INTERVAL, "tokens": 100_000},
+        "connecting": {"accept_delay": LONG},
+        "head": {"mode": "stall_headers"},
+        "first_token": {"ttft": LONG},
+        "mid_stream": {"ttft": 0.0, "interval": INTERVAL, "tokens": 100_000},
+        "after_last": {},
+        "probe": {},
+    }
+    return dataclasses.replace(base, **{**quick, **plans[phase]})
+
+
+def _new_records(fake: FakeUpstream, since: int) -> list[RequestRecord]:
+    return [r for r in fake.recorder.records[since:] if r.method == "POST"]
+
+
+async def _wait(fake: FakeUpstream, predicate: Callable[[], object], seconds: float) -> bool:
+    with trio.move_on_after(seconds):
+        await fake.recorder.wait_for(lambda _: predicate())
+        return True
+    return False
+
+
+def _tokens_for_nobody(record: RequestRecord, left: float, interval: float) -> int:
+    """Tokens the fake sent after ``left``, from its absolute schedule (token i at first + i x
+    interval): the one in flight may count."""
+    if record.first_token_at_mono is None or record.tokens_sent == 0:
+        return 0
+    if left < record.first_token_at_mono:
+        return record.tokens_sent
+    by_then = math.floor((left - record.first_token_at_mono) / interval) + 1 if interval else 0
+    return max(0, record.tokens_sent - by_then)
+
+
+async def _post_status(ctx: _Context, endpoint: str) -> int | None:
+    """The status of a plain streamed request to the proxy now (None: no answer)."""
+    ctx.fake.settings = _fake_settings(ctx.fake.settings, "probe")
+    url = f"http://{ctx.address[0]}:{ctx.address[1]}{PATHS[endpoint]}"
+    body = request_body(endpoint, ctx.settings.model, stream=True)
+    with trio.move_on_after(TRIGGER_TIMEOUT):
+        try:
+            async with httpx.AsyncClient(timeout=TRIGGER_TIMEOUT, trust_env=False) as client:
+                response = await client.post(
+                    url, json=body, headers={"Authorization": "Bearer sk-matrix"}
+                )
+                return response.status_code if response.content else None
+        except httpx.HTTPError:
+            return None
+    return None
+
+
+async def _probe(ctx: _Context, endpoint: str) -> bool:
+    """Whether the proxy serves a plain request now."""
+    return await _post_status(ctx, endpoint) == 200
+
+
+# Statuses that mean the proxy has no such endpoint: its cells read "not served".
+NOT_SERVED: Final = frozenset({404, 405, 501})
+
+
+async def run_trial(ctx: _Context, cell: Cell) -> Trial:
+    fake = ctx.fake
+    fake.settings = _fake_settings(fake.settings, cell.phase)
+    since = len(fake.recorder.records)
+    held_before = len(fake.recorder.closed_while_held)
+    trial = Trial(cancelled=False)
+    async with trio.open_nursery() as nursery:
+        holder: Client | None = None
+        if cell.phase == "queued":
+            holder = Client(ctx.address, cell.endpoint, ctx.settings.model, "sse")
+            await holder.start(nursery, "fin")
+            if not await _wait(fake, lambda: _new_records(fake, since), TRIGGER_TIMEOUT):
+                raise BenchError("the queued cell's holder never reached the fake")
+            since = len(fake.recorder.records)
+        client = Client(ctx.address, cell.endpoint, ctx.settings.model, cell.transport)
+        await client.start(nursery, cell.leave)
+
+        def records() -> list[RequestRecord]:
+            return _new_records(fake, since)
+
+        triggers: dict[str, Callable[[], object]] = {
+            "connecting": lambda: fake.recorder.held_connections > 0,
+            "head": records,
+            "first_token": records,
+            "mid_stream": lambda: (
+                any(r.tokens_sent >= MID_TOKENS for r in records()) and client.received
+            ),
+            "after_last": lambda: client.done.is_set(),
+        }
+        if cell.phase == "queued":
+            await trio.sleep(SETTLE * 5)
+        elif not await _wait(fake, triggers[cell.phase], TRIGGER_TIMEOUT):
+            cell.note = cell.note or f"trigger not reached ({client.failed or 'no answer'})"
+        else:
+            await trio.sleep(SETTLE if cell.phase in ("head", "first_token") else 0)
+        left = await client.leave(cell.leave)
+        if cell.phase == "queued":
+            await trio.sleep(SETTLE * 5)
+            assert holder is not None
+            await holder.leave("fin")
+            await trio.sleep(SETTLE * 5)
+            trial.cancelled = not records()
+        elif cell.phase == "connecting":
+            seen = lambda: len(fake.recorder.closed_while_held) > held_before  # noqa: E731
+            if await _wait(fake, seen, OBSERVE_TIMEOUT):
+                trial.cancelled = True
+                trial.latency = fake.recorder.closed_while_held[held_before] - left
+        elif cell.phase == "after_last":
+            await trio.sleep(SETTLE)
+            trial.cancelled = any(r.outcome == "completed" for r in records())
+        else:
+            ended = lambda: any(r.outcome != "pending" for r in records())  # noqa: E731
+            await _wait(fake, ended, OBSERVE_TIMEOUT)
+            for record in records():
+                if record.outcome == "client_disconnected":
+                    trial.cancelled = True
+                    assert record.disconnected_at_mono is not None
+                    trial.latency = record.disconnected_at_mono - left
+                    trial.tokens_for_nobody = _tokens_for_nobody(record, left, INTERVAL)
+                elif record.outcome == "pending":
+                    trial.tokens_for_nobody = _tokens_for_nobody(record, left, INTERVAL)
+        await client.close()
+        if holder is not None:
+            await holder.close()
+        nursery.cancel_scope.cancel()
+    # The fake closes every connection that was still held or pending (a proxy that never
+    # cancels keeps its upstream request, the fake's work for nobody, until the probe's steer).
+    trial.next_served = await _probe(ctx, cell.endpoint)
+    return trial
+
+
+async def _sluice_view(ctx: _Context, cell: Cell) -> None:
+    """Sluice's own gauges after a cell: active streams, and fds over the baseline."""
+    if ctx.pid is None:
+        return
+    deadline = trio.current_time() + OBSERVE_TIMEOUT
+    while True:
+        active = await _active_streams(ctx.address)
+        fds = _fd_count(ctx.pid)
+        over = None if fds is None or ctx.fd_baseline is None else fds - ctx.fd_baseline
+        if (active == 0 and (over is None or over <= 0)) or trio.current_time() >= deadline:
+            cell.active_streams_after, cell.fds_over_baseline = active, over
+            cell.access_outcomes = _access_outcomes(ctx)
+            return
+        await trio.sleep(0.05)
+
+
+def _access_outcomes(ctx: _Context) -> dict[str, int] | None:
+    """Count the outcomes of the access lines written since the last call."""
+    if ctx.log is None:
+        return None
+    try:
+        with open(ctx.log, "rb") as log:
+            log.seek(ctx.log_offset)
+            text = log.read()
+    except OSError:
+        return None
+    ctx.log_offset += len(text)
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith(b"{"):
+            continue
+        with contextlib.suppress(ValueError):
+            fields = json.loads(line)
+            # The API's own lines: not /metrics, /healthz (the matrix polls them).
+            api = isinstance(fields, dict) and str(fields.get("path", "")).startswith("/v1/")
+            if api and "outcome" in fields:
+                outcome = str(fields["outcome"])
+                counts[outcome] = counts.get(outcome, 0) + 1
+    return counts
+
+
+async def _active_streams(address: tuple[str, int]) -> float | None:
+    try:
+        status, body = await http_get(address, "/metrics")
+    except (OSError, ValueError):
+        return None
+    if status != 200:
+        return None
+    total = None
+    for line in body.decode(errors="replace").splitlines():
+        if line.startswith("sluice_active_streams"):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _fd_count(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+async def _ws_served(address: tuple[str, int]) -> bool:
+    try:
+        from trio_websocket import HandshakeError, open_websocket
+    except ImportError:
+        return False
+    with trio.move_on_after(TRIGGER_TIMEOUT):
+        try:
+            async with open_websocket(
+                address[0],
+                address[1],
+                "/v1/ws",
+                use_ssl=False,
+                extra_headers=[(b"authorization", b"Bearer sk-m")],
+            ):
+                return True
+        except (HandshakeError, OSError, trio.BrokenResourceError):
+            return False
+    return False
+
+
+def _sluice_config(port: int, fake_url: str, settings: MatrixSettings) -> str:
+    return (
+        "# Written by proxy.bench.matrix for one run.\n"
+        "[server]\n"
+        'host = "127.0.0.1"\n'
+        f"port = {port}\n"
+        "graceful_timeout = 1.0\n\n"
+        "[upstream]\n"
+        # One upstream connection: a second request queues for admission (the queued phase).
+        "max_connections = 1\n"
+        "preconnect = 0\n"
+        f"transport = {json.dumps(settings.transport)}\n"
+        'proxy = "none"\n\n'
+        f"[models.{json.dumps(settings.model)}]\n"
+        f"upstreams = [{json.dumps(fake_url)}]\n"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _versions() -> dict[str, str]:
+    """Python's, Sluice's, and those of Sluice's own dependencies (not its extras)."""
+    found = {"python": platform.python_version()}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        found["sluice"] = importlib.metadata.version("sluice")
+        for requirement in importlib.metadata.requires("sluice") or []:
+            if ";" in requirement:
+                continue
+            name = re.split(r"[<>=!~ \[]", requirement, maxsplit=1)[0]
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                found[name] = importlib.metadata.version(name)
+    found["trio-websocket (client)"] = _version_or_none("trio-websocket")
+    return found
+
+
+def _version_or_none(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+async def run_matrix(settings: MatrixSettings, out: Any = None) -> dict[str, Any]:
+    """Run every cell; return the report (the JSON's shape)."""
+    out = out if out is not None else sys.stderr
+    base = FakeSettings(close_after_response=True)
+    fake = FakeUpstream(base)
+    cells: list[Cell] = []
+    # Configs and logs of the children; removed once they have stopped.
+    with tempfile.TemporaryDirectory(prefix="sluice-matrix-") as tmp:
+        system = await _run_cells(settings, fake, cells, Path(tmp), out)
+    return await _report(system, settings, cells)
+
+
+async def _run_cells(
+    settings: MatrixSettings, fake: FakeUpstream, cells: list[Cell], workdir: Path, out: Any
+) -> str:
+    async with trio.open_nursery() as nursery:
+        fake_port = await nursery.start(fake.serve, "127.0.0.1", settings.fake_port)
+        fake_url = f"http://127.0.0.1:{fake_port}"
+        pid = None
+        if settings.peer:
+            address = ("127.0.0.1", _free_port())
+            log = workdir / "peer.log"
+            argv = [str(peer_script()), fake_url, str(address[1])]
+            process = await nursery.start(_supervise, "FastAPI peer", argv, log)
+            await _wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
+            pid = process.pid
+            system = settings.system or "FastAPI peer (shared/peers)"
+        elif settings.target:
+            parts = urlsplit(settings.target)
+            if parts.hostname is None:
+                raise BenchError(f"--target {settings.target!r}: no host")
+            address = (parts.hostname, parts.port or 80)
+            system = settings.system or settings.target
+            print(
+                f"fake upstream on {fake_url} (OpenAI base URL {fake_url}/v1): the target "
+                f"must send model {settings.model!r} there",
+                file=out,
+            )
+        else:
+            address = ("127.0.0.1", _free_port())
+            config = workdir / "sluice.toml"
+            _write_text(config, _sluice_config(address[1], fake_url, settings))
+            log = workdir / "sluice.log"
+            argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+            process = await nursery.start(_supervise, "proxy", argv, log)
+            await _wait_ready("proxy", address, "/healthz", log)
+            pid = process.pid
+            system = settings.system or f"sluice ({settings.transport})"
+        ctx = _Context(settings, fake, address, ws_served=await _ws_served(address), pid=pid)
+        for endpoint in settings.endpoints:
+            ctx.served[endpoint] = await _post_status(ctx, endpoint) not in NOT_SERVED
+        # Let the warm-up's access lines and sockets settle before the baselines.
+        await trio.sleep(0.2)
+        ctx.fd_baseline = _fd_count(pid) if pid is not None else None
+        if not settings.target and not settings.peer:
+            ctx.log = log
+            _access_outcomes(ctx)  # start after the warm-up's lines
+        for phase in settings.phases:
+            for transport in settings.transports:
+                for endpoint in settings.endpoints:
+                    for leave in settings.leaves:
+                        cell = Cell(phase, transport, endpoint, leave, settings.repeat)
+                        cells.append(cell)
+                        applicable, why = applicability(
+                            phase, transport, endpoint, bool(settings.target or settings.peer)
+                        )
+                        if not ctx.served[endpoint] or (
+                            transport == "ws" and (endpoint != "chat" or not ctx.ws_served)
+                        ):
+                            cell.served, cell.note = False, "not served"
+                        elif not applicable:
+                            cell.applicable, cell.note = False, f"not applicable: {why}"
+                        else:
+                            for _ in range(settings.repeat):
+                                cell.trials.append(await run_trial(ctx, cell))
+                            await _sluice_view(ctx, cell)
+                        print(_progress_line(cell), file=out)
+        nursery.cancel_scope.cancel()
+    return system
+
+
+async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> dict[str, Any]:
+    return {
+        "system": system,
+        "commit": await _git_commit(),
+        "versions": _versions(),
+        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "repeat": settings.repeat,
+        "cells": [cell.to_json() for cell in cells],
+    }
+
+
+def _progress_line(cell: Cell) -> str:
+    row = cell.to_json()
+    name = f"{cell.phase:<11} {cell.transport:<4} {cell.endpoint:<11} {cell.leave:<5}"
+    if not (cell.served and cell.applicable):
+        return f"{name} {cell.note}"
+    return (
+        f"{name} cancelled {row['cancelled']}/{cell.n}  p99 {row['p99_ms']} ms  "
+        f"tokens for nobody {row['tokens_for_nobody']}  next served {row['next_served']}/{cell.n}"
+    )
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _cell_text(row: dict[str, Any]) -> str:
+    if not row["served"]:
+        return "not served"
+    if not row["applicable"]:
+        return "n/a"
+    text = f"{row['cancelled']}/{row['n']}"
+    if row["p99_ms"] is not None:
+        text += f" · p99 {row['p99_ms']:.1f} ms"
+    if row["tokens_for_nobody"]:
+        text += f" · {row['tokens_for_nobody']} tok"
+    if row["next_served"] != row["n"]:
+        text += f" · next {row['next_served']}/{row['n']}"
+    return text
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """One table per transport and leave: phases down, endpoints across."""
+    cells = report["cells"]
+    lines = [
+        f"### {report['system']}",
+        "",
+        f"Commit {report['commit']}, measured {report['measured_at']}, N = {report['repeat']}; "
+        + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+        + ".",
+        "",
+        "Each cell: cancelled/N (the upstream saw the client go; queued: never reached it; "
+        "after_last: completed) · cancel p99 · tokens generated for nobody · next request "
+        "served (shown only when not N/N).",
+        "",
+    ]
+    groups = sorted({(c["transport"], c["leave"]) for c in cells}, key=_group_order)
+    for transport, leave in groups:
+        rows = [c for c in cells if c["transport"] == transport and c["leave"] == leave]
+        endpoints = [e for e in ENDPOINTS if any(r["endpoint"] == e for r in rows)]
+        phases = [p for p in PHASES if any(r["phase"] == p for r in rows)]
+        lines += [f"**{transport}, leave by {leave}**", ""]
+        lines.append("| phase | " + " | ".join(endpoints) + " |")
+        lines.append("|---" * (len(endpoints) + 1) + "|")
+        for phase in phases:
+            texts = []
+            for endpoint in endpoints:
+                match = [r for r in rows if r["phase"] == phase and r["endpoint"] == endpoint]
+                texts.append(_cell_text(match[0]) if match else "")
+            lines.append(f"| {phase} | " + " | ".join(texts) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _group_order(group: tuple[str, str]) -> tuple[int, int]:
+    return TRANSPORTS.index(group[0]), LEAVES.index(group[1])
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        picked = tuple(part.strip() for part in text.split(",") if part.strip())
+        wrong = [p for p in picked if p not in allowed]
+        if wrong or not picked:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}")
+        return picked
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--matrix", action="store_true", required=True, help="this bench")
+    parser.add_argument("--target", default="", help="a proxy's URL on loopback (default: Sluice)")
+    parser.add_argument(
+        "--fake-port", type=int, default=None, help="the fake's port (default 9099 with --target)"
+    )
+    parser.add_argument("--repeat", type=int, default=5, help="trials per cell (N)")
+    parser.add_argument("--json", type=Path, help="write the report as JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the tables as markdown here")
+    parser.add_argument("--phases", type=_choices(PHASES), default=PHASES)
+    parser.add_argument("--transports", type=_choices(TRANSPORTS), default=TRANSPORTS)
+    parser.add_argument("--endpoints", type=_choices(ENDPOINTS), default=ENDPOINTS)
+    parser.add_argument("--leaves", type=_choices(LEAVES), default=LEAVES)
+    parser.add_argument("--model", default="fake-model", help="the model name the target maps")
+    parser.add_argument(
+        "--transport",
+        choices=("lean", "httpx", "auto"),
+        default="lean",
+        help="[upstream] transport of the Sluice this bench starts",
+    )
+    parser.add_argument("--system", default="", help="the system's name in the report")
+    parser.add_argument(
+        "--peer",
+        choices=("auto",),
+        help="measure the FastAPI peer (shared/peers/run-fastapi-gateway) instead of Sluice",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> MatrixSettings:
+    if args.peer and args.target:
+        raise BenchError("--peer and --target are two different systems: choose one")
+    if args.repeat < 1:
+        raise BenchError("--repeat must be at least 1")
+    fake_port = args.fake_port if args.fake_port is not None else (9099 if args.target else 0)
+    return MatrixSettings(
+        phases=args.phases,
+        transports=args.transports,
+        endpoints=args.endpoints,
+        leaves=args.leaves,
+        repeat=args.repeat,
+        target=args.target,
+        fake_port=fake_port,
+        model=args.model,
+        transport=args.transport,
+        system=args.system,
+        peer=args.peer == "auto",
+    )
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
+    parser = argparse.ArgumentParser(prog=f"{prog} --matrix", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+        report = trio.run(run_matrix, settings)
+    except BenchError as exc:
+        sys.exit(f"{prog} --matrix: {exc}")
+    text = markdown_report(report)
+    print(text)
+    if args.json:
+        _write_text(args.json, json.dumps(report, indent=2) + "\n")
+    if args.markdown:
+        _write_text(args.markdown, text + "\n")
