@@ -288,6 +288,8 @@ class Client:
                 while True:
                     data = await sock.recv(RECV_SIZE)
                     if not data:
+                        # The proxy closed: an answer delimited by the close is whole too.
+                        self.done.set()
                         break
                     buf += data
                     self.received += len(data)
@@ -488,14 +490,21 @@ async def run_trial(ctx: _Context, cell: Cell) -> Trial:
             "mid_stream": lambda: (
                 any(r.tokens_sent >= MID_TOKENS for r in records()) and client.received
             ),
-            "after_last": lambda: client.done.is_set(),
         }
+        reached = True
         if cell.phase == "queued":
             await trio.sleep(SETTLE * 5)
-        elif not await _wait(fake, triggers[cell.phase], TRIGGER_TIMEOUT):
-            cell.note = cell.note or f"trigger not reached ({client.failed or 'no answer'})"
+        elif cell.phase == "after_last":
+            # The client's own event: the recorder's changes do not wake a wait on it.
+            with trio.move_on_after(TRIGGER_TIMEOUT) as waited:
+                await client.done.wait()
+            reached = not waited.cancelled_caught
         else:
-            await trio.sleep(SETTLE if cell.phase in ("head", "first_token") else 0)
+            reached = await _wait(fake, triggers[cell.phase], TRIGGER_TIMEOUT)
+        if not reached:
+            cell.note = cell.note or f"trigger not reached ({client.failed or 'no answer'})"
+        elif cell.phase in ("head", "first_token"):
+            await trio.sleep(SETTLE)
         left = await client.leave(cell.leave)
         if cell.phase == "queued":
             await trio.sleep(SETTLE * 5)
