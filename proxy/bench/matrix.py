@@ -20,14 +20,15 @@ order, whatever a proxy does to a request body). The axes:
   the httpx request cancelled, which closes its stream; over WebSocket, a close frame).
 
 The fake is steered through its server-wide settings between trials (never through the body,
-which a proxy may rewrite). Per cell: cancelled (the fake saw the client's connection go)
-out of N; cancel latency p50/p99/max, from the client's close to the fake's record of it (both
-``time.monotonic()``); tokens generated for nobody (the fake's tokens after the client left,
-from its absolute schedule); whether the proxy served the next request. For ``queued``,
-cancelled means the request never reached the upstream once the slot freed (no latency: the
-upstream cannot see it). For ``after_last``, nothing is left to cancel: cancelled counts
-answers the fake completed. Against the Sluice it starts, also Sluice's own view after each
-cell: ``sluice_active_streams`` back to 0 and its open file descriptors back to the baseline.
+which a proxy may rewrite). Per cell: cancelled (the fake saw the client's connection go) out
+of N; cancel latency p50/p99/max, from the client's close to the fake's record of it (both
+``time.monotonic()``); tokens generated for nobody (what the in-process fake sent after the
+client left); whether the proxy served the next request. For ``queued``, cancelled means the
+request never reached the upstream once the slot freed (no latency: the upstream cannot see
+it). For ``after_last``, nothing is left to cancel: cancelled counts answers the fake
+completed. Against the Sluice it starts, also Sluice's own view after each cell:
+``sluice_active_streams`` back to 0, its open file descriptors back to the baseline, and the
+outcomes its access lines give.
 
 Without ``--target`` it starts the fake and ``sluice serve`` (a subprocess, so that its fds are
 its own). With ``--target URL`` the proxy there must already send model ``--model`` to the
@@ -42,7 +43,6 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import re
@@ -426,15 +426,9 @@ async def _wait(fake: FakeUpstream, predicate: Callable[[], object], seconds: fl
     return False
 
 
-def _tokens_for_nobody(record: RequestRecord, left: float, interval: float) -> int:
-    """Tokens the fake sent after ``left``, from its absolute schedule (token i at first + i x
-    interval): the one in flight may count."""
-    if record.first_token_at_mono is None or record.tokens_sent == 0:
-        return 0
-    if left < record.first_token_at_mono:
-        return record.tokens_sent
-    by_then = math.floor((left - record.first_token_at_mono) / interval) + 1 if interval else 0
-    return max(0, record.tokens_sent - by_then)
+def _tokens_for_nobody(record: RequestRecord, sent_at_leave: dict[int, int]) -> int:
+    """Tokens the fake sent after the client left (one in flight in the proxy may count)."""
+    return max(0, record.tokens_sent - sent_at_leave.get(record.id, 0))
 
 
 async def _post_status(ctx: _Context, endpoint: str) -> int | None:
@@ -506,6 +500,8 @@ async def run_trial(ctx: _Context, cell: Cell) -> Trial:
         elif cell.phase in ("head", "first_token"):
             await trio.sleep(SETTLE)
         left = await client.leave(cell.leave)
+        # The fake runs in this process: what it had sent when the client left, exactly.
+        sent_at_leave = {r.id: r.tokens_sent for r in records()}
         if cell.phase == "queued":
             await trio.sleep(SETTLE * 5)
             assert holder is not None
@@ -528,9 +524,9 @@ async def run_trial(ctx: _Context, cell: Cell) -> Trial:
                     trial.cancelled = True
                     assert record.disconnected_at_mono is not None
                     trial.latency = record.disconnected_at_mono - left
-                    trial.tokens_for_nobody = _tokens_for_nobody(record, left, INTERVAL)
+                    trial.tokens_for_nobody = _tokens_for_nobody(record, sent_at_leave)
                 elif record.outcome == "pending":
-                    trial.tokens_for_nobody = _tokens_for_nobody(record, left, INTERVAL)
+                    trial.tokens_for_nobody = _tokens_for_nobody(record, sent_at_leave)
         await client.close()
         if holder is not None:
             await holder.close()
