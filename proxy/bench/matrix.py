@@ -644,9 +644,15 @@ def _free_port() -> int:
         return port
 
 
-def _versions() -> dict[str, str]:
-    """Python's, Sluice's, and those of Sluice's own dependencies (not its extras)."""
+def _versions(*, sluice: bool = True) -> dict[str, str]:
+    """Python's, Sluice's, and those of Sluice's own dependencies (not its extras); with
+    ``sluice`` false (another system), only what the bench itself runs on."""
     found = {"python": platform.python_version()}
+    if not sluice:
+        found["bench (sluice)"] = _version_or_none("sluice")
+        found["httpx (client)"] = _version_or_none("httpx")
+        found["trio-websocket (client)"] = _version_or_none("trio-websocket")
+        return found
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         found["sluice"] = importlib.metadata.version("sluice")
         for requirement in importlib.metadata.requires("sluice") or []:
@@ -751,7 +757,8 @@ async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> d
     return {
         "system": system,
         "commit": await _git_commit(),
-        "versions": _versions(),
+        # Sluice's stack when the system is the Sluice this bench started; else the bench's own.
+        "versions": _versions(sluice=not (settings.target or settings.peer)),
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "repeat": settings.repeat,
