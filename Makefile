@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= conf/local.toml
 
-.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench fake-upstream clean browser redis
+.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench scorecard fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -126,6 +126,18 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --replicas 4 --instances 2 --sessions 48 --markdown docs/benchmarks.md
 	# The local model: one stream vs model.generate, and 1/2/4/8 streams batched vs one at a time.
 	$(BIN)/python -m proxy.bench.local --markdown docs/benchmarks.md
+
+# The cancellation scorecard (proxy/bench/matrix.py): Sluice over both transports and the
+# FastAPI peer, each cell N = 5; docs/cancellation.md is assembled from these outputs.
+scorecard: $(STAMP)
+	$(BIN)/python -m proxy.bench --matrix --repeat 5 --transport lean --system "Sluice (lean)" \
+	  --json docs/cancellation-sluice-lean.json --markdown docs/cancellation-sluice-lean.md
+	$(BIN)/python -m proxy.bench --matrix --repeat 5 --transport httpx --system "Sluice (httpx)" \
+	  --json docs/cancellation-sluice-httpx.json --markdown docs/cancellation-sluice-httpx.md
+	if [ -x ../shared/peers/run-fastapi-gateway ]; then \
+	  $(BIN)/python -m proxy.bench --matrix --repeat 5 --peer auto \
+	    --json docs/cancellation-fastapi.json --markdown docs/cancellation-fastapi.md; \
+	else echo "no ../shared/peers: skipping the peer's scorecard"; fi
 
 fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000
