@@ -167,6 +167,19 @@ MAX_PIPELINED_BYTES: Final = MAX_HEADER_BYTES + MAX_BODY_BYTES
 RECEIVE_SIZE: Final = 64 * 1024
 MALFORMED_EVENT: Final = b"this is not server-sent events\n\n"
 
+
+async def _until_client_leaves(conn: Any) -> None:
+    """Return once the client closes its side (what it sends meanwhile, up to a pipelining
+    bound, stays in ``conn.buf`` for the next read); past the bound, wait to be cancelled."""
+    try:
+        while len(conn.buf) <= MAX_PIPELINED_BYTES:
+            if not await conn._receive_more():
+                return
+        await trio.sleep_forever()
+    except trio.BrokenResourceError:
+        pass
+
+
 _CHAT_PATH: Final = "/v1/chat/completions"
 _COMPLETIONS_PATH: Final = "/v1/completions"
 _RESPONSES_PATH: Final = "/v1/responses"
@@ -1992,14 +2005,7 @@ class FakeUpstream:
         self.recorder._held(1)
         try:
             with trio.move_on_after(self.settings.accept_delay):
-                try:
-                    while len(conn.buf) <= MAX_PIPELINED_BYTES:
-                        if not await conn._receive_more():
-                            break
-                    else:
-                        await trio.sleep_forever()
-                except trio.BrokenResourceError:
-                    pass
+                await _until_client_leaves(conn)
                 self.recorder._closed_during_hold()
                 return False
             return True
@@ -2160,14 +2166,7 @@ class FakeUpstream:
         Bytes read here (a pipelined next request) are kept for the next ``read_request``;
         cancelling ``receive_some`` loses nothing, since trio cancels only before a read.
         """
-        try:
-            while len(conn.buf) <= MAX_PIPELINED_BYTES:
-                if not await conn._receive_more():
-                    break
-            else:
-                await trio.sleep_forever()
-        except trio.BrokenResourceError:
-            pass
+        await _until_client_leaves(conn)
         self.recorder._disconnected(record)
         scope.cancel()
 
