@@ -84,6 +84,8 @@ class Generation:
         self.consumed = 0
         # The engine's.
         self.produced = 0
+        # Forward passes this sequence took part in (prefill chunks and decode steps).
+        self.forward_passes = 0
         self.parked = False
         self.generated: list[int] = []
         self.completion_tokens = 0
@@ -335,6 +337,7 @@ class BatchEngine:
         if elapsed > self.generator.slow_step_seconds:
             self.slow_steps += 1
         for sequence, piece in made:
+            sequence.forward_passes += 1
             self._timed(sequence, elapsed)
             if piece.result is not None:
                 piece.result.step_seconds = sequence.step_seconds
@@ -385,6 +388,7 @@ class BatchEngine:
                 )
                 sequence.cache = output.cache
                 sequence.prefilled += len(chunk)
+                sequence.forward_passes += 1
                 if sequence.prefilled < len(prompt):
                     return
                 self._waiting.popleft()

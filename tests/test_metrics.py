@@ -238,6 +238,12 @@ async def test_local_queue_and_step_metrics(
         # One token per prefill and per sequence in each step.
         assert value(samples, "sluice_local_generated_tokens_total", model="tiny") == steps + 2
         assert value(samples, "sluice_local_batch_size", model="tiny") == 0
+        # The running request's client left: its sequence stopped within the step in flight,
+        # and what that step made (if anything) is counted as made for nobody.
+        assert value(samples, "sluice_local_steps_after_cancel_count", model="tiny") == 1
+        after_cancel = value(samples, "sluice_local_steps_after_cancel_sum", model="tiny")
+        assert after_cancel <= 1
+        assert value(samples, "sluice_local_tokens_for_nobody_total", model="tiny") == after_cancel
         # The local streams are in the stream metrics too.
         assert value(samples, "sluice_ttft_seconds_count", model="tiny") == 2
         assert value(samples, "sluice_tokens_out_total", model="tiny") >= 4

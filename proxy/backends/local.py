@@ -263,12 +263,22 @@ class LocalBackend:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         finally:
             if not left.is_set():
+                # Read before the flag is set: a pass that starts after it is one too many.
+                passes_at_cancel, produced_at_cancel = sequence.forward_passes, sequence.produced
                 sequence.cancelled = True
                 self.engine.wake()
                 # Shielded and bounded: the slot is free only once the model stopped.
                 with trio.CancelScope(shield=True) as scope:
                     scope.deadline = trio.current_time() + _LEAVE_TIMEOUT
                     await left.wait()
+                if left.is_set() and self.metrics is not None:
+                    name = self.model.name
+                    self.metrics.local_steps_after_cancel.labels(name).observe(
+                        sequence.forward_passes - passes_at_cancel
+                    )
+                    self.metrics.local_tokens_for_nobody.labels(name).inc(
+                        sequence.produced - produced_at_cancel
+                    )
                 if scope.cancelled_caught:
                     log.error(
                         "request %s: the engine did not release its sequence in %.0fs",

@@ -32,6 +32,8 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # One decode step of a local model: sub-millisecond (tiny test models) to a slow CPU's 100s of ms.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# The contract is at most 1 (the step in flight when the cancel arrived).
+_STEPS_AFTER_CANCEL_BUCKETS = (0, 1, 2, 3, 5, 10, 20)
 _PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Waiting for a local model's slot: none at all, up to queue_timeout (seconds to minutes).
 _QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -222,6 +224,21 @@ class Metrics:
         self.local_tokens = Counter(
             "sluice_local_generated_tokens",
             "Local models: tokens generated, all sequences together (rate() is tokens/s).",
+            ["model"],
+            registry=registry,
+        )
+        self.local_steps_after_cancel = Histogram(
+            "sluice_local_steps_after_cancel",
+            "Local models: forward passes a sequence still took part in after its request was "
+            "cancelled (the client left, or shutdown), per cancelled sequence; 1 is the step "
+            "already in flight.",
+            ["model"],
+            buckets=_STEPS_AFTER_CANCEL_BUCKETS,
+            registry=registry,
+        )
+        self.local_tokens_for_nobody = Counter(
+            "sluice_local_tokens_for_nobody",
+            "Local models: tokens generated for requests that had already been cancelled.",
             ["model"],
             registry=registry,
         )
