@@ -66,13 +66,14 @@ import random
 import resource
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -131,6 +132,7 @@ __all__ = [
     "rss_stats",
     "run_bench",
     "run_from_args",
+    "run_stoppable",
     "sample_rss",
     "settings_from_args",
     "summarize",
@@ -2120,10 +2122,12 @@ async def _supervise(
     argv: list[str],
     log_path: Path,
     *,
+    env: dict[str, str] | None = None,
     task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own one child for as long as this task lives: a child that exits on its own is an
-    error (it fails the bench at once instead of as a pile of refused connections)."""
+    error (it fails the bench at once instead of as a pile of refused connections). ``env``
+    is added to this process's environment."""
     log = _open_log(log_path)
     try:
         process = await trio.lowlevel.open_process(
@@ -2133,7 +2137,7 @@ async def _supervise(
             stderr=subprocess.STDOUT,
             # Its own session: Ctrl-C reaches the bench only, which then stops children in order.
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     finally:
         log.close()  # the child has its own copy of the descriptor
@@ -2615,6 +2619,42 @@ async def _start_proxy(
     return address, process.pid
 
 
+_T = TypeVar("_T")
+# Signals that stop a bench the way Ctrl-C does (a service manager's stop, a closed terminal).
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGHUP)
+
+
+def run_stoppable(async_fn: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+    """``trio.run(async_fn, *args)``, except that SIGTERM or SIGHUP cancels the bench, so every
+    child it started is stopped (``_supervise``) before it exits with BenchError; a bench
+    killed by the default handler would leave its children running."""
+
+    async def guarded() -> _T:
+        stopped_by: list[str] = []
+
+        async def watch(scope: trio.CancelScope) -> None:
+            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+                async for signum in signals:
+                    stopped_by.append(signal.Signals(signum).name)
+                    scope.cancel()
+                    return
+
+        try:
+            with trio.CancelScope() as outer:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch, outer)
+                    try:
+                        return await async_fn(*args)
+                    finally:
+                        nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The nursery wraps whatever the bench raised: the bench's own error is the news.
+            raise _first_leaf(group) from None
+        raise BenchError(f"stopped by {stopped_by[0] if stopped_by else 'a signal'}")
+
+    return trio.run(guarded)
+
+
 def _first_leaf(group: BaseExceptionGroup[_E]) -> _E:
     first = group.exceptions[0]
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
@@ -2836,6 +2876,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     args = parser.parse_args(argv)
     args.bench_command = _command_line(argv, prog)
     try:
-        trio.run(run_from_args, args)
+        run_stoppable(run_from_args, args)
+    except BenchError as error:
+        print(f"sluice bench: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         sys.exit(130)

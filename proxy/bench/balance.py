@@ -51,6 +51,7 @@ from proxy.bench import (
     http_get,
     machine_info,
     percentile,
+    run_stoppable,
     run_stream,
     upsert_section,
 )
@@ -492,7 +493,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     shown = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join([*shlex.split(prog), *shown])
     try:
-        trio.run(run_from_args, args, command)
+        run_stoppable(run_from_args, args, command)
     except BenchError as error:
         print(f"sluice bench: {error}", file=sys.stderr)
         raise SystemExit(1) from None
