@@ -94,7 +94,8 @@ def peer() -> dict[str, Any]:
     special: dict[tuple[str, str, str], dict[str, Any]] = {
         ("sse", "connecting", "abort"): {"p99": 12.5},
         ("sse", "head", "abort"): {"p99": 11.0},
-        ("sse", "mid_stream", "fin"): {"tokens": 3},
+        # 5 trials: one token each may be in flight; 3 more were made for nobody.
+        ("sse", "mid_stream", "fin"): {"tokens": 8},
         ("json", "connecting", "fin"): {"cancelled": 0},
         ("json", "connecting", "rst"): {"cancelled": 0},
         ("json", "connecting", "abort"): {"cancelled": 0},
@@ -149,7 +150,7 @@ def test_summary_counts_the_cells_and_trials_never_cancelled() -> None:
     assert summary["cancelled_all"] == 21
     assert summary["worst_p99_ms"] == {"fin": 1.0, "rst": 1.0, "abort": 12.5}
     assert summary["over_target_cells"] == 2
-    assert summary["tokens_for_nobody"] == 3
+    assert summary["tokens_for_nobody"] == 8
     assert (summary["next_served"], summary["next_trials"]) == (27 * 5 - 1, 27 * 5)
     # The bench cannot look inside another system.
     assert summary["worst_fds_over_baseline"] is None
@@ -202,7 +203,10 @@ def test_the_reading_names_each_shortfall_with_its_cells_and_counts() -> None:
         "cancel p99 over 10 ms in 2 cells (all abort): sse connecting chat abort 12.5 ms, "
         "sse head chat abort 11.0 ms"
     ) in phrases
-    assert "3 tokens generated for nobody in 1 cell: sse mid_stream chat fin 3" in phrases
+    assert (
+        "3 tokens generated for nobody beyond the one in flight per trial, in 1 cell: "
+        "sse mid_stream chat fin 8 in 5 trials"
+    ) in phrases
     assert (
         "the next request not served after 1 of 135 trials: json head chat rst next 4/5"
     ) in phrases
@@ -277,7 +281,7 @@ def test_side_by_side_has_a_row_per_system() -> None:
     assert rows[1].startswith(
         "| FastAPI peer (shared/peers) | 27 | 21 | 6 (30 trials) | 1.0 ms | 1.0 ms | 12.5 ms | 2 |"
     )
-    assert rows[1].endswith("| 3 | 134/135 | — | — |")
+    assert rows[1].endswith("| 8 | 134/135 | — | — |")
     assert "| ≤1 step | ≤3 steps | ≤1 step | 1 |" in rows[2]
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final, TypedDict
 
-from proxy.bench import BenchError, _write_text
+from proxy.bench import BenchError, _read, _write_text, upsert_section
 from proxy.bench.matrix import ENDPOINTS, LEAVES, PHASES, TRANSPORTS, markdown_report
 
 __all__ = [
@@ -349,14 +349,20 @@ def _steps_phrase(report: Report) -> str:
     )
 
 
+def _beyond_in_flight(cell: Cell) -> int:
+    """Tokens for nobody beyond the one per trial that was in flight when the client left."""
+    return max(0, int(cell.get("tokens_for_nobody") or 0) - int(cell["n"]))
+
+
 def _waste_phrases(report: Report) -> list[str]:
     phrases = []
-    wasted = [c for c in _ran(report) if c.get("tokens_for_nobody")]
+    wasted = [c for c in _ran(report) if _beyond_in_flight(c)]
     if wasted:
-        total = sum(int(c["tokens_for_nobody"]) for c in wasted)
+        total = sum(_beyond_in_flight(c) for c in wasted)
         phrases.append(
-            f"{total} tokens generated for nobody in {_cells(len(wasted))}: "
-            + _listed(wasted, lambda c: str(c["tokens_for_nobody"]))
+            f"{total} tokens generated for nobody beyond the one in flight per trial, in "
+            f"{_cells(len(wasted))}: "
+            + _listed(wasted, lambda c: f"{c['tokens_for_nobody']} in {c['n']} trials")
         )
     failed = [c for c in _judged(report) if (c.get("next_served") or 0) < c["n"]]
     if failed:
@@ -380,6 +386,13 @@ def _remarks(report: Report) -> list[str]:
         remarks.append(
             f"its fd count over the baseline after {len(grown)} of {len(fds)} cells "
             f"(at most {max(c['fds_over_baseline'] for c in grown)} over)"
+        )
+    unsettled = [c for c in ran if c.get("trials_unsettled")]
+    if unsettled:
+        trials = sum(int(c["trials_unsettled"]) for c in unsettled)
+        remarks.append(
+            f"not back at rest (active streams 0, fds at the baseline) within 0.5 s of "
+            f"{trials} trials, in {_cells(len(unsettled))}"
         )
     active = [c for c in ran if (c.get("active_streams_after") or 0) > 0]
     if active:
@@ -456,7 +469,8 @@ def reading(report: Report) -> list[str]:
             f"met every target: all {summary['served_cells']} served cells {n}/{n} (queued: "
             f"never reached the upstream; after_last: completed), {bound}"
             + (f" ({worst})" if worst else "")
-            + ", 0 tokens for nobody, the next request served every time"
+            + ", no token for nobody beyond the one in flight, the next request served "
+            "every time"
         ]
     return phrases + _remarks(report)
 
@@ -481,25 +495,36 @@ HOW_TO_READ: Final = """\
   slot freed. `after_last`: the answer was complete and nothing was left running.
 - **p99**: cancel latency, from the client's `close()` (or `shutdown()`, or abort) to the
   fake's record of the close, both `time.monotonic()`. None for `queued` and `after_last`.
-- **tok**: tokens the fake generated after the client left, summed over the N trials (one per
-  trial can be the token in flight); shown only when not 0.
+- **tok**: tokens generated after the client left, summed over the N trials (one per trial
+  can be the token in flight, and is not counted against the target); shown only when not 0.
 - **next k/N**: shown only when the proxy failed to serve the next request.
 - **n/a**: the phase does not exist for that transport (a non-streamed answer has no
   mid-stream; a WebSocket request has no response head; a target's admission queue cannot be
   produced from outside). **not served**: the system has no such endpoint or transport; such
   cells are never counted as failures.
 - **≤k steps** (a `local` report: Sluice's own model, no upstream): the cell is the worker
-  thread stopping, counted in the decode steps the model ran for the sequence after Sluice saw
-  the client go; the target is ≤ 1 (the step in flight). Local cells have no p99.
+  thread stopping, counted in the forward passes (decode steps, prefill chunks) the model ran
+  for the sequence after Sluice saw the client go, read from Sluice's
+  `sluice_local_steps_after_cancel`; the target is ≤ 1 (the step in flight). Local cells have
+  no p99: the time for Sluice to see the client go is the upstream cells' (the same relay).
+  k/N there: the model let the sequence go (`queued`: it never started generating).
+- **Sluice's own view**: after every trial, the bench waits up to 0.5 s for
+  `sluice_active_streams` 0 and the fd count at its baseline (a peer's fds only); after each
+  cell up to 2 s, and reports what it then reads.
 
 Phases: `queued` (Sluice with `[upstream] max_connections = 1`, the slot held by a long
 stream), `connecting` (the fake holds the accepted connection without reading it,
 `accept_delay`: on loopback the kernel completes the TCP handshake at once, so Sluice's own
 access line calls this phase `awaiting_headers`), `head` (the fake never sends its head),
 `first_token` (TTFT 30 s), `mid_stream` (a token every 20 ms; the client leaves after the 3rd),
-`after_last`. Leaves: `fin` (`shutdown(SHUT_WR)`: a `close()` with unread bytes would be an
-RST), `rst` (`SO_LINGER` 0 then `close()`), `abort` (the httpx request cancelled, as an SDK's
-`close()`/timeout does; over WebSocket a close frame).
+`after_last`. The local model's phases: `queued` (both of its 2 slots held by long streams),
+`head` (non-streamed: the answer is being generated while the client waits for its head),
+`first_token` (a prompt of ~250 tokens being prefilled), `mid_stream` (after the 4th event);
+`connecting` does not exist there, nor `head` for a streamed answer (its head goes out on
+admission). Leaves: `fin` (`shutdown(SHUT_WR)`: a `close()` with unread bytes would be an RST),
+`rst` (`SO_LINGER` 0 then `close()`), `abort` (the response closed before its end, as the
+OpenAI SDK's `close()` or a timeout does, through httpcore, the connection layer its httpx runs
+on; the clock starts when that socket closes; over WebSocket a close frame).
 
 Targets: every served cell N/N, cancel p99 ≤ 10 ms, 0 tokens for nobody, the next request
 always served; for a local report, ≤ 1 decode step instead of the p99.
@@ -868,6 +893,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("reports", nargs="+", type=Path, help="JSON reports of bench --matrix")
     parser.add_argument("--markdown", type=Path, required=True, help="the document to write")
     parser.add_argument("--images", type=Path, help="write a heat-map per system here")
+    parser.add_argument(
+        "--link-from",
+        type=Path,
+        metavar="MARKDOWN",
+        help="also put a section linking the document, a line per system, in this file "
+        "(make bench: docs/benchmarks.md)",
+    )
     args = parser.parse_args(argv)
     reports = [load_report(path) for path in args.reports]
     links: list[str | None] = [None] * len(reports)
@@ -882,6 +914,45 @@ def main(argv: Sequence[str] | None = None) -> None:
         links = [_relative(path, args.markdown.parent) for path in paths]
     _write_text(args.markdown, document(reports, links))
     print(f"wrote {args.markdown}")
+    if args.link_from is not None:
+        old = _read(str(args.link_from)) or ""
+        target = _relative(args.markdown, args.link_from.parent)
+        _write_text(args.link_from, upsert_section(old, LINK_KEY, link_section(reports, target)))
+        print(f"linked from {args.link_from}")
+
+
+# The section's key in the linking document (its markers: upsert_section's).
+LINK_KEY: Final = "cancellation-scorecard"
+
+
+def link_section(reports: Sequence[Report], target: str) -> str:
+    """A short section for another document: where the scorecard is, and a line per system."""
+    lines = [
+        "## Cancellation scorecard",
+        "",
+        f"What happens when a client leaves, in every phase, transport, endpoint and way of "
+        f"leaving, measured against Sluice and its peers: [{target}]({target}), written by "
+        "`make scorecard` (which `make bench` runs).",
+        "",
+    ]
+    for report in reports:
+        summary = summarise(report)
+        worst = _worst_text(summary)
+        line = (
+            f"- **{summary['system']}** (commit {summary['commit']}, N = {summary['n']}): "
+            f"{summary['cancelled_all']} of {summary['served_cells']} served cells cancelled "
+            f"N of N"
+        )
+        if summary["never_cancelled_cells"]:
+            line += (
+                f", {summary['never_cancelled_cells']} never "
+                f"({summary['never_cancelled_trials']} trials)"
+            )
+        if worst:
+            clock = "decode steps after the leave" if summary["kind"] == "local" else "cancel p99"
+            line += f"; {clock} {worst}"
+        lines.append(line + ".")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
