@@ -9,7 +9,10 @@ switched on, on 127.0.0.1, port 0.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import socket
 from typing import Any
 
@@ -18,6 +21,12 @@ import pytest
 import trio
 import trustme
 
+from proxy.backends.upstream import httpx_pool
+from proxy.backends.upstream.httpx_pool import HttpxPool, HttpxResponse
+from proxy.backends.upstream.pool import Origin, UpstreamRequest
+from proxy.backends.upstream.transports import ConnectionSettings
+from proxy.server import adapters
+from proxy.server.adapters import httpcore_adapter
 from tests.support import (
     DEADLINE,
     UPSTREAM_TRANSPORTS,
@@ -518,3 +527,292 @@ async def test_httpx_never_queues_inside_httpcore(
     connections = replica.pool_connections()
     assert len(connections) <= 2
     assert all(connection.is_idle() for connection in connections), connections
+
+
+# -- httpx: idle connections that their server closed ---------------------------------------
+
+# /proc/net/tcp's state codes, for the ones these tests meet.
+TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0B": "CLOSING"}
+# The sweep looks once a second; the rest is a loaded machine's slack.
+SWEPT_WITHIN = httpx_pool.SWEEP_INTERVAL + 0.5
+# The server's close, then: right after its answer (often after the proxy closed the
+# response, sometimes before), or surely after (the proxy has long closed the response).
+SERVER_CLOSES = {
+    "close-after-response": {"close_after_response": True},
+    "late": {"late_close": 0.3},
+}
+
+
+def sockets_to(port: int) -> list[str]:
+    """The TCP states of this process's sockets whose peer is ``port`` on 127.0.0.1: the
+    proxy's upstream connections to the fake (the fake's own ends have it as local port)."""
+    inodes = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    states = []
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            remote, state, inode = fields[2], fields[3], fields[9]
+            if inode in inodes and remote == f"0100007F:{port:04X}":
+                states.append(TCP_STATES.get(state, state))
+    return states
+
+
+def fake_port(fake: Fake) -> int:
+    return int(fake.url.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("habit", sorted(SERVER_CLOSES))
+async def test_httpx_closes_an_idle_connection_soon_after_its_server_did(
+    nursery: trio.Nursery, client: httpx.AsyncClient, habit: str
+) -> None:
+    """httpcore alone would keep it, in CLOSE_WAIT, until the replica's next request: it sees
+    the server's close only as it assigns a request. No other request comes here."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=5, **SERVER_CLOSES[habit])
+        proxy = await start_proxy(nursery, {"m": {"upstreams": [fake.url], "transport": "httpx"}})
+        replica = only_replica(proxy)
+        assert_streamed(await ask(client, proxy, "m"))
+        await fake.recorder.wait_for(lambda recorder: recorder.open_connections == 0)
+        port = fake_port(fake)
+        with trio.move_on_after(SWEPT_WITHIN):  # from the server's close
+            await poll_until(lambda: not replica.pool_connections() and not sockets_to(port))
+        assert replica.pool_connections() == []
+        assert sockets_to(port) == []
+        # And the next request simply opens a new connection.
+        assert_streamed(await ask(client, proxy, "m"))
+    assert upstream_errors(proxy) == 0
+
+
+async def test_httpx_drops_at_once_a_connection_whose_server_closed_before_its_response(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other half, httpcore's own: as a response closes it assigns requests, and so
+    closes an idle connection whose server's close has already arrived. No sweep runs here."""
+    monkeypatch.setattr(httpx_pool, "connection_pool_of", httpcore_adapter.connection_pool)
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=5, close_after_response=True)
+        port = fake_port(fake)
+        body = json.dumps(chat_body("m")).encode()
+        headers = [
+            (b"host", f"127.0.0.1:{port}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        origin = Origin("http", "127.0.0.1", port)
+        request = UpstreamRequest(origin, b"POST", CHAT.encode(), headers, body)
+        pool = HttpxPool(
+            ConnectionSettings(transport="httpx"),
+            max_connections=2,
+            max_keepalive=2,
+            keepalive_expiry=4.0,
+        )
+        try:
+            async with pool.stream(request) as response:
+                read = b"".join([chunk async for chunk in response.chunks()])
+                assert read.endswith(b"data: [DONE]\n\n")
+                await poll_until(lambda: sockets_to(port) == ["CLOSE_WAIT"])  # its FIN is in
+                (connection,) = pool.connections()
+                assert not connection.is_idle()  # the response's, until it closes
+            assert pool.connections() == []
+            assert sockets_to(port) == []
+        finally:
+            await pool.aclose()
+
+
+async def test_httpx_keeps_and_reuses_a_connection_its_server_keeps_open(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=5)
+        proxy = await start_proxy(nursery, {"m": {"upstreams": [fake.url], "transport": "httpx"}})
+        replica = only_replica(proxy)
+        assert_streamed(await ask(client, proxy, "m"))
+        (kept,) = replica.pool_connections()
+        accepted = fake.recorder.connections_accepted
+        await trio.sleep(SWEPT_WITHIN)  # a sweep or two, well within the keep-alive expiry
+        assert replica.pool_connections() == [kept]
+        assert kept.is_idle()
+        assert sockets_to(fake_port(fake)) == ["ESTABLISHED"]
+        assert_streamed(await ask(client, proxy, "m"))
+    assert replica.pool_connections() == [kept]
+    assert fake.recorder.connections_accepted == accepted
+
+
+async def test_without_the_reach_to_httpcores_pool_httpx_behaves_as_before(
+    nursery: trio.Nursery,
+    client: httpx.AsyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A future httpx that keeps its pool elsewhere: said once at start-up, and the idle
+    connection that its server closed stays open until the next request, which still gets
+    its 200 (httpcore drops the dead connection as it assigns it)."""
+    monkeypatch.setattr(httpcore_adapter, "_TRANSPORT_POOL", "_no_such_pool")
+    # install() sets the reach from the check as it stands; put the real one back after.
+    monkeypatch.setattr(httpx_pool, "connection_pool_of", httpx_pool.connection_pool_of)
+    adapters.reset()
+    try:
+        with caplog.at_level(logging.WARNING, logger="sluice.adapters"), trio.fail_after(DEADLINE):
+            fake = await start_fake(nursery, ttft=0, interval=0, tokens=5, **SERVER_CLOSES["late"])
+            proxy = await start_proxy(
+                nursery, {"m": {"upstreams": [fake.url], "transport": "httpx"}}
+            )
+            assert not adapters.usable("idle_sweep")
+            assert_streamed(await ask(client, proxy, "m"))
+            await fake.recorder.wait_for(lambda recorder: recorder.open_connections == 0)
+            await trio.sleep(SWEPT_WITHIN)
+            assert sockets_to(fake_port(fake)) == ["CLOSE_WAIT"]
+            assert_streamed(await ask(client, proxy, "m"))
+            await poll_until(lambda: "CLOSE_WAIT" not in sockets_to(fake_port(fake)))
+    finally:
+        adapters.reset()
+    assert upstream_errors(proxy) == 0
+    lines = [record.getMessage() for record in caplog.records]
+    (line,) = [line for line in lines if "AsyncHTTPTransport" in line]
+    assert "stays open (CLOSE_WAIT) until the replica's next request" in line
+
+
+class FakeConnection:
+    """httpcore's connection interface, as the sweep uses it; ``aclose`` marks it closed
+    before its first await, as httpcore's do."""
+
+    def __init__(self, *, idle: bool, expired: bool) -> None:
+        self.idle = idle
+        self.expired = expired
+        self.closed_at: float | None = None
+
+    def is_idle(self) -> bool:
+        return self.idle and self.closed_at is None
+
+    def has_expired(self) -> bool:
+        return self.expired
+
+    def is_closed(self) -> bool:
+        return self.closed_at is not None
+
+    async def aclose(self) -> None:
+        self.closed_at = trio.current_time()
+        await trio.lowlevel.checkpoint()
+
+
+class FakeConnectionPool:
+    """What the sweep reads of httpcore's pool; counts the looks."""
+
+    def __init__(self, *connections: FakeConnection) -> None:
+        self.held = list(connections)
+        self.looks = 0
+
+    @property
+    def connections(self) -> list[FakeConnection]:
+        self.looks += 1
+        return list(self.held)
+
+
+def swept_pool(monkeypatch: pytest.MonkeyPatch, fake_pool: FakeConnectionPool) -> HttpxPool:
+    monkeypatch.setattr(httpx_pool, "connection_pool_of", lambda transport: fake_pool)
+    return HttpxPool(
+        ConnectionSettings(transport="httpx"),
+        max_connections=4,
+        max_keepalive=4,
+        keepalive_expiry=4.0,
+    )
+
+
+async def a_response_closes(pool: HttpxPool) -> None:
+    """What wakes the sweep: a response closed (its connection may now be idle)."""
+    response = HttpxResponse(httpx.Response(200, stream=httpx.ByteStream(b"")), pool)
+    await response.aclose()
+
+
+async def test_the_sweep_looks_only_while_a_connection_is_idle_and_then_once_a_second(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    busy_and_expired = FakeConnection(idle=False, expired=True)
+    fake_pool = FakeConnectionPool(busy_and_expired)
+    pool = swept_pool(monkeypatch, fake_pool)
+    origin = Origin("http", "127.0.0.1", 9)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.keep_spare, origin, 5.0)
+        await trio.sleep(30)
+        assert fake_pool.looks == 1  # nothing idle: asleep until a response closes
+        kept = FakeConnection(idle=True, expired=False)
+        fake_pool.held.append(kept)
+        await a_response_closes(pool)
+        await trio.sleep(10.5)
+        # Once to see an idle one, then once a second: each sweep looks, then the loop does.
+        assert 20 <= fake_pool.looks <= 23
+        dead = FakeConnection(idle=True, expired=True)
+        fake_pool.held.append(dead)
+        expired_at = trio.current_time()
+        await trio.sleep(1.5)
+        assert dead.closed_at is not None
+        assert dead.closed_at - expired_at <= httpx_pool.SWEEP_INTERVAL
+        assert kept.closed_at is None and busy_and_expired.closed_at is None
+        kept.expired = True  # past its keep-alive expiry
+        await trio.sleep(1.5)
+        assert kept.closed_at is not None
+        looks = fake_pool.looks
+        await trio.sleep(30)
+        assert fake_pool.looks == looks  # nothing idle again
+        assert busy_and_expired.closed_at is None
+        await pool.aclose()  # the sweep returns: the nursery can close
+
+
+async def test_the_sweep_touches_nothing_while_a_request_is_inside_httpcores_pool(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """httpcore hands a request an idle connection and marks it active only after awaiting a
+    lock: until then it still looks idle (and its server's close may arrive meanwhile)."""
+    handed = FakeConnection(idle=True, expired=True)
+    pool = swept_pool(monkeypatch, FakeConnectionPool(handed))
+    inside = trio.Event()
+
+    async def handle_async_request(request: httpx.Request) -> httpx.Response:
+        inside.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(pool._transport, "handle_async_request", handle_async_request)
+    origin = Origin("http", "127.0.0.1", 9)
+    request = UpstreamRequest(origin, b"GET", b"/", [(b"host", b"127.0.0.1:9")])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.keep_spare, origin, 5.0)
+        requests = trio.CancelScope()
+
+        async def send() -> None:
+            with requests:
+                await pool.open(request)
+
+        nursery.start_soon(send)
+        await inside.wait()
+        await trio.sleep(10)
+        assert handed.closed_at is None
+        requests.cancel()  # it leaves without using the connection
+        cancelled_at = trio.current_time()
+        await trio.sleep(1.5)
+        assert handed.closed_at is not None
+        assert handed.closed_at - cancelled_at <= httpx_pool.SWEEP_INTERVAL
+        await pool.aclose()
+
+
+async def test_the_sweep_returns_at_once_without_httpcores_pool(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(httpx_pool, "connection_pool_of", httpx_pool.out_of_reach)
+    pool = HttpxPool(
+        ConnectionSettings(transport="httpx"),
+        max_connections=1,
+        max_keepalive=1,
+        keepalive_expiry=4,
+    )
+    started = trio.current_time()
+    await pool.keep_spare(Origin("http", "127.0.0.1", 9), 5.0)
+    assert trio.current_time() == started
+    assert pool.connections() == []
+    await pool.aclose()

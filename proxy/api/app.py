@@ -268,9 +268,11 @@ def create_app(
                 # What its balance needs in the background (upstream_metrics: a scraper per
                 # replica); returns at once when it needs nothing.
                 app.nursery.start_soon(backend.watch_replicas)
-        if upstream.preconnect:
-            for replica in state.replicas.values():
-                app.nursery.start_soon(replica.keep_spare_connections)
+        for replica in state.replicas.values():
+            # Its pool's work in the background, until the pool closes: the lean pool's spare
+            # connections (returns at once without preconnect), httpx's sweep of idle
+            # connections that their server closed.
+            app.nursery.start_soon(replica.maintain_connections)
         if state.replicas and state.fake_upstream is None:
             app.nursery.start_soon(
                 report_reachability, list(state.replicas.values()), upstream.connect_timeout

@@ -197,9 +197,11 @@ class UpstreamReplica:
     def pool(self) -> Pool:
         return self._pool
 
-    async def keep_spare_connections(self) -> None:
-        """Keep ``[upstream] preconnect`` idle connections open ahead of demand (see
-        KeepAlivePool.keep_spare); runs until the pool closes or the task is cancelled."""
+    async def maintain_connections(self) -> None:
+        """The pool's background work: the lean pool keeps ``[upstream] preconnect`` idle
+        connections open ahead of demand (KeepAlivePool.keep_spare), the httpx one closes idle
+        connections that their server closed (HttpxPool.keep_spare). Runs until the pool
+        closes or the task is cancelled."""
         await self._pool.keep_spare(self.origin, self._connect_timeout)
 
     async def aclose(self) -> None:

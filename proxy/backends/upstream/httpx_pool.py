@@ -20,6 +20,22 @@ What this module guards against, and where:
   closed early, so the upstream would keep generating for nobody. See
   ``proxy.server.adapters.httpcore_adapter``, which is the only module that touches httpcore's
   internals; HTTP/2 is offered only while its guard is installed.
+* Idle connections that their server closed (right after its answer, which is legal
+  HTTP/1.1, or after idling a while, as uvicorn does): httpcore keeps such a connection as
+  idle and sees the close (``has_expired()``: idle, with a readable socket) only when it next
+  assigns requests, which it does as each request comes and as each response closes. A close
+  that arrives after the last response would hold a socket in CLOSE_WAIT until the next
+  request, and every fd must come back. :meth:`HttpxPool.keep_spare`, run for the pool's
+  lifetime in the app's nursery, sleeps while no connection is idle (a response's close wakes
+  it); while one is, it closes once a second the connections that are ``is_idle()`` and
+  ``has_expired()`` (HTTP/2's are multiplexed: only those too). Never while a request is
+  inside httpcore's pool: httpcore marks the connection it handed a request active only after
+  awaiting a lock, so until then it looks idle. Otherwise nothing awaits between the check and
+  ``aclose()``, which marks the connection closed before its first await, and trio runs one
+  task at a time: no request can be handed it in between (httpcore drops closed connections
+  at its next assignment). The pool inside httpx's transport is an httpx internal, reached
+  through ``connection_pool_of``, which the adapter installs after its start-up check; without
+  it idle connections are left to httpcore, as before.
 """
 
 from __future__ import annotations
@@ -28,8 +44,8 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import trio
@@ -37,11 +53,32 @@ import trio
 from proxy.backends.upstream.pool import KEEPALIVE_RACE, Origin, UpstreamRequest
 from proxy.backends.upstream.transports import ConnectionSettings
 
+if TYPE_CHECKING:
+    import httpcore
+
 log = logging.getLogger("sluice.upstream")
 
 # Set by proxy.server.adapters.httpcore_adapter.install once httpcore resets the streams of
 # cancelled HTTP/2 responses; until then HTTP/2 is not offered (ALPN says http/1.1 only).
 http2_stream_reset_installed = False
+
+
+def out_of_reach(transport: httpx.AsyncHTTPTransport) -> httpcore.AsyncConnectionPool | None:
+    """The fallback: no pool to look at, so the sweep does nothing."""
+    return None
+
+
+# The httpcore pool inside an httpx transport, or None: installed by
+# proxy.server.adapters.httpcore_adapter.install once its start-up check found the internal.
+connection_pool_of: Callable[[httpx.AsyncHTTPTransport], httpcore.AsyncConnectionPool | None]
+connection_pool_of = out_of_reach
+
+# How often the idle connections are looked at while there are any: "about a second" after
+# their server closed them is soon enough for the fd count, and each look is a poll() per idle
+# connection.
+SWEEP_INTERVAL = 1.0
+# Closing one idle connection: a socket close, or a TLS close_notify that nobody waits for.
+_CLOSE_TIMEOUT = 1.0
 
 
 class HttpxPool:
@@ -58,6 +95,12 @@ class HttpxPool:
     ) -> None:
         self.settings = settings
         self._max_keepalive = max_keepalive
+        self._closed = trio.Event()
+        # Requests inside httpcore's pool (handed a connection, or about to be) and not yet
+        # answered: while there are any, the sweep touches nothing.
+        self._requests_in_pool = 0
+        # Set when a connection may have become idle: the sweep's wake-up call.
+        self._released = trio.Event()
         http2 = settings.http2 and http2_stream_reset_installed
         if settings.http2 and not http2:
             log.warning(
@@ -88,15 +131,48 @@ class HttpxPool:
         return self._tls
 
     def connections(self) -> list[Any]:
-        """httpcore's connections (each with ``is_idle()``), for tests and diagnostics; empty
-        if a version of httpx keeps them elsewhere."""
-        pool = getattr(self._transport, "_pool", None)
-        return list(getattr(pool, "connections", []))
+        """httpcore's connections that are not closed (each with ``is_idle()``), for tests and
+        diagnostics; empty where the adapter cannot reach httpcore's pool."""
+        pool = connection_pool_of(self._transport)
+        if pool is None:
+            return []
+        return [connection for connection in pool.connections if not connection.is_closed()]
 
     async def keep_spare(self, origin: Origin, connect_timeout: float | None) -> None:
-        """httpcore opens connections on demand only: nothing to keep (the lean pool's
-        ``preconnect`` does not apply)."""
-        await trio.lowlevel.checkpoint()
+        """This pool's background work, run by its owner in its nursery for as long as the
+        pool is open. httpcore opens connections on demand only, so there are no spares to
+        keep (the lean pool's ``preconnect``); instead, idle connections whose server closed
+        them are closed here (see the module's docstring). Returns when the pool closes, or
+        at once where httpcore's pool is out of reach."""
+        pool = connection_pool_of(self._transport)
+        if pool is None:
+            await trio.lowlevel.checkpoint()
+            return
+        while not self._closed.is_set():
+            if not any(connection.is_idle() for connection in pool.connections):
+                self._released = trio.Event()
+                await self._released.wait()
+                continue
+            # The owner's nursery waits for this task once the pool closes: no full sleep then.
+            with trio.move_on_after(SWEEP_INTERVAL):
+                await self._closed.wait()
+            await self._sweep(pool)
+
+    async def _sweep(self, pool: httpcore.AsyncConnectionPool) -> None:
+        """Close the idle connections that have expired (their server closed them, or they
+        outlived the keep-alive expiry)."""
+        for connection in pool.connections:
+            # Checked again after every close: a request may have come in meanwhile.
+            if self._requests_in_pool or self._closed.is_set():
+                return
+            # Nothing awaits between this check and aclose() marking the connection closed, so
+            # no request can be handed it in between.
+            if connection.is_idle() and connection.has_expired():
+                with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+                    await connection.aclose()
+
+    def _connection_released(self) -> None:
+        self._released.set()
 
     async def open(self, request: UpstreamRequest) -> HttpxResponse:
         url = f"{request.origin.scheme}://{_authority(request.origin)}{request.target.decode()}"
@@ -123,6 +199,7 @@ class HttpxPool:
                 content=request.body,
                 extensions={"timeout": timeouts, "trace": trace},
             )
+            self._requests_in_pool += 1
             try:
                 response = await self._transport.handle_async_request(outgoing)
             except KEEPALIVE_RACE as error:
@@ -134,9 +211,17 @@ class HttpxPool:
                 # blamed.
                 log.debug("reused connection closed before an answer (%s); retrying", error)
                 continue
-            return HttpxResponse(response)
+            except BaseException:
+                # Failed or cancelled in there: a connection it was handed may be left idle.
+                self._connection_released()
+                raise
+            finally:
+                self._requests_in_pool -= 1
+            return HttpxResponse(response, self)
 
     async def aclose(self) -> None:
+        self._closed.set()
+        self._connection_released()  # the sweep sees the pool closed, and returns
         with trio.move_on_after(5, shield=True):
             await self._transport.aclose()
 
@@ -149,10 +234,11 @@ def _authority(origin: Origin) -> str:
 class HttpxResponse:
     """An httpx response as the relay reads it (:class:`transports.Response`)."""
 
-    __slots__ = ("_response", "aborted", "closed", "headers", "status_code")
+    __slots__ = ("_pool", "_response", "aborted", "closed", "headers", "status_code")
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: httpx.Response, pool: HttpxPool) -> None:
         self._response = response
+        self._pool = pool
         self.status_code = response.status_code
         self.headers = response.headers
         self.aborted = False
@@ -189,8 +275,11 @@ class HttpxResponse:
         assert isinstance(stream, httpx.AsyncByteStream)
         # Shielded and bounded: this runs as a cancelled request unwinds, and closing is what
         # tells the server (a socket close, or an HTTP/2 stream reset).
-        with trio.move_on_after(5, shield=True):
-            await stream.aclose()
+        try:
+            with trio.move_on_after(5, shield=True):
+                await stream.aclose()
+        finally:
+            self._pool._connection_released()
 
 
 class HttpxExchange:
@@ -212,4 +301,12 @@ class HttpxExchange:
             await self._response.aclose()
 
 
-__all__ = ["HttpxExchange", "HttpxPool", "HttpxResponse", "http2_stream_reset_installed"]
+__all__ = [
+    "SWEEP_INTERVAL",
+    "HttpxExchange",
+    "HttpxPool",
+    "HttpxResponse",
+    "connection_pool_of",
+    "http2_stream_reset_installed",
+    "out_of_reach",
+]

@@ -134,7 +134,10 @@ class Pool(Protocol):
 
     def connections(self) -> list[Any]: ...
 
-    async def keep_spare(self, origin: Any, connect_timeout: float | None) -> None: ...
+    async def keep_spare(self, origin: Any, connect_timeout: float | None) -> None:
+        """The pool's background work while it is open, in its owner's nursery (the lean
+        pool's spare connections; the httpx pool's sweep of idle connections whose server
+        closed them)."""
 
     async def aclose(self) -> None: ...
 

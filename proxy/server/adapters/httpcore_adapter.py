@@ -1,4 +1,5 @@
-"""httpcore (under httpx): the HTTP/2 stream reset that httpcore does not do.
+"""httpcore (under httpx): the HTTP/2 stream reset that httpcore does not do, and the reach to
+httpcore's pool inside httpx's transport.
 
 * ``http2``: when a response is closed before its end (its client left), httpcore 1.0.x
   forgets the stream but never tells the server (httpcore #943, #1022; PR #1098 open): no
@@ -9,19 +10,30 @@
   API (``reset_stream``), and to write the frame at once, under httpcore's write lock, shielded
   and bounded. Without these internals HTTP/2 is not offered: ALPN says http/1.1 only, and
   every contract holds over HTTP/1.1.
+* ``idle_sweep``: httpcore keeps an idle connection that its server closed until it next
+  assigns a request (see ``proxy.backends.upstream.httpx_pool``, whose sweep closes them).
+  The sweep goes through httpcore's public connection interface (``connections``,
+  ``is_idle()``, ``has_expired()``, ``aclose()``), but the pool itself is httpx's attribute
+  ``AsyncHTTPTransport._pool``: :func:`connection_pool` reads it, checked at start-up on a
+  transport made for the purpose. Without it the sweep does nothing: those connections stay
+  open (in CLOSE_WAIT) until the replica's next request, as httpcore alone keeps them.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from proxy.backends.upstream import httpx_pool
 from proxy.server.adapters.base import Adapter, Internal
 
-__all__ = ["HTTPCORE", "install", "original_response_closed"]
+if TYPE_CHECKING:
+    import httpcore
+    import httpx
+
+__all__ = ["HTTPCORE", "connection_pool", "install", "original_response_closed"]
 
 log = logging.getLogger("sluice.adapters")
 
@@ -30,6 +42,8 @@ _H2_CONNECTION = "httpcore._async.http2.AsyncHTTP2Connection"
 _CONNECTION_ATTRIBUTES = ("_h2_state", "_write_lock", "_network_stream", "_write_exception")
 # Writing one RST_STREAM frame: a few bytes, unless the connection is itself stuck.
 _RESET_WRITE_TIMEOUT = 1.0
+# httpx.AsyncHTTPTransport's attribute holding its httpcore pool (httpx 0.28).
+_TRANSPORT_POOL = "_pool"
 
 
 def _connection_has_its_attributes() -> bool:
@@ -44,6 +58,26 @@ def _connection_has_its_attributes() -> bool:
     except Exception:  # noqa: BLE001 - any failure means "not usable"; Cancelled is not one
         return False
     return all(hasattr(connection, name) for name in _CONNECTION_ATTRIBUTES)
+
+
+def connection_pool(transport: httpx.AsyncHTTPTransport) -> httpcore.AsyncConnectionPool | None:
+    """The httpcore pool inside an ``httpx.AsyncHTTPTransport`` (a proxy's is one too), or
+    None where the transport keeps it elsewhere."""
+    import httpcore
+
+    pool = getattr(transport, _TRANSPORT_POOL, None)
+    return pool if isinstance(pool, httpcore.AsyncConnectionPool) else None
+
+
+def _transport_holds_its_pool() -> bool:
+    try:
+        import httpx
+
+        # No socket, no CA bundle: only the objects are made.
+        transport = httpx.AsyncHTTPTransport(verify=False, trust_env=False)
+    except Exception:  # noqa: BLE001 - any failure means "not usable"; Cancelled is not one
+        return False
+    return connection_pool(transport) is not None
 
 
 def _h2_has_its_api() -> bool:
@@ -65,10 +99,16 @@ HTTPCORE = Adapter(
         Internal(f"{_H2_CONNECTION}._response_closed", "http2", parameters=("stream_id",)),
         Internal(f"{_H2_CONNECTION}.__init__", "http2", check=_connection_has_its_attributes),
         Internal("h2.connection.H2Connection.reset_stream", "http2", check=_h2_has_its_api),
+        Internal(
+            "httpx.AsyncHTTPTransport.__init__", "idle_sweep", check=_transport_holds_its_pool
+        ),
+        Internal("httpcore.AsyncConnectionPool.connections", "idle_sweep"),
     ],
     fallbacks={
         "http2": "HTTP/2 is not offered to upstreams (http2 = true falls back to HTTP/1.1): "
         "without the stream reset a client's disconnect would not reach the server",
+        "idle_sweep": "over the httpx transport, an idle upstream connection that its server "
+        "closed stays open (CLOSE_WAIT) until the replica's next request",
     },
 )
 
@@ -77,8 +117,17 @@ original_response_closed: Any = None
 
 
 def install() -> bool:
-    """Install the HTTP/2 stream reset (once per process); True when it is in place, and then
-    the httpx transport offers HTTP/2 where configured."""
+    """Give the httpx transport what this adapter vouches for: the reach to httpcore's pool
+    for the idle sweep, and the HTTP/2 stream reset (once per process). True when the reset
+    is in place, and then the httpx transport offers HTTP/2 where configured."""
+    # Set on every call, from the check as it stands: after a check that found the internal
+    # missing, the fallback takes effect too.
+    usable = HTTPCORE.usable("idle_sweep")
+    httpx_pool.connection_pool_of = connection_pool if usable else httpx_pool.out_of_reach
+    return _install_stream_reset()
+
+
+def _install_stream_reset() -> bool:
     global original_response_closed
     if original_response_closed is not None:
         return True
