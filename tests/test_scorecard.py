@@ -339,3 +339,24 @@ def test_the_heatmap_is_a_png_with_the_same_bytes_each_time(tmp_path: Path) -> N
         scorecard.heatmap(made, second)
         assert first.read_bytes().startswith(PNG_SIGNATURE)
         assert first.read_bytes() == second.read_bytes()
+
+
+def test_the_benchmarks_page_gets_one_section_linking_the_document(tmp_path: Path) -> None:
+    reports = tmp_path / "lean.json", tmp_path / "peer.json"
+    reports[0].write_text(json.dumps(sluice()))
+    reports[1].write_text(json.dumps(peer()))
+    docs = tmp_path / "docs"
+    benchmarks = docs / "benchmarks.md"
+    docs.mkdir()
+    benchmarks.write_text("# Benchmarks\n\nEarlier figures.\n")
+    argv = [str(r) for r in reports]
+    argv += ["--markdown", str(docs / "cancellation.md"), "--link-from", str(benchmarks)]
+    scorecard.main(argv)
+    scorecard.main(argv)  # a rerun replaces its section, never adds a second
+    text = benchmarks.read_text()
+    assert text.startswith("# Benchmarks\n\nEarlier figures.\n")
+    assert text.count("## Cancellation scorecard") == 1
+    assert "[cancellation.md](cancellation.md)" in text
+    assert "- **Sluice (lean)** (commit" in text
+    # The peer's shortfall is on its line, with the count.
+    assert "6 never (30 trials)" in text

@@ -1387,14 +1387,15 @@ def rss_series(run: RunData, process: str = "proxy") -> list[RssGrowth]:
     return [line for line in lines if line is not None]
 
 
-def load_pyplot() -> Any:
+def load_pyplot(without: str = "pass --no-plots") -> Any:
     """matplotlib.pyplot on the Agg backend (files only, no display), imported here and only
-    here: the bench runs without matplotlib unless plots are asked for."""
+    here: the bench runs without matplotlib unless plots are asked for. ``without`` says how
+    to do without them."""
     try:
         matplotlib = importlib.import_module("matplotlib")
     except ImportError:
         raise BenchError(
-            "plots need matplotlib: pip install -e '.[bench]' (or pass --no-plots)"
+            f"plots need matplotlib: pip install -e '.[bench]' (or {without})"
         ) from None
     matplotlib.use("Agg")
     return importlib.import_module("matplotlib.pyplot")

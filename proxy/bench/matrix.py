@@ -7,8 +7,8 @@ to leave, tried ``--repeat`` times, one trial at a time (so the fake's records m
 order, whatever a proxy does to a request body). The axes:
 
 * phase: ``queued`` (for an admission slot: the Sluice this bench starts has one upstream
-  connection, held by a long stream; against ``--target`` not applicable), ``connecting`` (the
-  fake holds the accepted connection without reading: ``FakeSettings.accept_delay``; the
+  connection, held by a long stream; against another system not applicable), ``connecting``
+  (the fake holds the accepted connection without reading: ``FakeSettings.accept_delay``; the
   fake is told to close after every answer, so a proxy's request always takes a fresh
   connection), ``head`` (the fake never sends its response head), ``first_token`` (a long
   TTFT), ``mid_stream``, ``after_last`` (the whole answer read, then the client leaves);
@@ -16,23 +16,28 @@ order, whatever a proxy does to a request body). The axes:
   ``first_token`` and ``mid_stream`` are not applicable), ``ws`` (Sluice's ``/v1/ws``, chat only;
   its request comes after the handshake, so ``head`` is not applicable);
 * endpoint: ``chat``, ``completions``, ``responses``, ``messages``;
-* leave: ``fin`` (close), ``rst`` (``SO_LINGER`` 0, then close), ``abort`` (an SDK's early exit:
-  the httpx request cancelled, which closes its stream; over WebSocket, a close frame).
+* leave: ``fin`` (``shutdown(SHUT_WR)``), ``rst`` (``SO_LINGER`` 0, then close), ``abort`` (an
+  SDK's early exit: the response closed before its end through httpcore, the connection layer
+  of httpx and so of the OpenAI SDK; over WebSocket, a close frame).
 
 The fake is steered through its server-wide settings between trials (never through the body,
 which a proxy may rewrite). Per cell: cancelled (the fake saw the client's connection go) out
-of N; cancel latency p50/p99/max, from the client's close to the fake's record of it (both
-``time.monotonic()``); tokens generated for nobody (what the in-process fake sent after the
-client left); whether the proxy served the next request. For ``queued``, cancelled means the
-request never reached the upstream once the slot freed (no latency: the upstream cannot see
-it). For ``after_last``, nothing is left to cancel: cancelled counts answers the fake
-completed. Against the Sluice it starts, also Sluice's own view after each cell:
-``sluice_active_streams`` back to 0, its open file descriptors back to the baseline, and the
-outcomes its access lines give.
+of N; cancel latency p50/p99/max, from the moment the client's socket closed (or was shut down)
+to the fake's record of the proxy's close (both ``time.monotonic()``); tokens generated for
+nobody (what the in-process fake sent after the client left); whether the proxy served the next
+request. For ``queued``, cancelled means the request never reached the upstream once the slot
+freed (no latency: the upstream cannot see it). For ``after_last``, nothing is left to cancel:
+cancelled counts answers the fake completed. Of the system it starts, the bench also reads the
+process's open file descriptors after every trial and cell, and of Sluice
+``sluice_active_streams`` and the outcomes its access lines give.
 
-Without ``--target`` it starts the fake and ``sluice serve`` (a subprocess, so that its fds are
-its own). With ``--target URL`` the proxy there must already send model ``--model`` to the
-fake on ``--fake-port``; the bench prints the line to configure and starts the fake there.
+The systems: without options, ``sluice serve`` (a subprocess, so that its fds are its own) in
+front of the fake; ``--local MODEL``, Sluice serving a local model, whose chat cells are the
+engine letting the sequence go, counted in forward passes after Sluice saw the client go
+(``sluice_local_steps_after_cancel``); ``--peer fastapi`` (shared/peers) or ``--peer litellm``
+(LiteLLM's proxy, with a master key made for the run), started here in front of the fake; and
+``--target URL``, a proxy already running, which must send model ``--model`` to the fake on
+``--fake-port`` (the bench prints the line to configure and starts the fake there).
 """
 
 from __future__ import annotations
@@ -124,7 +129,7 @@ LOCAL_PREFILL_REPEAT: Final = 80
 LOCAL_LONG_TOKENS: Final = 2000
 LOCAL_SHORT_TOKENS: Final = 8
 LOCAL_MODEL_NAME: Final = "local-model"
-# LiteLLM's proxy (make scorecard-peers): its executable, and how long it may take to start.
+# LiteLLM's proxy executable (make scorecard-peers installs it there).
 LITELLM: Final = ".litellm-venv/bin/litellm"
 
 

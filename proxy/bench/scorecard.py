@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final, TypedDict
 
-from proxy.bench import BenchError, _read, _write_text, upsert_section
+from proxy.bench import BenchError, _read, _write_text, load_pyplot, upsert_section
 from proxy.bench.matrix import ENDPOINTS, LEAVES, PHASES, TRANSPORTS, markdown_report
 
 __all__ = [
@@ -704,17 +704,6 @@ def image_name(system: str) -> str:
     return f"cancellation-{slug}.png"
 
 
-def _load_matplotlib() -> Any:
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-    except ImportError:
-        raise BenchError(
-            "heat-maps need matplotlib: pip install -e '.[bench]' (or leave out --images)"
-        ) from None
-    matplotlib.use("Agg")
-    return matplotlib
-
-
 def _cell_label(cell: Cell, local: bool) -> tuple[str, bool]:
     """(text, over the target) for a cell whose trials ran."""
     steps = _steps(cell)
@@ -732,8 +721,8 @@ def _cell_label(cell: Cell, local: bool) -> tuple[str, bool]:
 def heatmap(report: Report, path: Path) -> None:
     """The report as one picture (see HOW_TO_READ), written to ``path`` as PNG; the same
     report gives the same bytes."""
-    matplotlib = _load_matplotlib()
-    plt = importlib.import_module("matplotlib.pyplot")
+    plt = load_pyplot(without="leave out --images")
+    matplotlib = importlib.import_module("matplotlib")
     patches = importlib.import_module("matplotlib.patches")
     colors = importlib.import_module("matplotlib.colors")
     cells = report["cells"]
