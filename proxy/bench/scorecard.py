@@ -467,7 +467,8 @@ def reading(report: Report) -> list[str]:
         )
         phrases = [
             f"met every target: all {summary['served_cells']} served cells {n}/{n} (queued: "
-            f"never reached the upstream; after_last: completed), {bound}"
+            f"{'never admitted' if local else 'never reached the upstream'}; after_last: "
+            f"completed), {bound}"
             + (f" ({worst})" if worst else "")
             + ", no token for nobody beyond the one in flight, the next request served "
             "every time"
