@@ -558,9 +558,10 @@ def _commands(reports: Sequence[Report]) -> str:
         '# any OpenAI-compatible proxy on loopback whose model "fake-model" goes to '
         "http://127.0.0.1:9099:",
         GENERIC_TARGET,
-        "# Sluice's reports, then this file:",
+        "# every system above (LiteLLM where installed), then this file; make bench runs it:",
         "make scorecard",
-        "# the peers' reports (those ../shared/peers holds), then this file:",
+        "# install LiteLLM's proxy (pinned) into .litellm-venv, measure it and the FastAPI "
+        "peer, then this file:",
         "make scorecard-peers",
         "# this file and its heat-maps, from reports at hand:",
         f"{PROG} REPORT.json [REPORT.json ...] --markdown docs/cancellation.md --images docs/",
