@@ -912,8 +912,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"linked from {args.link_from}")
 
 
-# The section's key in the linking document (its markers: upsert_section's).
-LINK_KEY: Final = "cancellation-scorecard"
+# The section's key in the linking document (its markers: upsert_section's), in the
+# name=value form of docs/benchmarks.md's keys.
+LINK_KEY: Final = "bench=cancellation"
 
 
 def link_section(reports: Sequence[Report], target: str) -> str:
