@@ -163,7 +163,6 @@ $(LITELLM_VENV)/bin/litellm:
 
 scorecard-litellm: $(STAMP)
 	$(SCORECARD) --peer litellm --litellm $(LITELLM_VENV)/bin/litellm \
-	  --system "LiteLLM proxy $$($(LITELLM_VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("litellm"))')" \
 	  --json docs/cancellation-litellm.json
 
 scorecard-fastapi: $(STAMP)

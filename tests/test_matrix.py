@@ -173,7 +173,6 @@ def test_local_counters_read_one_models_series() -> None:
         "cancels": 3.0,
         "steps_after_cancel": 2.0,
         "queue_cancelled": 1.0,
-        "steps": 10.0,
     }
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shlex
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.bench import (
     BenchError,
     StreamResult,
+    _command_line,
     _free_port,
     _git_commit,
     _read,
@@ -490,8 +490,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    shown = list(sys.argv[1:] if argv is None else argv)
-    command = shlex.join([*shlex.split(prog), *shown])
+    command = _command_line(argv, prog)
     try:
         run_stoppable(run_from_args, args, command)
     except BenchError as error:

@@ -53,7 +53,6 @@ import os
 import platform
 import re
 import secrets
-import shlex
 import socket
 import struct
 import subprocess
@@ -74,6 +73,7 @@ import trio
 from proxy.bench import (
     PEER_READY_TIMEOUT,
     BenchError,
+    _command_line,
     _git_commit,
     _supervise,
     _wait_ready,
@@ -166,6 +166,11 @@ class MatrixSettings:
     @property
     def kind(self) -> str:
         return "local" if self.local else "upstream"
+
+    @property
+    def outside(self) -> bool:
+        """Whether the system is not a Sluice this bench configures (a peer, a target)."""
+        return bool(self.target or self.peer)
 
 
 @dataclass
@@ -554,17 +559,20 @@ class _Context:
     def local(self) -> bool:
         return bool(self.settings.local)
 
-    def client(self, endpoint: str, transport: str, phase: str) -> Client:
-        body = None
+    def body(self, endpoint: str, phase: str, *, stream: bool) -> dict[str, Any]:
+        model = self.settings.model
         if self.local:
-            body = local_body(phase, self.settings.model, stream=transport != "json")
+            return local_body(phase, model, stream=stream)
+        return request_body(endpoint, model, stream=stream)
+
+    def client(self, endpoint: str, transport: str, phase: str) -> Client:
         return Client(
             self.address,
             endpoint,
             self.settings.model,
             transport,
             api_key=self.settings.api_key,
-            body=body,
+            body=self.body(endpoint, phase, stream=transport != "json"),
         )
 
 
@@ -603,10 +611,7 @@ async def _post_status(ctx: _Context, endpoint: str) -> int | None:
     """The status of a plain streamed request to the proxy now (None: no answer)."""
     ctx.fake.settings = _fake_settings(ctx.fake.settings, "probe")
     url = f"http://{ctx.address[0]}:{ctx.address[1]}{PATHS[endpoint]}"
-    if ctx.local:
-        body = local_body("probe", ctx.settings.model, stream=True)
-    else:
-        body = request_body(endpoint, ctx.settings.model, stream=True)
+    body = ctx.body(endpoint, "probe", stream=True)
     headers = {"Authorization": f"Bearer {ctx.settings.api_key}"}
     with trio.move_on_after(TRIGGER_TIMEOUT):
         try:
@@ -736,11 +741,8 @@ async def run_local_trial(ctx: _Context, cell: Cell) -> Trial:
             await trio.sleep(SETTLE)
         elif cell.phase == "head":
             # Non-streamed: the answer is being generated while the client waits for its head.
-            async def generating_now() -> bool:
-                now = await _local_counters(ctx)
-                return now.get("generated", 0) - before.get("generated", 0) > MID_TOKENS
-
-            reached = await _until_async(generating_now, TRIGGER_TIMEOUT)
+            under_way = _grew("generated", before, by=MID_TOKENS)
+            reached = under_way(await _local_counters_when(ctx, under_way, TRIGGER_TIMEOUT))
         else:
             reached = await _until(lambda: client.events > MID_TOKENS, TRIGGER_TIMEOUT)
         if not reached:
@@ -791,29 +793,21 @@ async def _without_gc_pauses(
         gc.enable()
 
 
-def _grew(key: str, before: dict[str, float]) -> Callable[[dict[str, float]], bool]:
+def _grew(
+    key: str, before: dict[str, float], by: float = 0.0
+) -> Callable[[dict[str, float]], bool]:
+    """Whether counters read later show ``key`` more than ``by`` over ``before``."""
+
     def grew(counters: dict[str, float]) -> bool:
-        return counters.get(key, 0.0) > before.get(key, 0.0)
+        return counters.get(key, 0.0) - before.get(key, 0.0) > by
 
     return grew
 
 
 async def _until(predicate: Callable[[], object], seconds: float) -> bool:
-    """Poll a predicate over the clients' own state (their events wake no one)."""
-    return await _until_async(_as_async(predicate), seconds)
-
-
-def _as_async(predicate: Callable[[], object]) -> Callable[[], Awaitable[object]]:
-    async def check() -> object:
-        return predicate()
-
-    return check
-
-
-async def _until_async(predicate: Callable[[], Awaitable[object]], seconds: float) -> bool:
+    """Poll a predicate over the clients' own state (their counters wake no one)."""
     with trio.move_on_after(seconds):
-        # Polled: what it reads (another process's /metrics, a client's counters) wakes no one.
-        while not await predicate():  # noqa: ASYNC110
+        while not predicate():  # noqa: ASYNC110
             await trio.sleep(0.005)
         return True
     return False
@@ -826,8 +820,6 @@ _LOCAL_SERIES: Final = {
     "sluice_local_tokens_for_nobody_total": "tokens_for_nobody",
     "sluice_local_generated_tokens_total": "generated",
     "sluice_local_prefill_seconds_count": "prefills",
-    "sluice_local_step_seconds_sum": "step_seconds",
-    "sluice_local_step_seconds_count": "steps",
 }
 
 
@@ -1106,7 +1098,7 @@ async def _run_cells(
             process = await nursery.start(partial(_supervise, env=env), "LiteLLM", argv, log)
             await _wait_ready("LiteLLM", address, "/health/liveliness", log, PEER_READY_TIMEOUT)
             pid = process.pid
-            system = settings.system or "LiteLLM proxy"
+            system = settings.system or f"LiteLLM proxy {settings.peer_version}"
         elif settings.target:
             parts = urlsplit(settings.target)
             if parts.hostname is None:
@@ -1138,10 +1130,9 @@ async def _run_cells(
         # Let the warm-up's access lines and sockets settle before the baselines.
         await trio.sleep(0.2)
         ctx.fd_baseline = _fd_count(pid) if pid is not None else None
-        if not settings.target and not settings.peer:
+        if not settings.outside:
             ctx.log = log
             _access_outcomes(ctx)  # start after the warm-up's lines
-        outside = bool(settings.target or settings.peer)
         trial = run_local_trial if settings.local else run_trial
         for phase in settings.phases:
             for transport in settings.transports:
@@ -1150,7 +1141,7 @@ async def _run_cells(
                         cell = Cell(phase, transport, endpoint, leave, settings.repeat)
                         cells.append(cell)
                         applicable, why = applicability(
-                            phase, transport, endpoint, outside, settings.local != ""
+                            phase, transport, endpoint, settings.outside, ctx.local
                         )
                         if not ctx.served[endpoint] or (
                             transport == "ws" and (endpoint != "chat" or not ctx.ws_served)
@@ -1168,7 +1159,7 @@ async def _run_cells(
 
 
 async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> dict[str, Any]:
-    versions = _versions(sluice=not (settings.target or settings.peer))
+    versions = _versions(sluice=not settings.outside)
     if settings.peer == "litellm":
         versions = {"litellm": settings.peer_version, **versions}
     return {
@@ -1378,7 +1369,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     parser = argparse.ArgumentParser(prog=f"{prog} --matrix", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    command = shlex.join([*shlex.split(prog), *(sys.argv[1:] if argv is None else argv)])
+    command = _command_line(argv, prog)
     try:
         settings = settings_from_args(args, command)
         report = run_stoppable(run_matrix, settings)
