@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
 import sys
 import textwrap
@@ -23,7 +22,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final, TypedDict
 
-from proxy.bench import BenchError, _read, _write_text, load_pyplot, upsert_section
+from proxy.bench import (
+    BenchError,
+    _read,
+    _write_text,
+    load_pyplot,
+    relative_link,
+    upsert_section,
+)
 from proxy.bench.matrix import ENDPOINTS, LEAVES, PHASES, TRANSPORTS, markdown_report
 
 __all__ = [
@@ -859,10 +865,6 @@ def _axes_labels(
 # --------------------------------------------------------------------------- command line
 
 
-def _relative(path: Path, start: Path) -> str:
-    return Path(os.path.relpath(path, start)).as_posix()
-
-
 def _image_paths(reports: Sequence[Report], folder: Path) -> list[Path]:
     """One file per report; a name two systems would share gets a number."""
     taken: set[str] = set()
@@ -902,12 +904,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"wrote {path}")
         except BenchError as exc:
             sys.exit(f"{PROG}: {exc}")
-        links = [_relative(path, args.markdown.parent) for path in paths]
+        links = [relative_link(path, args.markdown.parent) for path in paths]
     _write_text(args.markdown, document(reports, links))
     print(f"wrote {args.markdown}")
     if args.link_from is not None:
         old = _read(str(args.link_from)) or ""
-        target = _relative(args.markdown, args.link_from.parent)
+        target = relative_link(args.markdown, args.link_from.parent)
         _write_text(args.link_from, upsert_section(old, LINK_KEY, link_section(reports, target)))
         print(f"linked from {args.link_from}")
 
