@@ -6,8 +6,9 @@ serves only upstreams never imports torch.
 
 from .chunks import DONE, ChunkFormatter, Usage
 from .detokenize import IncrementalDetokenizer
-from .generation import GenerationResult, Generator, PromptError, SamplingParams, sampling_from_body
+from .generation import Generator
 from .loading import LoadedModel, ModelLoadError, load_model, locate_smollm2_gguf, resolve_source
+from .sampling import GenerationResult, PromptError, SamplingParams, sampling_from_body
 from .stops import StopMatcher
 
 __all__ = [

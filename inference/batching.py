@@ -33,16 +33,13 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Ids
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import cache_rows
 from .chunks import Usage
 from .detokenize import IncrementalDetokenizer
-from .generation import GenerationResult, SamplingParams, penalize, sample
+from .sampling import GenerationResult, SamplingParams, penalize, sample
 from .stops import StopMatcher
-
-if TYPE_CHECKING:
-    from .generation import Generator
 
 log = logging.getLogger("sluice.inference")
 
@@ -108,6 +105,19 @@ class Generation:
         return self.generated[-1]
 
 
+class Decoder(Protocol):
+    """What the engine needs of a model's :class:`inference.generation.Generator`: the model,
+    its end tokens, the text of ids, and a token's logprob entry."""
+
+    model: Any
+    eos_token_ids: frozenset[int]
+    slow_step_seconds: float
+
+    def decode(self, ids: Ids[int]) -> str: ...
+
+    def logprob_entry(self, logits: Any, token: int, top: int) -> dict[str, Any]: ...
+
+
 StepHook = Callable[[int, float], None]
 Deliver = Callable[[list[tuple["Generation", Piece]], list["Generation"]], None]
 
@@ -115,7 +125,7 @@ Deliver = Callable[[list[tuple["Generation", Piece]], list["Generation"]], None]
 class BatchEngine:
     def __init__(
         self,
-        generator: Generator,
+        generator: Decoder,
         *,
         max_batch: int,
         deliver: Deliver,
@@ -372,7 +382,7 @@ class BatchEngine:
         prompt = sequence.prompt_ids
         if sequence.prefilled == 0:
             sequence.started_prefill = time.perf_counter()
-            sequence._detokenizer = IncrementalDetokenizer(self.generator._decode)
+            sequence._detokenizer = IncrementalDetokenizer(self.generator.decode)
             if sequence.params.seed is not None:
                 sequence._rng = torch.Generator().manual_seed(sequence.params.seed)
         # Alone, the whole prompt at once; beside running streams, a chunk per step.
@@ -436,7 +446,7 @@ class BatchEngine:
         sequence.produced += 1
         piece = Piece()
         if params.logprobs is not None:
-            piece.logprobs = [generator._logprob_entry(logits, token, params.logprobs)]
+            piece.logprobs = [generator.logprob_entry(logits, token, params.logprobs)]
         detokenizer = sequence._detokenizer
         assert detokenizer is not None
         stops = sequence._stops
@@ -473,7 +483,7 @@ class BatchEngine:
 
 
 def run_alone(
-    generator: Generator,
+    generator: Decoder,
     prompt_ids: Ids[int],
     params: SamplingParams,
     *,

@@ -15,8 +15,9 @@ import pytest
 from inference import cache_rows
 from inference.batching import BatchEngine, Generation, Piece
 from inference.detokenize import REPLACEMENT
-from inference.generation import Generator, SamplingParams
+from inference.generation import Generator
 from inference.loading import LoadedModel
+from inference.sampling import SamplingParams
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
 from tests.test_detokenize import byte_token
 

@@ -44,7 +44,7 @@ SETTINGS = settings(max_examples=60, deadline=None)
 
 
 def decoder(tokenizer: Any) -> Any:
-    """Decoding exactly as ``inference.generation.Generator._decode`` does it."""
+    """Decoding exactly as ``inference.generation.Generator.decode`` does it."""
 
     def decode(ids: Sequence[int]) -> str:
         return str(

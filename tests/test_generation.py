@@ -16,13 +16,7 @@ from typing import Any
 
 import pytest
 
-from inference.generation import (
-    GenerationResult,
-    Generator,
-    PromptError,
-    SamplingParams,
-    sampling_from_body,
-)
+from inference.generation import Generator
 from inference.loading import (
     LoadedModel,
     ModelLoadError,
@@ -30,6 +24,7 @@ from inference.loading import (
     locate_smollm2_gguf,
     resolve_source,
 )
+from inference.sampling import GenerationResult, PromptError, SamplingParams, sampling_from_body
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
 
 __all__ = ["smol_tokenizer", "tiny_loaded_model"]

@@ -88,7 +88,7 @@ async def test_what_a_local_model_cannot_do_is_refused_by_name(
     ],
 )
 def test_penalties_are_checked(body: dict[str, Any], param: str) -> None:
-    from inference.generation import PromptError
+    from inference.sampling import PromptError
 
     with pytest.raises(PromptError) as raised:
         sampling_from_body(body, default_max_tokens=5, default_temperature=0.0)
@@ -98,7 +98,7 @@ def test_penalties_are_checked(body: dict[str, Any], param: str) -> None:
 def test_the_penalties_move_the_logits_as_vllm_applies_them() -> None:
     import torch
 
-    from inference.generation import SamplingParams, penalize
+    from inference.sampling import SamplingParams, penalize
 
     logits = torch.tensor([2.0, 1.0, -1.0, 0.5])
     params = SamplingParams(
