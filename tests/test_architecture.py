@@ -1,6 +1,7 @@
 """The package layout is the architecture: each floor imports only the floors below it, there
-are no import cycles, and ``sluice serve`` loads neither the tooling nor the local model stack
-it does not need."""
+are no import cycles (in ``proxy/`` and ``inference/``), the runtime never imports the tooling,
+``sluice serve`` loads neither the tooling nor the local model stack it does not need, and each
+runtime function and tooling module stays small enough to hold one role."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROXY = ROOT / "proxy"
+INFERENCE = ROOT / "inference"
 
 # Lower floors first. A module may import its own floor and any floor below it.
 FLOORS: dict[str, int] = {
@@ -34,6 +36,14 @@ LAZY_UPWARD = {("proxy.cli", "proxy.bench")}
 # Packages that must not import a given library anywhere (the server layer owns them).
 SERVER_ONLY = ("hypercorn", "quart_trio")
 SANS_IO = ("trio", "quart", "hypercorn", "quart_trio", "httpx")
+# The tooling: run beside Sluice (the bench, the fake upstream), never imported by what serves.
+TOOLING = ("proxy.bench", "proxy.testing")
+# The packages that serve requests: none of them may import the tooling, even lazily.
+RUNTIME_PACKAGES = ("proxy.api", "proxy.relay", "proxy.backends", "proxy.server", "proxy.ops")
+# One role per function: past this many lines a runtime function holds several.
+MAX_RUNTIME_FUNCTION_LINES = 120
+# One role per module of the tooling.
+MAX_TOOLING_MODULE_LINES = 900
 
 
 def module_name(path: Path) -> str:
@@ -48,6 +58,11 @@ def floor_of(module: str) -> str | None:
         if module == floor or module.startswith(floor + "."):
             return floor
     return None
+
+
+def is_module_file(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def imports_of(path: Path) -> list[tuple[str, bool]]:
@@ -71,7 +86,10 @@ def imports_of(path: Path) -> list[tuple[str, bool]]:
                     anchor = package.split(".")
                     anchor = anchor[: len(anchor) - child.level + 1]
                     base = ".".join([*anchor, base] if base else anchor)
-                found.append((base, top))
+                # ``from package import module`` imports that module (and runs the package's
+                # __init__ first, which is no dependency of the importer on the re-exports).
+                if not all(is_module_file(f"{base}.{alias.name}") for alias in child.names):
+                    found.append((base, top))
                 found.extend((f"{base}.{alias.name}", top) for alias in child.names)
             visit(child, nested)
 
@@ -81,6 +99,15 @@ def imports_of(path: Path) -> list[tuple[str, bool]]:
 
 def proxy_modules() -> dict[str, Path]:
     return {module_name(path): path for path in PROXY.rglob("*.py")}
+
+
+def all_modules() -> dict[str, Path]:
+    """Every module of ``proxy/`` and ``inference/`` (the local model stack)."""
+    return {**proxy_modules(), **{module_name(path): path for path in INFERENCE.rglob("*.py")}}
+
+
+def is_tooling(module: str) -> bool:
+    return module.startswith(tuple(f"{package}." for package in TOOLING)) or module in TOOLING
 
 
 def test_every_module_sits_on_a_floor() -> None:
@@ -109,7 +136,7 @@ def test_each_floor_imports_only_the_floors_below_it() -> None:
 
 
 def test_no_import_cycles_between_modules() -> None:
-    modules = proxy_modules()
+    modules = all_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for target, _ in imports_of(path):
@@ -237,3 +264,71 @@ def test_grep_for_the_server_libraries_lands_only_in_the_server_layer() -> None:
         and any(word in path.read_text() for word in SERVER_ONLY)
     )
     assert found == []
+
+
+def test_the_runtime_never_imports_the_tooling() -> None:
+    """Not even inside a function: the bench and the fake run beside the app (the CLI starts
+    them), so nothing that serves a request can reach them."""
+    wrong = sorted(
+        f"{name} -> {target}"
+        for name, path in proxy_modules().items()
+        if name.startswith(RUNTIME_PACKAGES)
+        for target, _ in imports_of(path)
+        if is_tooling(target)
+    )
+    assert wrong == []
+
+
+def test_inference_imports_nothing_of_the_proxy() -> None:
+    wrong = sorted(
+        f"{name} -> {target}"
+        for name, path in all_modules().items()
+        if name.startswith("inference")
+        for target, _ in imports_of(path)
+        if target.split(".")[0] == "proxy"
+    )
+    assert wrong == []
+
+
+def long_functions(path: Path) -> list[tuple[str, int]]:
+    """(name, lines) of each function in ``path`` longer than the runtime's limit."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        (node.name, lines)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and (lines := node.end_lineno - node.lineno + 1) > MAX_RUNTIME_FUNCTION_LINES
+    ]
+
+
+def test_no_runtime_function_is_over_the_limit() -> None:
+    """Runtime: everything but the tooling (what ``sluice serve`` can import), and
+    ``inference/``."""
+    found = [
+        f"{name}.{function} ({lines} lines)"
+        for name, path in sorted(all_modules().items())
+        if not is_tooling(name)
+        for function, lines in long_functions(path)
+    ]
+    assert found == []
+
+
+def test_no_tooling_module_is_over_the_limit() -> None:
+    found = sorted(
+        f"{path.relative_to(ROOT)} ({lines} lines)"
+        for name, path in proxy_modules().items()
+        if is_tooling(name)
+        and (lines := len(path.read_text().splitlines())) > MAX_TOOLING_MODULE_LINES
+    )
+    assert found == []
+
+
+def test_the_checks_above_see_what_they_guard(tmp_path: Path) -> None:
+    """The scanners find a long function when there is one, and tell the tooling apart."""
+    sample = tmp_path / "sample.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_RUNTIME_FUNCTION_LINES))
+    sample.write_text(f"def long():\n{body}\n\ndef short():\n    return 1\n")
+    assert long_functions(sample) == [("long", MAX_RUNTIME_FUNCTION_LINES + 1)]
+    assert is_tooling("proxy.testing.fake_upstream") and is_tooling("proxy.bench")
+    assert not is_tooling("proxy.server.run") and not is_tooling("proxy.benchmarks")
