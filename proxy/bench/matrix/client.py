@@ -23,6 +23,7 @@ from proxy.bench.matrix.cells import (
     PATHS,
     RECV_SIZE,
 )
+from proxy.protocol.http1 import ProtocolError, ResponseReader, encode_request
 from proxy.relay.state import Phase
 
 # Not a phase: the plain request that asks whether the system still serves (short, as for
@@ -64,26 +65,13 @@ def local_body(phase: Phase | Literal["probe"], model: str, *, stream: bool) -> 
 
 def _http_request(address: tuple[str, int], path: str, body: dict[str, Any], api_key: str) -> bytes:
     data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n"
-        f"Content-Type: application/json\r\nAuthorization: Bearer {api_key}\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    )
-    return head.encode("latin-1") + data
-
-
-def _answer_complete(buf: bytes) -> bool:
-    """Whether a raw HTTP/1.1 response is whole (chunked or Content-Length), read loosely."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return False
-    head = buf[:end].lower()
-    if b"transfer-encoding: chunked" in head:
-        return buf.endswith(b"0\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        if line.startswith(b"content-length:"):
-            return len(buf) - end - 4 >= int(line.split(b":", 1)[1])
-    return False
+    headers = [
+        (b"Host", f"{address[0]}:{address[1]}".encode("latin-1")),
+        (b"Content-Type", b"application/json"),
+        (b"Authorization", f"Bearer {api_key}".encode("latin-1")),
+        (b"Content-Length", str(len(data)).encode()),
+    ]
+    return encode_request(b"POST", path.encode("latin-1"), headers, data)
 
 
 def _linger_zero(sock: socket.socket | trio.socket.SocketType) -> None:
@@ -187,7 +175,9 @@ class Client:
         nursery.start_soon(self._read_raw, sock)
 
     async def _read_raw(self, sock: trio.socket.SocketType) -> None:
-        buf = b""
+        # The client side of protocol/http1.py, the relay's own: it says when the head and
+        # the whole answer have come. None once the answer broke it: then only drained.
+        reader: ResponseReader | None = ResponseReader()
         with self._scope:
             try:
                 while True:
@@ -196,12 +186,17 @@ class Client:
                         # The proxy closed: an answer delimited by the close is whole too.
                         self.done.set()
                         break
-                    buf += data
                     self.received += len(data)
-                    self.events += data.count(b"data:")
-                    if b"\r\n\r\n" in buf:
+                    if reader is None:
+                        continue
+                    try:
+                        self.events += reader.feed(data).count(b"data:")
+                    except ProtocolError as exc:
+                        self.failed, reader = repr(exc), None
+                        continue
+                    if reader.head is not None:
                         self.head.set()
-                    if _answer_complete(buf):
+                    if reader.complete:
                         self.done.set()
             except (OSError, trio.ClosedResourceError) as exc:
                 self.failed = repr(exc)
