@@ -38,9 +38,9 @@ GENERIC_TARGET: Final = (
 INTRO: Final = """\
 What happens when a client leaves, measured: each cell is one way for a client to leave a
 request (phase, transport, endpoint and how it leaves), tried N times, one trial at a time,
-against a proxy in front of the fake upstream (`proxy/testing/fake_upstream.py`), which runs
+against a proxy in front of the fake upstream (`proxy/testing/fake_upstream/`), which runs
 inside the bench process and records when it saw each client's connection go. The bench is
-`proxy/bench/matrix.py` (its docstring defines every axis and figure exactly).
+`proxy/bench/matrix/` (its `__init__.py`'s docstring defines every axis and figure exactly).
 
 This file is written by `python -m proxy.bench.scorecard` from the bench's JSON reports
 (`make scorecard`): rerun it rather than editing the file, or the next run undoes the edit."""
@@ -72,8 +72,8 @@ HOW_TO_READ: Final = """\
 
 Phases: `queued` (Sluice with `[upstream] max_connections = 1`, the slot held by a long
 stream), `connecting` (the fake holds the accepted connection without reading it,
-`accept_delay`: on loopback the kernel completes the TCP handshake at once, so Sluice's own
-access line calls this phase `awaiting_headers`), `head` (the fake never sends its head),
+`accept_delay`: on loopback the kernel completes the TCP handshake and takes the request at
+once, so Sluice's access line calls this phase `head`), `head` (the fake never sends its head),
 `first_token` (TTFT 30 s), `mid_stream` (a token every 20 ms; the client leaves after the 3rd),
 `after_last`. The local model's phases: `queued` (both of its 2 slots held by long streams),
 `head` (non-streamed: the answer is being generated while the client waits for its head),
