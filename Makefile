@@ -129,7 +129,7 @@ bench: $(STAMP)
 	# What happens when a client leaves (docs/cancellation.md, linked from docs/benchmarks.md).
 	$(MAKE) scorecard
 
-# The cancellation scorecard (proxy/bench/matrix.py): every cell N = 5, one JSON report per
+# The cancellation scorecard (proxy/bench/matrix/): every cell N = 5, one JSON report per
 # system in docs/ (each says the commit it was measured at), then docs/cancellation.md and its
 # heat-maps written from every report there. Sluice over both upstream transports and with the
 # local model; the FastAPI peer where ../shared/peers exists; LiteLLM where scorecard-peers has

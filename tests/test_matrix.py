@@ -17,6 +17,8 @@ import trio
 
 from proxy.bench import matrix
 from proxy.bench.matrix import Cell, MatrixSettings, applicability, run_matrix, wants_matrix
+from proxy.bench.matrix.report import cell_text
+from proxy.bench.matrix.systems import litellm_config
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 
 CELL_KEYS = {
@@ -90,7 +92,7 @@ def test_cells_a_transport_cannot_reach_are_not_applicable() -> None:
     assert applicability("head", "ws", "chat", target=False)[0] is False
     row = Cell("head", "ws", "completions", "fin", 3, served=False, note="not served").to_json()
     assert row["cancelled"] is None and row["served"] is False
-    assert "not served" in matrix._cell_text(row)
+    assert "not served" in cell_text(row)
 
 
 def test_the_matrix_is_chosen_by_its_flag() -> None:
@@ -177,7 +179,7 @@ def test_local_counters_read_one_models_series() -> None:
 
 
 def test_litellm_is_pointed_at_the_fake_as_an_openai_model() -> None:
-    config = matrix._litellm_config("http://127.0.0.1:9099", "fake-model")
+    config = litellm_config("http://127.0.0.1:9099", "fake-model")
     assert 'model_name: "fake-model"' in config
     assert 'model: "openai/fake-model"' in config
     assert 'api_base: "http://127.0.0.1:9099/v1"' in config

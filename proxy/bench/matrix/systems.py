@@ -1,0 +1,248 @@
+"""The system under test: starting it in front of the fake (Sluice as ``sluice serve``, the
+FastAPI peer, LiteLLM's proxy) or finding a ``--target``, the configs written for it, the
+versions its report names, and the context every trial works with."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import platform
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import trio
+
+from proxy.bench import (
+    PEER_READY_TIMEOUT,
+    BenchError,
+    _supervise,
+    _wait_ready,
+    _write_text,
+    peer_script,
+)
+from proxy.bench.matrix.cells import LOCAL_SLOTS, TRIGGER_TIMEOUT, MatrixSettings
+from proxy.bench.matrix.client import Client, local_body, request_body
+from proxy.relay.state import Phase
+from proxy.testing.fake_upstream import FakeUpstream
+
+
+@dataclass
+class Context:
+    """What every trial works with: the run's settings, the fake, and the system under test
+    (its address, what it serves, and, for a system this bench started, its process and log)."""
+
+    settings: MatrixSettings
+    fake: FakeUpstream
+    address: tuple[str, int]
+    ws_served: bool
+    pid: int | None = None
+    served: dict[str, bool] = field(default_factory=dict)
+    # Sluice's log (its access lines), and how far the matrix has read it.
+    log: Path | None = None
+    log_offset: int = 0
+    fd_baseline: int | None = None
+
+    @property
+    def local(self) -> bool:
+        return bool(self.settings.local)
+
+    def body(
+        self, endpoint: str, phase: Phase | Literal["probe"], *, stream: bool
+    ) -> dict[str, Any]:
+        model = self.settings.model
+        if self.local:
+            return local_body(phase, model, stream=stream)
+        return request_body(endpoint, model, stream=stream)
+
+    def client(self, endpoint: str, transport: str, phase: Phase) -> Client:
+        return Client(
+            self.address,
+            endpoint,
+            self.settings.model,
+            transport,
+            api_key=self.settings.api_key,
+            body=self.body(endpoint, phase, stream=transport != "json"),
+        )
+
+
+@dataclass
+class StartedSystem:
+    """The system under test, answering: its name in the report, its address, and (for a
+    system this bench started) its process and its log."""
+
+    name: str
+    address: tuple[str, int]
+    pid: int | None = None
+    log: Path | None = None
+
+
+async def start_system(
+    nursery: trio.Nursery, settings: MatrixSettings, fake_url: str, workdir: Path, out: Any
+) -> StartedSystem:
+    """The system ``settings`` name, started in ``nursery`` (which owns its process) and ready;
+    a ``--target`` is only told where the fake is."""
+    if settings.peer == "fastapi":
+        address = ("127.0.0.1", free_port())
+        log = workdir / "peer.log"
+        argv = [str(peer_script()), fake_url, str(address[1])]
+        process = await nursery.start(_supervise, "FastAPI peer", argv, log)
+        await _wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
+        name = settings.system or "FastAPI peer (shared/peers)"
+        return StartedSystem(name, address, process.pid, log)
+    if settings.peer == "litellm":
+        address = ("127.0.0.1", free_port())
+        config = workdir / "litellm.yaml"
+        _write_text(config, litellm_config(fake_url, settings.model))
+        log = workdir / "litellm.log"
+        argv = [settings.litellm, "--config", str(config), "--host", address[0]]
+        argv += ["--port", str(address[1]), "--num_workers", "1"]
+        env = {
+            # Its documented production stance: a master key, which every request carries.
+            "LITELLM_MASTER_KEY": settings.api_key,
+            # The model cost map is otherwise fetched from GitHub at start-up.
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        }
+        process = await nursery.start(partial(_supervise, env=env), "LiteLLM", argv, log)
+        await _wait_ready("LiteLLM", address, "/health/liveliness", log, PEER_READY_TIMEOUT)
+        name = settings.system or f"LiteLLM proxy {settings.peer_version}"
+        return StartedSystem(name, address, process.pid, log)
+    if settings.target:
+        parts = urlsplit(settings.target)
+        if parts.hostname is None:
+            raise BenchError(f"--target {settings.target!r}: no host")
+        print(
+            f"fake upstream on {fake_url} (OpenAI base URL {fake_url}/v1): the target "
+            f"must send model {settings.model!r} there",
+            file=out,
+        )
+        return StartedSystem(settings.system or settings.target, (parts.hostname, parts.port or 80))
+    address = ("127.0.0.1", free_port())
+    config = workdir / "sluice.toml"
+    _write_text(config, sluice_config(address[1], fake_url, settings))
+    log = workdir / "sluice.log"
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+    process = await nursery.start(_supervise, "proxy", argv, log)
+    # /readyz: a local model loads after the port answers.
+    await _wait_ready("proxy", address, "/readyz", log, PEER_READY_TIMEOUT)
+    name = settings.system or (
+        "sluice (local model)" if settings.local else f"sluice ({settings.transport})"
+    )
+    return StartedSystem(name, address, process.pid, log)
+
+
+async def serves_websocket(address: tuple[str, int], api_key: str) -> bool:
+    try:
+        from trio_websocket import HandshakeError, open_websocket
+    except ImportError:
+        return False
+    with trio.move_on_after(TRIGGER_TIMEOUT):
+        try:
+            async with open_websocket(
+                address[0],
+                address[1],
+                "/v1/ws",
+                use_ssl=False,
+                extra_headers=[(b"authorization", f"Bearer {api_key}".encode())],
+            ):
+                return True
+        except (HandshakeError, OSError, trio.BrokenResourceError):
+            return False
+    return False
+
+
+def sluice_config(port: int, fake_url: str, settings: MatrixSettings) -> str:
+    return (
+        "# Written by proxy.bench.matrix for one run.\n"
+        "[server]\n"
+        'host = "127.0.0.1"\n'
+        f"port = {port}\n"
+        "graceful_timeout = 1.0\n\n"
+        "[upstream]\n"
+        # One upstream connection: a second request queues for admission (the queued phase).
+        "max_connections = 1\n"
+        "preconnect = 0\n"
+        f"transport = {json.dumps(settings.transport)}\n"
+        'proxy = "none"\n\n'
+        f"[models.{json.dumps(settings.model)}]\n"
+        + (
+            # Every slot held makes the next request queue (the queued phase).
+            'backend = "local"\n'
+            f"path = {json.dumps(settings.local)}\n"
+            f"slots = {LOCAL_SLOTS}\n"
+            "max_queue = 4\n"
+            if settings.local
+            else f"upstreams = [{json.dumps(fake_url)}]\n"
+        )
+    )
+
+
+def litellm_config(fake_url: str, model: str) -> str:
+    """LiteLLM's proxy config: ``model`` sent, as an OpenAI-compatible model, to the fake."""
+    return (
+        "# Written by proxy.bench.matrix for one run.\n"
+        "model_list:\n"
+        f"  - model_name: {json.dumps(model)}\n"
+        "    litellm_params:\n"
+        f"      model: {json.dumps('openai/' + model)}\n"
+        f"      api_base: {json.dumps(fake_url + '/v1')}\n"
+        "      api_key: unused-by-the-fake\n"
+    )
+
+
+def litellm_version(executable: str) -> str:
+    """The version of the litellm package beside ``executable`` (its venv's python)."""
+    python = Path(executable).parent / "python"
+    try:
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def stack_versions(*, sluice: bool = True) -> dict[str, str]:
+    """Python's, Sluice's, and those of Sluice's own dependencies (not its extras); with
+    ``sluice`` false (another system), only what the bench itself runs on."""
+    found = {"python": platform.python_version()}
+    if not sluice:
+        found["bench (sluice)"] = _version_or_none("sluice")
+        found["httpx (client)"] = _version_or_none("httpx")
+        found["trio-websocket (client)"] = _version_or_none("trio-websocket")
+        return found
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        found["sluice"] = importlib.metadata.version("sluice")
+        for requirement in importlib.metadata.requires("sluice") or []:
+            if ";" in requirement:
+                continue
+            name = re.split(r"[<>=!~ \[]", requirement, maxsplit=1)[0]
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                found[name] = importlib.metadata.version(name)
+    found["trio-websocket (client)"] = _version_or_none("trio-websocket")
+    return found
+
+
+def _version_or_none(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"

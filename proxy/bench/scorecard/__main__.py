@@ -1,0 +1,5 @@
+"""``python -m proxy.bench.scorecard``: see the package's docstring."""
+
+from proxy.bench.scorecard import main
+
+main()
