@@ -25,7 +25,8 @@ import httpx
 import pytest
 import trio
 
-from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica
+from proxy.backends.upstream.backend import UpstreamBackend
+from proxy.backends.upstream.replica import UpstreamReplica
 from proxy.backends.upstream.pool import (
     Exchange,
     PlainTransport,
