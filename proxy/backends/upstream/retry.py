@@ -30,7 +30,7 @@ log = logging.getLogger("sluice.upstream")
 _QUEUE_REFUSALS = frozenset({"queue_full", "queue_timeout"})
 
 # The router's pick among the replicas not yet tried (for a request's affinity key), or None.
-Choose = Callable[[Sequence[ReplicaLoad], bytes], "ReplicaLoad | None"]
+Choose = Callable[[Sequence[ReplicaLoad], bytes], ReplicaLoad | None]
 
 
 @dataclass(frozen=True)
