@@ -25,13 +25,14 @@ import httpx
 import pytest
 import trio
 
-from proxy.backends.upstream.backend import UpstreamBackend, UpstreamReplica
+from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.backends.upstream.pool import (
     Exchange,
     PlainTransport,
     UpstreamConnection,
     UpstreamResponse,
 )
+from proxy.backends.upstream.replica import UpstreamReplica
 from proxy.config import config_from_mapping
 from proxy.ops.metrics import Metrics
 from proxy.protocol.errors import ApiError

@@ -71,7 +71,7 @@ from hypothesis import strategies as st
 
 import proxy.server.run
 from proxy.backends.local import LocalBackend
-from proxy.backends.upstream.backend import UpstreamReplica
+from proxy.backends.upstream.replica import UpstreamReplica
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 from tests.support import (
     DEADLINE,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import trio
 
-from proxy.backends.upstream.backend import USER_AGENT, UpstreamReplica
+from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica
 from proxy.backends.upstream.transports import health_client
 
 log = logging.getLogger("sluice.upstream")

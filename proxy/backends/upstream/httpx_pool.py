@@ -184,6 +184,7 @@ class HttpxPool:
         # server's closing window (a burst after a quiet spell): a race costs httpcore that
         # connection, so the retries are bounded by the idle connections it can hold, plus one.
         races = 0
+        on_sent = request.on_sent
         while True:
             fresh = False
 
@@ -191,6 +192,14 @@ class HttpxPool:
                 nonlocal fresh
                 if event == "connection.connect_tcp.started":
                     fresh = True
+                elif (
+                    on_sent is not None
+                    # Written (HTTP/1.1 and HTTP/2 alike); the head is awaited now.
+                    and event.endswith(".receive_response_headers.started")
+                    # Through an https proxy, the tunnel's CONNECT is answered first.
+                    and info["request"].method != b"CONNECT"
+                ):
+                    on_sent()
 
             outgoing = httpx.Request(
                 request.method.decode(),

@@ -35,7 +35,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -96,9 +96,19 @@ class Origin:
 
 class UpstreamRequest:
     """One request for the pool. ``headers`` are sent as given (``host`` and
-    ``content-length`` included); timeouts in seconds, ``None`` for none."""
+    ``content-length`` included); timeouts in seconds, ``None`` for none. ``on_sent``, if
+    given, is called once the request is written and its response head is awaited."""
 
-    __slots__ = ("body", "connect_timeout", "headers", "method", "origin", "read_timeout", "target")
+    __slots__ = (
+        "body",
+        "connect_timeout",
+        "headers",
+        "method",
+        "on_sent",
+        "origin",
+        "read_timeout",
+        "target",
+    )
 
     def __init__(
         self,
@@ -110,6 +120,7 @@ class UpstreamRequest:
         *,
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> None:
         self.origin = origin
         self.method = method
@@ -120,6 +131,7 @@ class UpstreamRequest:
         self.connect_timeout = connect_timeout
         # Bounds each read; the relay has its own deadlines (first token, idle) and sets none.
         self.read_timeout = read_timeout
+        self.on_sent = on_sent
 
 
 class Transport(Protocol):
@@ -409,6 +421,8 @@ class UpstreamConnection:
                 self._broken = True
         if write_scope.cancelled_caught:
             raise httpx.WriteTimeout(f"could not send the request within {timeout:g}s")
+        if request.on_sent is not None:
+            request.on_sent()
         try:
             return await self._read_head(reader, request.read_timeout)
         except (httpx.ReadError, httpx.RemoteProtocolError):

@@ -1,0 +1,385 @@
+"""One attempt's bytes: the request built and written to one replica, its response relayed
+into the sink, and every wire failure mapped to the client's error.
+
+Each attempt runs inside the relay's nursery, so its ``async with replica.pool.stream(...)`` is
+inside the request's cancel scope: when the client leaves, the stream is closed (the connection
+is dropped, never pooled half-read) and the upstream server sees the disconnect and aborts the
+generation.
+
+Deadlines are trio cancel scopes, each with its own error: connect (the pool's connect
+timeout), first token and idle between chunks here; total in the backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from collections.abc import Callable
+
+import httpx
+import trio
+
+from proxy.backends.upstream.pool import UpstreamRequest
+from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica
+from proxy.backends.upstream.transports import Response
+from proxy.config import ModelConfig, RelayConfig
+from proxy.protocol import anthropic, http1, responses
+from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
+from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
+from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
+from proxy.relay.state import Phase
+
+# Upstream error bodies are passed through to the client, so they are read, but bounded.
+_MAX_ERROR_BODY = 64 * 1024
+# Response headers of an upstream 4xx worth passing on to the client.
+_PASSED_ERROR_HEADERS = ("retry-after",)
+# The most an idle deadline fires after idle_timeout (see _relay_stream).
+_IDLE_SLACK = 1.0
+ANTHROPIC_VERSION = b"2023-06-01"
+# What each endpoint's stream ends with, when it ends properly.
+_STREAM_END: dict[Endpoint, Callable[[bytes], bool]] = {
+    Endpoint.CHAT: is_done,
+    Endpoint.COMPLETIONS: is_done,
+    Endpoint.RESPONSES: responses.is_terminal_event,
+    Endpoint.MESSAGES: anthropic.is_terminal_event,
+}
+# The Accept header, by endpoint and streaming: a pass-through takes whatever its server says.
+_ACCEPT = {
+    (endpoint, stream): (
+        b"*/*"
+        if endpoint is Endpoint.PASSTHROUGH
+        else b"text/event-stream"
+        if stream
+        else b"application/json"
+    )
+    for endpoint in Endpoint
+    for stream in (False, True)
+}
+
+
+def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> ApiError:
+    return ApiError(status, message, type=UPSTREAM_ERROR, code=code, retryable=retryable)
+
+
+class UpstreamExchange:
+    """One model's way of exchanging a request with a replica: ``await exchange(replica,
+    request, request_id, sink)`` writes the request, relays the response into ``sink``, and
+    raises the client's ApiError (``retryable`` set) for whatever went wrong on the wire."""
+
+    def __init__(
+        self, model: ModelConfig, relay: RelayConfig, *, api_key: str | None = None
+    ) -> None:
+        self.model = model
+        self._relay = relay
+        self._authorization = f"Bearer {api_key}".encode() if api_key else None
+
+    def request(
+        self,
+        replica: UpstreamReplica,
+        request: CompletionRequest,
+        request_id: str,
+        on_sent: Callable[[], None] | None = None,
+    ) -> UpstreamRequest:
+        # Headers built from scratch: nothing of the client's (its Authorization above all)
+        # reaches the upstream. The body is the client's bytes, as they came.
+        headers = [
+            (b"host", replica.host_header),
+            (b"user-agent", USER_AGENT),
+            (b"content-type", request.content_type.encode("latin-1")),
+            (b"accept", _ACCEPT[request.endpoint, request.stream]),
+            (b"accept-encoding", b"identity"),
+            (b"content-length", str(len(request.raw)).encode()),
+            (b"x-request-id", request_id.encode()),
+        ]
+        if self._authorization is not None:
+            headers.append((b"authorization", self._authorization))
+        if request.endpoint is Endpoint.MESSAGES:
+            # The Messages API is versioned by this header (vLLM ignores it; Anthropic's
+            # own API requires it).
+            headers.append((b"anthropic-version", ANTHROPIC_VERSION))
+        # Reads are bounded by the relay's own deadlines (first token, idle, total).
+        return UpstreamRequest(
+            replica.origin,
+            b"POST",
+            replica.target(request),
+            headers,
+            request.raw,
+            connect_timeout=self.model.connect_timeout,
+            on_sent=on_sent,
+        )
+
+    async def __call__(
+        self,
+        replica: UpstreamReplica,
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
+    ) -> None:
+        first_token_deadline = (
+            trio.current_time() + self.model.first_token_timeout if request.stream else math.inf
+        )
+        outgoing = self.request(
+            replica, request, request_id, functools.partial(sink.set_phase, Phase.HEAD)
+        )
+        try:
+            with trio.CancelScope(deadline=first_token_deadline) as read_scope:
+                async with replica.pool.stream(outgoing) as response:
+                    sink.on_disconnect(response.abort)
+                    sink.set_phase(Phase.FIRST_TOKEN)
+                    if response.status_code != 200:
+                        await self._relay_error_response(replica, response, sink)
+                    elif request.endpoint is Endpoint.PASSTHROUGH and request.stream:
+                        await self._relay_bytes(response, read_scope, sink)
+                    elif request.stream:
+                        await self._relay_stream(
+                            replica, response, read_scope, sink, _STREAM_END[request.endpoint]
+                        )
+                    else:
+                        await self._relay_whole(replica, response, sink)
+        except (httpx.TransportError, httpx.StreamError, SSEProtocolError) as error:
+            raise self._wire_error(replica, error, started=sink.started) from None
+        if read_scope.cancelled_caught:
+            raise self._deadline_error(replica, started=sink.started)
+
+    def _wire_error(self, replica: UpstreamReplica, error: Exception, *, started: bool) -> ApiError:
+        """The client's error for a failure of the connection, the proxy or the stream's
+        framing. Only what failed before the head reached the client may be retried."""
+        if isinstance(error, httpx.ConnectTimeout):
+            return upstream_error(
+                504,
+                "upstream_connect_timeout",
+                f"could not connect to {replica.url} within {self.model.connect_timeout:g}s",
+                retryable=True,
+            )
+        if isinstance(error, httpx.ProxyError):
+            # The proxy refused the tunnel (407: credentials; 403: not allowed there...).
+            return upstream_error(
+                502,
+                "upstream_proxy_error",
+                f"the proxy to {replica.url} refused: {reason(error)}",
+                retryable=True,
+            )
+        if isinstance(error, httpx.ConnectError):
+            return upstream_error(
+                502,
+                "upstream_connect_error",
+                f"could not connect to {replica.url}: {reason(error)}",
+                retryable=True,
+            )
+        if isinstance(error, SSEProtocolError):
+            return upstream_error(
+                502, "upstream_malformed", f"{replica.url}: {error}", retryable=not started
+            )
+        return upstream_error(
+            502,
+            "upstream_protocol_error",
+            f"the connection to {replica.url} failed: {type(error).__name__}: {reason(error)}",
+            retryable=not started,
+        )
+
+    def _deadline_error(self, replica: UpstreamReplica, *, started: bool) -> ApiError:
+        """The read deadline fired: the idle one once the stream has begun, else the first
+        token's."""
+        if started:
+            return upstream_error(
+                504,
+                "upstream_idle_timeout",
+                f"{replica.url} sent nothing for idle_timeout={self.model.idle_timeout:g}s "
+                "in the middle of the stream",
+                retryable=False,
+            )
+        return upstream_error(
+            504,
+            "upstream_first_token_timeout",
+            f"{replica.url} sent no token within first_token_timeout="
+            f"{self.model.first_token_timeout:g}s",
+            retryable=True,
+        )
+
+    async def _relay_stream(
+        self,
+        replica: UpstreamReplica,
+        response: Response,
+        read_scope: trio.CancelScope,
+        sink: Sink,
+        ends_stream: Callable[[bytes], bool],
+    ) -> None:
+        """Relay an SSE stream event by event; it must end with the endpoint's own last event
+        (``ends_stream``: chat's ``data: [DONE]``, Responses' ``response.completed``...), or it
+        was cut."""
+        content_type = response.headers.get("content-type", "")
+        if not content_type.startswith("text/event-stream"):
+            raise SSEProtocolError(
+                f"answered a streaming request with content-type {content_type!r}"
+            )
+        decoder = self._decoder(replica, response, streaming=True)
+        idle_timeout = self.model.idle_timeout
+        # The idle deadline is moved only once it is closer than idle_timeout, and then to
+        # idle_timeout + slack from now: a stream is cut between idle_timeout and
+        # idle_timeout + slack after its last chunk, and a deadline change (a context manager
+        # and a heap push in trio) happens about once per slack, not per chunk.
+        slack = min(idle_timeout / 10, _IDLE_SLACK)
+        splitter = SSESplitter(self._relay.max_event_bytes)
+        saw_done = False
+        async for chunk in response.chunks():
+            events = splitter.feed(chunk if decoder is None else decode(decoder, chunk))
+            if not events:
+                continue
+            if not sink.started:
+                check_event(events[0])
+                sink.begin(200, SSE_CONTENT_TYPE)
+            for event in events:
+                check_event(event)
+                if ends_stream(event):
+                    saw_done = True
+                if not sink.offer(event):
+                    # Waiting on the client now: the upstream is not the one being idle.
+                    read_scope.deadline = math.inf
+                    await sink.send(event)
+            # Outside [now + idle_timeout, now + idle_timeout + slack]: still the first-token
+            # deadline, inf after waiting on the client, or due for its move.
+            now = trio.current_time()
+            if not 0.0 <= read_scope.deadline - now - idle_timeout <= slack:
+                read_scope.deadline = now + idle_timeout + slack
+        if not saw_done:
+            raise upstream_error(
+                502,
+                "upstream_protocol_error",
+                f"{replica.url} ended the stream before its last event",
+                retryable=not sink.started,
+            )
+
+    async def _relay_bytes(
+        self,
+        response: Response,
+        read_scope: trio.CancelScope,
+        sink: Sink,
+    ) -> None:
+        """A streamed pass-through: its bytes as they come, with the upstream's content type
+        and encoding (nothing here knows their format). The idle deadline applies as to SSE."""
+        content_type = response.headers.get("content-type", "application/octet-stream")
+        headers = {}
+        if "content-encoding" in response.headers:
+            headers["Content-Encoding"] = response.headers["content-encoding"]
+        idle_timeout = self.model.idle_timeout
+        async for chunk in response.chunks():
+            if not sink.started:
+                sink.begin(200, content_type, headers)
+            if not sink.offer(chunk):
+                read_scope.deadline = math.inf
+                await sink.send(chunk)
+            read_scope.deadline = trio.current_time() + idle_timeout
+        if not sink.started:
+            sink.begin(200, content_type, headers, content_length=0)
+
+    def _decoder(
+        self, replica: UpstreamReplica, response: Response, *, streaming: bool
+    ) -> http1.ContentDecoder | None:
+        """A decoder for a body the server encoded though asked not to; None for identity (or,
+        for a whole body, an encoding passed on with its Content-Encoding)."""
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding in ("", "identity"):
+            return None
+        if encoding in http1.DECODABLE_ENCODINGS:
+            if streaming:
+                # A stream has no total: each chunk's output is bounded like an event.
+                return http1.ContentDecoder(encoding, sys.maxsize, self._relay.max_event_bytes)
+            return http1.ContentDecoder(encoding, self._relay.max_response_bytes)
+        if streaming:
+            raise upstream_error(
+                502,
+                "upstream_encoding",
+                f"{replica.url} sent its stream with Content-Encoding {encoding!r}, which "
+                "Sluice cannot decode (it asks for identity)",
+                retryable=False,
+            )
+        return None
+
+    async def _relay_whole(self, replica: UpstreamReplica, response: Response, sink: Sink) -> None:
+        body = await _read_bounded(response, self._relay.max_response_bytes)
+        content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
+        headers: dict[str, str] = {}
+        decoder = self._decoder(replica, response, streaming=False)
+        if decoder is not None:
+            body = decode(decoder, body)
+        elif "content-encoding" in response.headers:
+            # Not ours to decode: passed on with its encoding, never mislabelled.
+            headers["Content-Encoding"] = response.headers["content-encoding"]
+        sink.begin(200, content_type, headers, content_length=len(body))
+        await sink.send(body)
+
+    async def _relay_error_response(
+        self, replica: UpstreamReplica, response: Response, sink: Sink
+    ) -> None:
+        body = await _read_bounded(response, _MAX_ERROR_BODY)
+        status = response.status_code
+        if 300 <= status < 400:
+            # Never followed: a redirect from an inference server is a misconfigured URL (a
+            # missing /v1, http for https), and following it would resend the client's body
+            # to wherever it points.
+            location = response.headers.get("location", "(no Location)")
+            raise upstream_error(
+                502,
+                "upstream_redirect",
+                f"{replica.url} answered HTTP {status} to {location}; redirects are not "
+                "followed (check the model's upstreams URL)",
+                retryable=False,
+            )
+        if status >= 500 or status < 400:
+            snippet = body[:500].decode("utf-8", "replace")
+            raise upstream_error(
+                502,
+                "upstream_http_error",
+                f"{replica.url} answered HTTP {status}: {snippet}",
+                retryable=status >= 500,
+            )
+        # The upstream's own 4xx (bad parameters, context too long, rate limited) is the
+        # client's to see, as the upstream said it.
+        headers = {
+            name: response.headers[name]
+            for name in _PASSED_ERROR_HEADERS
+            if name in response.headers
+        }
+        content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
+        sink.begin(status, content_type, headers, content_length=len(body))
+        await sink.send(body)
+
+
+def reason(error: BaseException) -> str:
+    """What went wrong, in words: httpx's own message, or, where it has none (a TLS handshake
+    that failed under httpcore says nothing), that of the error it came from."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            break
+        if str(seen):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return type(error).__name__
+
+
+def decode(decoder: http1.ContentDecoder, data: bytes) -> bytes:
+    try:
+        return decoder.feed(data)
+    except http1.ProtocolError as error:
+        raise upstream_error(
+            502, "upstream_protocol_error", f"the upstream's body: {error}", retryable=False
+        ) from None
+
+
+async def _read_bounded(response: Response, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.chunks():
+        size += len(chunk)
+        if size > limit:
+            raise upstream_error(
+                502,
+                "upstream_response_too_large",
+                f"the upstream response exceeds this proxy's limit of {limit} bytes",
+                retryable=False,
+            )
+        parts.append(chunk)
+    return b"".join(parts)

@@ -1,0 +1,178 @@
+"""The first-token race: after ``hedge_after`` without a first token another replica gets the
+same request; the first to produce its response head wins, and the losers are cancelled (their
+streams closed, so their servers abort the work).
+
+As Tower's ``hedge/``: a layer around the same :class:`~retry.Attempt` that
+:class:`~retry.Retry` drives, chosen instead of it when the model hedges.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+
+import trio
+
+from proxy.backends.upstream.retry import Attempt, Choose, RetryPolicy, log_retry
+from proxy.backends.upstream.routing import ReplicaLoad
+from proxy.protocol.errors import ApiError
+from proxy.protocol.openai import CompletionRequest
+from proxy.relay.body import Sink
+
+log = logging.getLogger("sluice.upstream")
+
+
+class Hedge:
+    """Attempts that may overlap, at most ``max_attempts`` of them: a hedge once the first
+    waited ``hedge_after``, and a retry for a retryable failure while no attempt has won."""
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        policy: RetryPolicy,
+        hedge_after: float,
+        choose: Choose,
+        no_replica: Callable[[], ApiError],
+    ) -> None:
+        self._attempt = attempt
+        self._max_attempts = policy.max_attempts
+        self._hedge_after = hedge_after
+        self._choose = choose
+        self._no_replica = no_replica
+
+    async def __call__(
+        self, request: CompletionRequest, request_id: str, sink: Sink, key: bytes = b""
+    ) -> None:
+        max_attempts = self._max_attempts
+        race = _Race(sink)
+        tried: list[ReplicaLoad] = []
+        outcomes_send, outcomes = trio.open_memory_channel[ApiError | None](max_attempts)
+        final_error: ApiError | None = None
+        async with trio.open_nursery() as nursery:
+            running = 0
+
+            def launch() -> bool:
+                nonlocal running
+                load = self._choose(tried, key)
+                if load is None:
+                    return False
+                tried.append(load)
+                running += 1
+                nursery.start_soon(self._enter, load, request, request_id, race, outcomes_send)
+                return True
+
+            if not launch():
+                final_error = self._no_replica()
+            hedge_at = trio.current_time() + self._hedge_after
+            while running and final_error is None:
+                with trio.move_on_at(hedge_at if race.winner is None else math.inf):
+                    outcome = await outcomes.receive()
+                    running -= 1
+                    if outcome is None:
+                        break  # the winner streamed to the end
+                    if race.winner is not None or not outcome.retryable:
+                        # Failed mid-stream, or in a way no other replica would fix.
+                        final_error = outcome
+                    elif running:
+                        pass  # the other attempt is still in the race
+                    elif len(tried) < max_attempts and launch():
+                        log_retry(request_id, tried[-2], outcome)
+                    else:
+                        final_error = outcome
+                    continue
+                # No first token within hedge_after: hedge, once.
+                hedge_at = math.inf
+                if len(tried) < max_attempts and launch():
+                    log.info("request %s: hedging on %s", request_id, tried[-1].url)
+            if final_error is not None:
+                nursery.cancel_scope.cancel()
+        if final_error is not None:
+            raise final_error
+
+    async def _enter(
+        self,
+        load: ReplicaLoad,
+        request: CompletionRequest,
+        request_id: str,
+        race: _Race,
+        outcomes: trio.MemorySendChannel[ApiError | None],
+    ) -> None:
+        with trio.CancelScope() as scope:
+            entrant = race.enter(scope)
+            outcome: ApiError | None = None
+            try:
+                await self._attempt(load, request, request_id, entrant)
+            except ApiError as error:
+                outcome = error
+            # Capacity max_attempts: never blocks. A loser was cancelled and reports nothing.
+            outcomes.send_nowait(outcome)
+
+
+class _Race:
+    """Hedged attempts racing for one client: the first to produce its response head wins."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.winner: _Entrant | None = None
+        self.entrants: list[_Entrant] = []
+
+    def enter(self, scope: trio.CancelScope) -> _Entrant:
+        entrant = _Entrant(self, scope)
+        self.entrants.append(entrant)
+        return entrant
+
+    def claim(self, entrant: _Entrant) -> bool:
+        if self.winner is None:
+            self.winner = entrant
+            for other in self.entrants:
+                if other is not entrant:
+                    other.scope.cancel()
+        return self.winner is entrant
+
+
+class _Entrant:
+    """The sink one hedged attempt sees: it forwards only once it has won the race."""
+
+    def __init__(self, race: _Race, scope: trio.CancelScope) -> None:
+        self.race = race
+        self.scope = scope
+
+    @property
+    def started(self) -> bool:
+        return self.race.winner is self
+
+    @property
+    def client_gone(self) -> bool:
+        return self.race.sink.client_gone
+
+    def set_phase(self, phase: str) -> None:
+        # A Phase; typed as Sink.set_phase is (str, until the relay's sinks take a Phase).
+        if self.race.winner is None:
+            self.race.sink.set_phase(phase)
+
+    def begin(
+        self,
+        status: int,
+        content_type: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        content_length: int | None = None,
+    ) -> None:
+        if self.race.claim(self):
+            self.race.sink.begin(status, content_type, headers, content_length=content_length)
+        else:
+            self.scope.cancel()
+
+    def offer(self, chunk: bytes) -> bool:
+        return self.race.winner is self and self.race.sink.offer(chunk)
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        # Every attempt works for the same client: each is shut down if it leaves.
+        self.race.sink.on_disconnect(callback)
+
+    async def send(self, chunk: bytes) -> None:
+        if self.race.winner is self:
+            await self.race.sink.send(chunk)
+        else:
+            await trio.lowlevel.checkpoint()  # lost: our scope is cancelled, this raises

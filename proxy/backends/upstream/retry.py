@@ -1,0 +1,172 @@
+"""Attempts before the first byte: which failures retry on another replica, and which count
+against the replica that failed.
+
+As Tower's ``retry/policy.rs``: a :class:`RetryPolicy` answers the questions, an
+:class:`Attempt` is the service it retries (one try on one replica, with its health verdict),
+and :class:`Retry` is the loop that composes them. Retries go to another replica and happen
+only before anything has been sent to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from proxy.backends.upstream.exchange import UpstreamExchange
+from proxy.backends.upstream.replica import UpstreamReplica
+from proxy.backends.upstream.routing import LeastBusyRouter, ReplicaLoad
+from proxy.protocol.errors import ApiError
+from proxy.protocol.openai import CompletionRequest
+from proxy.relay.admission import Admission
+from proxy.relay.body import Sink
+from proxy.relay.state import Phase
+
+log = logging.getLogger("sluice.upstream")
+
+# The proxy's own queue refusing a request: not the replica's fault.
+_QUEUE_REFUSALS = frozenset({"queue_full", "queue_timeout"})
+
+# The router's pick among the replicas not yet tried (for a request's affinity key), or None.
+Choose = Callable[[Sequence[ReplicaLoad], bytes], ReplicaLoad | None]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """One model's answers to a failed attempt: try again elsewhere? blame the replica?"""
+
+    max_attempts: int
+
+    def attempts(self, replicas: int) -> int:
+        """How many replicas a request may try, one after the other."""
+        return min(self.max_attempts, replicas)
+
+    @staticmethod
+    def retries(error: ApiError, sink: Sink) -> bool:
+        """Another replica may fix ``error``: nothing has reached the client, the error says
+        so, and the client is still there."""
+        return error.retryable and not sink.started and not sink.client_gone
+
+    @staticmethod
+    def blames_replica(error: ApiError, sink: Sink) -> bool:
+        """``error`` is a failure verdict on its replica: not the proxy's own queue being full
+        or too slow, and not a failure seen after the client left (what the cancellation
+        broke says nothing about the server)."""
+        return error.code not in _QUEUE_REFUSALS and not sink.client_gone
+
+    @staticmethod
+    def counts(error: ApiError, sink: Sink) -> bool:
+        """``error`` goes into ``sluice_upstream_errors_total``: a queue refusal, or a failure
+        the replica is blamed for."""
+        return error.code in _QUEUE_REFUSALS or not sink.client_gone
+
+
+class Attempt:
+    """One try on one replica, with its health verdict: wait for a slot in this model's queue
+    for the replica, run the exchange, and tell the router how it went."""
+
+    def __init__(
+        self,
+        exchange: UpstreamExchange,
+        router: LeastBusyRouter,
+        replicas: Mapping[ReplicaLoad, UpstreamReplica],
+        queues: Mapping[UpstreamReplica, Admission],
+        policy: RetryPolicy,
+        count_error: Callable[[ApiError], None],
+    ) -> None:
+        self._exchange = exchange
+        self._policy = policy
+        self._router = router
+        self._replicas = replicas
+        self._queues = queues
+        self._count_error = count_error
+
+    async def __call__(
+        self, load: ReplicaLoad, request: CompletionRequest, request_id: str, sink: Sink
+    ) -> None:
+        replica = self._replicas[load]
+        load.in_flight += 1
+        verdict = False
+        try:
+            sink.set_phase(Phase.QUEUED)
+            async with self._queues[replica].slot():
+                sink.set_phase(Phase.CONNECTING)
+                await self._exchange(replica, request, request_id, sink)
+            self._router.success(load)
+            verdict = True
+        except ApiError as error:
+            if self._policy.blames_replica(error, sink):
+                self._router.failure(load, trio.current_time())
+                verdict = True
+            if self._policy.counts(error, sink):
+                self._count_error(error)
+            raise
+        finally:
+            load.in_flight -= 1
+            if not verdict:
+                # Cancelled (client left, lost a hedge race), stalled, or refused by our own
+                # queue: says nothing about the replica, but a probe slot it held must be
+                # released.
+                self._router.release_probe(load)
+
+
+class Retry:
+    """Attempts one after the other, each on a replica not yet tried, while the policy says
+    another may fix what failed; the client hears of every replica that was tried."""
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        policy: RetryPolicy,
+        replicas: int,
+        choose: Choose,
+        no_replica: Callable[[], ApiError],
+    ) -> None:
+        self._attempt = attempt
+        self._policy = policy
+        self._attempts = policy.attempts(replicas)
+        self._choose = choose
+        self._no_replica = no_replica
+
+    async def __call__(
+        self, request: CompletionRequest, request_id: str, sink: Sink, key: bytes = b""
+    ) -> None:
+        tried: list[ReplicaLoad] = []
+        failures: list[str] = []
+        last_error: ApiError | None = None
+        attempts = self._attempts
+        for _ in range(attempts):
+            load = self._choose(tried, key)
+            if load is None:
+                break
+            tried.append(load)
+            try:
+                await self._attempt(load, request, request_id, sink)
+                return
+            except ApiError as error:
+                if not self._policy.retries(error, sink):
+                    raise
+                last_error = error
+                failures.append(f"{load.url}: {error.message}")
+                if len(tried) < attempts:
+                    log_retry(request_id, load, error)
+        if last_error is None:
+            raise self._no_replica()
+        if len(failures) > 1:
+            # The client hears of every replica that was tried, not just the last one.
+            last_error.message = "every replica tried failed: " + "; ".join(failures)
+            last_error.args = (last_error.message,)
+        raise last_error
+
+
+def log_retry(request_id: str, load: ReplicaLoad, error: ApiError) -> None:
+    # Only when another attempt will follow: a single replica, or the last attempt, has
+    # nobody to try, and its failure is the client's error (and the access line's).
+    log.warning(
+        "request %s: %s failed before the first byte (%s); trying another replica",
+        request_id,
+        load.url,
+        error.code,
+    )
