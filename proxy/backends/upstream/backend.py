@@ -36,7 +36,7 @@ from proxy.backends.upstream.routing import (
     router_for,
 )
 from proxy.backends.upstream.transports import ConnectionSettings, Pool, Response, health_client
-from proxy.config import ModelConfig, RelayConfig, UpstreamConfig
+from proxy.config import RelayConfig, UpstreamConfig, UpstreamModel
 from proxy.ops.metrics import Metrics
 from proxy.protocol import anthropic, http1, responses
 from proxy.protocol.affinity import affinity_key
@@ -290,7 +290,7 @@ class UpstreamBackend:
 
     def __init__(
         self,
-        model: ModelConfig,
+        model: UpstreamModel,
         replicas: Sequence[UpstreamReplica],
         relay: RelayConfig,
         *,
