@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,11 @@ from proxy.config import (
     Config,
     ConfigError,
     FakeUpstreamConfig,
+    LocalModel,
     RelayConfig,
     ServerConfig,
     UpstreamConfig,
+    UpstreamModel,
     config_from_mapping,
     load_config,
 )
@@ -68,6 +71,55 @@ def test_local_and_upstream_keys_do_not_mix() -> None:
         build({"models": {"m": {"backend": "local"}}})
     with pytest.raises(ConfigError, match=r"'backend' .* must be one of"):
         build({"models": {"m": {"backend": "gpu"}}})
+
+
+def _fields(kind: type[Any]) -> set[str]:
+    return {f.name for f in dataclasses.fields(kind)}
+
+
+LOCAL_ONLY = sorted(_fields(LocalModel) - _fields(UpstreamModel))
+UPSTREAM_ONLY = sorted(_fields(UpstreamModel) - _fields(LocalModel))
+
+
+@pytest.mark.parametrize(
+    ("table", "in_code"),
+    [
+        (MODEL, UpstreamModel(name="m", upstreams=("http://127.0.0.1:8001",))),
+        ({"backend": "local", "path": "x"}, LocalModel(name="m", path="x")),
+    ],
+    ids=["upstream", "local"],
+)
+def test_a_model_has_the_same_defaults_in_code_and_from_toml(table: Any, in_code: Any) -> None:
+    (from_toml,) = build({"models": {"m": table}}).models
+    assert type(from_toml) is type(in_code)
+    differ = {
+        f.name: (getattr(in_code, f.name), getattr(from_toml, f.name))
+        for f in dataclasses.fields(in_code)
+        if getattr(in_code, f.name) != getattr(from_toml, f.name)
+    }
+    assert differ == {}
+    assert from_toml == in_code
+
+
+def test_each_model_kind_has_only_its_backend_s_keys() -> None:
+    assert {"upstreams", "passthrough", "connect_timeout", "api_key_env"} <= set(UPSTREAM_ONLY)
+    assert {"path", "slots", "default_max_tokens", "slow_step_seconds"} <= set(LOCAL_ONLY)
+    # Both kinds queue, each with its own default (per replica for an upstream model).
+    assert (UpstreamModel(name="u").max_queue, LocalModel(name="l").max_queue) == (256, 8)
+
+
+@pytest.mark.parametrize("key", LOCAL_ONLY)
+def test_a_local_only_key_on_an_upstream_model_is_refused_by_name(key: str) -> None:
+    value = getattr(LocalModel(name="m"), key)
+    with pytest.raises(ConfigError, match=f"'{key}' .* does not apply to backend = \"upstream\""):
+        build({"models": {"m": {**MODEL, key: value}}})
+
+
+@pytest.mark.parametrize("key", UPSTREAM_ONLY)
+def test_an_upstream_only_key_on_a_local_model_is_refused_by_name(key: str) -> None:
+    value = getattr(UpstreamModel(name="m"), key)
+    with pytest.raises(ConfigError, match=f"'{key}' .* does not apply to backend = \"local\""):
+        build({"models": {"m": {"backend": "local", "path": "x", key: value}}})
 
 
 def test_upstream_example_loads_without_its_api_key() -> None:

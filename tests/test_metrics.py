@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from bisect import bisect_left
 from typing import Any
@@ -12,7 +13,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.ops.metrics import BucketHistogram
+from proxy.ops.metrics import BucketHistogram, Metrics, MetricSpec
 from tests.support import (
     DEADLINE,
     Fake,
@@ -247,6 +248,19 @@ async def test_local_queue_and_step_metrics(
         # The local streams are in the stream metrics too.
         assert value(samples, "sluice_ttft_seconds_count", model="tiny") == 2
         assert value(samples, "sluice_tokens_out_total", model="tiny") >= 4
+
+
+def test_every_declared_metric_is_built_under_its_attribute() -> None:
+    metrics = Metrics()
+    specs = {name: spec for name, spec in vars(Metrics).items() if isinstance(spec, MetricSpec)}
+    text = metrics.render()[0].decode()
+    assert len(specs) == 19
+    for attribute, spec in specs.items():
+        assert isinstance(getattr(metrics, attribute), spec.kind)
+        help_line = rf"^# HELP {spec.name}(_total)? {re.escape(spec.documentation)}$"
+        assert re.search(help_line, text, re.MULTILINE), spec.name
+    # One registry per app: a second Metrics registers the same names without a clash.
+    assert Metrics().requests is not metrics.requests
 
 
 def test_bucket_histogram_merges_counts() -> None:

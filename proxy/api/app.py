@@ -28,7 +28,7 @@ from proxy.backends.upstream.backend import (
 from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.transports import ConnectionSettings
-from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, ModelConfig
+from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, LocalModel
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
@@ -48,7 +48,7 @@ def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
     """Each model's upstream key, read from the environment variable its config names."""
     keys: dict[str, str] = {}
     for model in config.models:
-        if not model.api_key_env:
+        if model.backend == "local" or not model.api_key_env:
             continue
         value = env.get(model.api_key_env)
         if not value:
@@ -121,7 +121,7 @@ class SluiceState:
         as it is loaded. A failure stops the server (``failed``), with its reason."""
         report = stage_reporter()
         for model in self.config.models:
-            if model.name not in self.loading:
+            if model.backend != "local" or model.name not in self.loading:
                 continue
             from inference import ModelLoadError, load_model
 
@@ -143,7 +143,7 @@ class SluiceState:
             del self.loading[model.name]
             log.info("model %s loaded: serving it", model.name)
 
-    async def start_local_backend(self, model: ModelConfig, nursery: trio.Nursery) -> None:
+    async def start_local_backend(self, model: LocalModel, nursery: trio.Nursery) -> None:
         """Serve a loaded model: its batch engine runs in ``nursery`` (the app's) from now
         until the server stops."""
         from proxy.backends.local import LocalBackend
@@ -309,7 +309,9 @@ def create_app(
             access.outcome = error.code or "error"
 
     # Every path that the pipeline serves: the native endpoints and the models' pass-through.
-    passthrough_paths = frozenset(path for model in config.models for path in model.passthrough)
+    passthrough_paths = frozenset(
+        path for model in config.models if model.backend == "upstream" for path in model.passthrough
+    )
 
     def endpoint_here() -> Endpoint | None:
         if request.path in passthrough_paths:

@@ -115,7 +115,7 @@ class RequestPipeline:
         """The request with its conversation key, when its model routes by a session header
         (``affinity_header``) and the client sent one."""
         model = self.config.model(request.model)
-        if model is None or not model.affinity_header:
+        if model is None or model.backend == "local" or not model.affinity_header:
             return request
         value = headers.get(model.affinity_header)
         return dataclasses.replace(request, session=value) if value else request
@@ -124,7 +124,9 @@ class RequestPipeline:
         """A pass-through path goes to the model it names, which must list the path; one that
         names none goes to the one model that lists it, if only one does."""
         path = request.path
-        serving = [model.name for model in self.config.models if path in model.passthrough]
+        serving = [
+            m.name for m in self.config.models if m.backend == "upstream" and path in m.passthrough
+        ]
         if not request.model:
             if len(serving) != 1:
                 raise bad_request(

@@ -35,7 +35,7 @@ from inference import (
     sampling_from_body,
 )
 from inference.batching import DEFAULT_WINDOW, BatchEngine, Generation, Piece
-from proxy.config import ModelConfig
+from proxy.config import LocalModel
 from proxy.ops.metrics import Metrics
 from proxy.protocol.anthropic import MessagesStream, whole_message
 from proxy.protocol.errors import ApiError
@@ -57,7 +57,7 @@ class LocalGenerationError(RuntimeError):
 
 class LocalBackend:
     def __init__(
-        self, model: ModelConfig, loaded: LoadedModel, metrics: Metrics | None = None
+        self, model: LocalModel, loaded: LoadedModel, metrics: Metrics | None = None
     ) -> None:
         self.model = model
         self.metrics = metrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import Any, Generic, TypeVar, cast, overload
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +22,8 @@ from prometheus_client.utils import floatToGoString
 
 # How prometheus-client spells a bucket bound in "le" (untyped upstream).
 _le_text = cast(Callable[[float], str], floatToGoString)
+# What a MetricSpec builds: a Counter, Gauge, Histogram or BucketHistogram.
+_Metric = TypeVar("_Metric")
 
 # Cancel propagation is measured in milliseconds on a healthy server; seconds mean trouble.
 _CANCEL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -109,147 +111,190 @@ class BucketHistogram:
         yield family
 
 
+class MetricSpec(Generic[_Metric]):
+    """One metric, declared once as a class attribute of :class:`Metrics`: its kind, name, help,
+    labels and buckets. Each :class:`Metrics` builds it in its own registry and stores it under
+    the same attribute, which then shadows this spec (so reading it costs a plain lookup)."""
+
+    def __init__(
+        self,
+        kind: Callable[..., _Metric],
+        name: str,
+        documentation: str,
+        labels: Sequence[str] = (),
+        buckets: Sequence[float] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.name = name
+        self.documentation = documentation
+        self.labels = tuple(labels)
+        self.buckets = buckets
+
+    def build(self, registry: CollectorRegistry) -> _Metric:
+        options: dict[str, Any] = {"registry": registry}
+        if self.buckets is not None:
+            options["buckets"] = self.buckets
+        return self.kind(self.name, self.documentation, self.labels, **options)
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> MetricSpec[_Metric]: ...
+    @overload
+    def __get__(self, instance: Metrics, owner: type[Any]) -> _Metric: ...
+    def __get__(self, instance: Metrics | None, owner: type[Any]) -> MetricSpec[_Metric] | _Metric:
+        if instance is None:
+            return self
+        # Metrics.__init__ stores every metric on the instance, where it shadows this
+        # non-data descriptor: reaching here means __init__ did not run for this instance.
+        raise AttributeError(f"metric {self.name} was not built for this Metrics")
+
+
 class Metrics:
+    """Every metric of one app, each declared once below and built into the app's registry."""
+
+    requests = MetricSpec(
+        Counter,
+        "sluice_requests",
+        "API requests by model, final HTTP status and endpoint (chat, completions, "
+        "responses, messages, embeddings, passthrough).",
+        ["model", "status", "endpoint"],
+    )
+    active_streams = MetricSpec(
+        Gauge, "sluice_active_streams", "Requests whose relay is running now."
+    )
+    cancellations = MetricSpec(
+        Counter,
+        "sluice_cancellations",
+        "Requests whose client left before they finished, by backend and phase.",
+        ["backend", "phase"],
+    )
+    cancel_propagation = MetricSpec(
+        Histogram,
+        "sluice_cancel_propagation_seconds",
+        "From the client's disconnect to its work being gone (upstream stream closed, "
+        "worker thread returned).",
+        ["backend"],
+        _CANCEL_BUCKETS,
+    )
+    wasted_tokens = MetricSpec(
+        Histogram,
+        "sluice_wasted_tokens",
+        "Per cancelled request: events (~tokens) produced for it but never written to it.",
+        ["backend"],
+        _TOKEN_BUCKETS,
+    )
+    stalled_clients = MetricSpec(
+        Counter,
+        "sluice_stalled_clients",
+        "Clients cut off for not reading within stall_timeout.",
+    )
+    ttft = MetricSpec(
+        Histogram,
+        "sluice_ttft_seconds",
+        "Streamed responses: from the start of the request's relay (admission included) "
+        "to its first body chunk handed to the HTTP layer. For chat that chunk is often "
+        "the assistant role delta, which the local backend sends before the prefill.",
+        ["model"],
+        _TTFT_BUCKETS,
+    )
+    token_gaps = MetricSpec(
+        BucketHistogram,
+        "sluice_token_gap_seconds",
+        "Streamed responses: time between consecutive body writes handed to the HTTP "
+        "layer. Events already waiting are coalesced into one write, so a burst counts "
+        "as one gap, not one per token.",
+        ["model"],
+        GAP_BUCKETS,
+    )
+    tokens_out = MetricSpec(
+        Counter,
+        "sluice_tokens_out",
+        "SSE data events (~tokens; role, finish, usage and in-band error events included, "
+        "[DONE] excluded) handed to the HTTP layer, by model.",
+        ["model"],
+    )
+    upstream_errors = MetricSpec(
+        Counter,
+        "sluice_upstream_errors",
+        "Failed upstream attempts by model and error code, retried ones included "
+        "(upstream_connect_error, upstream_first_token_timeout, no_healthy_upstream, ...).",
+        ["model", "code"],
+    )
+    limits_errors = MetricSpec(
+        Counter,
+        "sluice_limits_errors",
+        'Calls to the shared limits store ([limits] backend = "redis") that failed or '
+        "timed out, by operation (admit, renew, release) and outcome: for admit, what "
+        "on_error did (denied: 503, allowed: admitted uncounted); for renew and release, "
+        "failed (the lease expires on its own after lease_seconds).",
+        ["operation", "outcome"],
+    )
+    queue_depth = MetricSpec(
+        Gauge,
+        "sluice_queue_depth",
+        "Requests waiting now for a local model's slot or an upstream connection slot.",
+        ["model"],
+    )
+    queue_wait = MetricSpec(
+        Histogram,
+        "sluice_queue_wait_seconds",
+        "Time a request waited for a local model's slot or an upstream connection slot, "
+        "observed when it left the queue, "
+        "by outcome: admitted, queue_timeout (503), cancelled (the client left), or "
+        "queue_full (429 at once, 0 s).",
+        ["model", "outcome"],
+        _QUEUE_BUCKETS,
+    )
+    local_steps = MetricSpec(
+        BucketHistogram,
+        "sluice_local_step_seconds",
+        "Local models: duration of each decode step (one token for each sequence in the "
+        "batch), by batch size.",
+        ["model", "batch_size"],
+        STEP_BUCKETS,
+    )
+    local_batch_size = MetricSpec(
+        Gauge,
+        "sluice_local_batch_size",
+        "Local models: sequences decoded together now (parked slow readers and prompts "
+        "being prefilled excluded).",
+        ["model"],
+    )
+    local_tokens = MetricSpec(
+        Counter,
+        "sluice_local_generated_tokens",
+        "Local models: tokens generated, all sequences together (rate() is tokens/s).",
+        ["model"],
+    )
+    local_steps_after_cancel = MetricSpec(
+        Histogram,
+        "sluice_local_steps_after_cancel",
+        "Local models: forward passes a sequence still took part in after its request was "
+        "cancelled (the client left, or shutdown), per cancelled sequence; 1 is the step "
+        "already in flight.",
+        ["model"],
+        _STEPS_AFTER_CANCEL_BUCKETS,
+    )
+    local_tokens_for_nobody = MetricSpec(
+        Counter,
+        "sluice_local_tokens_for_nobody",
+        "Local models: tokens generated for requests that had already been cancelled.",
+        ["model"],
+    )
+    local_prefill = MetricSpec(
+        Histogram,
+        "sluice_local_prefill_seconds",
+        "Local models: time to prefill a prompt (its chunks, and the decode steps of "
+        "others between them), per request.",
+        ["model"],
+        _PREFILL_BUCKETS,
+    )
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        registry = self.registry
-        self.requests = Counter(
-            "sluice_requests",
-            "API requests by model, final HTTP status and endpoint (chat, completions, "
-            "responses, messages, embeddings, passthrough).",
-            ["model", "status", "endpoint"],
-            registry=registry,
-        )
-        self.active_streams = Gauge(
-            "sluice_active_streams", "Requests whose relay is running now.", registry=registry
-        )
-        self.cancellations = Counter(
-            "sluice_cancellations",
-            "Requests whose client left before they finished, by backend and phase.",
-            ["backend", "phase"],
-            registry=registry,
-        )
-        self.cancel_propagation = Histogram(
-            "sluice_cancel_propagation_seconds",
-            "From the client's disconnect to its work being gone (upstream stream closed, "
-            "worker thread returned).",
-            ["backend"],
-            buckets=_CANCEL_BUCKETS,
-            registry=registry,
-        )
-        self.wasted_tokens = Histogram(
-            "sluice_wasted_tokens",
-            "Per cancelled request: events (~tokens) produced for it but never written to it.",
-            ["backend"],
-            buckets=_TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.stalled_clients = Counter(
-            "sluice_stalled_clients",
-            "Clients cut off for not reading within stall_timeout.",
-            registry=registry,
-        )
-        self.ttft = Histogram(
-            "sluice_ttft_seconds",
-            "Streamed responses: from the start of the request's relay (admission included) "
-            "to its first body chunk handed to the HTTP layer. For chat that chunk is often "
-            "the assistant role delta, which the local backend sends before the prefill.",
-            ["model"],
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.token_gaps = BucketHistogram(
-            "sluice_token_gap_seconds",
-            "Streamed responses: time between consecutive body writes handed to the HTTP "
-            "layer. Events already waiting are coalesced into one write, so a burst counts "
-            "as one gap, not one per token.",
-            ["model"],
-            GAP_BUCKETS,
-            registry,
-        )
-        self.tokens_out = Counter(
-            "sluice_tokens_out",
-            "SSE data events (~tokens; role, finish, usage and in-band error events included, "
-            "[DONE] excluded) handed to the HTTP layer, by model.",
-            ["model"],
-            registry=registry,
-        )
-        self.upstream_errors = Counter(
-            "sluice_upstream_errors",
-            "Failed upstream attempts by model and error code, retried ones included "
-            "(upstream_connect_error, upstream_first_token_timeout, no_healthy_upstream, ...).",
-            ["model", "code"],
-            registry=registry,
-        )
-        self.limits_errors = Counter(
-            "sluice_limits_errors",
-            'Calls to the shared limits store ([limits] backend = "redis") that failed or '
-            "timed out, by operation (admit, renew, release) and outcome: for admit, what "
-            "on_error did (denied: 503, allowed: admitted uncounted); for renew and release, "
-            "failed (the lease expires on its own after lease_seconds).",
-            ["operation", "outcome"],
-            registry=registry,
-        )
-        self.queue_depth = Gauge(
-            "sluice_queue_depth",
-            "Requests waiting now for a local model's slot or an upstream connection slot.",
-            ["model"],
-            registry=registry,
-        )
-        self.queue_wait = Histogram(
-            "sluice_queue_wait_seconds",
-            "Time a request waited for a local model's slot or an upstream connection slot, "
-            "observed when it left the queue, "
-            "by outcome: admitted, queue_timeout (503), cancelled (the client left), or "
-            "queue_full (429 at once, 0 s).",
-            ["model", "outcome"],
-            buckets=_QUEUE_BUCKETS,
-            registry=registry,
-        )
-        self.local_steps = BucketHistogram(
-            "sluice_local_step_seconds",
-            "Local models: duration of each decode step (one token for each sequence in the "
-            "batch), by batch size.",
-            ["model", "batch_size"],
-            STEP_BUCKETS,
-            registry,
-        )
-        self.local_batch_size = Gauge(
-            "sluice_local_batch_size",
-            "Local models: sequences decoded together now (parked slow readers and prompts "
-            "being prefilled excluded).",
-            ["model"],
-            registry=registry,
-        )
-        self.local_tokens = Counter(
-            "sluice_local_generated_tokens",
-            "Local models: tokens generated, all sequences together (rate() is tokens/s).",
-            ["model"],
-            registry=registry,
-        )
-        self.local_steps_after_cancel = Histogram(
-            "sluice_local_steps_after_cancel",
-            "Local models: forward passes a sequence still took part in after its request was "
-            "cancelled (the client left, or shutdown), per cancelled sequence; 1 is the step "
-            "already in flight.",
-            ["model"],
-            buckets=_STEPS_AFTER_CANCEL_BUCKETS,
-            registry=registry,
-        )
-        self.local_tokens_for_nobody = Counter(
-            "sluice_local_tokens_for_nobody",
-            "Local models: tokens generated for requests that had already been cancelled.",
-            ["model"],
-            registry=registry,
-        )
-        self.local_prefill = Histogram(
-            "sluice_local_prefill_seconds",
-            "Local models: time to prefill a prompt (its chunks, and the decode steps of "
-            "others between them), per request.",
-            ["model"],
-            buckets=_PREFILL_BUCKETS,
-            registry=registry,
-        )
+        # In declaration order, which is the order /metrics lists them in.
+        for attribute, spec in vars(Metrics).items():
+            if isinstance(spec, MetricSpec):
+                setattr(self, attribute, spec.build(self.registry))
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition a scraper asked for: OpenMetrics when its Accept header names it

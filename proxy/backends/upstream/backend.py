@@ -27,7 +27,7 @@ from proxy.backends.upstream.routing import (
     router_for,
 )
 from proxy.backends.upstream.scrape import check_replicas, report_reachability, scrape_replicas
-from proxy.config import ModelConfig, RelayConfig
+from proxy.config import RelayConfig, UpstreamModel
 from proxy.ops.metrics import Metrics
 from proxy.protocol.affinity import affinity_key
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
@@ -44,7 +44,7 @@ class UpstreamBackend:
 
     def __init__(
         self,
-        model: ModelConfig,
+        model: UpstreamModel,
         replicas: Sequence[UpstreamReplica],
         relay: RelayConfig,
         *,

@@ -23,7 +23,7 @@ import trio
 from proxy.backends.upstream.pool import UpstreamRequest
 from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica
 from proxy.backends.upstream.transports import Response
-from proxy.config import ModelConfig, RelayConfig
+from proxy.config import RelayConfig, UpstreamModel
 from proxy.protocol import anthropic, http1, responses
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint
@@ -69,7 +69,7 @@ class UpstreamExchange:
     raises the client's ApiError (``retryable`` set) for whatever went wrong on the wire."""
 
     def __init__(
-        self, model: ModelConfig, relay: RelayConfig, *, api_key: str | None = None
+        self, model: UpstreamModel, relay: RelayConfig, *, api_key: str | None = None
     ) -> None:
         self.model = model
         self._relay = relay
