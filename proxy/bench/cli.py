@@ -10,8 +10,9 @@ import argparse
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from proxy.bench.children import run_stoppable
 from proxy.bench.plots import load_pyplot, write_plots
@@ -37,7 +38,13 @@ from proxy.bench.settings import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchSettings()
-    add = parser.add_argument
+    _add_load_arguments(parser.add_argument, d)
+    _add_system_arguments(parser.add_argument, d)
+    _add_output_arguments(parser.add_argument)
+
+
+def _add_load_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
+    """The load: its streams, the fake's schedule, who leaves, who reads slowly, the buffers."""
     add("--streams", type=int, default=d.streams, help="concurrent streaming requests")
     add("--ramp", type=float, default=d.ramp, help="seconds over which streams start, evenly")
     add("--ttft", type=float, default=d.ttft, help="fake upstream: seconds to the first token")
@@ -78,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="make every event this many bytes longer (via the model name)",
     )
     add("--seed", type=int, default=d.seed, help="seed of who leaves and who reads slowly")
+
+
+def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
+    """What the load runs at: the proxy, the systems compared with it, how often, how long."""
     add("--direct", action="store_true", help="also run the same load straight at the upstream")
     add(
         "--baseline",
@@ -135,6 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"the seconds of keepalive-timeout or late-close (default {DEFAULT_HABIT_SECONDS:g})",
     )
+
+
+def _add_output_arguments(add: Callable[..., Any]) -> None:
     add("--json", type=Path, help="write every figure as JSON here")
     add("--markdown", type=Path, help="write (or replace) this load's section in this file")
     add(

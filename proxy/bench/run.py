@@ -57,6 +57,7 @@ from proxy.bench.settings import (
     MODES,
     BenchError,
     BenchSettings,
+    CpuLayout,
     Mode,
     _address,
     assign_roles,
@@ -179,18 +180,7 @@ async def _run_once(
         "versus": endpoints.versus,
     }.get(mode, endpoints.proxy)
     assert address is not None
-    # The baseline's slow readers read at full speed: the same draw with slow = 0 gives the
-    # same leavers, and everyone else normal.
-    slow = 0.0 if mode == "baseline" else settings.slow
-    roles = assign_roles(settings.streams, settings.drop, slow, settings.seed)
-    host, port = address
-    results, requests = [], []
-    model = settings.model_name
-    for i, role in enumerate(roles):
-        tag = f"{label}-{i}"
-        results.append(StreamResult(index=i, tag=tag, role=role))
-        body = chat_body(model, tag, settings.ttft, settings.interval, settings.tokens)
-        requests.append(build_request(host, port, "/v1/chat/completions", body))
+    results, requests = _streams(mode, label, settings, address)
     # The relay measured: the proxy, or the peer or the versus proxy in its place (their
     # figures fill the same rows).
     proxy_pid = {
@@ -205,8 +195,6 @@ async def _run_once(
     upstream_pid = endpoints.upstream_pid
     upstream_cpu0 = process_cpu_seconds(upstream_pid) if upstream_pid is not None else None
     client_cpu0 = own_cpu_seconds()
-    progress = _Progress()
-    step = settings.ramp / settings.streams
     # A short lead so that creating the tasks is not counted against the first streams.
     t0 = trio.current_time() + 0.05
     wall0 = time.monotonic() + 0.05
@@ -214,30 +202,7 @@ async def _run_once(
     if upstream_pid is not None:
         watched["fake_upstream"] = upstream_pid
     trace: RssTrace = {}
-    async with trio.open_nursery() as nursery:
-        if settings.progress:
-            shown = column_labels(settings).get(mode, mode)
-            nursery.start_soon(_show_progress, shown, progress, settings.streams, sys.stderr)
-        if watched:
-            nursery.start_soon(partial(sample_rss, watched, trace, since=wall0))
-        with trio.move_on_after(settings.ramp + settings.timeout):
-            async with trio.open_nursery() as streams:
-                for i, result in enumerate(results):
-                    streams.start_soon(
-                        partial(
-                            run_stream,
-                            address,
-                            requests[i],
-                            result,
-                            start_at=t0 + i * step,
-                            drop_at=settings.drop_at,
-                            slow_delay=settings.slow_delay,
-                            slow_rcvbuf=settings.slow_rcvbuf,
-                            slow_mss=settings.slow_mss,
-                            progress=progress,
-                        )
-                    )
-        nursery.cancel_scope.cancel()
+    await _drive(mode, settings, address, results, requests, watched, trace, t0=t0, wall0=wall0)
     wall = time.monotonic() - wall0
     client_cpu = own_cpu_seconds() - client_cpu0
 
@@ -267,6 +232,68 @@ async def _run_once(
             endpoints.upstream, cursor, results, settings.grace
         )
     return run, cursor
+
+
+def _streams(
+    mode: Mode, label: str, settings: BenchSettings, address: tuple[str, int]
+) -> tuple[list[StreamResult], list[bytes]]:
+    """Each client's empty result and its request, tagged ``label-i``."""
+    # The baseline's slow readers read at full speed: the same draw with slow = 0 gives the
+    # same leavers, and everyone else normal.
+    slow = 0.0 if mode == "baseline" else settings.slow
+    roles = assign_roles(settings.streams, settings.drop, slow, settings.seed)
+    host, port = address
+    results, requests = [], []
+    model = settings.model_name
+    for i, role in enumerate(roles):
+        tag = f"{label}-{i}"
+        results.append(StreamResult(index=i, tag=tag, role=role))
+        body = chat_body(model, tag, settings.ttft, settings.interval, settings.tokens)
+        requests.append(build_request(host, port, "/v1/chat/completions", body))
+    return results, requests
+
+
+async def _drive(
+    mode: Mode,
+    settings: BenchSettings,
+    address: tuple[str, int],
+    results: list[StreamResult],
+    requests: list[bytes],
+    watched: dict[str, int],
+    trace: RssTrace,
+    *,
+    t0: float,
+    wall0: float,
+) -> None:
+    """The load: stream ``i`` starts at ``t0 + i * step`` (trio clock), all of them cut at
+    the run's deadline; beside them the progress line and the RSS of ``watched``, sampled
+    into ``trace`` (stamped from ``wall0``, ``time.monotonic()``)."""
+    progress = _Progress()
+    step = settings.ramp / settings.streams
+    async with trio.open_nursery() as nursery:
+        if settings.progress:
+            shown = column_labels(settings).get(mode, mode)
+            nursery.start_soon(_show_progress, shown, progress, settings.streams, sys.stderr)
+        if watched:
+            nursery.start_soon(partial(sample_rss, watched, trace, since=wall0))
+        with trio.move_on_after(settings.ramp + settings.timeout):
+            async with trio.open_nursery() as streams:
+                for i, result in enumerate(results):
+                    streams.start_soon(
+                        partial(
+                            run_stream,
+                            address,
+                            requests[i],
+                            result,
+                            start_at=t0 + i * step,
+                            drop_at=settings.drop_at,
+                            slow_delay=settings.slow_delay,
+                            slow_rcvbuf=settings.slow_rcvbuf,
+                            slow_mss=settings.slow_mss,
+                            progress=progress,
+                        )
+                    )
+        nursery.cancel_scope.cancel()
 
 
 async def _warm_up(address: tuple[str, int], settings: BenchSettings, tag: str) -> None:
@@ -323,94 +350,20 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     # Before anything starts: no peer to start here is a plain error, not a half-run bench.
     peer_starter = peer_script() if settings.peer == "auto" else None
     layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
-    load_cpus = layout.load if layout is not None else None
-    proxy_cpus = layout.proxy if layout is not None else None
     placed: dict[str, list[int]] = {}
     own_cpus = os.sched_getaffinity(0) if layout is not None else None
     try:
-        if load_cpus is not None:
-            set_own_cpus(load_cpus)
+        if layout is not None:
+            set_own_cpus(layout.load)
             _record_cpus(placed, "load_generator", 0)
         async with trio.open_nursery() as nursery:
-            upstream_pid: int | None = None
-            if settings.upstream is not None:
-                upstream: tuple[str, int] | None = _address(settings.upstream)
-                upstream_url: str | None = settings.upstream.rstrip("/")
-            elif settings.target is not None:
-                upstream = upstream_url = None  # an outside proxy, upstream unknown
-            else:
-                upstream = ("127.0.0.1", _free_port("127.0.0.1"))
-                upstream_url = f"http://127.0.0.1:{upstream[1]}"
-                log = workdir / "fake-upstream.log"
-                argv = [sys.executable, "-m", "proxy.cli", "fake-upstream"]
-                argv += ["--host", "127.0.0.1", "--port", str(upstream[1])]
-                argv += ["--ttft", str(settings.ttft), "--interval", str(settings.interval)]
-                argv += ["--tokens", str(settings.tokens)]
-                if settings.upstream_sndbuf:
-                    argv += ["--sndbuf", str(settings.upstream_sndbuf)]
-                argv += settings.habit_argv()
-                argv = pinned_argv(argv, load_cpus)
-                process = await nursery.start(_supervise, "fake upstream", argv, log)
-                upstream_pid = pids["fake_upstream"] = process.pid
-                await _wait_ready("fake upstream", upstream, "/health", log)
-            if settings.target is not None:
-                proxy = _address(settings.target)
-                proxy_pid = settings.proxy_pid
-                await _wait_ready("proxy", proxy, "", None)
-            else:
-                assert upstream_url is not None
-                proxy, proxy_pid = await _start_proxy(
-                    nursery,
-                    "proxy",
-                    settings.transport,
-                    upstream_url,
-                    settings,
-                    workdir,
-                    proxy_cpus,
-                )
-                pids["proxy"] = proxy_pid
-            endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
-            if settings.versus_transport is not None:
-                # The same proxy but for its transport, alternating with the first (settings
-                # refuse --versus-transport with --target, so upstream_url is ours).
-                assert upstream_url is not None
-                endpoints.versus, endpoints.versus_pid = await _start_proxy(
-                    nursery,
-                    "versus",
-                    settings.versus_transport,
-                    upstream_url,
-                    settings,
-                    workdir,
-                    proxy_cpus,
-                )
-                pids["versus_proxy"] = endpoints.versus_pid
-            if peer_starter is not None:
-                assert upstream_url is not None  # settings refuse --peer auto without one
-                endpoints.peer = ("127.0.0.1", _free_port("127.0.0.1"))
-                log = workdir / "peer.log"
-                argv = [str(peer_starter), upstream_url, str(endpoints.peer[1])]
-                argv = pinned_argv(argv, proxy_cpus)
-                process = await nursery.start(_supervise, "FastAPI peer", argv, log)
-                endpoints.peer_pid = pids["peer"] = process.pid
-                await _wait_ready(
-                    "FastAPI peer", endpoints.peer, "/v1/models", log, PEER_READY_TIMEOUT
-                )
-            elif settings.peer is not None:
-                endpoints.peer = _address(settings.peer)
-                endpoints.peer_pid = settings.peer_pid
-                await _wait_ready("peer", endpoints.peer, "", None)
+            systems = _Systems(nursery, settings, workdir, layout, pids)
+            endpoints = await systems.start(peer_starter)
             if layout is not None:
                 # Read back once each is ready: its mask was set as it started (pinned_argv).
                 for name, pid in pids.items():
                     _record_cpus(placed, name, pid)
-            await _warm_up(proxy, settings, f"bench-{nonce}-warmup-proxy")
-            if endpoints.versus is not None:
-                await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus")
-            if endpoints.peer is not None:
-                await _warm_up(endpoints.peer, settings, f"bench-{nonce}-warmup-peer")
-            if settings.direct:
-                assert upstream is not None
-                await _warm_up(upstream, settings, f"bench-{nonce}-warmup-direct")
+            await _warm_up_each(endpoints, settings, nonce)
             cursor = 0
             for n, mode in enumerate(_schedule(settings)):
                 label = f"bench-{nonce}-{mode}{n}"
@@ -446,28 +399,122 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     )
 
 
-async def _start_proxy(
-    nursery: trio.Nursery,
-    mode: Mode,
-    transport: str,
-    upstream_url: str,
-    settings: BenchSettings,
-    workdir: Path,
-    cpus: frozenset[int] | None,
-) -> tuple[tuple[str, int], int]:
-    """Start a Sluice proxy with ``transport`` in front of ``upstream_url`` under ``nursery``,
-    wait for it to be ready, return its address and PID. ``mode`` names its files and, for
-    "versus", its transport the errors."""
-    name = "proxy" if mode == "proxy" else f"proxy ({transport})"
-    stem = "proxy" if mode == "proxy" else f"proxy-{mode}"
-    address = ("127.0.0.1", _free_port("127.0.0.1"))
-    config = workdir / f"{stem}.toml"
-    _write_text(config, _proxy_config(address[1], upstream_url, settings, transport))
-    log = workdir / f"{stem}.log"
-    argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
-    if settings.workers > 1:
-        argv += ["--workers", str(settings.workers)]
-    argv = pinned_argv(argv, cpus)
-    process = await nursery.start(_supervise, name, argv, log)
-    await _wait_ready(name, address, "/healthz", log)
-    return address, process.pid
+async def _warm_up_each(endpoints: _Endpoints, settings: BenchSettings, nonce: str) -> None:
+    """One unmeasured stream through each system the schedule runs the load at."""
+    assert endpoints.proxy is not None
+    await _warm_up(endpoints.proxy, settings, f"bench-{nonce}-warmup-proxy")
+    if endpoints.versus is not None:
+        await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus")
+    if endpoints.peer is not None:
+        await _warm_up(endpoints.peer, settings, f"bench-{nonce}-warmup-peer")
+    if settings.direct:
+        assert endpoints.upstream is not None
+        await _warm_up(endpoints.upstream, settings, f"bench-{nonce}-warmup-direct")
+
+
+class _Systems:
+    """Starts the systems under test as children of ``nursery`` (which owns them: they stop
+    when it ends), each ready when its start returns; ``pids`` gets the PID of each."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        settings: BenchSettings,
+        workdir: Path,
+        layout: CpuLayout | None,
+        pids: dict[str, int],
+    ) -> None:
+        self._nursery = nursery
+        self._settings = settings
+        self._workdir = workdir
+        self._load_cpus = layout.load if layout is not None else None
+        self._proxy_cpus = layout.proxy if layout is not None else None
+        self._pids = pids
+
+    async def start(self, peer_starter: Path | None) -> _Endpoints:
+        """The fake upstream (unless one is given), the proxy (unless ``--target``), the
+        versus proxy and the peer, as the settings ask."""
+        settings, pids = self._settings, self._pids
+        upstream_pid: int | None = None
+        if settings.upstream is not None:
+            upstream: tuple[str, int] | None = _address(settings.upstream)
+            upstream_url: str | None = settings.upstream.rstrip("/")
+        elif settings.target is not None:
+            upstream = upstream_url = None  # an outside proxy, upstream unknown
+        else:
+            upstream, upstream_pid = await self._start_fake()
+            upstream_url = f"http://127.0.0.1:{upstream[1]}"
+        if settings.target is not None:
+            proxy = _address(settings.target)
+            proxy_pid = settings.proxy_pid
+            await _wait_ready("proxy", proxy, "", None)
+        else:
+            assert upstream_url is not None
+            proxy, proxy_pid = await self._start_proxy("proxy", settings.transport, upstream_url)
+            pids["proxy"] = proxy_pid
+        endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
+        if settings.versus_transport is not None:
+            # The same proxy but for its transport, alternating with the first (settings
+            # refuse --versus-transport with --target, so upstream_url is ours).
+            assert upstream_url is not None
+            endpoints.versus, endpoints.versus_pid = await self._start_proxy(
+                "versus", settings.versus_transport, upstream_url
+            )
+            pids["versus_proxy"] = endpoints.versus_pid
+        if peer_starter is not None:
+            assert upstream_url is not None  # settings refuse --peer auto without one
+            endpoints.peer, endpoints.peer_pid = await self._start_peer(peer_starter, upstream_url)
+        elif settings.peer is not None:
+            endpoints.peer = _address(settings.peer)
+            endpoints.peer_pid = settings.peer_pid
+            await _wait_ready("peer", endpoints.peer, "", None)
+        return endpoints
+
+    async def _start_fake(self) -> tuple[tuple[str, int], int]:
+        settings = self._settings
+        upstream = ("127.0.0.1", _free_port("127.0.0.1"))
+        log = self._workdir / "fake-upstream.log"
+        argv = [sys.executable, "-m", "proxy.cli", "fake-upstream"]
+        argv += ["--host", "127.0.0.1", "--port", str(upstream[1])]
+        argv += ["--ttft", str(settings.ttft), "--interval", str(settings.interval)]
+        argv += ["--tokens", str(settings.tokens)]
+        if settings.upstream_sndbuf:
+            argv += ["--sndbuf", str(settings.upstream_sndbuf)]
+        argv += settings.habit_argv()
+        argv = pinned_argv(argv, self._load_cpus)
+        process = await self._nursery.start(_supervise, "fake upstream", argv, log)
+        self._pids["fake_upstream"] = process.pid
+        await _wait_ready("fake upstream", upstream, "/health", log)
+        return upstream, process.pid
+
+    async def _start_proxy(
+        self, mode: Mode, transport: str, upstream_url: str
+    ) -> tuple[tuple[str, int], int]:
+        """A Sluice proxy with ``transport`` in front of ``upstream_url``: its address and
+        PID. ``mode`` names its files and, for "versus", its transport the errors."""
+        settings = self._settings
+        name = "proxy" if mode == "proxy" else f"proxy ({transport})"
+        stem = "proxy" if mode == "proxy" else f"proxy-{mode}"
+        address = ("127.0.0.1", _free_port("127.0.0.1"))
+        config = self._workdir / f"{stem}.toml"
+        _write_text(config, _proxy_config(address[1], upstream_url, settings, transport))
+        log = self._workdir / f"{stem}.log"
+        argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+        if settings.workers > 1:
+            argv += ["--workers", str(settings.workers)]
+        argv = pinned_argv(argv, self._proxy_cpus)
+        process = await self._nursery.start(_supervise, name, argv, log)
+        await _wait_ready(name, address, "/healthz", log)
+        return address, process.pid
+
+    async def _start_peer(
+        self, peer_starter: Path, upstream_url: str
+    ) -> tuple[tuple[str, int], int]:
+        address = ("127.0.0.1", _free_port("127.0.0.1"))
+        log = self._workdir / "peer.log"
+        argv = [str(peer_starter), upstream_url, str(address[1])]
+        argv = pinned_argv(argv, self._proxy_cpus)
+        process = await self._nursery.start(_supervise, "FastAPI peer", argv, log)
+        self._pids["peer"] = process.pid
+        await _wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
+        return address, process.pid
