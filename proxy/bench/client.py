@@ -115,15 +115,15 @@ class ResponseParser:
 
 
 def build_request(host: str, port: int, path: str, body: bytes) -> bytes:
-    head = (
-        f"POST {path} HTTP/1.1\r\n"
-        f"Host: {host}:{port}\r\n"
-        "Content-Type: application/json\r\n"
-        "Accept: text/event-stream\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode("latin-1") + body
+    """A streaming POST of ``body`` to ``path``, one per connection (``Connection: close``)."""
+    headers = [
+        (b"Host", f"{host}:{port}".encode("latin-1")),
+        (b"Content-Type", b"application/json"),
+        (b"Accept", b"text/event-stream"),
+        (b"Content-Length", b"%d" % len(body)),
+        (b"Connection", b"close"),
+    ]
+    return http1.encode_request(b"POST", path.encode("latin-1"), headers, body)
 
 
 def chat_body(model: str, tag: str, ttft: float, interval: float, tokens: int) -> bytes:
@@ -290,11 +290,12 @@ async def run_stream(
 async def http_get(address: tuple[str, int], path: str) -> tuple[int, bytes]:
     """A GET with ``Connection: close``; raise OSError or ProtocolError on failure."""
     host, port = address
-    request = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+    headers = [(b"Host", f"{host}:{port}".encode("latin-1")), (b"Connection", b"close")]
+    request = http1.encode_request(b"GET", path.encode("latin-1"), headers, b"")
     parser = ResponseParser(collect=True, method=b"GET")
     with trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         await sock.connect(address)
-        await _send_all(sock, request.encode("latin-1"))
+        await _send_all(sock, request)
         while not parser.complete:
             data = await sock.recv(RECV_SIZE)
             if not data:
