@@ -23,7 +23,6 @@ from proxy import bench
 from proxy.bench import (
     BenchError,
     BenchSettings,
-    Dechunker,
     EventCounter,
     ProtocolError,
     ResponseParser,
@@ -42,6 +41,12 @@ from proxy.bench import (
     summarize,
     upsert_section,
 )
+from proxy.bench import children as bench_children
+from proxy.bench import cli as bench_cli
+from proxy.bench import plots as bench_plots
+from proxy.bench import report as bench_report
+from proxy.bench import run as bench_run
+from proxy.bench import settings as bench_settings
 
 ROLE = b'data: {"id":"c-1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 FINISH = b'data: {"id":"c-1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -145,7 +150,7 @@ def test_new_settings_extend_the_key_only_when_set() -> None:
 
 def test_schedule_runs_the_baseline_right_before_each_proxy_run() -> None:
     settings = BenchSettings(slow=0.3, baseline=True, direct=True, repeat=2)
-    assert bench._schedule(settings) == [
+    assert bench_run._schedule(settings) == [
         "direct",
         "baseline",
         "proxy",
@@ -153,37 +158,18 @@ def test_schedule_runs_the_baseline_right_before_each_proxy_run() -> None:
         "proxy",
         "direct",
     ]
-    assert bench._schedule(BenchSettings(repeat=2)) == ["proxy", "proxy"]
+    assert bench_run._schedule(BenchSettings(repeat=2)) == ["proxy", "proxy"]
 
 
 def test_proxy_config_carries_buffers_and_the_padded_model() -> None:
     settings = BenchSettings(proxy_rcvbuf=4096, event_pad=3, model="m")
-    config = bench._proxy_config(8000, "http://127.0.0.1:9000", settings)
+    config = bench_run._proxy_config(8000, "http://127.0.0.1:9000", settings)
     assert "socket_rcvbuf = 4096\n" in config
     assert '[models."m-pp"]' in config
-    assert "socket_rcvbuf" not in bench._proxy_config(8000, "http://x:1", BenchSettings())
+    assert "socket_rcvbuf" not in bench_run._proxy_config(8000, "http://x:1", BenchSettings())
 
 
 # --------------------------------------------------------------------------- HTTP parsing
-
-
-def test_dechunker_reassembles_any_split() -> None:
-    body = chunked(SSE)
-    for pieces in splits(body):
-        dechunker = Dechunker()
-        out = b"".join(dechunker.feed(piece) for piece in pieces)
-        assert out == SSE
-        assert dechunker.done
-
-
-def test_dechunker_ignores_bytes_after_the_end_and_refuses_garbage() -> None:
-    dechunker = Dechunker()
-    assert dechunker.feed(b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 junk") == b"abc"
-    assert dechunker.done
-    with pytest.raises(ProtocolError):
-        Dechunker().feed(b"zz\r\nabc\r\n")
-    with pytest.raises(ProtocolError):
-        Dechunker().feed(b"3\r\nabcXY")
 
 
 def test_event_counter_counts_tokens_not_role_finish_or_comments() -> None:
@@ -518,7 +504,7 @@ async def test_plots_without_matplotlib_fail_at_once_and_clearly(
     async def must_not_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("the load ran before the plots were known to be impossible")
 
-    monkeypatch.setattr(bench, "run_bench", must_not_run)
+    monkeypatch.setattr(bench_cli, "run_bench", must_not_run)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--markdown", str(tmp_path / "b.md")])
@@ -972,8 +958,8 @@ def test_a_tiny_bench_writes_its_plots_under_the_loads_stable_names(
 
         return drawn
 
-    monkeypatch.setattr(bench, "latency_figure", keep("latency", bench.latency_figure))
-    monkeypatch.setattr(bench, "rss_figure", keep("rss", bench.rss_figure))
+    monkeypatch.setattr(bench_plots, "latency_figure", keep("latency", bench.latency_figure))
+    monkeypatch.setattr(bench_plots, "rss_figure", keep("rss", bench.rss_figure))
     markdown = tmp_path / "benchmarks.md"
     load = "--streams 5 --ramp 0.05 --ttft 0.02 --interval 0.01 --tokens 5 --drop 0.4 --drop-at 2"
     argv = [*load.split(), "--direct", "--grace", "2", "--timeout", "10", "--quiet"]
@@ -1057,7 +1043,7 @@ def test_peer_settings_are_checked() -> None:
 
 
 def test_schedule_alternates_proxy_and_peer() -> None:
-    assert bench._schedule(BenchSettings(peer="auto", repeat=3)) == [
+    assert bench_run._schedule(BenchSettings(peer="auto", repeat=3)) == [
         "proxy",
         "peer",
         "peer",
@@ -1066,7 +1052,7 @@ def test_schedule_alternates_proxy_and_peer() -> None:
         "peer",
     ]
     settings = BenchSettings(peer="auto", direct=True, slow=0.3, baseline=True, repeat=2)
-    assert bench._schedule(settings) == [
+    assert bench_run._schedule(settings) == [
         "direct",
         "baseline",
         "proxy",
@@ -1090,7 +1076,7 @@ def test_peer_auto_without_shared_peers_fails_clearly(
     script.chmod(0o755)
     assert bench.peer_script(tmp_path) == script
     # run_bench says so before starting anything.
-    monkeypatch.setattr(bench, "PEERS_DIR", tmp_path / "nowhere")
+    monkeypatch.setattr(bench_children, "PEERS_DIR", tmp_path / "nowhere")
     with pytest.raises(BenchError, match="--peer auto"):
         trio.run(bench.run_bench, BenchSettings(peer="auto"))
 
@@ -1199,7 +1185,7 @@ def test_recording_a_child_that_is_gone_leaves_it_to_its_supervisor() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     placed: dict[str, list[int]] = {}
-    bench._record_cpus(placed, "proxy", child.pid)
+    bench_children._record_cpus(placed, "proxy", child.pid)
     assert placed == {}
 
 
@@ -1208,7 +1194,7 @@ async def test_a_pinned_bench_whose_proxy_fails_gives_every_thread_its_cpus_back
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     before = os.sched_getaffinity(0)
-    monkeypatch.setattr(bench, "_proxy_config", lambda *args: "[no_such_section]\n")
+    monkeypatch.setattr(bench_run, "_proxy_config", lambda *args: "[no_such_section]\n")
     with trio.fail_after(40), pytest.raises(bench.ChildExited, match="proxy"):
         await bench.run_bench(tiny_load(streams=2, tokens=2, drop=0, pin=True), command="test")
     assert thread_cpus() == {frozenset(before)}
@@ -1347,13 +1333,13 @@ def test_proxy_config_names_the_transport_and_no_proxy_and_loads(tmp_path: Path)
     from proxy import config as proxy_config
 
     settings = BenchSettings(versus_transport="httpx")
-    first = bench._proxy_config(8000, "http://127.0.0.1:9000", settings)
-    second = bench._proxy_config(8001, "http://127.0.0.1:9000", settings, "httpx")
+    first = bench_run._proxy_config(8000, "http://127.0.0.1:9000", settings)
+    second = bench_run._proxy_config(8001, "http://127.0.0.1:9000", settings, "httpx")
     assert 'transport = "lean"\n' in first
     assert 'transport = "httpx"\n' in second
     # The same config otherwise: only the transport (and the port) tell the two apart.
     assert first.replace("lean", "httpx").replace("8000", "8001") == second
-    plain = bench._proxy_config(8000, "http://127.0.0.1:9000", BenchSettings())
+    plain = bench_run._proxy_config(8000, "http://127.0.0.1:9000", BenchSettings())
     assert 'transport = "auto"\n' in plain and 'proxy = "none"\n' in plain
     for text, transport in ((first, "lean"), (second, "httpx"), (plain, "auto")):
         path = tmp_path / f"{transport}.toml"
@@ -1364,9 +1350,9 @@ def test_proxy_config_names_the_transport_and_no_proxy_and_loads(tmp_path: Path)
 
 def test_schedule_alternates_the_two_transports_as_it_does_the_peer() -> None:
     versus = BenchSettings(versus_transport="httpx", repeat=3)
-    assert bench._schedule(versus) == ["proxy", "versus", "versus", "proxy", "proxy", "versus"]
+    assert bench_run._schedule(versus) == ["proxy", "versus", "versus", "proxy", "proxy", "versus"]
     both = BenchSettings(versus_transport="httpx", peer="auto", direct=True, repeat=2)
-    assert bench._schedule(both) == [
+    assert bench_run._schedule(both) == [
         "direct",
         "proxy",
         "versus",
@@ -1405,7 +1391,10 @@ def test_versus_columns_are_labelled_by_transport_in_table_markdown_and_json() -
     cpu = row["proxy CPU per event (µs)"]
     # 13.8 ms over 69 events, 27.6 ms over 69 + 53 (the failed stream got its events too)
     assert cpu == ["200", "226", "400", "0.88x", "0.50x"]
-    assert bench._errors_line(summaries, labels) == "errors by kind — proxy (httpx): HTTP 502: 1"
+    assert (
+        bench_report._errors_line(summaries, labels)
+        == "errors by kind — proxy (httpx): HTTP 502: 1"
+    )
     # Without labels (the table the old way), the modes.
     assert bench.table_rows(summaries)[0][1:3] == ["proxy", "versus"]
     assert bench.column_labels(BenchSettings()) == {}
@@ -1528,7 +1517,7 @@ async def test_balance_bench_runs_sessions_and_reports_each_balance() -> None:
                 for _ in range(settings.replicas)
             ]
             urls = [fake.url for fake in fakes]
-            replicas = [bench._address(url) for url in urls]
+            replicas = [bench_settings._address(url) for url in urls]
             runs = {}
             for number, name in enumerate(balance.schedule(settings.balances, 1)):
                 model = {"upstreams": urls, "balance": name, "metrics_interval": 0.05}

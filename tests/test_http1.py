@@ -665,3 +665,24 @@ def test_content_decoder_takes_the_body_in_pieces_and_bounds_what_it_makes() -> 
         ContentDecoder("gzip", 10**9, chunk_limit=100).feed(packed)
     with pytest.raises(ProtocolError, match="undecodable"):
         ContentDecoder("deflate", 100).feed(b"not deflate at all")
+
+
+def test_a_chunked_body_as_the_bench_client_reads_it() -> None:
+    # The bench's load generator reads the relay's answers with this reader (proxy.bench.client):
+    # an event stream in small chunks with extensions and a trailer, cut anywhere.
+    events = b"".join(b'data: {"n":%d}\n\n' % i for i in range(5)) + b"data: [DONE]\n\n"
+    body = b"".join(
+        b"%x;ext=1\r\n%b\r\n" % (len(events[i : i + 37]), events[i : i + 37])
+        for i in range(0, len(events), 37)
+    )
+    data = CHUNKED + body + b"0\r\nX-Trailer: yes\r\n\r\n"
+    for cut in range(len(data) + 1):
+        reader, out = read(data[:cut], data[cut:])
+        assert (out, reader.complete) == (events, True), cut
+    # Bytes after the last chunk are not body; garbage framing is an error.
+    reader, out = read(CHUNKED + b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 junk")
+    assert (out, reader.complete) == (b"abc", True)
+    with pytest.raises(ProtocolError):
+        read(CHUNKED + b"zz\r\nabc\r\n")
+    with pytest.raises(ProtocolError):
+        read(CHUNKED + b"3\r\nabcXY")

@@ -37,24 +37,13 @@ from typing import Any, Final
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.bench import (
-    BenchError,
-    StreamResult,
-    _command_line,
-    _free_port,
-    _git_commit,
-    _read,
-    _supervise,
-    _wait_ready,
-    _write_text,
-    build_request,
-    http_get,
-    machine_info,
-    percentile,
-    run_stoppable,
-    run_stream,
-    upsert_section,
-)
+from proxy.bench.children import _free_port, _git_commit, _supervise, _wait_ready, run_stoppable
+from proxy.bench.cli import _command_line
+from proxy.bench.client import StreamResult, build_request, http_get, run_stream
+from proxy.bench.procfs import _read, machine_info
+from proxy.bench.report import _write_text, upsert_section
+from proxy.bench.settings import BenchError
+from proxy.bench.summary import percentile
 
 BALANCES: Final = ("least_busy", "upstream_metrics", "prefix_affinity")
 _WORDS: Final = ("tide", "lamp", "keeper", "rock", "gull", "storm", "harbour", "rope", "lens")

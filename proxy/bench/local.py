@@ -434,7 +434,7 @@ def run(tokens: int, repeat: int, stream_tokens: int) -> dict[str, Any]:
 
 
 def write_plot(results: dict[str, Any], path: Path) -> None:
-    from proxy.bench import load_pyplot
+    from proxy.bench.plots import load_pyplot
 
     plt = load_pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

@@ -1,0 +1,265 @@
+"""``sluice bench``: a reproducible load generator that measures what the proxy promises.
+
+This module is its command line (``python -m proxy.bench``, ``sluice bench``): the flags, the
+settings they make, and what a run prints and writes. The package docstring says what is
+measured."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from proxy.bench.children import run_stoppable
+from proxy.bench.plots import load_pyplot, write_plots
+from proxy.bench.procfs import _read
+from proxy.bench.report import (
+    _errors_line,
+    _write_text,
+    column_labels,
+    format_table,
+    markdown_section,
+    relative_link,
+    upsert_section,
+)
+from proxy.bench.run import run_bench
+from proxy.bench.settings import (
+    DEFAULT_HABIT_SECONDS,
+    HABITS,
+    TRANSPORTS,
+    BenchError,
+    BenchSettings,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchSettings()
+    _add_load_arguments(parser.add_argument, d)
+    _add_system_arguments(parser.add_argument, d)
+    _add_output_arguments(parser.add_argument)
+
+
+def _add_load_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
+    """The load: its streams, the fake's schedule, who leaves, who reads slowly, the buffers."""
+    add("--streams", type=int, default=d.streams, help="concurrent streaming requests")
+    add("--ramp", type=float, default=d.ramp, help="seconds over which streams start, evenly")
+    add("--ttft", type=float, default=d.ttft, help="fake upstream: seconds to the first token")
+    add("--interval", type=float, default=d.interval, help="fake upstream: seconds per token")
+    add("--tokens", type=int, default=d.tokens, help="fake upstream: tokens per answer")
+    add("--drop", type=float, default=d.drop, help="fraction of clients that leave mid-stream")
+    add("--drop-at", type=int, default=d.drop_at, help="a leaving client closes after token K")
+    add("--slow", type=float, default=d.slow, help="fraction of clients that read slowly")
+    add("--slow-delay", type=float, default=d.slow_delay, help="a slow reader's sleep per read")
+    add(
+        "--slow-rcvbuf",
+        type=int,
+        default=d.slow_rcvbuf,
+        help="SO_RCVBUF of slow readers' sockets, bytes (0: OS default)",
+    )
+    add(
+        "--slow-mss",
+        type=int,
+        default=d.slow_mss,
+        help="TCP_MAXSEG of slow readers' sockets, e.g. 1460 as on Ethernet (0: OS default)",
+    )
+    add(
+        "--upstream-sndbuf",
+        type=int,
+        default=d.upstream_sndbuf,
+        help="SO_SNDBUF of the fake upstream's sockets, bytes (0: OS default)",
+    )
+    add(
+        "--proxy-rcvbuf",
+        type=int,
+        default=d.proxy_rcvbuf,
+        help="the proxy's SO_RCVBUF towards the upstream, bytes (0: OS default)",
+    )
+    add(
+        "--event-pad",
+        type=int,
+        default=d.event_pad,
+        help="make every event this many bytes longer (via the model name)",
+    )
+    add("--seed", type=int, default=d.seed, help="seed of who leaves and who reads slowly")
+
+
+def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
+    """What the load runs at: the proxy, the systems compared with it, how often, how long."""
+    add("--direct", action="store_true", help="also run the same load straight at the upstream")
+    add(
+        "--baseline",
+        action="store_true",
+        help="also run the same load through the proxy with the slow readers reading fast",
+    )
+    add("--repeat", type=int, default=d.repeat, help="runs per mode, alternating, pooled")
+    add("--grace", type=float, default=d.grace, help="seconds to wait for upstream to see closes")
+    add("--timeout", type=float, default=d.timeout, help="seconds a run may take after its ramp")
+    add("--target", help="an already running proxy (http://host:port) instead of starting one")
+    add("--upstream", help="an already running fake upstream (http://host:port)")
+    add("--proxy-pid", type=int, help="with --target: its PID, for CPU and RSS figures")
+    add(
+        "--peer",
+        metavar="URL_OR_auto",
+        help="also run the load through the FastAPI peer: 'auto' starts it (shared/peers/), a "
+        "URL targets one already running (with --upstream, the fake it relays to)",
+    )
+    add("--peer-pid", type=int, help="with --peer URL: its PID, for CPU and RSS figures")
+    add("--model", default=d.model, help="model name to request")
+    add(
+        "--workers",
+        type=int,
+        default=d.workers,
+        help="worker processes of the proxy the bench starts (its CPU and RSS: all of them)",
+    )
+    add(
+        "--pin",
+        action="store_true",
+        help="give the proxy (and peer) CPUs of their own, the load generator and the fake "
+        "upstream the others (Linux; needs workers + 1 CPUs)",
+    )
+    add(
+        "--transport",
+        choices=TRANSPORTS,
+        default=d.transport,
+        help="the proxy's [upstream] transport (auto: lean here, the upstream being plain "
+        "http:// with no proxy)",
+    )
+    add(
+        "--versus-transport",
+        choices=("lean", "httpx"),
+        help="also run the load through a second proxy, the same but for this transport, "
+        "alternating; ratios are --transport over it (an auto --transport is the other one)",
+    )
+    add(
+        "--upstream-habit",
+        choices=HABITS,
+        default=d.upstream_habit,
+        help="how the fake upstream ends kept-alive connections, as real servers do",
+    )
+    add(
+        "--upstream-habit-seconds",
+        type=float,
+        metavar="S",
+        help=f"the seconds of keepalive-timeout or late-close (default {DEFAULT_HABIT_SECONDS:g})",
+    )
+
+
+def _add_output_arguments(add: Callable[..., Any]) -> None:
+    add("--json", type=Path, help="write every figure as JSON here")
+    add("--markdown", type=Path, help="write (or replace) this load's section in this file")
+    add(
+        "--plots",
+        type=Path,
+        metavar="DIR",
+        help="write PNG plots here (default with --markdown: next to the markdown file)",
+    )
+    add("--no-plots", action="store_true", help="no plots, even with --markdown")
+    add("--quiet", action="store_true", help="no progress line on stderr")
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    return BenchSettings(
+        streams=args.streams,
+        ramp=args.ramp,
+        ttft=args.ttft,
+        interval=args.interval,
+        tokens=args.tokens,
+        drop=args.drop,
+        drop_at=args.drop_at,
+        slow=args.slow,
+        slow_delay=args.slow_delay,
+        slow_rcvbuf=args.slow_rcvbuf,
+        slow_mss=args.slow_mss,
+        upstream_sndbuf=args.upstream_sndbuf,
+        proxy_rcvbuf=args.proxy_rcvbuf,
+        event_pad=args.event_pad,
+        seed=args.seed,
+        direct=args.direct,
+        baseline=args.baseline,
+        repeat=args.repeat,
+        grace=args.grace,
+        timeout=args.timeout,
+        target=args.target,
+        upstream=args.upstream,
+        proxy_pid=args.proxy_pid,
+        peer=args.peer,
+        peer_pid=args.peer_pid,
+        model=args.model,
+        workers=args.workers,
+        pin=args.pin,
+        transport=args.transport,
+        versus_transport=args.versus_transport,
+        upstream_habit=args.upstream_habit,
+        upstream_habit_seconds=args.upstream_habit_seconds,
+        progress=not args.quiet,
+    )
+
+
+def _command_line(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> str:
+    if argv is not None:
+        return shlex.join([*shlex.split(prog), *argv])
+    program = Path(sys.argv[0]).name
+    if program in ("bench.py", "__main__.py"):
+        program = "python -m proxy.bench"
+    return " ".join([program, shlex.join(sys.argv[1:])]).strip()
+
+
+def plots_dir(args: argparse.Namespace) -> Path | None:
+    """Where plots go: ``--plots``, else next to ``--markdown``; None with ``--no-plots``."""
+    if getattr(args, "no_plots", False):
+        return None
+    plots: Path | None = getattr(args, "plots", None)
+    if plots is not None:
+        return plots
+    markdown: Path | None = getattr(args, "markdown", None)
+    return markdown.parent if markdown is not None else None
+
+
+async def run_from_args(args: argparse.Namespace) -> None:
+    plots = plots_dir(args)
+    try:
+        settings = settings_from_args(args)
+        if plots is not None:
+            load_pyplot()  # no matplotlib: say so now, not after minutes of load
+        command = getattr(args, "bench_command", None) or _command_line()
+        report = await run_bench(settings, command=command)
+    except BenchError as error:
+        print(f"sluice bench: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(f"sluice bench: {settings.describe()}")
+    labels = column_labels(settings)
+    print(format_table(report.summaries, labels))
+    errors = _errors_line(report.summaries, labels)
+    if errors:
+        print(errors)
+    # Small local files, written once at the end: a blocking write is fine here.
+    if args.json is not None:
+        _write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
+    # After the figures are out: a plot that fails must not take them along.
+    written = write_plots(report, plots) if plots is not None else []
+    for _, path in written:
+        print(f"plot: {path}")
+    if args.markdown is not None:
+        base = args.markdown.parent
+        links = [(alt, relative_link(path, base)) for alt, path in written]
+        old = _read(str(args.markdown)) or ""
+        section = markdown_section(report, links)
+        _write_text(args.markdown, upsert_section(old, settings.key(), section))
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.bench_command = _command_line(argv, prog)
+    try:
+        run_stoppable(run_from_args, args)
+    except BenchError as error:
+        print(f"sluice bench: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        sys.exit(130)

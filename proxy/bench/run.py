@@ -1,0 +1,520 @@
+"""One bench: the systems under test started in a nursery, a warm-up stream each, then the load
+run against each mode in an alternating schedule, measured from the client and from ``/proc``,
+and matched with the fake upstream's records."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import trio
+
+from proxy.bench.children import (
+    PEER_READY_TIMEOUT,
+    READY_TIMEOUT,
+    _first_leaf,
+    _free_port,
+    _git_commit,
+    _record_cpus,
+    _supervise,
+    _wait_ready,
+    peer_script,
+    pinned_argv,
+    set_own_cpus,
+)
+from proxy.bench.client import (
+    StreamResult,
+    _Progress,
+    build_request,
+    chat_body,
+    classify,
+    http_get,
+    run_stream,
+)
+from proxy.bench.procfs import (
+    RssTrace,
+    _raise_fd_limit,
+    machine_info,
+    own_cpu_seconds,
+    process_cpu_seconds,
+    process_cpu_wait,
+    process_peak_rss,
+    reset_peak_rss,
+    sample_rss,
+)
+from proxy.bench.report import BenchReport, _write_text, column_labels
+from proxy.bench.settings import (
+    MODES,
+    BenchError,
+    BenchSettings,
+    CpuLayout,
+    Mode,
+    _address,
+    assign_roles,
+    cpu_layout,
+)
+from proxy.bench.summary import RunData, RunSummary, merge_runs, summarize
+
+RECORDS_POLL: Final = 0.2
+
+
+def _proxy_config(
+    port: int, upstream: str, settings: BenchSettings, transport: str | None = None
+) -> str:
+    """The config of a proxy the bench starts; ``transport``: its ``[upstream] transport``
+    (None: ``settings.transport``; the versus proxy's is ``settings.versus_transport``)."""
+    return (
+        "# Written by proxy.bench for one run.\n"
+        "[server]\n"
+        'host = "127.0.0.1"\n'
+        f"port = {port}\n"
+        "graceful_timeout = 1.0\n\n"
+        "[upstream]\n"
+        # Nothing of the bench's own load may queue in front of the pool.
+        f"max_connections = {max(256, settings.streams + 16)}\n"
+        f"transport = {json.dumps(transport or settings.transport)}\n"
+        # The bench's upstream is on this machine: never through the environment's proxy
+        # (which would also make auto mean httpx).
+        'proxy = "none"\n'
+        + (f"socket_rcvbuf = {settings.proxy_rcvbuf}\n" if settings.proxy_rcvbuf else "")
+        + "\n"
+        f"[models.{json.dumps(settings.model_name)}]\n"
+        f"upstreams = [{json.dumps(upstream)}]\n"
+    )
+
+
+async def _fetch_records(address: tuple[str, int], since: int) -> list[dict[str, Any]]:
+    status, body = await http_get(address, f"/_fake/requests?since={since}")
+    if status != 200:
+        raise BenchError(f"fake upstream answered {status} to /_fake/requests")
+    records = json.loads(body)
+    if not isinstance(records, list):
+        raise BenchError("fake upstream's /_fake/requests is not a list")
+    return records
+
+
+def _by_tag(records: list[dict[str, Any]], tags: set[str]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for record in records:
+        body = record.get("body")
+        tag = body.get("user") if isinstance(body, dict) else None
+        if isinstance(tag, str) and tag in tags:
+            out[tag] = record
+    return out
+
+
+async def _collect_records(
+    address: tuple[str, int], since: int, results: list[StreamResult], grace: float
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """The fake's records of this run, once every request it got is settled or ``grace``
+    seconds have passed (what is still pending then is what the figures must show)."""
+    expected = {result.tag for result in results if result.sent is not None}
+    deadline = trio.current_time() + grace
+    while True:
+        fetched = await _fetch_records(address, since)
+        records = _by_tag(fetched, expected)
+        settled = len(records) == len(expected) and all(
+            r.get("outcome") != "pending" for r in records.values()
+        )
+        if settled or trio.current_time() >= deadline:
+            break
+        await trio.sleep(RECORDS_POLL)
+    cursor = max((int(r["id"]) + 1 for r in fetched), default=since)
+    return records, cursor
+
+
+async def _show_progress(label: str, progress: _Progress, total: int, out: TextIO) -> None:
+    """One line on stderr, rewritten in place on a terminal; a line every 5 s in a log."""
+    tty = out.isatty()
+    started = time.monotonic()
+
+    def show(final: bool = False) -> None:
+        line = (
+            f"[{label}] {time.monotonic() - started:5.1f} s  started {progress.started}/"
+            f"{total}  finished {progress.finished}  failed {progress.failed}"
+        )
+        end = "\n" if final or not tty else ""
+        print("\r" + line if tty else line, end=end, file=out, flush=True)
+
+    try:
+        while True:
+            await trio.sleep(0.25 if tty else 5.0)
+            show()
+    finally:
+        # Cancelled once the run is over: the final count, so the log ends with the truth.
+        show(final=True)
+
+
+@dataclass
+class _Endpoints:
+    proxy: tuple[str, int] | None
+    upstream: tuple[str, int] | None
+    proxy_pid: int | None
+    upstream_pid: int | None
+    peer: tuple[str, int] | None = None
+    peer_pid: int | None = None
+    versus: tuple[str, int] | None = None  # the second Sluice, with --versus-transport
+    versus_pid: int | None = None
+
+
+async def _run_once(
+    mode: Mode,
+    label: str,
+    settings: BenchSettings,
+    endpoints: _Endpoints,
+    cursor: int,
+) -> tuple[RunData, int]:
+    address = {
+        "direct": endpoints.upstream,
+        "peer": endpoints.peer,
+        "versus": endpoints.versus,
+    }.get(mode, endpoints.proxy)
+    assert address is not None
+    results, requests = _streams(mode, label, settings, address)
+    # The relay measured: the proxy, or the peer or the versus proxy in its place (their
+    # figures fill the same rows).
+    proxy_pid = {
+        "direct": None,
+        "peer": endpoints.peer_pid,
+        "versus": endpoints.versus_pid,
+    }.get(mode, endpoints.proxy_pid)
+    if proxy_pid is not None:
+        reset_peak_rss(proxy_pid)
+    proxy_cpu0 = process_cpu_seconds(proxy_pid) if proxy_pid is not None else None
+    proxy_wait0 = process_cpu_wait(proxy_pid) if proxy_pid is not None else None
+    upstream_pid = endpoints.upstream_pid
+    upstream_cpu0 = process_cpu_seconds(upstream_pid) if upstream_pid is not None else None
+    client_cpu0 = own_cpu_seconds()
+    # A short lead so that creating the tasks is not counted against the first streams.
+    t0 = trio.current_time() + 0.05
+    wall0 = time.monotonic() + 0.05
+    watched = {"proxy": proxy_pid} if proxy_pid is not None else {}
+    if upstream_pid is not None:
+        watched["fake_upstream"] = upstream_pid
+    trace: RssTrace = {}
+    await _drive(mode, settings, address, results, requests, watched, trace, t0=t0, wall0=wall0)
+    wall = time.monotonic() - wall0
+    client_cpu = own_cpu_seconds() - client_cpu0
+
+    def delta(
+        pid: int | None, before: float | None, read: Callable[[int], float | None]
+    ) -> float | None:
+        after = read(pid) if pid is not None else None
+        return None if after is None or before is None else after - before
+
+    run = RunData(
+        mode=mode,
+        results=results,
+        records={},
+        wall_s=wall,
+        client_cpu_s=client_cpu,
+        proxy_cpu_s=delta(proxy_pid, proxy_cpu0, process_cpu_seconds),
+        proxy_cpu_wait_s=delta(proxy_pid, proxy_wait0, process_cpu_wait),
+        proxy_peak_rss=process_peak_rss(proxy_pid) if proxy_pid is not None else None,
+        upstream_cpu_s=delta(upstream_pid, upstream_cpu0, process_cpu_seconds),
+        records_known=endpoints.upstream is not None,
+        rss=[trace] if trace else [],
+        # Only a fake we started is known to keep the bench's schedule.
+        interval=settings.interval if upstream_pid is not None else None,
+    )
+    if endpoints.upstream is not None:
+        run.records, cursor = await _collect_records(
+            endpoints.upstream, cursor, results, settings.grace
+        )
+    return run, cursor
+
+
+def _streams(
+    mode: Mode, label: str, settings: BenchSettings, address: tuple[str, int]
+) -> tuple[list[StreamResult], list[bytes]]:
+    """Each client's empty result and its request, tagged ``label-i``."""
+    # The baseline's slow readers read at full speed: the same draw with slow = 0 gives the
+    # same leavers, and everyone else normal.
+    slow = 0.0 if mode == "baseline" else settings.slow
+    roles = assign_roles(settings.streams, settings.drop, slow, settings.seed)
+    host, port = address
+    results, requests = [], []
+    model = settings.model_name
+    for i, role in enumerate(roles):
+        tag = f"{label}-{i}"
+        results.append(StreamResult(index=i, tag=tag, role=role))
+        body = chat_body(model, tag, settings.ttft, settings.interval, settings.tokens)
+        requests.append(build_request(host, port, "/v1/chat/completions", body))
+    return results, requests
+
+
+async def _drive(
+    mode: Mode,
+    settings: BenchSettings,
+    address: tuple[str, int],
+    results: list[StreamResult],
+    requests: list[bytes],
+    watched: dict[str, int],
+    trace: RssTrace,
+    *,
+    t0: float,
+    wall0: float,
+) -> None:
+    """The load: stream ``i`` starts at ``t0 + i * step`` (trio clock), all of them cut at
+    the run's deadline; beside them the progress line and the RSS of ``watched``, sampled
+    into ``trace`` (stamped from ``wall0``, ``time.monotonic()``)."""
+    progress = _Progress()
+    step = settings.ramp / settings.streams
+    async with trio.open_nursery() as nursery:
+        if settings.progress:
+            shown = column_labels(settings).get(mode, mode)
+            nursery.start_soon(_show_progress, shown, progress, settings.streams, sys.stderr)
+        if watched:
+            nursery.start_soon(partial(sample_rss, watched, trace, since=wall0))
+        with trio.move_on_after(settings.ramp + settings.timeout):
+            async with trio.open_nursery() as streams:
+                for i, result in enumerate(results):
+                    streams.start_soon(
+                        partial(
+                            run_stream,
+                            address,
+                            requests[i],
+                            result,
+                            start_at=t0 + i * step,
+                            drop_at=settings.drop_at,
+                            slow_delay=settings.slow_delay,
+                            slow_rcvbuf=settings.slow_rcvbuf,
+                            slow_mss=settings.slow_mss,
+                            progress=progress,
+                        )
+                    )
+        nursery.cancel_scope.cancel()
+
+
+async def _warm_up(address: tuple[str, int], settings: BenchSettings, tag: str) -> None:
+    """One unmeasured stream, so that first-request costs (imports, pool set-up) are not
+    counted as TTFT."""
+    host, port = address
+    body = chat_body(
+        settings.model_name, tag, settings.ttft, settings.interval, min(settings.tokens, 3)
+    )
+    result = StreamResult(index=-1, tag=tag, role="normal")
+    request = build_request(host, port, "/v1/chat/completions", body)
+    with trio.move_on_after(READY_TIMEOUT):
+        await run_stream(
+            address, request, result, start_at=trio.current_time(), drop_at=0, slow_delay=0
+        )
+    kind = classify(result)
+    if kind is not None:
+        raise BenchError(f"warm-up request to {host}:{port} failed: {kind}")
+
+
+def _schedule(settings: BenchSettings) -> list[Mode]:
+    """Alternate direct, proxy, versus and peer across repeats (direct, proxy, versus, peer;
+    then peer, versus, proxy, direct), so that none always runs first on a cold machine or last
+    on a warm one. The
+    baseline runs right before each proxy run: the proxy's memory is then at its lowest for
+    the baseline, and whatever the slow readers add shows in the proxy run (the other way
+    round, the baseline would inherit the slow run's heap)."""
+    proxy: list[Mode] = ["baseline", "proxy"] if settings.baseline else ["proxy"]
+    one: list[Mode] = ["direct"] if settings.direct else []
+    one += proxy
+    if settings.versus_transport is not None:
+        one.append("versus")
+    if settings.peer is not None:
+        one.append("peer")
+    order: list[Mode] = []
+    for rep in range(settings.repeat):
+        if rep % 2 == 0:
+            order += one
+        else:
+            # Reversed, keeping the baseline right before its proxy run.
+            back = [m for m in reversed(one) if m != "baseline"]
+            order += [x for m in back for x in (proxy if m == "proxy" else [m])]
+    return order
+
+
+async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchReport:
+    """Start what is needed, run the load in every mode, stop the children, return figures."""
+    machine = machine_info()  # first: its load average is the machine before our load
+    _raise_fd_limit(settings.streams * 4 + 256)
+    workdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+    nonce = os.urandom(4).hex()  # tags unique even against an upstream reused across benches
+    runs: dict[Mode, list[RunData]] = {}
+    pids: dict[str, int] = {}
+    # Before anything starts: no peer to start here is a plain error, not a half-run bench.
+    peer_starter = peer_script() if settings.peer == "auto" else None
+    layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
+    placed: dict[str, list[int]] = {}
+    own_cpus = os.sched_getaffinity(0) if layout is not None else None
+    try:
+        if layout is not None:
+            set_own_cpus(layout.load)
+            _record_cpus(placed, "load_generator", 0)
+        async with trio.open_nursery() as nursery:
+            systems = _Systems(nursery, settings, workdir, layout, pids)
+            endpoints = await systems.start(peer_starter)
+            if layout is not None:
+                # Read back once each is ready: its mask was set as it started (pinned_argv).
+                for name, pid in pids.items():
+                    _record_cpus(placed, name, pid)
+            await _warm_up_each(endpoints, settings, nonce)
+            cursor = 0
+            for n, mode in enumerate(_schedule(settings)):
+                label = f"bench-{nonce}-{mode}{n}"
+                run, cursor = await _run_once(mode, label, settings, endpoints, cursor)
+                runs.setdefault(mode, []).append(run)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # A child that died or never came up, or Ctrl-C: raise that one error plainly, so
+        # callers (and ``sluice``'s own ``except KeyboardInterrupt``) see it as it is. A mix,
+        # or anything else (cancellation included), goes on as it came.
+        for kind in (BenchError, KeyboardInterrupt):
+            matched, rest = group.split(kind)
+            if matched is not None and rest is None:
+                raise _first_leaf(matched) from None
+        raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if own_cpus is not None:
+            set_own_cpus(own_cpus)
+    pooled: dict[str, RunData] = {mode: merge_runs(runs[mode]) for mode in MODES if mode in runs}
+    summaries: dict[str, RunSummary] = {mode: summarize(run) for mode, run in pooled.items()}
+    return BenchReport(
+        settings=settings,
+        summaries=summaries,
+        machine=machine,
+        command=command,
+        commit=await _git_commit(),
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        env={k: v for k, v in os.environ.items() if k.startswith("SLUICE_")},
+        pids=pids,
+        runs=pooled,
+        cpus=placed,
+    )
+
+
+async def _warm_up_each(endpoints: _Endpoints, settings: BenchSettings, nonce: str) -> None:
+    """One unmeasured stream through each system the schedule runs the load at."""
+    assert endpoints.proxy is not None
+    await _warm_up(endpoints.proxy, settings, f"bench-{nonce}-warmup-proxy")
+    if endpoints.versus is not None:
+        await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus")
+    if endpoints.peer is not None:
+        await _warm_up(endpoints.peer, settings, f"bench-{nonce}-warmup-peer")
+    if settings.direct:
+        assert endpoints.upstream is not None
+        await _warm_up(endpoints.upstream, settings, f"bench-{nonce}-warmup-direct")
+
+
+class _Systems:
+    """Starts the systems under test as children of ``nursery`` (which owns them: they stop
+    when it ends), each ready when its start returns; ``pids`` gets the PID of each."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        settings: BenchSettings,
+        workdir: Path,
+        layout: CpuLayout | None,
+        pids: dict[str, int],
+    ) -> None:
+        self._nursery = nursery
+        self._settings = settings
+        self._workdir = workdir
+        self._load_cpus = layout.load if layout is not None else None
+        self._proxy_cpus = layout.proxy if layout is not None else None
+        self._pids = pids
+
+    async def start(self, peer_starter: Path | None) -> _Endpoints:
+        """The fake upstream (unless one is given), the proxy (unless ``--target``), the
+        versus proxy and the peer, as the settings ask."""
+        settings, pids = self._settings, self._pids
+        upstream_pid: int | None = None
+        if settings.upstream is not None:
+            upstream: tuple[str, int] | None = _address(settings.upstream)
+            upstream_url: str | None = settings.upstream.rstrip("/")
+        elif settings.target is not None:
+            upstream = upstream_url = None  # an outside proxy, upstream unknown
+        else:
+            upstream, upstream_pid = await self._start_fake()
+            upstream_url = f"http://127.0.0.1:{upstream[1]}"
+        if settings.target is not None:
+            proxy = _address(settings.target)
+            proxy_pid = settings.proxy_pid
+            await _wait_ready("proxy", proxy, "", None)
+        else:
+            assert upstream_url is not None
+            proxy, proxy_pid = await self._start_proxy("proxy", settings.transport, upstream_url)
+            pids["proxy"] = proxy_pid
+        endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
+        if settings.versus_transport is not None:
+            # The same proxy but for its transport, alternating with the first (settings
+            # refuse --versus-transport with --target, so upstream_url is ours).
+            assert upstream_url is not None
+            endpoints.versus, endpoints.versus_pid = await self._start_proxy(
+                "versus", settings.versus_transport, upstream_url
+            )
+            pids["versus_proxy"] = endpoints.versus_pid
+        if peer_starter is not None:
+            assert upstream_url is not None  # settings refuse --peer auto without one
+            endpoints.peer, endpoints.peer_pid = await self._start_peer(peer_starter, upstream_url)
+        elif settings.peer is not None:
+            endpoints.peer = _address(settings.peer)
+            endpoints.peer_pid = settings.peer_pid
+            await _wait_ready("peer", endpoints.peer, "", None)
+        return endpoints
+
+    async def _start_fake(self) -> tuple[tuple[str, int], int]:
+        settings = self._settings
+        upstream = ("127.0.0.1", _free_port("127.0.0.1"))
+        log = self._workdir / "fake-upstream.log"
+        argv = [sys.executable, "-m", "proxy.cli", "fake-upstream"]
+        argv += ["--host", "127.0.0.1", "--port", str(upstream[1])]
+        argv += ["--ttft", str(settings.ttft), "--interval", str(settings.interval)]
+        argv += ["--tokens", str(settings.tokens)]
+        if settings.upstream_sndbuf:
+            argv += ["--sndbuf", str(settings.upstream_sndbuf)]
+        argv += settings.habit_argv()
+        argv = pinned_argv(argv, self._load_cpus)
+        process = await self._nursery.start(_supervise, "fake upstream", argv, log)
+        self._pids["fake_upstream"] = process.pid
+        await _wait_ready("fake upstream", upstream, "/health", log)
+        return upstream, process.pid
+
+    async def _start_proxy(
+        self, mode: Mode, transport: str, upstream_url: str
+    ) -> tuple[tuple[str, int], int]:
+        """A Sluice proxy with ``transport`` in front of ``upstream_url``: its address and
+        PID. ``mode`` names its files and, for "versus", its transport the errors."""
+        settings = self._settings
+        name = "proxy" if mode == "proxy" else f"proxy ({transport})"
+        stem = "proxy" if mode == "proxy" else f"proxy-{mode}"
+        address = ("127.0.0.1", _free_port("127.0.0.1"))
+        config = self._workdir / f"{stem}.toml"
+        _write_text(config, _proxy_config(address[1], upstream_url, settings, transport))
+        log = self._workdir / f"{stem}.log"
+        argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+        if settings.workers > 1:
+            argv += ["--workers", str(settings.workers)]
+        argv = pinned_argv(argv, self._proxy_cpus)
+        process = await self._nursery.start(_supervise, name, argv, log)
+        await _wait_ready(name, address, "/healthz", log)
+        return address, process.pid
+
+    async def _start_peer(
+        self, peer_starter: Path, upstream_url: str
+    ) -> tuple[tuple[str, int], int]:
+        address = ("127.0.0.1", _free_port("127.0.0.1"))
+        log = self._workdir / "peer.log"
+        argv = [str(peer_starter), upstream_url, str(address[1])]
+        argv = pinned_argv(argv, self._proxy_cpus)
+        process = await self._nursery.start(_supervise, "FastAPI peer", argv, log)
+        self._pids["peer"] = process.pid
+        await _wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
+        return address, process.pid
