@@ -170,13 +170,6 @@ from proxy.bench.summary import (
 # isort: split
 # Private helpers that the sibling tools (balance, matrix, scorecard) share: importable from
 # here as before, not part of the API.
-from proxy.bench.children import _free_port as _free_port
-from proxy.bench.children import _git_commit as _git_commit
-from proxy.bench.children import _supervise as _supervise
-from proxy.bench.children import _wait_ready as _wait_ready
-from proxy.bench.cli import _command_line as _command_line
-from proxy.bench.procfs import _read as _read
-from proxy.bench.report import _write_text as _write_text
 
 __all__ = [
     "DEFAULT_HABIT_SECONDS",

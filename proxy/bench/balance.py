@@ -37,11 +37,11 @@ from typing import Any, Final
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.bench.children import _free_port, _git_commit, _supervise, _wait_ready, run_stoppable
-from proxy.bench.cli import _command_line
+from proxy.bench.children import free_port, git_commit, run_stoppable, supervise, wait_ready
+from proxy.bench.cli import command_line
 from proxy.bench.client import StreamResult, build_request, http_get, run_stream
-from proxy.bench.procfs import _read, machine_info
-from proxy.bench.report import _write_text, upsert_section
+from proxy.bench.procfs import machine_info, read_text_or_none
+from proxy.bench.report import upsert_section, write_text
 from proxy.bench.settings import BenchError
 from proxy.bench.summary import percentile
 
@@ -322,30 +322,30 @@ async def run_balance_bench(settings: BalanceSettings, *, command: str = "") -> 
     with tempfile.TemporaryDirectory(prefix="sluice-balance-") as tmp:
         workdir = Path(tmp)
         async with trio.open_nursery() as nursery:
-            replicas = [("127.0.0.1", _free_port("127.0.0.1")) for _ in range(settings.replicas)]
+            replicas = [("127.0.0.1", free_port("127.0.0.1")) for _ in range(settings.replicas)]
             for i, address in enumerate(replicas):
                 log = workdir / f"replica-{i}.log"
                 argv = fake_argv(address[1], settings)
-                await nursery.start(_supervise, f"fake replica {i}", argv, log)
+                await nursery.start(supervise, f"fake replica {i}", argv, log)
             for i, address in enumerate(replicas):
                 log = workdir / f"replica-{i}.log"
-                await _wait_ready(f"fake replica {i}", address, "/health", log)
+                await wait_ready(f"fake replica {i}", address, "/health", log)
             urls = [f"http://{host}:{port}" for host, port in replicas]
             proxies: dict[str, list[tuple[str, int]]] = {}
             for balance in settings.balances:
                 proxies[balance] = []
                 for i in range(settings.instances):
-                    address = ("127.0.0.1", _free_port("127.0.0.1"))
+                    address = ("127.0.0.1", free_port("127.0.0.1"))
                     stem = f"{balance}-{i}"
                     config = workdir / f"{stem}.toml"
-                    _write_text(config, proxy_config(address[1], urls, balance, settings))
+                    write_text(config, proxy_config(address[1], urls, balance, settings))
                     argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
                     log = workdir / f"{stem}.log"
-                    await nursery.start(_supervise, f"proxy {stem}", argv, log)
+                    await nursery.start(supervise, f"proxy {stem}", argv, log)
                     proxies[balance].append(address)
             for balance, addresses in proxies.items():
                 for i, address in enumerate(addresses):
-                    await _wait_ready(
+                    await wait_ready(
                         f"proxy {balance}-{i}", address, "/healthz", workdir / f"{balance}-{i}.log"
                     )
             for number, balance in enumerate(schedule(settings.balances, settings.repeat)):
@@ -359,7 +359,7 @@ async def run_balance_bench(settings: BalanceSettings, *, command: str = "") -> 
         runs,
         command=command,
         machine=machine,
-        commit=await _git_commit(),
+        commit=await git_commit(),
         date=time.strftime("%Y-%m-%d"),
     )
 
@@ -468,10 +468,10 @@ async def run_from_args(args: argparse.Namespace, command: str) -> BalanceReport
     print(f"sluice bench (balance): {settings.describe()}")
     print(format_balance_table(report))
     if args.json is not None:
-        _write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
+        write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
     if args.markdown is not None:
-        old = _read(str(args.markdown)) or ""
-        _write_text(args.markdown, upsert_section(old, settings.key(), balance_markdown(report)))
+        old = read_text_or_none(str(args.markdown)) or ""
+        write_text(args.markdown, upsert_section(old, settings.key(), balance_markdown(report)))
     return report
 
 
@@ -479,7 +479,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    command = _command_line(argv, prog)
+    command = command_line(argv, prog)
     try:
         run_stoppable(run_from_args, args, command)
     except BenchError as error:

@@ -17,7 +17,7 @@ from typing import IO, Any, Final, TypeVar
 import trio
 
 from proxy.bench.client import ProtocolError, http_get
-from proxy.bench.procfs import _read
+from proxy.bench.procfs import read_text_or_none
 from proxy.bench.settings import BenchError
 
 _E = TypeVar("_E", bound=BaseException)
@@ -39,7 +39,7 @@ class ChildExited(BenchError):
         )
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     # Another process could take the port between close() and the child's bind; on a bench
     # machine that is a theoretical race, and the readiness check would report it.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -54,7 +54,7 @@ def _open_log(path: Path) -> IO[bytes]:
 
 
 def _log_tail(path: Path, lines: int = 20) -> str:
-    text = _read(str(path)) or ""
+    text = read_text_or_none(str(path)) or ""
     return "\n".join(text.splitlines()[-lines:]) or "(empty)"
 
 
@@ -104,7 +104,7 @@ def _record_cpus(placed: dict[str, list[int]], name: str, pid: int) -> None:
         placed[name] = sorted(os.sched_getaffinity(pid))
 
 
-async def _supervise(
+async def supervise(
     name: str,
     argv: list[str],
     log_path: Path,
@@ -136,7 +136,7 @@ async def _supervise(
         await _stop_child(process)
 
 
-async def _wait_ready(
+async def wait_ready(
     name: str,
     address: tuple[str, int],
     path: str,
@@ -175,7 +175,7 @@ def peer_script(peers_dir: Path | None = None) -> Path:
     return script
 
 
-async def _git_commit() -> str | None:
+async def git_commit() -> str | None:
     try:
         head = await trio.run_process(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -204,7 +204,7 @@ STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGHUP)
 
 def run_stoppable(async_fn: Callable[..., Awaitable[_T]], *args: Any) -> _T:
     """``trio.run(async_fn, *args)``, except that SIGTERM or SIGHUP cancels the bench, so every
-    child it started is stopped (``_supervise``) before it exits with BenchError; a bench
+    child it started is stopped (``supervise``) before it exits with BenchError; a bench
     killed by the default handler would leave its children running."""
 
     async def guarded() -> _T:

@@ -16,15 +16,15 @@ from typing import Any
 
 from proxy.bench.children import run_stoppable
 from proxy.bench.plots import load_pyplot, write_plots
-from proxy.bench.procfs import _read
+from proxy.bench.procfs import read_text_or_none
 from proxy.bench.report import (
     _errors_line,
-    _write_text,
     column_labels,
     format_table,
     markdown_section,
     relative_link,
     upsert_section,
+    write_text,
 )
 from proxy.bench.run import run_bench
 from proxy.bench.settings import (
@@ -199,7 +199,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     )
 
 
-def _command_line(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> str:
+def command_line(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> str:
     if argv is not None:
         return shlex.join([*shlex.split(prog), *argv])
     program = Path(sys.argv[0]).name
@@ -225,7 +225,7 @@ async def run_from_args(args: argparse.Namespace) -> None:
         settings = settings_from_args(args)
         if plots is not None:
             load_pyplot()  # no matplotlib: say so now, not after minutes of load
-        command = getattr(args, "bench_command", None) or _command_line()
+        command = getattr(args, "bench_command", None) or command_line()
         report = await run_bench(settings, command=command)
     except BenchError as error:
         print(f"sluice bench: {error}", file=sys.stderr)
@@ -238,7 +238,7 @@ async def run_from_args(args: argparse.Namespace) -> None:
         print(errors)
     # Small local files, written once at the end: a blocking write is fine here.
     if args.json is not None:
-        _write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
+        write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
     # After the figures are out: a plot that fails must not take them along.
     written = write_plots(report, plots) if plots is not None else []
     for _, path in written:
@@ -246,16 +246,16 @@ async def run_from_args(args: argparse.Namespace) -> None:
     if args.markdown is not None:
         base = args.markdown.parent
         links = [(alt, relative_link(path, base)) for alt, path in written]
-        old = _read(str(args.markdown)) or ""
+        old = read_text_or_none(str(args.markdown)) or ""
         section = markdown_section(report, links)
-        _write_text(args.markdown, upsert_section(old, settings.key(), section))
+        write_text(args.markdown, upsert_section(old, settings.key(), section))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    args.bench_command = _command_line(argv, prog)
+    args.bench_command = command_line(argv, prog)
     try:
         run_stoppable(run_from_args, args)
     except BenchError as error:

@@ -25,7 +25,6 @@ import gc
 import itertools
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,15 +38,10 @@ import httpx
 
 from inference import Generator, SamplingParams, load_model
 from inference.loading import SMOLLM2_PACKAGE
+from proxy.bench.children import free_port
 
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
 SECTION_MARK = "<!-- bench-local -->"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def measure_generate(loaded: Any, prompt_ids: list[int], tokens: int) -> float:
@@ -369,7 +363,7 @@ def run(tokens: int, repeat: int, stream_tokens: int) -> dict[str, Any]:
         urls = {}
         try:
             for mode, slots in (("batched", 8), ("serial", 1)):
-                port = _free_port()
+                port = free_port("127.0.0.1")
                 urls[mode] = f"http://127.0.0.1:{port}"
                 processes[mode] = start_proxy(port, Path(workdir), slots=slots)
             print(f"loading {SMOLLM2_PACKAGE}, starting two sluice serve ...", file=sys.stderr)

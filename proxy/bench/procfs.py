@@ -58,7 +58,7 @@ def parse_meminfo_total(meminfo: str) -> int | None:
 # block on a disk, and happen only between runs.
 
 
-def _read(path: str) -> str | None:
+def read_text_or_none(path: str) -> str | None:
     try:
         with open(path) as file:
             return file.read()
@@ -73,7 +73,7 @@ def _process_tree(pid: int) -> list[int]:
         current = todo.pop()
         pids.append(current)
         for tid in os.listdir(f"/proc/{current}/task") if os.path.isdir(f"/proc/{current}") else []:
-            children = _read(f"/proc/{current}/task/{tid}/children")
+            children = read_text_or_none(f"/proc/{current}/task/{tid}/children")
             if children:
                 todo.extend(int(child) for child in children.split())
     return pids
@@ -83,7 +83,7 @@ def process_cpu_seconds(pid: int) -> float | None:
     ticks = os.sysconf("SC_CLK_TCK")
     total, found = 0.0, False
     for each in _process_tree(pid):
-        stat = _read(f"/proc/{each}/stat")
+        stat = read_text_or_none(f"/proc/{each}/stat")
         if stat is not None:
             total += parse_cpu_seconds(stat, ticks)
             found = True
@@ -102,7 +102,7 @@ def process_cpu_wait(pid: int) -> float | None:
     for each in _process_tree(pid):
         tasks = os.listdir(f"/proc/{each}/task") if os.path.isdir(f"/proc/{each}") else []
         for tid in tasks:
-            text = _read(f"/proc/{each}/task/{tid}/schedstat")
+            text = read_text_or_none(f"/proc/{each}/task/{tid}/schedstat")
             if text:
                 total += parse_schedstat_wait(text)
                 found = True
@@ -111,14 +111,18 @@ def process_cpu_wait(pid: int) -> float | None:
 
 def process_peak_rss(pid: int) -> int | None:
     """Sum of VmHWM over the tree: an upper bound of the peak when there are several."""
-    peaks = [parse_vm_hwm(_read(f"/proc/{each}/status") or "") for each in _process_tree(pid)]
+    peaks = [
+        parse_vm_hwm(read_text_or_none(f"/proc/{each}/status") or "") for each in _process_tree(pid)
+    ]
     known = [peak for peak in peaks if peak is not None]
     return sum(known) if known else None
 
 
 def process_rss(pid: int) -> int | None:
     """Sum of VmRSS over the tree (pages shared between workers count once per worker)."""
-    sizes = [parse_vm_rss(_read(f"/proc/{each}/status") or "") for each in _process_tree(pid)]
+    sizes = [
+        parse_vm_rss(read_text_or_none(f"/proc/{each}/status") or "") for each in _process_tree(pid)
+    ]
     known = [size for size in sizes if size is not None]
     return sum(known) if known else None
 
@@ -165,18 +169,18 @@ def own_cpu_seconds() -> float:
 
 def machine_info() -> dict[str, Any]:
     model = None
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
+    for line in (read_text_or_none("/proc/cpuinfo") or "").splitlines():
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
             break
     return {
         "cores": os.cpu_count(),
         "cpu": model,
-        "ram_bytes": parse_meminfo_total(_read("/proc/meminfo") or ""),
+        "ram_bytes": parse_meminfo_total(read_text_or_none("/proc/meminfo") or ""),
         "system": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         # The machine is not necessarily quiet: the 1-minute load average as the bench began.
-        "loadavg_1m": float((_read("/proc/loadavg") or "nan").split()[0]),
+        "loadavg_1m": float((read_text_or_none("/proc/loadavg") or "nan").split()[0]),
     }
 
 

@@ -23,14 +23,14 @@ from proxy.bench.children import (
     PEER_READY_TIMEOUT,
     READY_TIMEOUT,
     _first_leaf,
-    _free_port,
-    _git_commit,
     _record_cpus,
-    _supervise,
-    _wait_ready,
+    free_port,
+    git_commit,
     peer_script,
     pinned_argv,
     set_own_cpus,
+    supervise,
+    wait_ready,
 )
 from proxy.bench.client import (
     StreamResult,
@@ -52,7 +52,7 @@ from proxy.bench.procfs import (
     reset_peak_rss,
     sample_rss,
 )
-from proxy.bench.report import BenchReport, _write_text, column_labels
+from proxy.bench.report import BenchReport, column_labels, write_text
 from proxy.bench.settings import (
     MODES,
     BenchError,
@@ -390,7 +390,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         summaries=summaries,
         machine=machine,
         command=command,
-        commit=await _git_commit(),
+        commit=await git_commit(),
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         env={k: v for k, v in os.environ.items() if k.startswith("SLUICE_")},
         pids=pids,
@@ -447,7 +447,7 @@ class _Systems:
         if settings.target is not None:
             proxy = _address(settings.target)
             proxy_pid = settings.proxy_pid
-            await _wait_ready("proxy", proxy, "", None)
+            await wait_ready("proxy", proxy, "", None)
         else:
             assert upstream_url is not None
             proxy, proxy_pid = await self._start_proxy("proxy", settings.transport, upstream_url)
@@ -467,12 +467,12 @@ class _Systems:
         elif settings.peer is not None:
             endpoints.peer = _address(settings.peer)
             endpoints.peer_pid = settings.peer_pid
-            await _wait_ready("peer", endpoints.peer, "", None)
+            await wait_ready("peer", endpoints.peer, "", None)
         return endpoints
 
     async def _start_fake(self) -> tuple[tuple[str, int], int]:
         settings = self._settings
-        upstream = ("127.0.0.1", _free_port("127.0.0.1"))
+        upstream = ("127.0.0.1", free_port("127.0.0.1"))
         log = self._workdir / "fake-upstream.log"
         argv = [sys.executable, "-m", "proxy.cli", "fake-upstream"]
         argv += ["--host", "127.0.0.1", "--port", str(upstream[1])]
@@ -482,9 +482,9 @@ class _Systems:
             argv += ["--sndbuf", str(settings.upstream_sndbuf)]
         argv += settings.habit_argv()
         argv = pinned_argv(argv, self._load_cpus)
-        process = await self._nursery.start(_supervise, "fake upstream", argv, log)
+        process = await self._nursery.start(supervise, "fake upstream", argv, log)
         self._pids["fake_upstream"] = process.pid
-        await _wait_ready("fake upstream", upstream, "/health", log)
+        await wait_ready("fake upstream", upstream, "/health", log)
         return upstream, process.pid
 
     async def _start_proxy(
@@ -495,26 +495,26 @@ class _Systems:
         settings = self._settings
         name = "proxy" if mode == "proxy" else f"proxy ({transport})"
         stem = "proxy" if mode == "proxy" else f"proxy-{mode}"
-        address = ("127.0.0.1", _free_port("127.0.0.1"))
+        address = ("127.0.0.1", free_port("127.0.0.1"))
         config = self._workdir / f"{stem}.toml"
-        _write_text(config, _proxy_config(address[1], upstream_url, settings, transport))
+        write_text(config, _proxy_config(address[1], upstream_url, settings, transport))
         log = self._workdir / f"{stem}.log"
         argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
         if settings.workers > 1:
             argv += ["--workers", str(settings.workers)]
         argv = pinned_argv(argv, self._proxy_cpus)
-        process = await self._nursery.start(_supervise, name, argv, log)
-        await _wait_ready(name, address, "/healthz", log)
+        process = await self._nursery.start(supervise, name, argv, log)
+        await wait_ready(name, address, "/healthz", log)
         return address, process.pid
 
     async def _start_peer(
         self, peer_starter: Path, upstream_url: str
     ) -> tuple[tuple[str, int], int]:
-        address = ("127.0.0.1", _free_port("127.0.0.1"))
+        address = ("127.0.0.1", free_port("127.0.0.1"))
         log = self._workdir / "peer.log"
         argv = [str(peer_starter), upstream_url, str(address[1])]
         argv = pinned_argv(argv, self._proxy_cpus)
-        process = await self._nursery.start(_supervise, "FastAPI peer", argv, log)
+        process = await self._nursery.start(supervise, "FastAPI peer", argv, log)
         self._pids["peer"] = process.pid
-        await _wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
+        await wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
         return address, process.pid

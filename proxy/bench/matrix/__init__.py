@@ -53,7 +53,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from proxy.bench import BenchError, _command_line, _write_text, run_stoppable
+from proxy.bench.children import run_stoppable
+from proxy.bench.cli import command_line
 from proxy.bench.matrix.cells import (
     ENDPOINTS,
     LEAVES,
@@ -74,6 +75,8 @@ from proxy.bench.matrix.run import run_matrix
 from proxy.bench.matrix.systems import litellm_version
 from proxy.bench.matrix.trials import NOT_SERVED, run_local_trial, run_trial
 from proxy.bench.matrix.view import local_counters
+from proxy.bench.report import write_text
+from proxy.bench.settings import BenchError
 
 __all__ = [
     "ENDPOINTS",
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     parser = argparse.ArgumentParser(prog=f"{prog} --matrix", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    command = _command_line(argv, prog)
+    command = command_line(argv, prog)
     try:
         settings = settings_from_args(args, command)
         report = run_stoppable(run_matrix, settings)
@@ -124,6 +127,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
     text = markdown_report(report)
     print(text)
     if args.json:
-        _write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
     if args.markdown:
-        _write_text(args.markdown, text + "\n")
+        write_text(args.markdown, text + "\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from proxy.bench import percentile
+from proxy.bench.summary import percentile
 from proxy.relay.state import Phase
 
 # The phases are the relay's own (proxy.relay.state), in the order a request passes them, so

@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from proxy.bench import BenchError
 from proxy.bench.matrix.cells import (
     ENDPOINTS,
     LEAVES,
@@ -21,6 +20,7 @@ from proxy.bench.matrix.cells import (
     MatrixSettings,
 )
 from proxy.bench.matrix.systems import litellm_version
+from proxy.bench.settings import BenchError
 
 # An axis's values: plain names, or the phases (whose names are their values).
 Choice = TypeVar("Choice", bound=str)

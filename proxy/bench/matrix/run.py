@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from proxy.bench import _git_commit
+from proxy.bench.children import git_commit
 from proxy.bench.matrix.cells import Cell, MatrixSettings, applicability
 from proxy.bench.matrix.report import progress_line
 from proxy.bench.matrix.systems import Context, serves_websocket, stack_versions, start_system
@@ -97,7 +97,7 @@ async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> d
         "system": system,
         "kind": settings.kind,
         "command": settings.command,
-        "commit": await _git_commit(),
+        "commit": await git_commit(),
         # Sluice's stack when the system is the Sluice this bench started; else the bench's own.
         "versions": versions,
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -20,16 +20,11 @@ from urllib.parse import urlsplit
 
 import trio
 
-from proxy.bench import (
-    PEER_READY_TIMEOUT,
-    BenchError,
-    _supervise,
-    _wait_ready,
-    _write_text,
-    peer_script,
-)
+from proxy.bench.children import PEER_READY_TIMEOUT, peer_script, supervise, wait_ready
 from proxy.bench.matrix.cells import LOCAL_SLOTS, TRIGGER_TIMEOUT, MatrixSettings
 from proxy.bench.matrix.client import Client, local_body, request_body
+from proxy.bench.report import write_text
+from proxy.bench.settings import BenchError
 from proxy.relay.state import Phase
 from proxy.testing.fake_upstream import FakeUpstream
 
@@ -93,14 +88,14 @@ async def start_system(
         address = ("127.0.0.1", free_port())
         log = workdir / "peer.log"
         argv = [str(peer_script()), fake_url, str(address[1])]
-        process = await nursery.start(_supervise, "FastAPI peer", argv, log)
-        await _wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
+        process = await nursery.start(supervise, "FastAPI peer", argv, log)
+        await wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
         name = settings.system or "FastAPI peer (shared/peers)"
         return StartedSystem(name, address, process.pid, log)
     if settings.peer == "litellm":
         address = ("127.0.0.1", free_port())
         config = workdir / "litellm.yaml"
-        _write_text(config, litellm_config(fake_url, settings.model))
+        write_text(config, litellm_config(fake_url, settings.model))
         log = workdir / "litellm.log"
         argv = [settings.litellm, "--config", str(config), "--host", address[0]]
         argv += ["--port", str(address[1]), "--num_workers", "1"]
@@ -110,8 +105,8 @@ async def start_system(
             # The model cost map is otherwise fetched from GitHub at start-up.
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         }
-        process = await nursery.start(partial(_supervise, env=env), "LiteLLM", argv, log)
-        await _wait_ready("LiteLLM", address, "/health/liveliness", log, PEER_READY_TIMEOUT)
+        process = await nursery.start(partial(supervise, env=env), "LiteLLM", argv, log)
+        await wait_ready("LiteLLM", address, "/health/liveliness", log, PEER_READY_TIMEOUT)
         name = settings.system or f"LiteLLM proxy {settings.peer_version}"
         return StartedSystem(name, address, process.pid, log)
     if settings.target:
@@ -126,12 +121,12 @@ async def start_system(
         return StartedSystem(settings.system or settings.target, (parts.hostname, parts.port or 80))
     address = ("127.0.0.1", free_port())
     config = workdir / "sluice.toml"
-    _write_text(config, sluice_config(address[1], fake_url, settings))
+    write_text(config, sluice_config(address[1], fake_url, settings))
     log = workdir / "sluice.log"
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
-    process = await nursery.start(_supervise, "proxy", argv, log)
+    process = await nursery.start(supervise, "proxy", argv, log)
     # /readyz: a local model loads after the port answers.
-    await _wait_ready("proxy", address, "/readyz", log, PEER_READY_TIMEOUT)
+    await wait_ready("proxy", address, "/readyz", log, PEER_READY_TIMEOUT)
     name = settings.system or (
         "sluice (local model)" if settings.local else f"sluice ({settings.transport})"
     )

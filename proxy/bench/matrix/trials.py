@@ -14,7 +14,6 @@ from typing import Any, Final, Literal
 import httpx
 import trio
 
-from proxy.bench import BenchError
 from proxy.bench.matrix.cells import (
     INTERVAL,
     LOCAL_SLOTS,
@@ -31,6 +30,7 @@ from proxy.bench.matrix.cells import (
 from proxy.bench.matrix.client import PROBE, Client
 from proxy.bench.matrix.systems import Context
 from proxy.bench.matrix.view import local_counters_when, read_local_counters, settled
+from proxy.bench.settings import BenchError
 from proxy.relay.state import Phase
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream, RequestRecord
 

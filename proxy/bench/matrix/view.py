@@ -12,7 +12,7 @@ from typing import Final
 
 import trio
 
-from proxy.bench import http_get
+from proxy.bench.client import http_get
 from proxy.bench.matrix.cells import OBSERVE_TIMEOUT, Cell
 from proxy.bench.matrix.systems import Context
 

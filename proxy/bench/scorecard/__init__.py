@@ -21,7 +21,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from proxy.bench import BenchError, _read, _write_text, relative_link, upsert_section
+from proxy.bench.procfs import read_text_or_none
+from proxy.bench.report import relative_link, upsert_section, write_text
 from proxy.bench.scorecard.document import (
     GENERIC_TARGET,
     HOW_TO_READ,
@@ -41,6 +42,7 @@ from proxy.bench.scorecard.reports import (
     load_report,
     summarise,
 )
+from proxy.bench.settings import BenchError
 
 __all__ = [
     "GENERIC_TARGET",
@@ -89,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         except BenchError as exc:
             sys.exit(f"{PROG}: {exc}")
         links = [relative_link(path, args.markdown.parent) for path in paths]
-    _write_text(args.markdown, document(reports, links))
+    write_text(args.markdown, document(reports, links))
     print(f"wrote {args.markdown}")
     if args.link_from is not None:
-        old = _read(str(args.link_from)) or ""
+        old = read_text_or_none(str(args.link_from)) or ""
         target = relative_link(args.markdown, args.link_from.parent)
-        _write_text(args.link_from, upsert_section(old, LINK_KEY, link_section(reports, target)))
+        write_text(args.link_from, upsert_section(old, LINK_KEY, link_section(reports, target)))
         print(f"linked from {args.link_from}")

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from proxy.bench import load_pyplot
 from proxy.bench.matrix.cells import ENDPOINTS, LEAVES, PHASES, TRANSPORTS
+from proxy.bench.plots import load_pyplot
 from proxy.bench.scorecard.reports import (
     TARGET_P99_MS,
     TARGET_STEPS,
