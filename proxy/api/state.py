@@ -1,23 +1,18 @@
-"""The app factory: routes, error shapes, and the per-process state they share."""
+"""The per-process state every request shares, and its start-up: the backends, their
+background work, and the local models' loading."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import socket
 from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
-from quart import Response, request
-from werkzeug.exceptions import HTTPException
 
-from proxy.api import web
-from proxy.api.auth import CORS_EXPOSED_HEADERS, CorsPolicy, KeyRing
+from proxy.api.auth import KeyRing
 from proxy.api.pipeline import RequestPipeline
-from proxy.api.ws import serve_websocket
 from proxy.backends.base import Backend
 from proxy.backends.upstream.backend import (
     UpstreamBackend,
@@ -29,13 +24,9 @@ from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.transports import ConnectionSettings
 from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, ModelConfig
-from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
-from proxy.protocol.errors import ApiError, internal_error, model_not_found, request_too_large
-from proxy.protocol.openai import Endpoint, models_list
-from proxy.protocol.shapes import ErrorShape, endpoint_of, error_shape
-from proxy.relay.body import JSON_CONTENT_TYPE, RelayBody, RelayTracker
+from proxy.relay.body import RelayTracker
 from proxy.server.asgi import SluiceQuart
 
 if TYPE_CHECKING:
@@ -61,6 +52,18 @@ def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
     return keys
 
 
+def check_no_fake_upstream(config: Config) -> None:
+    """A ConfigError when a model's upstream is the fake (``fake:``) but no fake upstream was
+    started for the app to reach."""
+    for model in config.models:
+        if FAKE_UPSTREAM_URL in model.upstreams:
+            raise ConfigError(
+                f"[models.{model.name}] uses '{FAKE_UPSTREAM_URL}', but no fake upstream was "
+                "started beside the app: `sluice serve` starts it when [fake_upstream] is "
+                "enabled; in code, pass create_app(config, fake_upstream_url=...)"
+            )
+
+
 class SluiceState:
     """Everything one server process shares across requests."""
 
@@ -69,6 +72,7 @@ class SluiceState:
         config: Config,
         env: Mapping[str, str],
         local_models: Mapping[str, Any] | None = None,
+        fake_upstream_url: str | None = None,
     ) -> None:
         self.config = config
         # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
@@ -101,7 +105,11 @@ class SluiceState:
             self.local_backends,
             loading=self.loading,
         )
-        self.fake_upstream: Any = None
+        # Where the models' "fake:" upstream listens: the fake upstream is tooling, started
+        # beside the app by whoever starts the app (`sluice serve` with [fake_upstream]).
+        self.fake_upstream_url = fake_upstream_url
+        if fake_upstream_url is None:
+            check_no_fake_upstream(config)
         # What upstreams say of their models, for GET /v1/models (list_upstream_models).
         self.catalog = ModelCatalog()
         # Serving (backends started) and not draining: what /readyz reports.
@@ -158,7 +166,59 @@ class SluiceState:
         upstream = self.config.upstream
         return HealthPolicy(upstream.failure_threshold, upstream.ejection_seconds)
 
-    def start_backends(self, fake_upstream_url: str | None) -> None:
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start serving (the app's before_serving): the backends, then their background work
+        in ``nursery`` (the app's), which runs until the server stops."""
+        if self.keys.shared is not None:
+            # The shared limits' Redis client lives in the app's nursery.
+            await nursery.start(self.keys.shared.keep_connected)
+        self.start_backends()
+        for model in self.config.models:
+            if model.backend == "local" and model.name in self.local_models:
+                await self.start_local_backend(model, nursery)
+        self.started = True
+        if self.loading:
+            # In the background: the port answers while the weights load (/healthz says
+            # "loading", requests to the model get 503 model_loading with Retry-After).
+            nursery.start_soon(self.load_local_models, nursery)
+        self.watch_upstreams(nursery)
+
+    def watch_upstreams(self, nursery: trio.Nursery) -> None:
+        """The upstreams' background work, each task in ``nursery`` until the server stops."""
+        upstream = self.config.upstream
+        for backend in self.backends.values():
+            if isinstance(backend, UpstreamBackend):
+                # What its balance needs in the background (upstream_metrics: a scraper per
+                # replica); returns at once when it needs nothing.
+                nursery.start_soon(backend.watch_replicas)
+        for replica in self.replicas.values():
+            # Its pool's work in the background, until the pool closes: the lean pool's spare
+            # connections (returns at once without preconnect), httpx's sweep of idle
+            # connections that their server closed.
+            nursery.start_soon(replica.maintain_connections)
+        if self.replicas and self.fake_upstream_url is None:
+            nursery.start_soon(
+                report_reachability, list(self.replicas.values()), upstream.connect_timeout
+            )
+        if upstream.list_upstream_models and self.replicas:
+            served: dict[UpstreamReplica, list[str]] = {}
+            for name, backend in self.backends.items():
+                if isinstance(backend, UpstreamBackend):
+                    for replica in backend.replicas:
+                        served.setdefault(replica, []).append(name)
+            nursery.start_soon(
+                self.catalog.refresh_forever, served, upstream.models_refresh_interval
+            )
+        if upstream.health_check_path and self.replicas:
+            nursery.start_soon(
+                check_replicas,
+                list(self.replicas.values()),
+                upstream.health_check_path,
+                upstream.health_check_interval,
+                self.health_policy,
+            )
+
+    def start_backends(self) -> None:
         upstream = self.config.upstream
         socket_options = (
             [(socket.SOL_SOCKET, socket.SO_RCVBUF, upstream.socket_rcvbuf)]
@@ -171,8 +231,8 @@ class SluiceState:
             replicas = []
             for url in model.upstreams:
                 if url == FAKE_UPSTREAM_URL:
-                    assert fake_upstream_url is not None
-                    url = fake_upstream_url
+                    assert self.fake_upstream_url is not None  # check_no_fake_upstream
+                    url = self.fake_upstream_url
                 connection = ConnectionSettings.resolve(url, model, self.env)
                 name = UpstreamReplica.key(url, connection)
                 if name not in self.replicas:
@@ -205,331 +265,6 @@ class SluiceState:
     async def aclose(self) -> None:
         for replica in self.replicas.values():
             await replica.aclose()
-
-
-def _json_response(
-    payload: bytes, status: int, headers: Mapping[str, str] | None = None
-) -> Response:
-    response = Response(payload, status=status, content_type=JSON_CONTENT_TYPE)
-    for name, value in (headers or {}).items():
-        response.headers[name] = value
-    return response
-
-
-def create_app(
-    config: Config,
-    env: Mapping[str, str] | None = None,
-    *,
-    local_models: Mapping[str, Any] | None = None,
-) -> SluiceQuart:
-    """The app. ``local_models`` maps model names to preloaded ``inference.LoadedModel``s;
-    local models not given are loaded when the server starts."""
-    state = SluiceState(config, os.environ if env is None else env, local_models)
-    # static_folder=None: Quart would otherwise serve ./static from the working directory.
-    # The chat page's files come from the package, through the web blueprint.
-    app = SluiceQuart("sluice", static_folder=None)
-    app.register_blueprint(web.blueprint)
-    app.config["MAX_CONTENT_LENGTH"] = config.server.max_body_bytes
-    app.extensions["sluice"] = state
-
-    @app.before_serving
-    async def start() -> None:
-        fake_url = None
-        if config.fake_upstream.enabled:
-            from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
-
-            fake = config.fake_upstream
-            state.fake_upstream = FakeUpstream(
-                FakeSettings(
-                    ttft=fake.ttft,
-                    interval=fake.interval,
-                    tokens=fake.tokens,
-                    models=[m.name for m in config.models],
-                )
-            )
-            port = await app.nursery.start(state.fake_upstream.serve, "127.0.0.1", 0)
-            fake_url = f"http://127.0.0.1:{port}"
-            log.info("embedded fake upstream on %s", fake_url)
-        if state.keys.shared is not None:
-            # The shared limits' Redis client lives in the app's nursery.
-            await app.nursery.start(state.keys.shared.keep_connected)
-        state.start_backends(fake_url)
-        for model in config.models:
-            if model.backend == "local" and model.name in state.local_models:
-                await state.start_local_backend(model, app.nursery)
-        state.started = True
-        if state.loading:
-            # In the background: the port answers while the weights load (/healthz says
-            # "loading", requests to the model get 503 model_loading with Retry-After).
-            app.nursery.start_soon(state.load_local_models, app.nursery)
-        upstream = config.upstream
-        for backend in state.backends.values():
-            if isinstance(backend, UpstreamBackend):
-                # What its balance needs in the background (upstream_metrics: a scraper per
-                # replica); returns at once when it needs nothing.
-                app.nursery.start_soon(backend.watch_replicas)
-        for replica in state.replicas.values():
-            # Its pool's work in the background, until the pool closes: the lean pool's spare
-            # connections (returns at once without preconnect), httpx's sweep of idle
-            # connections that their server closed.
-            app.nursery.start_soon(replica.maintain_connections)
-        if state.replicas and state.fake_upstream is None:
-            app.nursery.start_soon(
-                report_reachability, list(state.replicas.values()), upstream.connect_timeout
-            )
-        if upstream.list_upstream_models and state.replicas:
-            served: dict[UpstreamReplica, list[str]] = {}
-            for name, backend in state.backends.items():
-                if isinstance(backend, UpstreamBackend):
-                    for replica in backend.replicas:
-                        served.setdefault(replica, []).append(name)
-            app.nursery.start_soon(
-                state.catalog.refresh_forever, served, upstream.models_refresh_interval
-            )
-        if upstream.health_check_path and state.replicas:
-            app.nursery.start_soon(
-                check_replicas,
-                list(state.replicas.values()),
-                upstream.health_check_path,
-                upstream.health_check_interval,
-                state.health_policy,
-            )
-
-    @app.after_serving
-    async def stop() -> None:
-        await state.aclose()
-
-    pipeline = state.pipeline
-
-    def refused(error: ApiError) -> None:
-        """What every refusal does besides answering: the access line's outcome and, for a
-        completion request, the requests metric (through the pipeline, in end_request)."""
-        access: AccessRecord | None = getattr(request, "sluice_access", None)
-        if access is not None:
-            access.outcome = error.code or "error"
-
-    # Every path that the pipeline serves: the native endpoints and the models' pass-through.
-    passthrough_paths = frozenset(path for model in config.models for path in model.passthrough)
-
-    def endpoint_here() -> Endpoint | None:
-        if request.path in passthrough_paths:
-            return Endpoint.PASSTHROUGH
-        return endpoint_of(request.path)
-
-    def shape() -> ErrorShape:
-        """The error shape of the API this request speaks (Anthropic's on /v1/messages)."""
-        return error_shape(endpoint_here())
-
-    @app.errorhandler(ApiError)
-    async def api_error(error: ApiError) -> Response:
-        refused(error)
-        return _json_response(shape().body(error), error.status, error.headers)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(error: HTTPException) -> Response:
-        status = error.code or 500
-        headers: dict[str, str] = {}
-        if status == 413:
-            api = request_too_large(config.server.max_body_bytes)
-        elif status == 404:
-            api = ApiError(
-                404,
-                f"No such path: {request.path}. Sluice serves POST /v1/chat/completions, "
-                "/v1/completions, /v1/responses, /v1/messages and /v1/embeddings, GET "
-                "/v1/models, WebSocket /v1/ws"
-                + (
-                    f", and the pass-through paths {', '.join(sorted(passthrough_paths))}"
-                    if passthrough_paths
-                    else ""
-                )
-                + ".",
-                code="not_found",
-            )
-        elif status == 405:
-            allowed = sorted(getattr(error, "valid_methods", None) or ())
-            headers["Allow"] = ", ".join(allowed)
-            api = ApiError(
-                405,
-                f"{request.method} is not allowed on {request.path}"
-                + (f"; use {' or '.join(allowed)}" if allowed else ""),
-                code="method_not_allowed",
-            )
-        else:
-            api = ApiError(
-                status,
-                f"{error.name}: {error.description}",
-                code=error.name.lower().replace(" ", "_"),
-            )
-        refused(api)
-        return _json_response(shape().body(api), status, headers)
-
-    @app.errorhandler(Exception)
-    async def unexpected_error(error: Exception) -> Response:
-        log.exception("unhandled error", exc_info=error)
-        api = internal_error()
-        refused(api)
-        return _json_response(shape().body(api), api.status)
-
-    cors = CorsPolicy(config.server.cors_origins)
-
-    @app.before_request
-    async def begin_request() -> None:
-        # First of the before_request hooks, so that a refusal by any later one (a 401) has
-        # its request id and access line too.
-        request.sluice_access = pipeline.begin(  # type: ignore[attr-defined]
-            request.method,
-            request.path,
-            request.remote_addr or "-",
-            request.headers.get("X-Request-ID"),
-        )
-
-    @app.after_request
-    async def end_request(response: Response) -> Response:
-        # Runs for every response, refusals included (Quart finalizes error-handler responses
-        # too); a relayed response's line is written by its body when the stream ends.
-        access: AccessRecord | None = getattr(request, "sluice_access", None)
-        if access is None:
-            return response
-        response.headers["X-Request-ID"] = access.request_id
-        if not isinstance(response.response, RelayBody):
-            model = getattr(request, "sluice_model", "-")
-            endpoint = endpoint_here()
-            if endpoint is not None and response.status_code >= 400:
-                pipeline.refused(access, response.status_code, access.outcome, model, endpoint)
-            else:
-                pipeline.finished(access, response.status_code, access.outcome, model)
-        return response
-
-    @app.before_request
-    async def authenticate() -> Response | None:
-        if request.method == "OPTIONS":
-            # Browsers send preflights without credentials, so they are answered unauthenticated
-            # (they reveal nothing and start no work); other OPTIONS get Quart's Allow answer.
-            preflight = request.headers.get("Access-Control-Request-Method")
-            if preflight and cors.allow_origin(request.headers.get("Origin")):
-                requested = request.headers.get("Access-Control-Request-Headers")
-                return Response("", status=204, headers=cors.preflight_headers(requested))
-            return None
-        # Only the API needs a key: /healthz and /metrics stay open to probes and scrapers.
-        if request.path.startswith("/v1/") or request.path in passthrough_paths:
-            # Before the body is read: an unauthenticated client costs no parsing.
-            access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
-            authorization = request.headers.get("Authorization")
-            api_key = request.headers.get("x-api-key")
-            if authorization is None and api_key is not None:
-                # Anthropic's SDKs send the key so (with anthropic-version); checked against
-                # the same [[keys]], and, as Authorization, never forwarded.
-                authorization = f"Bearer {api_key}"
-            key = pipeline.authenticate(authorization, access)
-            request.sluice_key = key  # type: ignore[attr-defined]
-        return None
-
-    if cors.enabled:
-
-        @app.after_request
-        async def cors_headers(response: Response) -> Response:
-            # Runs for every response, errors and relayed streams included: asgi.py sends
-            # response.headers (plus the relay's own) when the relay's head is ready.
-            allowed = cors.allow_origin(request.headers.get("Origin"))
-            if allowed is not None:
-                response.headers["Access-Control-Allow-Origin"] = allowed
-                response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED_HEADERS
-            if cors.varies:
-                response.vary.add("Origin")
-            return response
-
-    async def completions(endpoint: Endpoint) -> Response:
-        access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
-        raw = await request.get_data(cache=False)
-        assert isinstance(raw, bytes)
-        parsed = pipeline.parse(
-            raw,
-            endpoint,
-            path=request.path,
-            content_type=request.headers.get("Content-Type", "application/json"),
-            headers=request.headers,
-        )
-        # Raises model_not_found for a model not configured, before the label below is set.
-        body = pipeline.relay(parsed, access, getattr(request, "sluice_key", None))
-        request.sluice_model = parsed.model  # type: ignore[attr-defined]
-        response = Response(body)
-        # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's own
-        # deadlines (upstream total, client stall) bound it instead.
-        response.timeout = None
-        return response
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await completions(Endpoint.CHAT)
-
-    @app.post("/v1/completions")
-    async def text_completions() -> Response:
-        return await completions(Endpoint.COMPLETIONS)
-
-    @app.post("/v1/responses")
-    async def responses() -> Response:
-        return await completions(Endpoint.RESPONSES)
-
-    @app.post("/v1/messages")
-    async def messages() -> Response:
-        return await completions(Endpoint.MESSAGES)
-
-    @app.post("/v1/embeddings")
-    async def embeddings() -> Response:
-        return await completions(Endpoint.EMBEDDINGS)
-
-    for path in sorted(passthrough_paths):
-        # One route per configured path: anything else is the app's 404, in OpenAI's shape.
-        app.add_url_rule(
-            path,
-            f"passthrough {path}",
-            partial(completions, Endpoint.PASSTHROUGH),
-            methods=["POST"],
-        )
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return models_list([model.name for model in config.models], state.catalog.entries)
-
-    @app.get("/v1/models/<path:model_id>")
-    async def model(model_id: str) -> dict[str, Any]:
-        # Model names may hold slashes ("HuggingFaceTB/SmolLM2-135M-Instruct"): a path.
-        if config.model(model_id) is None:
-            raise model_not_found(model_id)
-        listed: dict[str, Any] = models_list([model_id], state.catalog.entries)["data"][0]
-        return listed
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        payload, content_type = state.metrics.render(request.headers.get("Accept", ""))
-        return Response(payload, content_type=content_type)
-
-    @app.websocket("/v1/ws")
-    async def chat_websocket() -> None:
-        await serve_websocket(pipeline)
-
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        # Load balancers stop sending here as soon as a drain begins, while /healthz (the
-        # process is alive) stays green until the in-flight streams are done.
-        ready = state.ready
-        payload = json.dumps({"ready": ready, "draining": state.draining}).encode()
-        return _json_response(payload, 200 if ready else 503)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {
-            "status": "loading" if state.loading else "ok",
-            # Each model still loading, with its stage ("reading weights"...).
-            "loading": dict(state.loading),
-            "pid": os.getpid(),  # which worker answered, with --workers
-            "active_streams": len(state.tracker.active),
-            "local_models": {
-                name: backend.describe() for name, backend in state.local_backends.items()
-            },
-        }
-
-    return app
 
 
 def state_of(app: SluiceQuart) -> SluiceState:
