@@ -45,6 +45,35 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_line(
     assert "loading m" in captured.out
 
 
+FAKE_BESIDE = (
+    "[server]\nport = 0\n[fake_upstream]\nenabled = true\n"
+    '[models.fake-model]\nupstreams = ["fake:"]\n'
+)
+
+
+def test_beside_the_fake_upstream_a_model_that_cannot_load_is_still_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fake runs in a nursery of the CLI's own: what ends serve comes out as itself.
+    config = write(tmp_path, FAKE_BESIDE + '[models.m]\nbackend = "local"\npath = "/nope/m.gguf"\n')
+    assert main(["serve", "--config", config]) == 2
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith("sluice:")]
+    assert len(err) == 1 and "model error" in err[0] and "/nope/m.gguf" in err[0]
+    assert "Traceback" not in captured.err
+
+
+def test_beside_the_fake_upstream_a_config_error_of_the_app_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLUICE_TEST_UNSET_KEY", raising=False)
+    config = write(tmp_path, FAKE_BESIDE + 'api_key_env = "SLUICE_TEST_UNSET_KEY"\n')
+    assert main(["serve", "--config", config]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sluice: configuration error:")
+    assert "SLUICE_TEST_UNSET_KEY" in err[0]
+
+
 def test_a_port_in_use_is_one_line_before_anything_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
