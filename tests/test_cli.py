@@ -182,3 +182,20 @@ def test_workers_that_cannot_load_their_model_stop_without_restarts(tmp_path: Pa
     assert result.returncode != 0
     assert "model error" in result.stderr and "/nope/m.gguf" in result.stderr
     assert "restarting" not in result.stderr
+
+
+def test_the_app_never_starts_the_fake_upstream_itself() -> None:
+    # The fake is tooling: whoever starts the app starts it beside it, and says where.
+    from proxy.api.app import create_app
+    from proxy.config import ConfigError, config_from_mapping
+
+    config = config_from_mapping(
+        {"fake_upstream": {"enabled": True}, "models": {"fake-model": {"upstreams": ["fake:"]}}},
+        "test",
+        env={},
+    )
+    with pytest.raises(ConfigError, match=r"fake_upstream_url=.*") as refused:
+        create_app(config, env={})
+    assert "[models.fake-model]" in str(refused.value)
+    app = create_app(config, env={}, fake_upstream_url="http://127.0.0.1:9")
+    assert app.extensions["sluice"].fake_upstream_url == "http://127.0.0.1:9"
