@@ -9,7 +9,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import trio
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from proxy.server.run import Sockets
 
 DEFAULT_CONFIG = "conf/local.toml"
+log = logging.getLogger("sluice.cli")
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -39,18 +41,60 @@ async def _serve(args: argparse.Namespace) -> None:
     # then loads while the port answers (/healthz says "loading"; requests get 503
     # model_loading with Retry-After); one that cannot load stops the server with its reason.
     sockets = bind_or_explain(config, bind)
-    app = create_app(config)
-    tune_gc()
-    state = app.extensions["sluice"]
+    async with fake_upstream_beside(config) as fake_url:
+        app = create_app(config, fake_upstream_url=fake_url)
+        tune_gc()
+        state = app.extensions["sluice"]
 
-    class Announce:
-        """Told the bound URLs once serving (a task status without a nursery of ours, so that
-        a model that fails to load ends serve with its own error, not a group)."""
+        class Announce:
+            """Told the bound URLs once serving (a task status without a nursery of ours, so
+            that a model that fails to load ends serve with its own error, not a group)."""
 
-        def started(self, binds: list[str]) -> None:
-            announce(config, binds, loading=sorted(state.loading))
+            def started(self, binds: list[str]) -> None:
+                announce(config, binds, loading=sorted(state.loading))
 
-    await serve_until_signalled(app, config, sockets=sockets, task_status=cast(Any, Announce()))
+        await serve_until_signalled(app, config, sockets=sockets, task_status=cast(Any, Announce()))
+
+
+@asynccontextmanager
+async def fake_upstream_beside(config: Config) -> AsyncIterator[str | None]:
+    """With [fake_upstream] enabled, the fake upstream that the models' ``fake:`` upstreams
+    name, serving for as long as the block runs: its URL, for the app. Without, None. The app
+    never starts it itself: the runtime does not import tooling.
+
+    Its nursery is this block's only: an error of the block (a model that failed to load, a
+    config error) comes out as itself, not in a group, as it does without the fake."""
+    if not config.fake_upstream.enabled:
+        yield None
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            yield await start_fake_upstream(nursery, config)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+async def start_fake_upstream(nursery: trio.Nursery, config: Config) -> str:
+    """The fake upstream that [fake_upstream] configures, on 127.0.0.1, serving in
+    ``nursery`` until it is cancelled: its URL."""
+    from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
+
+    fake = config.fake_upstream
+    upstream = FakeUpstream(
+        FakeSettings(
+            ttft=fake.ttft,
+            interval=fake.interval,
+            tokens=fake.tokens,
+            models=[m.name for m in config.models],
+        )
+    )
+    port = await nursery.start(upstream.serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    log.info("embedded fake upstream on %s", url)
+    return url
 
 
 def bind_or_explain(config: Config, bind: Callable[[Config], Sockets]) -> Sockets:
@@ -145,10 +189,12 @@ def run_worker(
     config = load_config(config_path, host=host, port=port)
 
     async def run() -> None:
-        # As with one process: serving while the model loads (each worker its own copy).
-        app = create_app(config)
-        tune_gc()
-        await serve_until_signalled(app, config, sockets=sockets)
+        # As with one process: serving while the model loads (each worker its own copy), and
+        # each worker with its own fake upstream when [fake_upstream] is on.
+        async with fake_upstream_beside(config) as fake_url:
+            app = create_app(config, fake_upstream_url=fake_url)
+            tune_gc()
+            await serve_until_signalled(app, config, sockets=sockets)
 
     try:
         trio.run(run)

@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from proxy.api.app import SluiceState, create_app, state_of
+from proxy.cli import start_fake_upstream
 from proxy.config import Config, config_from_mapping
 from proxy.server.asgi import SluiceQuart
 from proxy.server.run import serve
@@ -43,6 +44,15 @@ async def start_fake(nursery: trio.Nursery, **settings: Any) -> Fake:
     upstream = FakeUpstream(FakeSettings(**settings))
     port = await nursery.start(upstream.serve, "127.0.0.1", 0)
     return Fake(upstream, f"http://127.0.0.1:{port}")
+
+
+async def start_configured_fake(nursery: trio.Nursery, config: Config) -> str | None:
+    """With [fake_upstream] enabled, its fake upstream (for the models' ``fake:`` upstreams),
+    started in ``nursery`` as `sluice serve` starts it beside the app: its URL for
+    ``create_app(config, fake_upstream_url=...)``. Without, None."""
+    if not config.fake_upstream.enabled:
+        return None
+    return await start_fake_upstream(nursery, config)
 
 
 @dataclass
@@ -85,7 +95,12 @@ async def start_proxy(
         for name, spec in models.items()
     }
     config = config_from_mapping(data, "test", env={})
-    app = create_app(config, env=env or {}, local_models=local_models)
+    app = create_app(
+        config,
+        env=env or {},
+        local_models=local_models,
+        fake_upstream_url=await start_configured_fake(nursery, config),
+    )
     binds = await nursery.start(serve, app, config)
     return Proxy(binds[0], app, config)
 

@@ -45,6 +45,35 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_line(
     assert "loading m" in captured.out
 
 
+FAKE_BESIDE = (
+    "[server]\nport = 0\n[fake_upstream]\nenabled = true\n"
+    '[models.fake-model]\nupstreams = ["fake:"]\n'
+)
+
+
+def test_beside_the_fake_upstream_a_model_that_cannot_load_is_still_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fake runs in a nursery of the CLI's own: what ends serve comes out as itself.
+    config = write(tmp_path, FAKE_BESIDE + '[models.m]\nbackend = "local"\npath = "/nope/m.gguf"\n')
+    assert main(["serve", "--config", config]) == 2
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith("sluice:")]
+    assert len(err) == 1 and "model error" in err[0] and "/nope/m.gguf" in err[0]
+    assert "Traceback" not in captured.err
+
+
+def test_beside_the_fake_upstream_a_config_error_of_the_app_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLUICE_TEST_UNSET_KEY", raising=False)
+    config = write(tmp_path, FAKE_BESIDE + 'api_key_env = "SLUICE_TEST_UNSET_KEY"\n')
+    assert main(["serve", "--config", config]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sluice: configuration error:")
+    assert "SLUICE_TEST_UNSET_KEY" in err[0]
+
+
 def test_a_port_in_use_is_one_line_before_anything_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -96,14 +125,16 @@ def test_serving_without_a_local_model_never_imports_torch() -> None:
     code = (
         "import sys, trio\n"
         "from proxy.api.app import create_app\n"
+        "from proxy.cli import fake_upstream_beside\n"
         "from proxy.config import load_config\n"
         "from proxy.server.run import serve\n"
         "config = load_config('conf/fake.toml', host='127.0.0.1', port=0)\n"
-        "app = create_app(config)\n"
         "async def main():\n"
-        "    async with trio.open_nursery() as nursery:\n"
-        "        await nursery.start(serve, app, config)\n"
-        "        nursery.cancel_scope.cancel()\n"
+        "    async with fake_upstream_beside(config) as fake_url:\n"
+        "        app = create_app(config, fake_upstream_url=fake_url)\n"
+        "        async with trio.open_nursery() as nursery:\n"
+        "            await nursery.start(serve, app, config)\n"
+        "            nursery.cancel_scope.cancel()\n"
         "trio.run(main)\n"
         "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n"
     )
@@ -151,3 +182,20 @@ def test_workers_that_cannot_load_their_model_stop_without_restarts(tmp_path: Pa
     assert result.returncode != 0
     assert "model error" in result.stderr and "/nope/m.gguf" in result.stderr
     assert "restarting" not in result.stderr
+
+
+def test_the_app_never_starts_the_fake_upstream_itself() -> None:
+    # The fake is tooling: whoever starts the app starts it beside it, and says where.
+    from proxy.api.app import create_app
+    from proxy.config import ConfigError, config_from_mapping
+
+    config = config_from_mapping(
+        {"fake_upstream": {"enabled": True}, "models": {"fake-model": {"upstreams": ["fake:"]}}},
+        "test",
+        env={},
+    )
+    with pytest.raises(ConfigError, match=r"fake_upstream_url=.*") as refused:
+        create_app(config, env={})
+    assert "[models.fake-model]" in str(refused.value)
+    app = create_app(config, env={}, fake_upstream_url="http://127.0.0.1:9")
+    assert app.extensions["sluice"].fake_upstream_url == "http://127.0.0.1:9"

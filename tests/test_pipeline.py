@@ -12,6 +12,7 @@ import signal
 import socket
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from trio_websocket import ConnectionClosed, open_websocket_url
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
+from proxy.api.pipeline import RequestPipeline
 from proxy.ops.logs import ACCESS_LOGGER
 from tests.support import (
     DEADLINE,
@@ -139,6 +141,144 @@ async def test_ws_without_a_valid_key_is_refused_with_401_and_logged(
             assert refused["error"]["code"] == "invalid_api_key"
     (line,) = [line for line in lines(access) if line["method"] == "WS"]
     assert (line["status"], line["outcome"]) == (401, "invalid_api_key")
+
+
+# ---------------------------------------------------------------- every credential form
+
+
+def credentials(authorization: str | None = None, api_key: str | None = None) -> list[Any]:
+    """Handshake headers: an ``Authorization: Bearer``, an ``x-api-key``, both or neither."""
+    headers = []
+    if authorization is not None:
+        headers.append((b"Authorization", f"Bearer {authorization}".encode()))
+    if api_key is not None:
+        headers.append((b"x-api-key", api_key.encode()))
+    return headers
+
+
+async def ws_refusal(proxy: Proxy, headers: list[Any]) -> dict[str, Any]:
+    """What a WebSocket client that sends these handshake headers is told at once: a refusal
+    (the socket is then closed, so nothing is sent on it)."""
+    async with open_websocket_url(ws_url(proxy), extra_headers=headers) as ws:
+        return await receive(ws)
+
+
+async def ws_first_token(proxy: Proxy, headers: list[Any]) -> dict[str, Any]:
+    async with open_websocket_url(ws_url(proxy), extra_headers=headers) as ws:
+        await ws.send_message(chat())
+        return await receive(ws)
+
+
+async def test_ws_authenticates_with_x_api_key(
+    nursery: trio.Nursery, access: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, keys=[key_table()])
+        async with open_websocket_url(
+            ws_url(proxy), extra_headers=credentials(api_key=SECRET)
+        ) as ws:
+            await ws.send_message(chat())
+            text, final = await answer(ws)
+            assert (text, final["type"]) == ("The quick ", "done"), final
+    (line,) = [line for line in lines(access) if line["method"] == "WS"]
+    assert (line["status"], line["outcome"], line["key"]) == (200, "completed", "alice")
+    # Checked, and as Authorization never forwarded.
+    (record,) = fake.recorder.records
+    assert SECRET not in json.dumps(dict(record.headers))
+
+
+async def test_a_wrong_x_api_key_is_refused_as_a_wrong_bearer_is(
+    nursery: trio.Nursery, access: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, keys=[key_table()])
+        as_bearer = await ws_refusal(proxy, credentials(authorization="sk-wrong"))
+        as_api_key = await ws_refusal(proxy, credentials(api_key="sk-wrong"))
+        assert (as_api_key["type"], as_api_key["status"]) == ("error", 401)
+        assert as_api_key["error"] == as_bearer["error"]
+        assert as_api_key["error"]["code"] == "invalid_api_key"
+        # Over HTTP, the same refusal for either form.
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            for headers in ({"Authorization": "Bearer sk-wrong"}, {"x-api-key": "sk-wrong"}):
+                response = await client.post(proxy.url + CHAT, json=chat_body(), headers=headers)
+                assert response.status_code == 401
+                assert response.json()["error"] == as_bearer["error"]
+    assert fake.recorder.records == []
+    ws_lines = [line for line in lines(access) if line["method"] == "WS"]
+    assert [(line["status"], line["outcome"]) for line in ws_lines] == [
+        (401, "invalid_api_key")
+    ] * 2
+
+
+async def test_authorization_wins_over_x_api_key_on_every_transport(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, keys=[key_table()])
+        wrong_bearer = credentials(authorization="sk-wrong", api_key=SECRET)
+        right_bearer = credentials(authorization=SECRET, api_key="sk-wrong")
+        refused = await ws_refusal(proxy, wrong_bearer)
+        assert (refused["type"], refused["status"]) == ("error", 401)
+        assert (await ws_first_token(proxy, right_bearer))["type"] == "token"
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            statuses = []
+            for pairs in (wrong_bearer, right_bearer):
+                headers = [(name.decode(), value.decode()) for name, value in pairs]
+                response = await client.post(
+                    proxy.url + CHAT, json=chat_body(stream=False), headers=headers
+                )
+                statuses.append(response.status_code)
+        assert statuses == [401, 200]
+
+
+async def test_the_pipeline_reads_every_credential_form() -> None:
+    from werkzeug.datastructures import Headers
+
+    from proxy.api.auth import KeyRing
+    from proxy.config import config_from_mapping
+    from proxy.ops.metrics import Metrics
+    from proxy.protocol.errors import ApiError
+    from proxy.relay.body import RelayTracker
+
+    config = config_from_mapping(
+        {"keys": [key_table()], "models": {"m": {"upstreams": ["http://127.0.0.1:9"]}}},
+        "test",
+        env={},
+    )
+    metrics = Metrics()
+    keys = KeyRing(config.keys, config.limits, metrics)
+    pipeline = RequestPipeline(config, keys, metrics, RelayTracker(metrics), {}, {})
+
+    def key_of(**headers: str) -> str | None:
+        access = pipeline.begin("POST", CHAT, "-", None)
+        found = pipeline.authenticate(Headers(headers.items()), access)
+        assert found is not None and access.key == found.name
+        return found.name
+
+    def code_of(**headers: str) -> str | None:
+        with pytest.raises(ApiError) as refused:
+            pipeline.authenticate(
+                Headers(headers.items()), pipeline.begin("WS", "/v1/ws", "-", None)
+            )
+        assert refused.value.status == 401
+        return refused.value.code
+
+    assert key_of(Authorization=f"Bearer {SECRET}") == "alice"
+    assert key_of(**{"x-api-key": SECRET}) == "alice"
+    assert key_of(**{"X-Api-Key": SECRET}) == "alice"  # header names are case-insensitive
+    assert key_of(Authorization=f"Bearer {SECRET}", **{"x-api-key": "sk-wrong"}) == "alice"
+    assert code_of(Authorization="Bearer sk-wrong", **{"x-api-key": SECRET}) == "invalid_api_key"
+    assert code_of(**{"x-api-key": "sk-wrong"}) == "invalid_api_key"
+    assert code_of() == "invalid_api_key"
+    # No [[keys]]: no authentication, whatever is sent.
+    open_config = config_from_mapping(
+        {"models": {"m": {"upstreams": ["http://127.0.0.1:9"]}}}, "test", env={}
+    )
+    unkeyed = RequestPipeline(open_config, KeyRing([]), metrics, RelayTracker(metrics), {}, {})
+    assert unkeyed.authenticate(Headers(), unkeyed.begin("WS", "/v1/ws", "-", None)) is None
 
 
 # ---------------------------------------------------------------- what the WebSocket is sent

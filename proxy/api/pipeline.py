@@ -6,7 +6,8 @@ A transport (HTTP, WebSocket) brings its own parsing of the wire and its own eve
 it asks of the pipeline, in order:
 
 1. :meth:`RequestPipeline.begin`: the request id and its access record (the access line).
-2. :meth:`RequestPipeline.authenticate`: the client's key (401 otherwise).
+2. :meth:`RequestPipeline.authenticate`: the client's key, in any of its credential forms
+   (401 otherwise).
 3. :meth:`RequestPipeline.parse`: the body, under the size limit, with one set of errors.
 4. :meth:`RequestPipeline.relay`: the :class:`~proxy.relay.RelayBody` that runs the request:
    the key's limits (requests per minute, concurrent streams) admitted inside it, the backend's
@@ -83,10 +84,19 @@ class RequestPipeline:
             self.request_id(presented_id), method, path, client or "-", trio.current_time()
         )
 
-    def authenticate(self, authorization: str | None, access: AccessRecord) -> KeyConfig | None:
-        """The client's key (None when no keys are configured); a 401 ApiError otherwise."""
+    def authenticate(self, headers: HeaderLookup, access: AccessRecord) -> KeyConfig | None:
+        """The client's key (None when no keys are configured); a 401 ApiError otherwise.
+
+        Every credential form is read here, for every transport: ``Authorization: Bearer``,
+        else ``x-api-key`` (Anthropic's SDKs send the key so, with anthropic-version). Both are
+        checked against the same ``[[keys]]``, and neither is forwarded upstream."""
         if not self.keys.enabled:
             return None
+        authorization = headers.get("Authorization")
+        if authorization is None:
+            api_key = headers.get("x-api-key")
+            if api_key is not None:
+                authorization = f"Bearer {api_key}"
         key = self.keys.identify(authorization)
         access.key = key.name
         return key

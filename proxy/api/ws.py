@@ -248,7 +248,7 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
     client = websocket.remote_addr or "-"
     handshake = pipeline.begin("WS", WS_PATH, client, None)
     try:
-        key = pipeline.authenticate(websocket.headers.get("Authorization"), handshake)
+        key = pipeline.authenticate(websocket.headers, handshake)
     except ApiError as error:
         pipeline.refused(handshake, error.status, error.code or "error", "-")
         await websocket.accept()

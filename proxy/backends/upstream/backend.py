@@ -26,7 +26,7 @@ from proxy.backends.upstream.routing import (
     ReplicaLoad,
     router_for,
 )
-from proxy.backends.upstream.scrape import check_replicas, report_reachability, scrape_replicas
+from proxy.backends.upstream.scrape import scrape_replicas
 from proxy.config import RelayConfig, UpstreamModel
 from proxy.ops.metrics import Metrics
 from proxy.protocol.affinity import affinity_key
@@ -34,9 +34,6 @@ from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest
 from proxy.relay.admission import Admission
 from proxy.relay.body import Sink
-
-# Imported from here before the split; the app still does.
-__all__ = ["UpstreamBackend", "UpstreamReplica", "check_replicas", "report_reachability"]
 
 
 class UpstreamBackend:
