@@ -885,7 +885,7 @@ async def test_a_child_that_exits_fails_the_bench_with_its_log(tmp_path: Path) -
     argv = [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
     with trio.fail_after(10), pytest.RaisesGroup(bench.ChildExited) as caught:
         async with trio.open_nursery() as nursery:
-            await nursery.start(bench.supervise, "proxy", argv, tmp_path / "log")
+            await nursery.start(bench_children.supervise, "proxy", argv, tmp_path / "log")
             await trio.sleep_forever()
     message = str(caught.value.exceptions[0])
     assert "status 3" in message
@@ -896,7 +896,7 @@ async def test_cancelling_the_bench_stops_its_children(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", "import time; time.sleep(60)"]
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            process = await nursery.start(bench.supervise, "fake", argv, tmp_path / "log")
+            process = await nursery.start(bench_children.supervise, "fake", argv, tmp_path / "log")
             nursery.cancel_scope.cancel()
     assert process.returncode is not None
 
