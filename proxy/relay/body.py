@@ -247,7 +247,7 @@ class RelayTracker:
         if body.stalled:
             metrics.stalled_clients.inc()
         if body.cancelled:
-            metrics.cancellations.labels(body.backend, account.phase.value).inc()
+            metrics.cancellations.labels(body.backend, str(account.phase)).inc()
             if account.cancel_seconds is not None:
                 metrics.cancel_propagation.labels(body.backend).observe(account.cancel_seconds)
             metrics.wasted_tokens.labels(body.backend).observe(account.undelivered)
@@ -559,7 +559,7 @@ class RelayBody(ResponseBody):
         if self.stalled:
             return "stalled"
         if self.cancelled:
-            return f"cancelled({self.account.phase.value})"
+            return f"cancelled({self.account.phase})"
         if self.error is not None:
             return self.error.code or "error"
         return "completed"
