@@ -133,9 +133,9 @@ async def test_cancelled_streams(
     with trio.fail_after(DEADLINE):
         await cancel_while_waiting_then_mid_stream(proxy, fake)
     assert len(lines(access)) == 2
-    line = only_line(access, outcome="cancelled(awaiting_first_token)")
+    line = only_line(access, outcome="cancelled(first_token)")
     assert (line["status"], line["ttft_s"], line["events"]) == (499, None, 0)
-    line = only_line(access, outcome="cancelled(streaming)")
+    line = only_line(access, outcome="cancelled(mid_stream)")
     assert line["status"] == 200
     assert line["events"] >= 3
     assert line["ttft_s"] is not None

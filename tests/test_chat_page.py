@@ -293,7 +293,7 @@ async def test_stream_stop_and_a_second_turn(
         await proxy.state.tracker.wait_idle()
         assert proxy.state.tracker.cancelled == 1
         registry = proxy.state.metrics.registry
-        labels = {"backend": "local", "phase": "streaming"}
+        labels = {"backend": "local", "phase": "mid_stream"}
         assert registry.get_sample_value("sluice_cancellations_total", labels) == 1
         propagation = registry.get_sample_value(
             "sluice_cancel_propagation_seconds_sum", {"backend": "local"}

@@ -99,7 +99,7 @@ async def test_disconnect_mid_generation_stops_the_thread_within_one_step(
         await proxy.state.tracker.wait_idle()
         assert producer_tasks() == []
         registry = proxy.state.metrics.registry
-        labels = {"backend": "local", "phase": "streaming"}
+        labels = {"backend": "local", "phase": "mid_stream"}
         assert registry.get_sample_value("sluice_cancellations_total", labels) == 1
         propagation = registry.get_sample_value(
             "sluice_cancel_propagation_seconds_sum", {"backend": "local"}
@@ -290,7 +290,7 @@ async def test_a_client_leaving_takes_only_its_sequence_out_of_the_batch(
         await proxy.state.tracker.wait_idle()
         assert backend.engine.sequences == 0
         registry = proxy.state.metrics.registry
-        labels = {"backend": "local", "phase": "streaming"}
+        labels = {"backend": "local", "phase": "mid_stream"}
         assert registry.get_sample_value("sluice_cancellations_total", labels) == 1
 
 

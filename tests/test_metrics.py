@@ -85,7 +85,7 @@ async def test_cancellations_are_measured_by_phase(
         # One client leaves while the upstream thinks, one in the middle of the stream.
         await cancel_while_waiting_then_mid_stream(proxy, fake)
         samples = await scrape(client, proxy)
-        for phase in ("awaiting_first_token", "streaming"):
+        for phase in ("first_token", "mid_stream"):
             assert (
                 value(samples, "sluice_cancellations_total", backend="upstream", phase=phase) == 1
             ), phase

@@ -85,7 +85,7 @@ async def test_a_streamed_head_is_started_by_the_producer_and_its_first_event_wr
     # channel), or through the body; either way exactly once, after the first.
     assert [chunk for chunk, _ in writer.direct] + writer.written == [EVENT, EVENT]
     # Accounted like any write: the first event is the time to first token.
-    assert body.ttft is not None and body.events_out == 2
+    assert body.account.ttft is not None and body.account.events_out == 2
 
 
 async def test_no_stream_is_started_for_errors_whole_bodies_or_non_streaming_requests(

@@ -43,6 +43,7 @@ from proxy.protocol.openai import CompletionRequest, Endpoint, check_local_param
 from proxy.protocol.responses import ResponsesStream, whole_response
 from proxy.relay.admission import Admission
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
+from proxy.relay.state import Phase
 
 log = logging.getLogger("sluice.local")
 
@@ -182,7 +183,7 @@ class LocalBackend:
             )
         check_local_parameters(request.body, request.endpoint)
         async with self.admission.slot():
-            sink.set_phase("awaiting_first_token")
+            sink.set_phase(Phase.FIRST_TOKEN)
             # Templating and tokenizing a long prompt takes milliseconds: off the loop.
             prompt_ids, params, body = await trio.to_thread.run_sync(self._prepare, request)
             wire = _wire(request, self.model.name, len(prompt_ids), params.logprobs is not None)

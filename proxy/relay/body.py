@@ -13,6 +13,9 @@ type), then hands body chunks on. The :class:`RelayBody` owns the producer's tas
   has written them all), so a slow reader fills it and the producer blocks, within
   ``stall_timeout``, which pauses the upstream's reads. ``__anext__`` takes what is queued
   (several chunks at once when they are already waiting: one write);
+* the lifecycle: the producer's side and the client's each have a state
+  (:class:`~proxy.relay.state.RelayState`), moved only by :meth:`RelayBody._fire` through the
+  table in ``state``;
 * the end, in this order: the disconnect callbacks (:meth:`client_disconnected`, called
   synchronously in the scheduler step that saw the client go, shut the upstream connection
   down); then the nursery's cancellation (the producer unwinds: the upstream exchange, or the
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol
@@ -38,11 +40,13 @@ import trio
 from quart.wrappers.response import ResponseBody
 
 from proxy.ops.logs import AccessRecord
-from proxy.ops.metrics import GAP_BUCKETS, Metrics
+from proxy.ops.metrics import Metrics
 from proxy.protocol.errors import ApiError, internal_error
 from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
 from proxy.protocol.shapes import ErrorShape
+from proxy.relay.accounting import RelayAccount
 from proxy.relay.stall import StallGuard
+from proxy.relay.state import Phase, RelayEvent, RelayState, step
 
 log = logging.getLogger("sluice.relay")
 
@@ -52,8 +56,8 @@ JSON_CONTENT_TYPE = "application/json"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Events coalesced into one write at most; bounds the size of a single send.
 _MAX_COALESCE = 64
-# Upper bounds of the write-gap buckets (Metrics.token_gaps); the last count is +Inf.
-_GAP_BOUNDS = tuple(float(bound) for bound in GAP_BUCKETS)
+# Module globals for the per-chunk checks: one global load and an identity comparison.
+_GONE = RelayState.GONE
 
 
 class ClientStalled(Exception):
@@ -68,10 +72,10 @@ class RelaySink:
     def __init__(self, body: RelayBody) -> None:
         self._body = body
 
-    def set_phase(self, phase: str) -> None:
-        """Where the producer is now (before the head: "queued", "connecting",
-        "awaiting_first_token"); reported with cancellations."""
-        self._body.phase = phase
+    def set_phase(self, phase: Phase) -> None:
+        """Where the producer is now: QUEUED, CONNECTING, HEAD or FIRST_TOKEN (the relay
+        itself sets MID_STREAM and AFTER_LAST); reported with cancellations."""
+        self._body.account.phase = phase
 
     @property
     def started(self) -> bool:
@@ -82,7 +86,7 @@ class RelaySink:
     def client_gone(self) -> bool:
         """True once the client has disconnected: a failure now (the upstream connection shut
         down under the producer) says nothing about the upstream."""
-        return self._body.client_gone
+        return self._body.client_state is _GONE
 
     def begin(
         self,
@@ -152,7 +156,7 @@ class Sink(Protocol):
     @property
     def client_gone(self) -> bool: ...
 
-    def set_phase(self, phase: str) -> None: ...
+    def set_phase(self, phase: Phase) -> None: ...
 
     def offer(self, chunk: bytes) -> bool: ...
 
@@ -233,19 +237,20 @@ class RelayTracker:
     def _observe(metrics: Metrics, body: RelayBody) -> None:
         metrics.active_streams.dec()
         metrics.requests.labels(body.model, str(body.final_status), body.endpoint).inc()
-        if body.ttft is not None:
+        account = body.account
+        if account.ttft is not None:
             # A streamed response that wrote at least once: what __anext__ counted, merged.
-            metrics.ttft.labels(body.model).observe(body.ttft)
-            metrics.token_gaps.merge((body.model,), body.gap_counts, body.gap_sum)
-            if body.events_out:
-                metrics.tokens_out.labels(body.model).inc(body.events_out)
+            metrics.ttft.labels(body.model).observe(account.ttft)
+            metrics.token_gaps.merge((body.model,), account.gap_counts, account.gap_sum)
+            if account.events_out:
+                metrics.tokens_out.labels(body.model).inc(account.events_out)
         if body.stalled:
             metrics.stalled_clients.inc()
         if body.cancelled:
-            metrics.cancellations.labels(body.backend, body.phase).inc()
-            if body.cancel_seconds is not None:
-                metrics.cancel_propagation.labels(body.backend).observe(body.cancel_seconds)
-            metrics.wasted_tokens.labels(body.backend).observe(body.undelivered)
+            metrics.cancellations.labels(body.backend, str(account.phase)).inc()
+            if account.cancel_seconds is not None:
+                metrics.cancel_propagation.labels(body.backend).observe(account.cancel_seconds)
+            metrics.wasted_tokens.labels(body.backend).observe(account.undelivered)
 
     async def wait_until(self, predicate: Callable[[RelayTracker], bool]) -> None:
         """Return once ``predicate(self)`` holds; re-checked on every change. No timeout of
@@ -285,31 +290,31 @@ class RelayBody(ResponseBody):
         self.description = description
         self.capacity = channel_capacity
         self.send_channel, self._receive_channel = trio.open_memory_channel[bytes](channel_capacity)
+        # The lifecycle: one state per side, moved only by _fire (the table is state.step).
+        self.producer_state = RelayState.HEAD_PENDING
+        self.client_state = RelayState.READING
+        # Whether the head is decided, and how the body's task waits for it: set by _fire as
+        # the producer leaves HEAD_PENDING with a head (a producer that stalls before any head
+        # is DONE without one).
         self.head_ready = trio.Event()
         self.status = 500
         self.headers: dict[str, str] = {}
+        # The verdicts, each decided once (cancelled: as the body closes; stalled: at the first
+        # stall) and read by the tracker and the access line. Not lifecycle states: a client
+        # can stall in any state, and a stalled request may be counted cancelled too.
         self.cancelled = False
         self.stalled = False
         self.error: ApiError | None = None
         # A known-length (non-streamed) body: its length, and the bytes handed to the writer.
-        # Once all of them are, the response is complete, whatever the client does next.
+        # Once all of them are, the response is complete (see complete), whatever the client
+        # does next.
         self.content_length: int | None = None
         self._handed = 0
-        # Ended by the consumer (abandon), not by the client: not a cancellation.
-        self._abandoned = False
         self._guard: StallGuard | None = None
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
-        self._producer_finished = False
         self.model = model
         self.backend = backend
-        # Where the request was when it ended; producers advance it (a plain attribute: no
-        # cost on the hot path). "streaming" once the head is sent.
-        self.phase = "queued"
-        # Filled in for a cancelled request: disconnect -> work gone, and what was produced
-        # for the client but never handed to its socket.
-        self.cancel_seconds: float | None = None
-        self.undelivered = 0
         # When the HTTP layer saw the client disconnect (set by asgi.RelayHTTPConnection).
         self.disconnected_at: Callable[[], float | None] = lambda: None
         # Drops the client's connection (set by asgi.RelayHTTPConnection): after a stall the
@@ -319,31 +324,47 @@ class RelayBody(ResponseBody):
         self.close_callbacks: list[Callable[[], None]] = []
         # Registered by the producer (RelaySink.on_disconnect); run by client_disconnected.
         self.disconnect_callbacks: list[Callable[[], None]] = []
-        # Set by client_disconnected: the client is gone, and when that was seen.
-        self.client_gone = False
-        self._gone_at: float | None = None
         # The access log line, written when the body closes (None: no line).
         self.access = access
-        # Accounting of a streamed (200, text/event-stream) response, kept by __anext__ once
-        # per write and read by the tracker once at close: when the relay started, the time
-        # to its first write, the gaps between writes (counts per bucket of _GAP_BOUNDS), and
-        # the SSE data events written.
-        self._now: Callable[[], float] = trio.current_time
-        self.started_at = 0.0
-        self.ttft: float | None = None
-        self.gap_counts = [0] * (len(_GAP_BOUNDS) + 1)
-        self.events_out = 0
+        # What the request is reported with at close (phase, timings, events): kept once per
+        # write of a streamed (200, text/event-stream) response. Its write method is bound
+        # here, so that the per-write call costs what a method of the body would.
+        self.account = RelayAccount()
+        self._wrote = self.account.wrote
         self._sse = False
-        self._last_write: float | None = None
         # The write-through hand-off (see write_through): the writer, and whether the producer
         # may use it now. Only the body sets direct_ok (True), when nothing is queued or being
-        # written; anything queued through the channel clears it first.
+        # written; anything queued through the channel clears it first. A plain bool, not a
+        # lifecycle state: it flips chunk by chunk on the benchmarked path, where a bool is
+        # the cheapest test there is.
         self._writer: DirectWriter | None = None
         self.direct_ok = False
         # Set by the HTTP layer (asgi.py) before the body starts: called by set_head, in the
         # producer's task, for a streamed 200 head; a writer with the head pending in it (or
         # None: the body task sends the head). See set_head.
         self.start_stream: Callable[[], DirectWriter | None] | None = None
+
+    # -- the lifecycle ----------------------------------------------------------------------
+
+    def _fire(self, event: RelayEvent) -> bool:
+        """The one place the lifecycle moves (by state.step's table); False if ``event``
+        changes nothing (a late or repeated report). Raises LifecycleError for a second head."""
+        producer, client = step(self.producer_state, self.client_state, event)
+        if producer is self.producer_state and client is self.client_state:
+            return False
+        self.producer_state = producer
+        self.client_state = client
+        if event is RelayEvent.HEAD:
+            self.head_ready.set()
+        elif event is RelayEvent.FINISHED and client is RelayState.READING and not self.complete:
+            # Everything is handed on; the client has yet to read what is still queued.
+            self.account.phase = Phase.AFTER_LAST
+        return True
+
+    @property
+    def client_gone(self) -> bool:
+        """True once the client has disconnected while the producer was at work."""
+        return self.client_state is _GONE
 
     # -- what the producer drives (through RelaySink) --------------------------------------
 
@@ -354,10 +375,8 @@ class RelayBody(ResponseBody):
         headers: Mapping[str, str] | None,
         content_length: int | None,
     ) -> None:
-        if self.head_ready.is_set():
-            raise RuntimeError("the response head was already decided")
+        self._fire(RelayEvent.HEAD)
         self.status = status
-        self.phase = "streaming"
         self.headers = {"Content-Type": content_type}
         if content_type.startswith("text/event-stream"):
             self.headers.update(STREAM_HEADERS)
@@ -367,7 +386,6 @@ class RelayBody(ResponseBody):
             self.content_length = content_length
         if headers:
             self.headers.update(headers)
-        self.head_ready.set()
         if self._sse and self.streaming and self.start_stream is not None:
             # The head is started here rather than by the body's task once it wakes: the
             # producer's first offer (next, in this same step) then writes the head and the
@@ -403,9 +421,9 @@ class RelayBody(ResponseBody):
                 if not self.head_ready.is_set():
                     log.error("producer returned without a response: %s", self)
                     await self._fail(internal_error())
-            # Set before the channel closes, so the body never sees the end of the stream
-            # while this still reads as unfinished.
-            self._producer_finished = True
+            # Before the channel closes, so the body never sees the end of the stream while
+            # the producer still reads as at work.
+            self._fire(RelayEvent.FINISHED)
         finally:
             self.send_channel.close()
 
@@ -428,9 +446,7 @@ class RelayBody(ResponseBody):
     # -- what the HTTP layer drives ---------------------------------------------------------
 
     async def __aenter__(self) -> RelayBody:
-        # trio.current_time() without its run-context lookup (a third of its cost) per write.
-        self._now = trio.lowlevel.current_clock().current_time
-        self.started_at = self._now()
+        self.account.start()
         self._nursery_manager = trio.open_nursery()
         nursery = await self._nursery_manager.__aenter__()
         self._nursery = nursery
@@ -453,10 +469,15 @@ class RelayBody(ResponseBody):
         tb: TracebackType | None,
     ) -> bool:
         assert self._nursery is not None
-        self.cancelled = not (self._producer_finished or self.complete or self._abandoned)
+        self.cancelled = not (
+            self.producer_state is RelayState.DONE
+            or self.complete
+            or self.client_state is RelayState.ABANDONED
+        )
+        account = self.account
         if self.cancelled:
             exit_started = trio.current_time()
-            self.undelivered = self.buffered()
+            account.undelivered = self.buffered()
         # The producer must never outlive the response, whatever ended it.
         self._nursery.cancel_scope.cancel()
         try:
@@ -464,8 +485,8 @@ class RelayBody(ResponseBody):
         finally:
             self._receive_channel.close()
             if self.cancelled:
-                started = self._gone_at or self.disconnected_at() or exit_started
-                self.cancel_seconds = trio.current_time() - started
+                started = account.gone_at or self.disconnected_at() or exit_started
+                account.cancel_seconds = trio.current_time() - started
             self.disconnect_callbacks.clear()
             # The guard refers back to this body (its on_stall): a cycle for the cyclic GC.
             self._guard = None
@@ -479,8 +500,8 @@ class RelayBody(ResponseBody):
                     model=self.model or "-",
                     outcome=self.outcome,
                     ended=trio.current_time(),
-                    ttft=self.ttft,
-                    events=self.events_out,
+                    ttft=account.ttft,
+                    events=account.events_out,
                 )
         return suppressed
 
@@ -490,10 +511,9 @@ class RelayBody(ResponseBody):
         producer's work now, in this scheduler step. Its callbacks shut the upstream connection
         down, and its tasks are cancelled; the body writes nothing more. The request's own
         cancellation follows as always."""
-        if self._producer_finished or self.client_gone or self.complete:
+        if self.complete or not self._fire(RelayEvent.LEFT):
             return
-        self.client_gone = True
-        self._gone_at = trio.current_time()
+        self.account.gone_at = trio.current_time()
         callbacks, self.disconnect_callbacks = self.disconnect_callbacks, []
         for callback in callbacks:
             callback()
@@ -513,7 +533,7 @@ class RelayBody(ResponseBody):
     def abandon(self, error: ApiError) -> None:
         """The consumer ends the response itself (a WebSocket's translator met an upstream
         event it cannot relay): the outcome is ``error``, not a cancellation by the client."""
-        self._abandoned = True
+        self._fire(RelayEvent.ABANDON)
         if self.error is None:
             self.error = error
 
@@ -539,7 +559,7 @@ class RelayBody(ResponseBody):
         if self.stalled:
             return "stalled"
         if self.cancelled:
-            return f"cancelled({self.phase})"
+            return f"cancelled({self.account.phase})"
         if self.error is not None:
             return self.error.code or "error"
         return "completed"
@@ -548,7 +568,7 @@ class RelayBody(ResponseBody):
         return self
 
     async def __anext__(self) -> bytes:
-        if self.client_gone or self.complete:
+        if self.client_state is _GONE or self.complete:
             # Nobody to write to (what is still queued counts as undelivered), or every byte
             # of a known-length body is out: nothing waits on what the producer does next.
             raise StopAsyncIteration
@@ -575,27 +595,12 @@ class RelayBody(ResponseBody):
         if parts is not None:
             chunk = b"".join(parts)
         if self._sse and chunk:
-            self._account(chunk)
-        elif self.content_length is not None:
-            self._handed += len(chunk)
+            self._wrote(chunk)
+        elif chunk:
+            self.account.handed()
+            if self.content_length is not None:
+                self._handed += len(chunk)
         return chunk
-
-    def _account(self, chunk: bytes) -> None:
-        """Per write, not per event (a coalesced burst is one write, one gap): a clock read,
-        a bisect on a 13-tuple and a byte scan in C; the metrics take it in at close."""
-        now = self._now()
-        last = self._last_write
-        self._last_write = now
-        if last is None:
-            self.ttft = now - self.started_at
-        else:
-            self.gap_counts[bisect_left(_GAP_BOUNDS, now - last)] += 1
-        # Events start at the chunk's start or right after a newline, and a JSON payload
-        # holds no raw newline: this counts data lines, never token text. [DONE] ends the
-        # last write of a stream.
-        self.events_out += (
-            chunk.count(b"\ndata:") + chunk.startswith(b"data:") - chunk.endswith(b"[DONE]\n\n")
-        )
 
     def offer(self, chunk: bytes) -> bool:
         """The producer's non-blocking hand-off (RelaySink.offer)."""
@@ -604,7 +609,9 @@ class RelayBody(ResponseBody):
             written = self._writer.write_nowait(chunk)
             if written is not False:
                 if self._sse:
-                    self._account(chunk)
+                    self._wrote(chunk)
+                else:
+                    self.account.handed()
                 if written is None:
                     # Part of it is pending: wake the body (an empty chunk) to flush it.
                     self.direct_ok = False
@@ -640,13 +647,6 @@ class RelayBody(ResponseBody):
         finally:
             self._writer = None
             self.direct_ok = False
-
-    @property
-    def gap_sum(self) -> float:
-        """The sum of the gaps between writes: from the first write to the last."""
-        if self.ttft is None or self._last_write is None:
-            return 0.0
-        return self._last_write - (self.started_at + self.ttft)
 
     def buffered(self) -> int:
         """Chunks waiting in this request's channel (never more than its capacity)."""
