@@ -19,6 +19,7 @@ from proxy.backends.upstream.routing import ReplicaLoad
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
 from proxy.relay.body import Sink
+from proxy.relay.state import Phase
 
 log = logging.getLogger("sluice.upstream")
 
@@ -146,8 +147,8 @@ class _Entrant:
     def client_gone(self) -> bool:
         return self.race.sink.client_gone
 
-    def set_phase(self, phase: str) -> None:
-        # A Phase; typed as Sink.set_phase is (str, until the relay's sinks take a Phase).
+    def set_phase(self, phase: Phase) -> None:
+        # Until a winner is known, the entrants' phases are the request's.
         if self.race.winner is None:
             self.race.sink.set_phase(phase)
 
