@@ -392,7 +392,8 @@ class EventFrames(Frames):
 
 
 class Answer(Protocol):
-    """What a model endpoint will answer, decided before any byte is sent."""
+    """What a model endpoint will answer, decided before any byte is sent: what the wire needs
+    of an answer (``answers`` has one per endpoint) to send it whole or as a stream."""
 
     @property
     def stream(self) -> bool: ...
