@@ -14,6 +14,8 @@ import json
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from proxy.testing.fake_upstream import (
     FakeSettings,
     FakeUpstream,
     NoRecordsYet,
+    PrefixCache,
     Recorder,
     RequestRecord,
     add_arguments,
@@ -51,6 +54,7 @@ from proxy.testing.fake_upstream import (
 FAST: dict[str, Any] = {"ttft": 0.01, "interval": 0.002, "tokens": 5}
 # How soon the fake must notice that its client left.
 DISCONNECT_BUDGET = 0.05
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def start(nursery: trio.Nursery, **settings: Any) -> tuple[FakeUpstream, int]:
@@ -816,6 +820,34 @@ def test_command_line_habits_tls_and_proxy() -> None:
     assert (defaults.keepalive_timeout, defaults.tls_cert, defaults.via_proxy) == (None, "", False)
     with pytest.raises(SystemExit):
         parser.parse_args(["--close-after-response", "--late-close", "1"])
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [["-m", "proxy.testing.fake_upstream"], ["-m", "proxy.cli", "fake-upstream"]],
+    ids=["python -m", "sluice fake-upstream"],
+)
+async def test_the_fake_runs_as_a_program(entry: list[str]) -> None:
+    """The balance bench starts its replicas with ``python -m``, the load bench through the CLI."""
+    command = [sys.executable, *entry, "--port", "0", "--model", "m"]
+    with trio.fail_after(30):
+        process = await trio.lowlevel.open_process(command, cwd=ROOT, stdout=subprocess.PIPE)
+        assert process.stdout is not None
+        try:
+            line = b""
+            while not line.endswith(b"\n"):
+                data = await process.stdout.receive_some()
+                assert data, "the fake exited before announcing itself"
+                line += data
+            prefix = b"fake upstream listening on http://127.0.0.1:"
+            assert line.startswith(prefix)
+            async with client(int(line.removeprefix(prefix))) as c:
+                r = await c.get("/v1/models")
+            assert [m["id"] for m in r.json()["data"]] == ["m"]
+        finally:
+            process.terminate()
+            await process.wait()
+            await process.stdout.aclose()
 
 
 # --------------------------------------------------------------------------- connection habits
@@ -1774,8 +1806,6 @@ async def test_every_endpoint_records_path_and_model(nursery: trio.Nursery) -> N
 
 
 def test_prefix_cache_blocks_chain_and_evict() -> None:
-    from proxy.testing.fake_upstream import PrefixCache
-
     cache = PrefixCache(capacity=4)
     first = b"a" * 300
     assert cache.lookup(first, 100) == (3, 0, 1.0)
