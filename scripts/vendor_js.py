@@ -13,7 +13,7 @@ Versions and the tarballs' ``dist.integrity`` (SRI sha512) are pinned here. For 
 script asks the registry for ``/<name>/<version>``, checks that the registry still publishes the
 pinned integrity, downloads the tarball, checks its sha512 against the pin, and extracts the
 browser build and the licence files byte for byte (no file is modified). ``MANIFEST.json`` beside
-them records where each file came from and its sha256; ``tests/test_chat_page.py`` checks the
+them records where each file came from and its sha256; ``tests/api/test_chat_page.py`` checks the
 files against it. To upgrade: change a version, set its integrity to the new one from
 ``https://registry.npmjs.org/<name>/<version>`` (``dist.integrity``), run the script, run the
 chat page tests.

@@ -88,7 +88,7 @@ async def start_proxy(
         data["keys"] = [dict(table) for table in keys]
     data.setdefault("server", {})["port"] = 0
     # No spare upstream connections unless a test asks: most tests count the upstream's
-    # connections exactly (tests/test_preconnect.py covers the default).
+    # connections exactly (tests/backends/upstream/test_preconnect.py covers the default).
     data.setdefault("upstream", {}).setdefault("preconnect", 0)
     data["models"] = {
         name: {"upstreams": spec} if isinstance(spec, list) else spec

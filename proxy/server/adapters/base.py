@@ -107,7 +107,7 @@ class Adapter:
         fallbacks: dict[str, str],
     ) -> None:
         self.distribution = distribution
-        # The range pyproject.toml declares (tests/test_adapters.py checks they agree).
+        # The range pyproject.toml declares (tests/server/test_adapters.py checks they agree).
         self.floor = floor
         self.below = below
         self.internals = internals

@@ -129,7 +129,7 @@ NOT_APPLICABLE = {
 
 
 # The endpoint axis (upstream backends; the local model's Responses and Messages are in
-# tests/test_endpoints.py): each endpoint's request, and how its stream says it is done.
+# tests/api/test_endpoints.py): each endpoint's request, and how its stream says it is done.
 ENDPOINT_PATHS = {
     "chat": CHAT,
     "responses": "/v1/responses",

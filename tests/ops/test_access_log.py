@@ -16,6 +16,7 @@ import trio
 
 from proxy.api.auth import hash_key
 from proxy.ops.logs import ACCESS_LOGGER, AccessRecord, configure_access_log
+from tests.ops.test_metrics import closed_port
 from tests.support import (
     DEADLINE,
     Fake,
@@ -25,7 +26,6 @@ from tests.support import (
     sse_payloads,
     start_proxy,
 )
-from tests.test_metrics import closed_port
 
 CHAT = "/v1/chat/completions"
 FIELDS = {

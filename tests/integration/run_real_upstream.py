@@ -2,8 +2,10 @@
 run the tests marked for it through Sluice, stop it. Prints what the tests print (the abort
 timing).
 
-    python -m tests.run_real_upstream vllm PYTHON MODEL_DIR      (vLLM's CPU build)
-    python -m tests.run_real_upstream llamacpp PYTHON GGUF_FILE  (llama-cpp-python's server)
+    python -m tests.integration.run_real_upstream vllm PYTHON MODEL_DIR
+        (vLLM's CPU build)
+    python -m tests.integration.run_real_upstream llamacpp PYTHON GGUF_FILE
+        (llama-cpp-python's server)
 """
 
 from __future__ import annotations
@@ -97,7 +99,16 @@ def main(argv: list[str]) -> int:
             prefix = "SLUICE_VLLM" if kind == "vllm" else "SLUICE_LLAMACPP"
             test_env = {**os.environ, f"{prefix}_URL": url, f"{prefix}_LOG": str(log_path)}
             return subprocess.call(
-                [sys.executable, "-m", "pytest", "-m", kind, "-s", "-q", f"tests/test_{kind}.py"],
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-m",
+                    kind,
+                    "-s",
+                    "-q",
+                    f"tests/integration/test_{kind}.py",
+                ],
                 env=test_env,
             )
         finally:

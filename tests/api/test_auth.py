@@ -30,8 +30,8 @@ from proxy.config import (
     load_config,
 )
 from proxy.protocol.errors import ApiError
+from tests.ops.test_metrics import scrape, value
 from tests.support import DEADLINE, Fake, chat_body, sse_payloads, start_fake, start_proxy
-from tests.test_metrics import scrape, value
 
 CHAT = "/v1/chat/completions"
 SECRET = "sk-sluice-test-0123456789"

@@ -19,7 +19,7 @@ from proxy.server.adapters import ADAPTERS, StartupError
 from proxy.server.adapters.base import release
 from tests.support import DEADLINE, chat_body, sse_payloads, start_fake, start_proxy, stream_text
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

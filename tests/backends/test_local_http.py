@@ -331,7 +331,7 @@ async def test_a_stalled_reader_is_parked_then_evicted_and_the_others_finish(
 async def test_a_character_cut_by_max_tokens_never_reaches_the_client_as_u_fffd(
     nursery: trio.Nursery, client: httpx.AsyncClient, smol_tokenizer: Any
 ) -> None:
-    from tests.test_batching import cut_character_model
+    from tests.inference.test_batching import cut_character_model
 
     loaded, text, tokens = cut_character_model(smol_tokenizer)
     body = chat_body(

@@ -1184,7 +1184,7 @@ def make_screenshot(target: str, phone_target: str | None = None) -> None:
     settings folded, the conversation kept). Sampling is not seeded, so the first question is
     asked again until its answer is short and right, and the second until it has code.
 
-        .venv/bin/python -m tests.test_chat_page docs/chat-page.png docs/chat-page-mobile.png
+        .venv/bin/python -m tests.api.test_chat_page docs/chat-page.png docs/chat-page-mobile.png
     """
     from proxy.config import load_config
 
@@ -1239,7 +1239,7 @@ def make_screenshot(target: str, phone_target: str | None = None) -> None:
             browser.close()
 
     async def main() -> None:
-        config = load_config(Path(__file__).parents[1] / "conf" / "local.toml", env={}, port=0)
+        config = load_config(Path(__file__).parents[2] / "conf" / "local.toml", env={}, port=0)
         app = create_app(config, env={})
         if web.blueprint.name not in app.blueprints:
             app.register_blueprint(web.blueprint)

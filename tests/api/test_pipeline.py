@@ -23,6 +23,10 @@ from wsproto.events import AcceptConnection, Request, TextMessage
 
 from proxy.api.pipeline import RequestPipeline
 from proxy.ops.logs import ACCESS_LOGGER
+from tests.api.test_auth import SECRET, bearer, key_table
+from tests.api.test_websocket import answer, chat, receive, ws_url
+from tests.contracts.test_drain import start_sluice, stop
+from tests.ops.test_access_log import lines
 from tests.support import (
     DEADLINE,
     Proxy,
@@ -33,10 +37,6 @@ from tests.support import (
     start_fake,
     start_proxy,
 )
-from tests.test_access_log import lines
-from tests.test_auth import SECRET, bearer, key_table
-from tests.test_drain import start_sluice, stop
-from tests.test_websocket import answer, chat, receive, ws_url
 
 CHAT = "/v1/chat/completions"
 AUTH = [(b"Authorization", f"Bearer {SECRET}".encode())]

@@ -1,7 +1,7 @@
 """GGUF to a Hugging Face directory (what vLLM needs): when a directory is reconverted.
 
 The conversion itself, compared with the GGUF (template, special tokens, logits, greedy tokens,
-"Paris"), is tests/test_fidelity.py.
+"Paris"), is tests/inference/test_fidelity.py.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ from proxy.api.auth import KeyRing
 from proxy.api.limits import RedisLimits
 from proxy.config import KeyConfig, LimitsConfig
 from proxy.protocol.errors import ApiError
+from tests.api.test_auth import bearer, key_table
+from tests.contracts.test_drain import start_sluice, stop
+from tests.ops.test_metrics import scrape, value
 from tests.support import DEADLINE, chat_body, sse_payloads, start_fake, start_proxy
-from tests.test_auth import bearer, key_table
-from tests.test_drain import start_sluice, stop
-from tests.test_metrics import scrape, value
 
 CHAT = "/v1/chat/completions"
 REDIS_SERVER = shutil.which("redis-server")

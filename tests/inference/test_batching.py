@@ -18,8 +18,8 @@ from inference.detokenize import REPLACEMENT
 from inference.generation import Generator
 from inference.loading import LoadedModel
 from inference.sampling import SamplingParams
+from tests.contracts.test_utf8_boundary import byte_token
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
-from tests.test_detokenize import byte_token
 
 __all__ = ["smol_tokenizer", "tiny_loaded_model"]
 
@@ -306,7 +306,7 @@ def test_the_tested_range_is_the_one_pyproject_declares() -> None:
     import tomllib
     from pathlib import Path
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     requirements = [
         requirement
         for group in (

@@ -54,7 +54,7 @@ from proxy.testing.fake_upstream import (
 FAST: dict[str, Any] = {"ttft": 0.01, "interval": 0.002, "tokens": 5}
 # How soon the fake must notice that its client left.
 DISCONNECT_BUDGET = 0.05
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def start(nursery: trio.Nursery, **settings: Any) -> tuple[FakeUpstream, int]:

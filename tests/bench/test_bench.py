@@ -631,7 +631,7 @@ def test_two_loads_never_share_plot_names() -> None:
 
 def make_bench_loads() -> list[list[str]]:
     """The arguments of every ``python -m proxy.bench`` that ``make bench`` runs."""
-    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = makefile.split("\nbench:", 1)[1].split("\n", 1)[1]
     lines = []
     for line in recipe.replace("\\\n", " ").splitlines():
@@ -663,7 +663,7 @@ def test_every_load_make_bench_runs_gets_plot_names_of_its_own(
 
 
 def test_the_benchmarks_doc_links_each_plot_by_its_loads_name_and_keeps_no_other() -> None:
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     text = (docs / "benchmarks.md").read_text()
     linked: list[str] = []
     sections = re.findall(r"<!-- bench:begin (.*?) -->(.*?)<!-- bench:end \1 -->", text, re.S)
@@ -1223,7 +1223,7 @@ async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> No
 
 
 def test_the_peers_folder_is_the_shared_one_beside_the_repository() -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     assert root.parent / "shared" / "peers" == bench.PEERS_DIR
 
 
