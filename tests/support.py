@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -326,3 +327,25 @@ async def read_request_head(stream: trio.SocketStream) -> bytes | None:
             return None
         received += data
     return received
+
+
+def local_model(**overrides: Any) -> dict[str, Any]:
+    """A local model's config table, for a model preloaded by the test."""
+    return {"backend": "local", "path": "unused-preloaded", "default_temperature": 0.0, **overrides}
+
+
+async def start_local_proxy(nursery: trio.Nursery, loaded: Any, **overrides: Any) -> Proxy:
+    """A proxy serving ``loaded`` as the local model "tiny" (``relay=`` sets [relay])."""
+    relay = overrides.pop("relay", {})
+    return await start_proxy(
+        nursery,
+        {"tiny": local_model(**overrides)},
+        local_models={"tiny": loaded},
+        relay=relay,
+    )
+
+
+def engine_threads() -> int:
+    """Threads stepping a local model's batch: one per model, whatever the requests."""
+    # trio names a worker thread after its job while it runs (the engine names its own).
+    return sum(1 for t in threading.enumerate() if t.name.startswith("sluice engine "))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 import httpx
@@ -15,35 +14,13 @@ from tests.support import (
     RawClient,
     chat_body,
     poll_until,
-    producer_tasks,
     slowed,
     sse_payloads,
-    start_proxy,
+    start_local_proxy,
     stream_text,
-    wait_until_steady,
 )
 
 CHAT = "/v1/chat/completions"
-
-
-def local_model(**overrides: Any) -> dict[str, Any]:
-    return {"backend": "local", "path": "unused-preloaded", "default_temperature": 0.0, **overrides}
-
-
-async def start_local_proxy(nursery: trio.Nursery, loaded: Any, **overrides: Any) -> Proxy:
-    relay = overrides.pop("relay", {})
-    return await start_proxy(
-        nursery,
-        {"tiny": local_model(**overrides)},
-        local_models={"tiny": loaded},
-        relay=relay,
-    )
-
-
-def engine_threads() -> int:
-    """Threads stepping a local model's batch: one per model, whatever the requests."""
-    # trio names a worker thread after its job while it runs (the engine names its own).
-    return sum(1 for t in threading.enumerate() if t.name.startswith("sluice engine "))
 
 
 async def test_local_stream_and_non_stream(
@@ -72,120 +49,6 @@ async def test_local_stream_and_non_stream(
         assert health["decode_step_ms_p50"] is not None
         assert len(proxy.state.local_backends["tiny"].decode_seconds) == 14
         assert (health["slots"], health["busy"], health["queued"]) == (1, 0, 0)
-
-
-async def test_disconnect_mid_generation_stops_the_thread_within_one_step(
-    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
-) -> None:
-    step = 0.05
-    loaded = slowed(tiny_loaded_model, step)
-    with trio.fail_after(DEADLINE):
-        proxy = await start_local_proxy(nursery, loaded)
-        backend = proxy.state.local_backends["tiny"]
-        raw = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=400))
-        await raw.read_until(b'"content":"', count=4)
-        assert backend.active_generations == 1
-        assert engine_threads() == 1
-        steps_at_close = loaded.model.steps
-        closed_at = await raw.close()
-        await backend.admission.wait_free()
-        freed_after = trio.current_time() - closed_at
-        # The step in progress finishes, then the thread notices and returns.
-        assert freed_after < step + 0.1, freed_after
-        assert loaded.model.steps - steps_at_close <= 1
-        assert backend.active_generations == 0
-        assert engine_threads() == 1
-        assert backend.engine.sequences == 0
-        await proxy.state.tracker.wait_idle()
-        assert producer_tasks() == []
-        registry = proxy.state.metrics.registry
-        labels = {"backend": "local", "phase": "mid_stream"}
-        assert registry.get_sample_value("sluice_cancellations_total", labels) == 1
-        propagation = registry.get_sample_value(
-            "sluice_cancel_propagation_seconds_sum", {"backend": "local"}
-        )
-        assert propagation is not None and 0 < propagation < step + 0.1
-        # The slot is free: the next request is served at once.
-        response = await client.post(
-            proxy.url + CHAT, json=chat_body("tiny", stream=False, max_tokens=2)
-        )
-        assert response.status_code == 200
-
-
-async def test_slow_reader_blocks_the_model_itself(
-    nursery: trio.Nursery, tiny_loaded_model: Any
-) -> None:
-    loaded = slowed(tiny_loaded_model, 0.0)
-    capacity = 4
-    with trio.fail_after(DEADLINE):
-        proxy = await start_local_proxy(
-            nursery, loaded, relay={"channel_capacity": capacity, "stall_timeout": 2.0}
-        )
-        backend = proxy.state.local_backends["tiny"]
-        raw = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=100_000), rcvbuf=4096)
-        await raw.read_until(b'"content":"', count=2)
-        (relay,) = proxy.state.tracker.active
-        await poll_until(lambda: relay.buffered() == capacity)
-        # The model pauses (the thread waits in from_thread.run(send)), its output held in
-        # the bounded channel, far from the 100k tokens it was asked for.
-        steps = await wait_until_steady(lambda: loaded.model.steps)
-        assert steps[-1] < 5_000, steps
-        assert relay.buffered() == capacity
-        assert backend.active_generations == 1
-        # Past stall_timeout the client is cut off and the model released.
-        await backend.admission.wait_free()
-        assert backend.active_generations == 0
-        await proxy.state.tracker.wait_idle()
-        assert proxy.state.tracker.stalled == 1
-        await raw.stream.aclose()
-
-
-async def test_admission_queue_full_is_429_and_deadline_is_503(
-    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
-) -> None:
-    loaded = slowed(tiny_loaded_model, 0.02)
-    with trio.fail_after(DEADLINE):
-        proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=1, queue_timeout=0.5)
-        backend = proxy.state.local_backends["tiny"]
-        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
-        await running.read_until(b'"content":"')
-        queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=2))
-        await backend.admission.wait_queued(1)
-        response = await client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=2))
-        assert response.status_code == 429
-        assert response.json()["error"]["code"] == "queue_full"
-        assert int(response.headers["retry-after"]) >= 1
-        # The queued one waits past queue_timeout: 503, with Retry-After.
-        await queued.read_until(b"\r\n\r\n")
-        assert queued.received.startswith(b"HTTP/1.1 503")
-        assert b"retry-after" in queued.received.lower()
-        await queued.read_until(b"queue_timeout")
-        await queued.close()
-        await running.close()
-
-
-async def test_a_client_leaving_the_queue_frees_its_place_at_once(
-    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
-) -> None:
-    loaded = slowed(tiny_loaded_model, 0.02)
-    with trio.fail_after(DEADLINE):
-        proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=1, queue_timeout=30)
-        backend = proxy.state.local_backends["tiny"]
-        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
-        await running.read_until(b'"content":"')
-        queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=2))
-        await backend.admission.wait_queued(1)
-        await queued.close()
-        await backend.admission.wait_queued(0)
-        # Its place is free: a new request is queued (not refused), and is served once the
-        # running one leaves.
-        async with trio.open_nursery() as requests:
-            requests.start_soon(
-                lambda: client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=2))
-            )
-            await backend.admission.wait_queued(1)
-            await running.close()
-        assert backend.admission.waiting == 0
 
 
 async def test_local_bad_prompts_are_400(

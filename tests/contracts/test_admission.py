@@ -1,30 +1,45 @@
-"""The upstream queue is bounded like the local model's, over either transport: a request
-waits for a replica's connection slot in a queue of max_queue, gets 429 queue_full at once past
-it and 503 queue_timeout after queue_timeout, both with Retry-After; a queued client that leaves
-frees its place at once; and none of it counts against the replica."""
+"""The admission contract: concurrency is bounded at every level, and excess waits in a bounded
+queue with a deadline, then gets ``429`` or ``503`` with ``Retry-After`` and an error in the
+API's shape; never an unbounded pile-up.
+
+- An upstream replica: a request waits for the replica's connection slot in a queue of
+  ``max_queue``, gets 429 ``queue_full`` at once past it and 503 ``queue_timeout`` after
+  ``queue_timeout``, over either transport; a queued client that leaves frees its place at
+  once; and none of it counts against the replica.
+- A local model: the same, for its slots.
+- A client key: its requests per minute and its concurrent streams, each with its own window,
+  a refusal costing the upstream nothing, and a stream's hold released when its client leaves.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import httpx
 import pytest
 import trio
 
+from tests.api.test_auth import OTHER_SECRET, bearer, error_of, key_table
+from tests.ops.test_metrics import scrape, value
 from tests.support import (
     DEADLINE,
     UPSTREAM_TRANSPORTS,
+    Fake,
     RawClient,
     chat_body,
     only_replica,
     poll_until,
+    slowed,
+    sse_payloads,
     start_fake,
+    start_local_proxy,
     start_proxy,
 )
-
-pytestmark = pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)
 
 CHAT = "/v1/chat/completions"
 
 
+@pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)
 async def test_the_upstream_queue_is_bounded_in_size_and_time(
     nursery: trio.Nursery, transport: str
 ) -> None:
@@ -71,6 +86,7 @@ async def test_the_upstream_queue_is_bounded_in_size_and_time(
         assert waits.labels("m", "queue_timeout")._sum.get() >= 0.5
 
 
+@pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)
 async def test_a_queued_client_that_leaves_frees_its_place(
     nursery: trio.Nursery, transport: str
 ) -> None:
@@ -95,3 +111,125 @@ async def test_a_queued_client_that_leaves_frees_its_place(
         await again.read_until(b"data: ")  # admitted when the slot freed
         await again.close()
         await proxy.state.tracker.wait_idle()
+
+
+async def test_admission_queue_full_is_429_and_deadline_is_503(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
+) -> None:
+    loaded = slowed(tiny_loaded_model, 0.02)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=1, queue_timeout=0.5)
+        backend = proxy.state.local_backends["tiny"]
+        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        await running.read_until(b'"content":"')
+        queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=2))
+        await backend.admission.wait_queued(1)
+        response = await client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=2))
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "queue_full"
+        assert int(response.headers["retry-after"]) >= 1
+        # The queued one waits past queue_timeout: 503, with Retry-After.
+        await queued.read_until(b"\r\n\r\n")
+        assert queued.received.startswith(b"HTTP/1.1 503")
+        assert b"retry-after" in queued.received.lower()
+        await queued.read_until(b"queue_timeout")
+        await queued.close()
+        await running.close()
+
+
+async def test_a_client_leaving_the_queue_frees_its_place_at_once(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
+) -> None:
+    loaded = slowed(tiny_loaded_model, 0.02)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=1, queue_timeout=30)
+        backend = proxy.state.local_backends["tiny"]
+        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        await running.read_until(b'"content":"')
+        queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=2))
+        await backend.admission.wait_queued(1)
+        await queued.close()
+        await backend.admission.wait_queued(0)
+        # Its place is free: a new request is queued (not refused), and is served once the
+        # running one leaves.
+        async with trio.open_nursery() as requests:
+            requests.start_soon(
+                lambda: client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=2))
+            )
+            await backend.admission.wait_queued(1)
+            await running.close()
+        assert backend.admission.waiting == 0
+
+
+async def test_requests_per_minute_gives_429_with_retry_after(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            keys=[
+                key_table(requests_per_minute=2),
+                key_table(OTHER_SECRET, "bob", requests_per_minute=2),
+            ],
+        )
+        url = proxy.url + CHAT
+        for _ in range(2):
+            ok = await client.post(url, json=chat_body(stream=False), headers=bearer())
+            assert ok.status_code == 200
+        refused = await client.post(url, json=chat_body(), headers=bearer())
+        assert refused.status_code == 429
+        error = error_of(refused)
+        assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+        # Both admissions happened within the last few seconds, so the window frees up in a
+        # little under 60 s; the header says so, in whole seconds.
+        assert 50 <= int(refused.headers["retry-after"]) <= 60
+        assert len(fake.recorder.records) == 2  # the refusal never reached the upstream
+        # Another key has its own window.
+        other = await client.post(url, json=chat_body(), headers=bearer(OTHER_SECRET))
+        assert other.status_code == 200
+        samples = await scrape(client, proxy)
+        assert value(samples, "sluice_requests_total", model="fake-model", status="429") == 1
+
+
+async def test_concurrent_streams_are_held_until_the_client_leaves(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.0, interval=0.05, tokens=10_000)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            keys=[key_table(max_concurrent_streams=1), key_table(OTHER_SECRET, "bob")],
+        )
+        url = proxy.url + CHAT
+        async with client.stream("POST", url, json=chat_body(), headers=bearer()) as first:
+            assert first.status_code == 200
+            lines = first.aiter_lines()
+            while not (await lines.__anext__()).startswith("data: "):
+                pass
+            assert proxy.state.keys.streams("alice") == 1
+            second = await client.post(url, json=chat_body(), headers=bearer())
+            assert second.status_code == 429
+            assert second.headers["retry-after"] == "1"
+            error = error_of(second)
+            assert (error["type"], error["code"]) == (
+                "rate_limit_error",
+                "concurrency_limit_exceeded",
+            )
+            # Another key is not limited by alice's stream.
+            async with client.stream(
+                "POST", url, json=chat_body(), headers=bearer(OTHER_SECRET)
+            ) as bob:
+                assert bob.status_code == 200
+        # Leaving the block closed both connections mid-stream: the relays end, and with
+        # alice's relay its hold on her concurrency.
+        await proxy.state.tracker.wait_idle()
+        assert proxy.state.keys.streams("alice") == 0
+        # ... and the upstream sees alice's first stream go (closed by the proxy, not by it).
+        await fake.recorder.wait_for(lambda r: r.records[0].disconnected_at is not None)
+        third = await client.post(url, json=chat_body(fake={"tokens": 3}), headers=bearer())
+        assert third.status_code == 200
+        assert sse_payloads(third.text)[-1] == "[DONE]"
+        # A finished request released its hold too.
+        assert proxy.state.keys.streams("alice") == 0

@@ -1,4 +1,6 @@
-"""Graceful drain and worker processes, on a real `sluice serve` process.
+"""The drain contract: a server that is told to stop stops taking work, lets what is in flight
+finish within its deadline, cancels the rest as a client leaving would, and exits; on a real
+`sluice serve` process, with its worker processes.
 
 SIGTERM: /readyz turns 503 at once; after drain_delay the listeners close; streams that finish
 within graceful_timeout finish; the rest are cancelled (their upstream connections closed) and

@@ -1,11 +1,25 @@
-"""SSE framing, sans-IO: splitting byte chunks into events, and framing our own events."""
+"""The framing contract: every event reaches the client as soon as it is complete, whole, and
+in the shape its API expects; and a request whose framing is ambiguous is refused.
+
+- SSE, sans-IO: splitting the upstream's byte chunks into events at any chunking, and framing
+  our own events;
+- over real sockets: each event delivered on its own as it is produced (no relay buffering:
+  ``Cache-Control: no-cache``, ``X-Accel-Buffering: no``), as ``curl -N`` sees it;
+- a request with both ``Content-Length`` and ``Transfer-Encoding`` (RFC 9112 §6.1: a smuggled
+  request could follow) is refused and its connection closed, as is a chunked body on
+  HTTP/1.0.
+"""
 
 from __future__ import annotations
 
 import itertools
 import json
+import shutil
+import subprocess
 
+import httpx
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,6 +33,17 @@ from proxy.protocol.sse import (
     error_event,
     is_done,
 )
+from tests.support import (
+    DEADLINE,
+    Proxy,
+    chat_body,
+    connect_client,
+    start_fake,
+    start_proxy,
+    stream_text,
+)
+
+CHAT = "/v1/chat/completions"
 
 # Line text: any Unicode (multi-byte UTF-8 included) except line breaks and lone surrogates.
 _text = st.text(st.characters(exclude_characters="\r\n", exclude_categories=["Cs"]), max_size=12)
@@ -168,3 +193,107 @@ def test_error_event_carries_openai_error_object() -> None:
             "code": "upstream_eof",
         }
     }
+
+
+async def test_stream_delivers_each_event_as_it_is_produced(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.05, interval=0.1, tokens=4)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        arrivals: list[tuple[float, str]] = []
+        async with client.stream("POST", proxy.url + CHAT, json=chat_body()) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["cache-control"] == "no-cache"
+            assert response.headers["x-accel-buffering"] == "no"
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((trio.current_time(), line[6:]))
+        payloads = [payload for _, payload in arrivals]
+        assert payloads[-1] == "[DONE]"
+        assert stream_text(payloads) == "The quick brown fox "
+        # Token events 1..3 are 100 ms apart upstream; a buffering relay would deliver them
+        # together. Each must arrive on its own, roughly one interval after the previous one.
+        token_times = [when for when, payload in arrivals[1:4]]
+        gaps = [later - earlier for earlier, later in itertools.pairwise(token_times)]
+        assert all(gap > 0.05 for gap in gaps), gaps
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
+    """What the README promises: `curl -N` through the proxy shows each token as it comes."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.05, interval=0.1, tokens=5)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        arrivals: list[float] = []
+        process = await trio.lowlevel.open_process(
+            [
+                "curl",
+                "-sN",
+                proxy.url + CHAT,
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                json.dumps(chat_body()),
+            ],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert process.stdout is not None
+            buffer = b""
+            while chunk := await process.stdout.receive_some():
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if b'"content":"' in event and b'"content":""' not in event:
+                        arrivals.append(trio.current_time())
+            await process.wait()
+        finally:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+            assert process.stdout is not None
+            await process.stdout.aclose()
+        assert process.returncode == 0
+        assert len(arrivals) == 5
+        gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+        assert all(gap > 0.05 for gap in gaps), gaps
+
+
+async def test_content_length_with_transfer_encoding_is_refused_and_closed(
+    proxy: Proxy,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+        body = b"0\r\n\r\n"
+        stream = await connect_client(proxy)
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%b%b"
+            % (len(body) + len(smuggled), body, smuggled)
+        )
+        received = b""
+        while data := await stream.receive_some(65536):
+            received += data
+        await stream.aclose()
+        assert received.startswith(b"HTTP/1.1 400 ")
+        assert b"connection: close" in received.lower()
+        assert received.count(b"HTTP/1.1") == 1  # the smuggled request was never answered
+        error = json.loads(received.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "invalid_framing"
+
+
+async def test_chunked_body_on_http_1_0_is_refused(proxy: Proxy) -> None:
+    with trio.fail_after(DEADLINE):
+        stream = await connect_client(proxy)
+        payload = json.dumps(chat_body(stream=False)).encode()
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\n\r\n%x\r\n%b\r\n0\r\n\r\n" % (len(payload), payload)
+        )
+        received = b""
+        while data := await stream.receive_some(65536):
+            received += data
+        await stream.aclose()
+        assert b" 400 " in received.split(b"\r\n", 1)[0]

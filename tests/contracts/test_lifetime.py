@@ -1,15 +1,16 @@
-"""The lifetime and backpressure contracts, measured over real sockets.
+"""The lifetime contract, over real sockets: a request's work lives exactly as long as its client.
 
-A request's work lives exactly as long as its client: whatever phase the client leaves in,
-the upstream connection closes within milliseconds, no task of the request remains, the httpx
-pool does not keep the connection, and the next request works.
+Whatever phase the client leaves in, the upstream connection closes within milliseconds (and
+is not returned to the pool), no task of the request remains, and the next request works;
+many clients leaving at once leave nothing behind; a finished relay is freed without waiting
+for the garbage collector; and a local generation stops within one decode step.
+``test_lifetime_matrix.py`` proves the same on every path: phase x transport x backend.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import socket
 from typing import Any
 
 import httpx
@@ -22,12 +23,13 @@ from tests.support import (
     Proxy,
     RawClient,
     chat_body,
-    poll_until,
+    engine_threads,
     producer_tasks,
+    slowed,
     sse_payloads,
     start_fake,
+    start_local_proxy,
     start_proxy,
-    wait_until_steady,
 )
 
 CHAT = "/v1/chat/completions"
@@ -148,57 +150,6 @@ async def test_disconnect_with_pipelined_bytes_is_seen_on_the_next_write(
         assert producer_tasks() == []
 
 
-async def test_slow_reader_applies_backpressure_then_is_cut_off(nursery: trio.Nursery) -> None:
-    capacity = 4
-    stall_timeout = 2.0
-    with trio.fail_after(DEADLINE):
-        # A fast, long stream with small socket buffers on both upstream legs, so that the
-        # pause reaches the fake upstream after little data.
-        fake = await start_fake(nursery, ttft=0, interval=0, tokens=200_000, sndbuf=4096)
-        proxy = await start_proxy(
-            nursery,
-            {"fake-model": [fake.url]},
-            relay={"channel_capacity": capacity, "stall_timeout": stall_timeout},
-            upstream={"socket_rcvbuf": 4096},
-        )
-        raw = await RawClient.post(proxy, CHAT, chat_body(), rcvbuf=4096)
-        await raw.read_until(b"data: ", count=3)
-        stopped_reading = trio.current_time()
-        # The client stops reading. The proxy's socket buffers fill, then the channel, then
-        # the producer blocks, then the upstream read stops: the fake stops sending.
-        (relay,) = proxy.state.tracker.active
-        await poll_until(lambda: relay.buffered() == capacity)
-        buffered: list[int] = []
-
-        def sample_sent() -> int:
-            buffered.append(relay.buffered())
-            return int(fake.recorder.last().tokens_sent)
-
-        sent = await wait_until_steady(sample_sent)  # the upstream is paused...
-        assert sent[-1] < 200_000 // 4, sent  # ...long before the end of its stream
-        assert max(buffered) <= capacity
-        assert buffered[-1] == capacity  # the backlog is held in the bounded channel
-        # After stall_timeout without progress the client is cut off and its upstream closed.
-        await fake.recorder.wait_for(lambda r: r.last().disconnected_at is not None)
-        record = fake.recorder.last()
-        assert record.outcome == "client_disconnected"
-        await proxy.state.tracker.wait_idle()
-        # hypercorn's send_all is shielded, so the relay frees the handler by resetting the
-        # client's connection (asgi.abort_transport) when it detects the stall.
-        assert trio.current_time() - stopped_reading < stall_timeout + 1 + 2
-        assert proxy.state.tracker.stalled == 1
-        assert proxy.state.metrics.registry.get_sample_value("sluice_stalled_clients_total") == 1
-        assert producer_tasks() == []
-        # The connection itself is dropped too, though this client never closed it:
-        # draining what was buffered ends in EOF or reset.
-        try:
-            while await raw.stream.receive_some(65536):
-                pass
-        except trio.BrokenResourceError:
-            pass
-        await raw.stream.aclose()
-
-
 async def test_many_clients_leaving_mid_stream_leave_nothing_behind(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
@@ -222,32 +173,6 @@ async def test_many_clients_leaving_mid_stream_leave_nothing_behind(
             proxy.url + CHAT, json=chat_body(stream=False, fake={"tokens": 2})
         )
         assert json.loads(response.text)["usage"]["completion_tokens"] == 2
-
-
-async def test_a_slow_reader_that_keeps_reading_is_not_cut_off(nursery: trio.Nursery) -> None:
-    """Stalled means no progress for stall_timeout, not slow: a client that reads a little at
-    a time, for much longer than stall_timeout in all, gets its whole answer."""
-    with trio.fail_after(DEADLINE):
-        fake = await start_fake(nursery, ttft=0, interval=0, tokens=600, sndbuf=4096)
-        proxy = await start_proxy(
-            nursery,
-            {"fake-model": [fake.url]},
-            relay={"channel_capacity": 2, "stall_timeout": 0.5},
-            upstream={"socket_rcvbuf": 4096},
-        )
-        raw = await RawClient.post(proxy, CHAT, chat_body(), rcvbuf=4096, mss=1460)
-        started = trio.current_time()
-        fullest = 0
-        while b"data: [DONE]" not in raw.received:
-            chunk = await raw.stream.receive_some(2048)
-            assert chunk, "the proxy cut a client that was still reading"
-            raw.received += chunk
-            fullest = max([fullest, *(relay.buffered() for relay in proxy.state.tracker.active)])
-            await trio.sleep(0.02)
-        assert trio.current_time() - started > 1.0  # far longer than stall_timeout in all
-        assert fullest == 2  # and the proxy was held back by this reader all along
-        await proxy.state.tracker.wait_idle()
-        assert proxy.state.tracker.stalled == 0
 
 
 @pytest.mark.parametrize(
@@ -285,48 +210,39 @@ async def test_a_finished_relay_is_freed_by_reference_counting(
             gc.enable()
 
 
-@pytest.fixture
-def small_proxy_sndbuf(monkeypatch: pytest.MonkeyPatch) -> None:
-    from proxy.server import chunk_writer
-    from proxy.server.asgi import transport_socket
-
-    original_attach = chunk_writer.attach
-    original_start = chunk_writer.start_response
-
-    def small_sndbuf(send: Any) -> None:
-        transport_socket(send).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-
-    def attach(send: Any, headers: Any, stall_timeout: float) -> Any:
-        small_sndbuf(send)
-        return original_attach(send, headers, stall_timeout)
-
-    def start_response(send: Any, status: int, headers: Any, stall_timeout: float) -> Any:
-        # The fast path's way in (the head leaves with the first event): attach is not called.
-        small_sndbuf(send)
-        return original_start(send, status, headers, stall_timeout)
-
-    monkeypatch.setattr(chunk_writer, "attach", attach)
-    monkeypatch.setattr(chunk_writer, "start_response", start_response)
-
-
-async def test_a_client_that_stalls_after_the_last_token_is_cut_off(
-    nursery: trio.Nursery, small_proxy_sndbuf: None
+async def test_disconnect_mid_generation_stops_the_thread_within_one_step(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
 ) -> None:
-    # The producer's stall limit covers a full channel; once the producer is done (here the
-    # whole rest of the stream fits in the channel), the body's own writes must be bounded
-    # too, or the request (and the server's shutdown) waits on the client forever.
+    step = 0.05
+    loaded = slowed(tiny_loaded_model, step)
     with trio.fail_after(DEADLINE):
-        fake = await start_fake(nursery, ttft=0, interval=0, tokens=3000)
-        proxy = await start_proxy(
-            nursery,
-            {"fake-model": [fake.url]},
-            relay={"channel_capacity": 4000, "stall_timeout": 0.5},
+        proxy = await start_local_proxy(nursery, loaded)
+        backend = proxy.state.local_backends["tiny"]
+        raw = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=400))
+        await raw.read_until(b'"content":"', count=4)
+        assert backend.active_generations == 1
+        assert engine_threads() == 1
+        steps_at_close = loaded.model.steps
+        closed_at = await raw.close()
+        await backend.admission.wait_free()
+        freed_after = trio.current_time() - closed_at
+        # The step in progress finishes, then the thread notices and returns.
+        assert freed_after < step + 0.1, freed_after
+        assert loaded.model.steps - steps_at_close <= 1
+        assert backend.active_generations == 0
+        assert engine_threads() == 1
+        assert backend.engine.sequences == 0
+        await proxy.state.tracker.wait_idle()
+        assert producer_tasks() == []
+        registry = proxy.state.metrics.registry
+        labels = {"backend": "local", "phase": "mid_stream"}
+        assert registry.get_sample_value("sluice_cancellations_total", labels) == 1
+        propagation = registry.get_sample_value(
+            "sluice_cancel_propagation_seconds_sum", {"backend": "local"}
         )
-        raw = await RawClient.post(proxy, CHAT, chat_body(), rcvbuf=4096, mss=1460)
-        try:
-            await raw.read_until(b"data: ", count=2)  # then never reads again
-            await poll_until(lambda: not producer_tasks())
-            await poll_until(lambda: proxy.state.tracker.stalled == 1)
-            await proxy.state.tracker.wait_idle()
-        finally:
-            await raw.stream.aclose()
+        assert propagation is not None and 0 < propagation < step + 0.1
+        # The slot is free: the next request is served at once.
+        response = await client.post(
+            proxy.url + CHAT, json=chat_body("tiny", stream=False, max_tokens=2)
+        )
+        assert response.status_code == 200

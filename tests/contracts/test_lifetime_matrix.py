@@ -1,5 +1,6 @@
-"""The cancellation-correctness harness: a client leaves in every phase of a request, over every
-transport, in front of every backend, and the request must leave nothing behind.
+"""The lifetime contract on every path, the cancellation-correctness harness: a client leaves in
+every phase of a request, over every transport, in front of every backend, and the request must
+leave nothing behind.
 
 Testing policy
 --------------
@@ -25,7 +26,7 @@ Testing policy
   condition showing that the request is in its phase: waiting on the replica's semaphore or in
   the admission queue, the producer parked in httpcore's connect or header read or in
   ``_relay_stream`` (read from the producer task's await frames), the model inside its prefill,
-  tokens received. The one exception is the upstream's non-streaming "mid-stream", which nothing
+  tokens received. The one exception is the upstream's non-streaming "mid_stream", which nothing
   outside the fake can see: the driver waits until the fake's schedule is three tokens in.
 
 * **Baselines.** Each case starts its own fake upstream and proxy on 127.0.0.1, port 0, warms both
@@ -40,7 +41,7 @@ Testing policy
   (``_endpoint_matrix``): the upstream backends' drivers again, with the Responses API,
   Anthropic Messages, embeddings and a pass-through path (``/tokenize``) in place of chat;
   embeddings and pass-through answer whole and at once, so they have no SSE column and no
-  "mid-stream". The SSE column (for the other endpoints, on the lean transport) is the fast
+  "mid_stream". The SSE column (for the other endpoints, on the lean transport) is the fast
   subset that ``make test`` runs; the rest is ``slow``. A hypothesis test picks the
   moment of the disconnect (anywhere in the stream, or after it) and the transport and backend
   at random, and checks the same invariants.
@@ -72,6 +73,7 @@ from hypothesis import strategies as st
 import proxy.server.run
 from proxy.backends.local import LocalBackend
 from proxy.backends.upstream.replica import UpstreamReplica
+from proxy.relay.state import Phase
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 from tests.support import (
     DEADLINE,
@@ -94,21 +96,14 @@ CANCEL_BOUND = 0.05
 LOCAL_MARGIN = 0.1
 # For the rest of the request's state to go (tasks, sockets) once its work has stopped.
 SETTLE = 2.0
-# The local model's slowed prefill, for "awaiting first token".
+# The local model's slowed prefill, for "first_token".
 PREFILL = 0.3
-# A decode step, for "mid-stream" and for a request that holds the only slot.
+# A decode step, for "mid_stream" and for a request that holds the only slot.
 STEP = 0.05
 # A long upstream stream: the client always leaves before its end.
 LONG_STREAM = {"ttft": 0, "interval": 0.02, "tokens": 1000}
 
-PHASES = (
-    "queued",
-    "connecting",
-    "awaiting-headers",
-    "awaiting-first-token",
-    "mid-stream",
-    "after-last-token",
-)
+PHASES = tuple(Phase)
 # WebSocket: add "websocket" here (and to Rig.post/read_to_end) once the proxy serves it.
 TRANSPORTS = ("sse", "json")
 # "upstream" relays through the lean HTTP/1.1 client, "upstream-httpx" through httpx (the same
@@ -120,10 +115,10 @@ UPSTREAM_BACKENDS = ("upstream", "upstream-httpx")
 CONNECTING_IN = {"upstream": "_connect_to_address", "upstream-httpx": "connect_tcp"}
 READING_HEAD_IN = {"upstream": "_read_head", "upstream-httpx": "_receive_response_headers"}
 NOT_APPLICABLE = {
-    ("connecting", "local"): "the local backend opens no connection",
-    ("awaiting-headers", "local"): (
+    (Phase.CONNECTING, "local"): "the local backend opens no connection",
+    (Phase.HEAD, "local"): (
         "no phase of its own: the local worker sets the head right before the prefill (SSE) "
-        "or after the whole generation (JSON), which awaiting-first-token and mid-stream cover"
+        "or after the whole generation (JSON), which first_token and mid_stream cover"
     ),
 }
 
@@ -142,7 +137,7 @@ STREAM_ENDS = {
     "responses": b"event: response.completed",
     "messages": b"event: message_stop",
 }
-# A token on each endpoint's stream (what "mid-stream" counts).
+# A token on each endpoint's stream (what "mid_stream" counts).
 TOKEN_MARKS = {"chat": b"data: ", "responses": b"output_text.delta", "messages": b"text_delta"}
 # Embeddings and pass-through answer whole, at once: no stream, and no middle to leave in.
 WHOLE_ONLY = ("embeddings", "passthrough")
@@ -169,7 +164,7 @@ def _endpoint_matrix() -> list[Any]:
     cases = []
     for endpoint in ("responses", "messages", *WHOLE_ONLY):
         for phase in PHASES:
-            if endpoint in WHOLE_ONLY and phase == "mid-stream":
+            if endpoint in WHOLE_ONLY and phase == Phase.MID_STREAM:
                 continue  # the answer comes whole, at once: there is no middle
             for backend in UPSTREAM_BACKENDS:
                 for transport in ("json",) if endpoint in WHOLE_ONLY else TRANSPORTS:
@@ -568,12 +563,12 @@ async def _upstream_leave_parked(rig: Rig, transport: str, fake: dict[str, Any],
     return Left(connections, 1)
 
 
-async def upstream_awaiting_headers(rig: Rig, transport: str) -> Left:
+async def upstream_head(rig: Rig, transport: str) -> Left:
     fake = {"mode": "stall_headers"}
     return await _upstream_leave_parked(rig, transport, fake, READING_HEAD_IN[rig.upstream])
 
 
-async def upstream_awaiting_first_token(rig: Rig, transport: str) -> Left:
+async def upstream_first_token(rig: Rig, transport: str) -> Left:
     # A streaming response has its head at once (vLLM's way); a whole one has nothing until
     # the end, so the proxy still waits for the head.
     parked_in = "_relay_stream" if transport == "sse" else READING_HEAD_IN[rig.upstream]
@@ -630,7 +625,7 @@ async def local_queued(rig: Rig, transport: str) -> Left:
     return Left(set(), 2)
 
 
-async def local_awaiting_first_token(rig: Rig, transport: str) -> Left:
+async def local_first_token(rig: Rig, transport: str) -> Left:
     rig.model.prefill_seconds = PREFILL
     prefills = rig.model.prefills
     raw = await rig.post("local", transport, max_tokens=50)
@@ -671,18 +666,18 @@ DRIVERS: dict[tuple[str, str], Driver] = {
         (phase, backend): driver
         for backend in UPSTREAM_BACKENDS
         for phase, driver in (
-            ("queued", upstream_queued),
-            ("connecting", upstream_connecting),
-            ("awaiting-headers", upstream_awaiting_headers),
-            ("awaiting-first-token", upstream_awaiting_first_token),
-            ("mid-stream", upstream_mid_stream),
-            ("after-last-token", upstream_after_last_token),
+            (Phase.QUEUED, upstream_queued),
+            (Phase.CONNECTING, upstream_connecting),
+            (Phase.HEAD, upstream_head),
+            (Phase.FIRST_TOKEN, upstream_first_token),
+            (Phase.MID_STREAM, upstream_mid_stream),
+            (Phase.AFTER_LAST, upstream_after_last_token),
         )
     },
-    ("queued", "local"): local_queued,
-    ("awaiting-first-token", "local"): local_awaiting_first_token,
-    ("mid-stream", "local"): local_mid_stream,
-    ("after-last-token", "local"): local_after_last_token,
+    (Phase.QUEUED, "local"): local_queued,
+    (Phase.FIRST_TOKEN, "local"): local_first_token,
+    (Phase.MID_STREAM, "local"): local_mid_stream,
+    (Phase.AFTER_LAST, "local"): local_after_last_token,
 }
 
 
@@ -695,7 +690,7 @@ def test_the_matrix_is_complete() -> None:
 
 @pytest.mark.parametrize(("phase", "transport", "backend"), _matrix())
 async def test_disconnect_leaves_nothing_behind(
-    phase: str, transport: str, backend: str, nursery: trio.Nursery, tiny_loaded_model: Any
+    phase: Phase, transport: str, backend: str, nursery: trio.Nursery, tiny_loaded_model: Any
 ) -> None:
     await leave_and_check(nursery, tiny_loaded_model, "chat", phase, transport, backend)
 
@@ -703,7 +698,7 @@ async def test_disconnect_leaves_nothing_behind(
 @pytest.mark.parametrize(("endpoint", "phase", "transport", "backend"), _endpoint_matrix())
 async def test_disconnect_leaves_nothing_behind_on_every_endpoint(
     endpoint: str,
-    phase: str,
+    phase: Phase,
     transport: str,
     backend: str,
     nursery: trio.Nursery,
@@ -716,7 +711,7 @@ async def leave_and_check(
     nursery: trio.Nursery,
     loaded: Any,
     endpoint: str,
-    phase: str,
+    phase: Phase,
     transport: str,
     backend: str,
 ) -> None:
@@ -739,7 +734,7 @@ async def leave_and_check(
         left = await DRIVERS[phase, backend](rig, transport)
         await assert_nothing_left(rig, left.connections)
         assert rig.proxy.state.tracker.cancelled - rig.cancelled == left.cancelled
-        if phase == "connecting":
+        if phase == Phase.CONNECTING:
             # The same replica, now reachable: its one pool slot and semaphore slot are free.
             listener.close()
             filler.close()

@@ -1,4 +1,6 @@
-"""IncrementalDetokenizer over the real SmolLM2 tokenizer (byte-level BPE).
+"""The UTF-8 boundary contract: byte-level BPE tokens split characters (Chinese, emoji), and a
+client never sees half a character, nor U+FFFD for one. Proved on IncrementalDetokenizer over
+the real SmolLM2 tokenizer (byte-level BPE).
 
 Properties over Chinese, emoji (ZWJ sequences, flags, skin tones), accented Latin and ASCII:
 the pieces join up to the text, no piece carries U+FFFD, and every character comes out as soon
