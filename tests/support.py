@@ -20,7 +20,8 @@ import httpx
 import pytest
 import trio
 
-from proxy.api.app import SluiceState, create_app, state_of
+from proxy.api.app import create_app
+from proxy.api.state import SluiceState, state_of
 from proxy.cli import start_fake_upstream
 from proxy.config import Config, config_from_mapping
 from proxy.server.asgi import SluiceQuart

@@ -11,12 +11,9 @@ from proxy.api import web
 from proxy.api.errors import register_error_handlers
 from proxy.api.hooks import register_hooks
 from proxy.api.routes import register_routes
-from proxy.api.state import SluiceState, resolve_api_keys, state_of
+from proxy.api.state import SluiceState
 from proxy.config import Config
 from proxy.server.asgi import SluiceQuart
-
-# state_of and resolve_api_keys are imported from here by tests and tools.
-__all__ = ["SluiceState", "create_app", "resolve_api_keys", "state_of"]
 
 
 def create_app(

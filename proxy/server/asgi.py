@@ -199,7 +199,7 @@ class RelayWebsocketConnection(TrioASGIWebsocketConnection):
 
 
 class ServedState(Protocol):
-    """What the server layer needs of the app's per-process state (api.app.SluiceState): the
+    """What the server layer needs of the app's per-process state (api.state.SluiceState): the
     drain flag /readyz reports, the upstream pools to close at shutdown, and a failure (a
     model that would not load) that must stop the server."""
 
