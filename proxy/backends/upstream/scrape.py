@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 import trio
@@ -35,17 +35,30 @@ async def scrape_replicas(
 ) -> None:
     """One scraper per replica, in a nursery of their own, each giving ``model``'s figures
     from ``metrics_path`` to ``router`` every ``interval``. Runs until cancelled."""
+
+    async def scrape(client: httpx.AsyncClient, replica: UpstreamReplica) -> None:
+        url = replica.root_url + metrics_path
+        await _Scraper(model, client, router, replica, url).run(interval)
+
+    await _each_replica(replicas, interval, scrape)
+
+
+async def _each_replica(
+    replicas: Sequence[UpstreamReplica],
+    interval: float,
+    task: Callable[[httpx.AsyncClient, UpstreamReplica], Awaitable[None]],
+) -> None:
+    """``task`` for every replica, each in a task of its own, with a client of its own: the
+    replica's proxy, TLS and key (transports.health_client) over connections of its own, so
+    that it never waits behind streams for a slot. Returns when every task has."""
     async with contextlib.AsyncExitStack() as stack:
-        # Each replica's own client: its requests' proxy and TLS (transports.health_client),
-        # connections of its own, so a scrape never waits behind streams for a slot.
         clients = [
             await stack.enter_async_context(health_client(replica.connection, interval))
             for replica in replicas
         ]
         async with trio.open_nursery() as nursery:
             for client, replica in zip(clients, replicas, strict=True):
-                scraper = _Scraper(model, client, router, replica, replica.root_url + metrics_path)
-                nursery.start_soon(scraper.run, interval)
+                nursery.start_soon(task, client, replica)
 
 
 class _Scraper:
@@ -124,15 +137,11 @@ async def check_replicas(
     replica, so a hanging replica never delays the others' checks. Runs under the app's
     nursery and ends with it."""
     router = LeastBusyRouter(policy)
-    async with contextlib.AsyncExitStack() as stack:
-        # Each replica's own client: its requests' proxy, TLS and key (transports.health_client).
-        clients = [
-            await stack.enter_async_context(health_client(replica.connection, interval))
-            for replica in replicas
-        ]
-        async with trio.open_nursery() as nursery:
-            for client, replica in zip(clients, replicas, strict=True):
-                nursery.start_soon(_check_replica, client, router, replica, path, interval)
+
+    async def check(client: httpx.AsyncClient, replica: UpstreamReplica) -> None:
+        await _check_replica(client, router, replica, path, interval)
+
+    await _each_replica(replicas, interval, check)
 
 
 async def _check_replica(
