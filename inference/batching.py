@@ -83,6 +83,11 @@ class Generation:
         self.produced = 0
         # Forward passes this sequence took part in (prefill chunks and decode steps).
         self.forward_passes = 0
+        # (forward_passes, produced) as of the last pass the engine finished with this
+        # sequence: one attribute, written at once, so that the requests' side reads both
+        # counters from the same moment (reading the two fields could fall between a pass's
+        # increments).
+        self.progress = (0, 0)
         self.parked = False
         self.generated: list[int] = []
         self.completion_tokens = 0
@@ -348,6 +353,7 @@ class BatchEngine:
             self.slow_steps += 1
         for sequence, piece in made:
             sequence.forward_passes += 1
+            sequence.progress = (sequence.forward_passes, sequence.produced)
             self._timed(sequence, elapsed)
             if piece.result is not None:
                 piece.result.step_seconds = sequence.step_seconds
@@ -400,9 +406,11 @@ class BatchEngine:
                 sequence.prefilled += len(chunk)
                 sequence.forward_passes += 1
                 if sequence.prefilled < len(prompt):
+                    sequence.progress = (sequence.forward_passes, sequence.produced)
                     return
                 self._waiting.popleft()
                 piece = self._advance(sequence, output.logits[0, -1])
+                sequence.progress = (sequence.forward_passes, sequence.produced)
         except Exception as error:  # noqa: BLE001 - the engine thread: no trio.Cancelled here
             if self._waiting and self._waiting[0] is sequence:
                 self._waiting.popleft()
@@ -431,6 +439,7 @@ class BatchEngine:
         log.error("local generation failed: %s: %s", type(error).__name__, error)
         for sequence in sequences:
             sequence.produced += 1
+            sequence.progress = (sequence.forward_passes, sequence.produced)
             pieces.append((sequence, Piece(error=error)))
             gone.append(sequence)
 

@@ -265,7 +265,7 @@ class LocalBackend:
         finally:
             if not left.is_set():
                 # Read before the flag is set: a pass that starts after it is one too many.
-                passes_at_cancel, produced_at_cancel = sequence.forward_passes, sequence.produced
+                passes_at_cancel, produced_at_cancel = sequence.progress
                 sequence.cancelled = True
                 self.engine.wake()
                 # Shielded and bounded: the slot is free only once the model stopped.
@@ -274,11 +274,12 @@ class LocalBackend:
                     await left.wait()
                 if left.is_set() and self.metrics is not None:
                     name = self.model.name
+                    passes, produced = sequence.progress
                     self.metrics.local_steps_after_cancel.labels(name).observe(
-                        sequence.forward_passes - passes_at_cancel
+                        passes - passes_at_cancel
                     )
                     self.metrics.local_tokens_for_nobody.labels(name).inc(
-                        sequence.produced - produced_at_cancel
+                        produced - produced_at_cancel
                     )
                 if scope.cancelled_caught:
                     log.error(
