@@ -114,9 +114,6 @@ class UpstreamReplica:
             else (f"{url} ({connection.label})")
         )
 
-    def endpoint_target(self, endpoint: Endpoint) -> bytes:
-        return self._targets[endpoint]
-
     def target(self, request: CompletionRequest) -> bytes:
         """The request target: the endpoint's, or a pass-through's path on the server's root
         (a pass-through "/tokenize" is the root's, as vLLM serves it)."""
