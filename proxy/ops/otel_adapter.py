@@ -165,7 +165,10 @@ class CountingBatchProcessor(SpanProcessor):
         self, exporter: SpanExporter, max_queue_size: int, on_drop: Callable[[], None]
     ) -> None:
         self._inner = BatchSpanProcessor(
-            exporter, max_queue_size=max_queue_size, schedule_delay_millis=500
+            exporter,
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=500,
+            max_export_batch_size=min(512, max_queue_size),
         )
         self._max = max_queue_size
         self._on_drop = on_drop

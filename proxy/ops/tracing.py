@@ -222,6 +222,7 @@ class Tracing:
         self.provider = provider
         self.otel = otel
         self.tracer = provider.get_tracer("sluice")
+        self._shut = False
 
     def begin(
         self, traceparent: str | None, tracestate: str | None, method: str, path: str
@@ -248,6 +249,9 @@ class Tracing:
         global ACTIVE
         if ACTIVE is self:
             ACTIVE = None
+        if self._shut:
+            return
+        self._shut = True
         try:
             self.provider.shutdown()
         except Exception:  # a collector that fails at exit must not fail the exit
