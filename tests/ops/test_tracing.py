@@ -20,6 +20,7 @@ from proxy.ops import otel_adapter, tracing
 from proxy.ops.logs import ACCESS_LOGGER
 from tests.ops.otlp_receiver import (
     KIND_CLIENT,
+    KIND_INTERNAL,
     KIND_SERVER,
     STATUS_ERROR,
     STATUS_UNSET,
@@ -90,6 +91,11 @@ def tree(spans: list[Span]) -> tuple[Span, Span, list[Span]]:
     for span in spans:
         assert span.end >= span.start > 0
     return server, operation, attempts
+
+
+def trace_of(response: httpx.Response) -> str:
+    """The trace id the response's traceresponse names."""
+    return response.headers["traceresponse"].split("-")[1]
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
@@ -373,3 +379,96 @@ async def test_a_collector_in_trouble_never_delays_a_request(
     # 18 spans into a queue of 3 whose exporter is stuck on its first batch: most dropped.
     if trouble == "slow":
         assert float(dropped[0].split()[-1]) > 0
+
+
+# -- the other exit paths --------------------------------------------------------------------
+
+
+async def test_a_hedges_loser_is_marked_and_ended(
+    nursery: trio.Nursery, receiver: Receiver
+) -> None:
+    with trio.fail_after(DEADLINE):
+        slow = await start_fake(nursery, ttft=10, interval=0.01, tokens=3)
+        fast = await start_fake(nursery, ttft=0.01, interval=0.01, tokens=3)
+        proxy = await start_proxy(
+            nursery,
+            {"m": {"upstreams": [slow.url, fast.url], "hedge_after": 0.2}},
+            env=standard_env(receiver),
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 200
+        await flush(proxy)
+    _, operation, attempts = tree(receiver.of_trace(trace_of(response)))
+    assert operation.attributes["sluice.outcome"] == "completed"
+    by_replica = {span.attributes["sluice.replica"]: span for span in attempts}
+    loser, winner = by_replica[slow.url], by_replica[fast.url]
+    assert loser.attributes["http.request.resend_count"] == 0
+    assert winner.attributes["http.request.resend_count"] == 1
+    assert loser.attributes["sluice.outcome"] == "hedge_lost"
+    assert loser.attributes["sluice.hedge.lost"] is True
+    assert loser.status == STATUS_UNSET
+    assert winner.attributes["sluice.outcome"] == "completed"
+    # Each upstream saw its own attempt as its parent.
+    assert slow.recorder.last().headers["traceparent"].split("-")[2] == loser.span_id
+    assert fast.recorder.last().headers["traceparent"].split("-")[2] == winner.span_id
+
+
+async def test_a_first_token_deadline_is_an_error(
+    nursery: trio.Nursery, receiver: Receiver
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=10)
+        proxy = await start_proxy(
+            nursery,
+            {"m": {"upstreams": [fake.url], "first_token_timeout": 0.1, "max_attempts": 1}},
+            env=standard_env(receiver),
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 504
+        await flush(proxy)
+    server, operation, (attempt,) = tree(receiver.of_trace(trace_of(response)))
+    for span in (server, operation, attempt):
+        assert span.status == STATUS_ERROR
+        assert span.attributes["error.type"] == "upstream_first_token_timeout"
+
+
+async def test_the_local_model_is_an_internal_operation(
+    nursery: trio.Nursery, receiver: Receiver, tiny_loaded_model: Any
+) -> None:
+    from tests.support import local_model
+
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery,
+            {"tiny": local_model()},
+            local_models={"tiny": tiny_loaded_model},
+            env=standard_env(receiver),
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=3))
+        assert response.status_code == 200
+        await flush(proxy)
+    _, operation, attempts = tree(receiver.of_trace(trace_of(response)))
+    assert attempts == []
+    assert operation.name == "chat tiny"
+    assert operation.kind == KIND_INTERNAL
+    assert operation.attributes["gen_ai.provider.name"] == "sluice.local"
+    assert operation.attributes["sluice.outcome"] == "completed"
+    assert "first token" in operation.events
+
+
+async def test_off_the_response_names_no_trace(nursery: trio.Nursery) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        assert proxy.state.tracing is None
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(
+                proxy.url + CHAT, json=chat_body(), headers={"traceparent": TRACEPARENT}
+            )
+        assert response.status_code == 200
+        assert "traceresponse" not in response.headers
+        # Nothing of the client's trace reaches the upstream either.
+        assert "traceparent" not in fake.recorder.last().headers
