@@ -205,11 +205,14 @@ def check(config: TracingConfig, env: Mapping[str, str]) -> None:
         raise ConfigError(str(error)) from None
 
 
-def classify(outcome: str, status: int) -> tuple[bool, str | None]:
+def classify(outcome: str, status: int, *, cut: bool = False) -> tuple[bool, str | None]:
     """(is an error, error.type) of an outcome: a client that left or stalled is no error of
     Sluice's, nor is a refusal of the client's request (4xx); a failure, a timeout or a
-    shutdown is (5xx, or in-band after a 2xx head)."""
-    if outcome == "completed" or outcome == "stalled" or outcome.startswith("cancelled"):
+    shutdown is (5xx, or in-band after a 2xx head). ``cut``: cancelled with no client gone,
+    which only the server's graceful deadline does (a stream cut by shutdown)."""
+    if outcome.startswith("cancelled"):
+        return (True, "shutdown") if cut else (False, None)
+    if outcome == "completed" or outcome == "stalled":
         return False, None
     return (status >= 500 or status < 400), outcome
 
@@ -265,6 +268,7 @@ class RequestTrace:
     __slots__ = (
         "_attempts",
         "_clock",
+        "_cut",
         "_operation",
         "_tracing",
         "ended",
@@ -281,6 +285,7 @@ class RequestTrace:
         self._clock = (trio.current_time(), wall)
         self._operation: Any = None
         self._attempts: list[AttemptTrace] = []
+        self._cut = False
         self.ended = False
         context = server.get_span_context()
         self.trace_id = f"{context.trace_id:032x}"
@@ -362,6 +367,7 @@ class RequestTrace:
         if span is None or self.ended:
             return
         self._operation = None
+        self._cut = outcome.startswith("cancelled") and gone_at is None
         span.set_attribute("sluice.outcome", outcome)
         span.set_attribute("sluice.tokens.delivered", delivered)
         if ttft is not None:
@@ -380,11 +386,11 @@ class RequestTrace:
         self._set_status(span, outcome, status)
         ended = self._ns(closed)
         for attempt in self._attempts:
-            attempt.end_late(outcome, ended)
+            attempt.end_late(outcome, ended, self._cut)
         span.end(end_time=ended)
 
     def _set_status(self, span: Any, outcome: str, status: int) -> None:
-        error, error_type = classify(outcome, status)
+        error, error_type = classify(outcome, status, cut=self._cut)
         if error_type is not None:
             span.set_attribute("error.type", error_type)
         if error:
@@ -444,8 +450,13 @@ class AttemptTrace:
             span.set_status(otel.Status(otel.StatusCode.ERROR, outcome))
         span.end()
 
-    def end_late(self, outcome: str, ended: int) -> None:
+    def end_late(self, outcome: str, ended: int, cut: bool) -> None:
+        """Ended by the request (its task never reached its own end), with its outcome."""
         if not self.ended:
             self.ended = True
             self.span.set_attribute("sluice.outcome", outcome)
+            if cut:
+                otel = self._trace._tracing.otel
+                self.span.set_attribute("error.type", "shutdown")
+                self.span.set_status(otel.Status(otel.StatusCode.ERROR, "shutdown"))
             self.span.end(end_time=ended)

@@ -472,3 +472,42 @@ async def test_off_the_response_names_no_trace(nursery: trio.Nursery) -> None:
         assert "traceresponse" not in response.headers
         # Nothing of the client's trace reaches the upstream either.
         assert "traceparent" not in fake.recorder.last().headers
+
+
+async def test_a_stream_cut_by_shutdown_is_an_error(
+    nursery: trio.Nursery, receiver: Receiver
+) -> None:
+    from functools import partial
+
+    from proxy.api.app import create_app
+    from proxy.config import config_from_mapping
+    from proxy.server.run import serve
+
+    fake = await start_fake(nursery, ttft=0, interval=0.02, tokens=10_000)
+    config = config_from_mapping(
+        {
+            "server": {"port": 0, "graceful_timeout": 0.2},
+            "upstream": {"preconnect": 0},
+            "models": {"fake-model": {"upstreams": [fake.url]}},
+        },
+        env={},
+    )
+    app = create_app(config, env=standard_env(receiver))
+    stop = trio.Event()
+    with trio.fail_after(DEADLINE):
+        async with trio.open_nursery() as server:
+            binds = await server.start(partial(serve, app, config, shutdown_trigger=stop.wait))
+            proxy = Proxy(binds[0], app, config)
+            raw = await RawClient.post(proxy, CHAT, chat_body())
+            await raw.read_until(b"data: ", count=3)
+            stop.set()  # the stream cannot finish within graceful_timeout: it is cut
+        # The server has stopped, and its tracing exported what was queued on the way out.
+        await raw.stream.aclose()
+    (server_span,) = [span for span in receiver.spans if span.kind == KIND_SERVER]
+    server_span, operation, (attempt,) = tree(receiver.of_trace(server_span.trace_id))
+    for span in (server_span, operation):
+        assert span.attributes["sluice.outcome"].startswith("cancelled(")
+        assert span.status == STATUS_ERROR
+        assert span.attributes["error.type"] == "shutdown"
+    assert "client disconnected" not in operation.events
+    assert attempt.end <= operation.end
