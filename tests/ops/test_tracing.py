@@ -511,3 +511,24 @@ async def test_a_stream_cut_by_shutdown_is_an_error(
         assert span.attributes["error.type"] == "shutdown"
     assert "client disconnected" not in operation.events
     assert attempt.end <= operation.end
+
+
+async def test_browsers_may_read_the_traceresponse(
+    nursery: trio.Nursery, receiver: Receiver
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            env=standard_env(receiver),
+            server={"cors_origins": ["https://app.example"]},
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(
+                proxy.url + CHAT, json=chat_body(), headers={"Origin": "https://app.example"}
+            )
+        assert response.status_code == 200
+        exposed = response.headers["access-control-expose-headers"].lower()
+        assert "traceresponse" in exposed
+        assert response.headers["traceresponse"].startswith("00-")
