@@ -532,3 +532,26 @@ async def test_browsers_may_read_the_traceresponse(
         exposed = response.headers["access-control-expose-headers"].lower()
         assert "traceresponse" in exposed
         assert response.headers["traceresponse"].startswith("00-")
+
+
+async def test_a_stalled_client_is_not_an_error(nursery: trio.Nursery, receiver: Receiver) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=1_500_000)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            env=standard_env(receiver),
+            relay={"stall_timeout": 1.0},
+        )
+        raw = await RawClient.post(proxy, CHAT, chat_body(stream=False), rcvbuf=4096)
+        await proxy.state.tracker.wait_until(lambda tracker: tracker.started == 1)
+        await flush(proxy)
+        assert proxy.state.tracker.stalled == 1
+        await raw.stream.aclose()
+    (server,) = [span for span in receiver.spans if span.kind == KIND_SERVER]
+    server, operation, (attempt,) = tree(receiver.of_trace(server.trace_id))
+    for span in (server, operation):
+        assert span.attributes["sluice.outcome"] == "stalled"
+        assert span.status == STATUS_UNSET
+        assert "error.type" not in span.attributes
+    assert attempt.end <= operation.end
