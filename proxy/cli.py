@@ -17,6 +17,7 @@ import trio
 
 from inference.loading import ModelLoadError
 from proxy.config import Config, ConfigError, check_public_bind, load_config
+from proxy.ops.tracing import check as check_tracing
 from proxy.server.adapters import StartupError
 from proxy.server.adapters import check_all as check_adapters
 
@@ -37,6 +38,7 @@ async def _serve(args: argparse.Namespace) -> None:
     check_no_models(config)
     check_public_bind(config)
     check_adapters()
+    check_tracing(config.tracing, os.environ)
     # Bound first: a port in use is one line now, not after the model has loaded. The model
     # then loads while the port answers (/healthz says "loading"; requests get 503
     # model_loading with Retry-After); one that cannot load stops the server with its reason.
@@ -156,6 +158,7 @@ def _serve_workers(args: argparse.Namespace) -> int:
     check_no_models(config)
     check_public_bind(config)
     check_adapters()
+    check_tracing(config.tracing, os.environ)
     sockets = bind_or_explain(config, bind)
     host, port = sockets.insecure_sockets[0].getsockname()[:2]
     announce(config, [f"http://{host}:{port}"], config.server.workers)

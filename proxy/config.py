@@ -289,6 +289,24 @@ class LimitsConfig:
     pool_size: int = 16
 
 
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces (proxy/ops/tracing.py). The standard ``OTEL_*`` variables set the
+    same; a key set here wins over its variable. Off (nothing imported) without an endpoint."""
+
+    # The collector's OTLP base URL ("http://collector:4318"; "/v1/traces" is added for
+    # OTLP/HTTP), as OTEL_EXPORTER_OTLP_ENDPOINT. Empty: the variables decide.
+    endpoint: str = ""
+    # The name of an environment variable holding the exporter's headers ("k=v,k2=v2"), so
+    # that a collector's token stays out of the TOML (as api_key_env).
+    headers_env: str = ""
+    # The share of new traces sampled (0..1; a client's sampled flag is followed). Below 0:
+    # unset, OTEL_TRACES_SAMPLER decides (default: every trace).
+    sample_ratio: float = -1.0
+    # The only switch for prompt and answer text in spans.
+    capture_content: bool = False
+
+
 LIMITS_BACKENDS = ("memory", "redis")
 LIMITS_ON_ERROR = ("deny", "allow")
 
@@ -300,6 +318,7 @@ class Config:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     fake_upstream: FakeUpstreamConfig = field(default_factory=FakeUpstreamConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     models: tuple[ModelConfig, ...] = ()
     keys: tuple[KeyConfig, ...] = ()
     source: str = "<defaults>"
@@ -317,6 +336,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "upstream": UpstreamConfig,
     "fake_upstream": FakeUpstreamConfig,
     "limits": LimitsConfig,
+    "tracing": TracingConfig,
 }
 
 T = TypeVar("T")
@@ -417,6 +437,7 @@ def _validate(config: Config) -> None:
     )
     _check_request_settings("[upstream]", upstream)
     _check_limits(config.limits)
+    _check_tracing(config.tracing)
     _check_positive(
         "[upstream]",
         max_connections=upstream.max_connections,
@@ -558,6 +579,17 @@ def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None
     _check_not_negative(where, hedge_after=settings.hedge_after)
     _check_connection_settings(where, settings)
     _check_balance(where, settings)
+
+
+def _check_tracing(tracing: TracingConfig) -> None:
+    if tracing.sample_ratio > 1:
+        raise ConfigError(
+            f"'sample_ratio' in [tracing] must be 0..1 (below 0: unset), not {tracing.sample_ratio}"
+        )
+    if tracing.endpoint and urlsplit(tracing.endpoint).scheme not in {"http", "https"}:
+        raise ConfigError(
+            f"'endpoint' in [tracing] must be an http:// or https:// URL, not {tracing.endpoint!r}"
+        )
 
 
 def _check_limits(limits: LimitsConfig) -> None:

@@ -6,6 +6,7 @@ runtime function and tooling module stays small enough to hold one role."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import textwrap
@@ -200,7 +201,8 @@ def test_protocol_is_sans_io() -> None:
 
 
 def test_serve_loads_no_tooling_and_no_model_stack(tmp_path: Path) -> None:
-    """An upstream-only ``sluice serve``, started for real and stopped: what it imported."""
+    """An upstream-only ``sluice serve``, started for real and stopped: what it imported. With
+    no tracing endpoint, nothing of OpenTelemetry either (tracing off costs nothing)."""
     config = tmp_path / "upstream.toml"
     config.write_text(
         textwrap.dedent(
@@ -237,7 +239,7 @@ def test_serve_loads_no_tooling_and_no_model_stack(tmp_path: Path) -> None:
 
         trio.run(main)
         forbidden = ("proxy.bench", "proxy.testing", "torch", "transformers", "matplotlib",
-                     "proxy.backends.local")
+                     "proxy.backends.local", "opentelemetry", "proxy.ops.otel_adapter")
         print(sorted(name for name in sys.modules if name.startswith(forbidden)))
         """
     )
@@ -248,6 +250,7 @@ def test_serve_loads_no_tooling_and_no_model_stack(tmp_path: Path) -> None:
         text=True,
         timeout=60,
         check=False,
+        env={name: value for name, value in os.environ.items() if not name.startswith("OTEL_")},
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout

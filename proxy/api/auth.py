@@ -45,7 +45,7 @@ CORS_REQUEST_HEADERS = "Authorization, Content-Type, X-Request-ID"
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _MAX_REQUESTED_HEADERS = 32
 # Response headers a browser script may read besides the CORS-safelisted ones.
-CORS_EXPOSED_HEADERS = "X-Request-ID, Retry-After"
+CORS_EXPOSED_HEADERS = "X-Request-ID, Retry-After, traceresponse"
 # How long a browser may cache a preflight answer.
 CORS_MAX_AGE = "600"
 

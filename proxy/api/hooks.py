@@ -30,6 +30,7 @@ def register_hooks(app: SluiceQuart, state: SluiceState) -> None:
             request.path,
             request.remote_addr or "-",
             request.headers.get("X-Request-ID"),
+            request.headers,
         )
 
     @app.after_request
@@ -40,6 +41,9 @@ def register_hooks(app: SluiceQuart, state: SluiceState) -> None:
         if access is None:
             return response
         response.headers["X-Request-ID"] = access.request_id
+        if access.trace is not None:
+            # W3C Trace Context Level 2: the trace (and this server span) the response is of.
+            response.headers["traceresponse"] = access.trace.traceresponse
         if not isinstance(response.response, RelayBody):
             model = getattr(request, "sluice_model", "-")
             endpoint = endpoint_here()

@@ -31,6 +31,7 @@ import trio
 from proxy.api.auth import KeyRing, limited_producer
 from proxy.backends.base import Backend
 from proxy.config import Config, KeyConfig
+from proxy.ops import tracing
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.protocol.api_request import parse_api_request
@@ -79,10 +80,25 @@ class RequestPipeline:
             return presented
         return uuid.uuid4().hex
 
-    def begin(self, method: str, path: str, client: str, presented_id: str | None) -> AccessRecord:
-        return AccessRecord(
+    def begin(
+        self,
+        method: str,
+        path: str,
+        client: str,
+        presented_id: str | None,
+        headers: HeaderLookup | None = None,
+    ) -> AccessRecord:
+        """The request's access record; with tracing on, its SERVER span too, continuing the
+        trace of ``headers`` (the request's, or a WebSocket's handshake)."""
+        access = AccessRecord(
             self.request_id(presented_id), method, path, client or "-", trio.current_time()
         )
+        active = tracing.ACTIVE
+        if active is not None and headers is not None:
+            access.trace = active.begin(
+                headers.get("traceparent"), headers.get("tracestate"), method, path
+            )
+        return access
 
     def authenticate(self, headers: HeaderLookup, access: AccessRecord) -> KeyConfig | None:
         """The client's key (None when no keys are configured); a 401 ApiError otherwise.
@@ -180,6 +196,13 @@ class RequestPipeline:
             # Admitted inside the relay, so that its 429 is counted like any relayed status
             # and the concurrency it holds is released when the body closes.
             produce = limited_producer(self.keys, key, produce)
+        local = request.model in self.local_models
+        trace = access.trace
+        if trace is not None:
+            trace.operation(
+                request.endpoint.label, request.model, local=local, stream=request.stream
+            )
+            produce = trace.run(produce)
         relay = self.config.relay
         return RelayBody(
             produce,
@@ -189,7 +212,7 @@ class RequestPipeline:
             tracker=self.tracker,
             description=access.request_id,
             model=request.model,
-            backend="local" if request.model in self.local_models else "upstream",
+            backend="local" if local else "upstream",
             access=access,
             errors=error_shape(request.endpoint),
             endpoint=request.endpoint.label,

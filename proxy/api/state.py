@@ -21,6 +21,7 @@ from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.scrape import check_replicas, report_reachability
 from proxy.backends.upstream.transports import ConnectionSettings
 from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, LocalModel
+from proxy.ops import tracing
 from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
 from proxy.relay.body import RelayTracker
@@ -76,6 +77,8 @@ class SluiceState:
         self.env = env
         self.api_keys = resolve_api_keys(config, env)
         self.metrics = Metrics()
+        # This process's tracing (ops/tracing.py), or None: off, and nothing of it imported.
+        self.tracing = tracing.install(config.tracing, env, self.metrics)
         # The clients' keys (not the upstreams' above) and their limits' counters ([limits]:
         # in this process, or shared through Redis).
         self.keys = KeyRing(config.keys, config.limits, self.metrics)
@@ -262,6 +265,11 @@ class SluiceState:
     async def aclose(self) -> None:
         for replica in self.replicas.values():
             await replica.aclose()
+        if self.tracing is not None:
+            # Flushes what is queued, bounded by the exporter's timeout: in a thread, so that a
+            # collector that is down delays no other task's shutdown.
+            with trio.move_on_after(tracing.EXPORT_TIMEOUT + 1):
+                await trio.to_thread.run_sync(self.tracing.shutdown, abandon_on_cancel=True)
 
 
 def state_of(app: SluiceQuart) -> SluiceState:

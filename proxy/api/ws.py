@@ -47,8 +47,16 @@ def message(kind: str, request_id: str, **fields: Any) -> str:
     return json.dumps({"type": kind, "id": request_id, **fields}, ensure_ascii=False)
 
 
-def error_message(request_id: str, error: ApiError) -> str:
-    return message("error", request_id, error=error.to_dict()["error"], status=error.status)
+def error_message(request_id: str, error: ApiError, trace_id: str | None = None) -> str:
+    traced = {} if trace_id is None else {"trace_id": trace_id}
+    return message(
+        "error", request_id, error=error.to_dict()["error"], status=error.status, **traced
+    )
+
+
+def trace_id_of(access: AccessRecord) -> str | None:
+    """The message's trace (tracing on), named in its ``done`` or ``error``."""
+    return None if access.trace is None else access.trace.trace_id
 
 
 def upstream_event_error(detail: str) -> ApiError:
@@ -69,8 +77,9 @@ class UnrelayableEvent(Exception):
 class Translator:
     """SSE events (OpenAI chunks) in, WebSocket messages out. Sans-IO."""
 
-    def __init__(self, request_id: str, max_event_bytes: int) -> None:
+    def __init__(self, request_id: str, max_event_bytes: int, trace_id: str | None = None) -> None:
         self.request_id = request_id
+        self._traced = {} if trace_id is None else {"trace_id": trace_id}
         self.splitter = SSESplitter(max_event_bytes)
         self.finish_reason: str | None = None
         self.usage: Any = None
@@ -81,7 +90,11 @@ class Translator:
             if is_done(event):
                 out.append(
                     message(
-                        "done", self.request_id, finish_reason=self.finish_reason, usage=self.usage
+                        "done",
+                        self.request_id,
+                        finish_reason=self.finish_reason,
+                        usage=self.usage,
+                        **self._traced,
                     )
                 )
                 continue
@@ -156,14 +169,15 @@ class WebSocketSession:
         await self.guard.write(websocket.send, text)
 
     def begin(self) -> AccessRecord:
-        access = self.pipeline.begin("WS", WS_PATH, self.client, None)
+        # The handshake's traceparent is the parent of every message's span.
+        access = self.pipeline.begin("WS", WS_PATH, self.client, None, self.headers)
         access.key = None if self.key is None else self.key.name
         return access
 
     async def refuse(self, access: AccessRecord, error: ApiError) -> None:
         # Before a relay: the model is unknown or not yet read, so the metric's label is "-".
         self.pipeline.refused(access, error.status, error.code or "error", "-")
-        await self.send(error_message(access.request_id, error))
+        await self.send(error_message(access.request_id, error, trace_id_of(access)))
 
     def cancel(self) -> None:
         """The client's ``{"type": "cancel"}``: the upstream is shut down now, as for a
@@ -185,7 +199,9 @@ class WebSocketSession:
                     # The boundary of one request, as for HTTP: a bug is this request's error
                     # message, never a closed socket. trio.Cancelled passes through.
                     log.exception("websocket generation failed: %s", access.request_id)
-                    await self.send(error_message(access.request_id, internal_error()))
+                    await self.send(
+                        error_message(access.request_id, internal_error(), trace_id_of(access))
+                    )
             if scope.cancelled_caught and not self.guard.stalled:
                 await self.send(message("cancelled", access.request_id))
         finally:
@@ -207,7 +223,9 @@ class WebSocketSession:
             await self.refuse(access, error)
             return
         self.running = relay
-        translator = Translator(access.request_id, pipeline.config.relay.max_event_bytes)
+        translator = Translator(
+            access.request_id, pipeline.config.relay.max_event_bytes, trace_id_of(access)
+        )
         error_body = b""
         unrelayable: ApiError | None = None
         remove_hook = self.connection.on_client_gone(relay.client_disconnected)
@@ -231,14 +249,20 @@ class WebSocketSession:
         if relay.stalled or self.guard.stalled:
             return
         if unrelayable is not None:
-            await self.send(error_message(access.request_id, unrelayable))
+            await self.send(error_message(access.request_id, unrelayable, trace_id_of(access)))
         elif relay.status != 200:
             if relay.error is not None:
-                await self.send(error_message(access.request_id, relay.error))
+                await self.send(error_message(access.request_id, relay.error, trace_id_of(access)))
             else:
                 passed = upstream_error_payload(error_body)
                 await self.send(
-                    message("error", access.request_id, error=passed, status=relay.status)
+                    message(
+                        "error",
+                        access.request_id,
+                        error=passed,
+                        status=relay.status,
+                        **({} if access.trace is None else {"trace_id": access.trace.trace_id}),
+                    )
                 )
 
 

@@ -16,7 +16,10 @@ import logging
 import sys
 import time
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from proxy.ops.tracing import RequestTrace
 
 ACCESS_LOGGER = "sluice.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
@@ -25,7 +28,7 @@ access_log = logging.getLogger(ACCESS_LOGGER)
 class AccessRecord:
     """What is known of a request when it arrives; completed by whoever sees it end."""
 
-    __slots__ = ("client", "key", "method", "outcome", "path", "request_id", "started")
+    __slots__ = ("client", "key", "method", "outcome", "path", "request_id", "started", "trace")
 
     def __init__(
         self, request_id: str, method: str, path: str, client: str, started: float
@@ -39,6 +42,8 @@ class AccessRecord:
         self.key: str | None = None
         # Set by the error handlers (the error code) for a response that is not relayed.
         self.outcome = "completed"
+        # The request's spans (proxy/ops/tracing.py), or None when tracing is off.
+        self.trace: RequestTrace | None = None
 
     def emit(
         self,
@@ -50,6 +55,10 @@ class AccessRecord:
         ttft: float | None = None,
         events: int = 0,
     ) -> None:
+        trace = self.trace
+        if trace is not None:
+            # The spans end with the line, whether or not the line is written.
+            trace.end(status, outcome, model, ended)
         if not access_log.isEnabledFor(logging.INFO):
             return
         now = time.time()
@@ -66,6 +75,7 @@ class AccessRecord:
             "outcome": outcome,
             "client": self.client,
             "key": self.key,
+            "trace_id": None if trace is None else trace.trace_id,
         }
         access_log.info(json.dumps(fields, separators=(",", ":")))
 

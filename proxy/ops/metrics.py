@@ -228,6 +228,12 @@ class Metrics:
         "failed (the lease expires on its own after lease_seconds).",
         ["operation", "outcome"],
     )
+    trace_spans_dropped = MetricSpec(
+        Counter,
+        "sluice_trace_spans_dropped",
+        "Spans dropped because the export queue was full ([tracing]: a collector down or "
+        "slow); a request never waits on the collector.",
+    )
     queue_depth = MetricSpec(
         Gauge,
         "sluice_queue_depth",

@@ -41,6 +41,7 @@ from quart.wrappers.response import ResponseBody
 
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
+from proxy.ops.tracing import RequestTrace
 from proxy.protocol.errors import ApiError, internal_error
 from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
 from proxy.protocol.shapes import ErrorShape
@@ -495,6 +496,8 @@ class RelayBody(ResponseBody):
             if self.tracker is not None:
                 self.tracker.closed(self)
             if self.access is not None:
+                if self.access.trace is not None:
+                    self._trace_ended(self.access.trace)
                 self.access.emit(
                     status=self.final_status,
                     model=self.model or "-",
@@ -504,6 +507,20 @@ class RelayBody(ResponseBody):
                     events=account.events_out,
                 )
         return suppressed
+
+    def _trace_ended(self, trace: RequestTrace) -> None:
+        account = self.account
+        trace.relay_ended(
+            outcome=self.outcome,
+            status=self.final_status,
+            started=account.started_at,
+            ttft=account.ttft,
+            gone_at=account.gone_at or self.disconnected_at(),
+            cancel_seconds=account.cancel_seconds,
+            delivered=account.events_out,
+            undelivered=account.undelivered,
+            closed=trio.current_time(),
+        )
 
     def client_disconnected(self) -> None:
         """The HTTP layer saw the client go (the loop's hangup watcher, between task steps;

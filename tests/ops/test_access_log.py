@@ -41,6 +41,8 @@ FIELDS = {
     "outcome",
     "client",
     "key",
+    # The request's trace (tracing on), else null: the line's fields are the same either way.
+    "trace_id",
 }
 
 

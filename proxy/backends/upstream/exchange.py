@@ -24,6 +24,7 @@ from proxy.backends.upstream.pool import UpstreamRequest
 from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica
 from proxy.backends.upstream.transports import Response
 from proxy.config import RelayConfig, UpstreamModel
+from proxy.ops import tracing
 from proxy.protocol import anthropic, http1, responses
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint
@@ -81,6 +82,7 @@ class UpstreamExchange:
         request: CompletionRequest,
         request_id: str,
         on_sent: Callable[[], None] | None = None,
+        trace_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> UpstreamRequest:
         # Headers built from scratch: nothing of the client's (its Authorization above all)
         # reaches the upstream. The body is the client's bytes, as they came.
@@ -99,6 +101,9 @@ class UpstreamExchange:
             # The Messages API is versioned by this header (vLLM ignores it; Anthropic's
             # own API requires it).
             headers.append((b"anthropic-version", ANTHROPIC_VERSION))
+        if trace_headers is not None:
+            # traceparent (and tracestate): this attempt's span is the upstream's parent.
+            headers.extend(trace_headers)
         # Reads are bounded by the relay's own deadlines (first token, idle, total).
         return UpstreamRequest(
             replica.origin,
@@ -117,11 +122,45 @@ class UpstreamExchange:
         request_id: str,
         sink: Sink,
     ) -> None:
+        active = tracing.ACTIVE
+        attempt = (
+            None
+            if active is None
+            else active.attempt(replica.url, replica.origin.host, replica.origin.port)
+        )
+        if attempt is None:
+            await self._exchange(replica, request, request_id, sink, None)
+            return
+        # Every exit ends the attempt's span with its own outcome (trio.Cancelled included:
+        # a BaseException, which the SDK's context managers would not classify).
+        try:
+            await self._exchange(replica, request, request_id, sink, attempt.headers)
+        except ApiError as error:
+            attempt.finish(error.code or "error", error=True)
+            raise
+        except BaseException:
+            lost = getattr(sink, "lost", False)
+            attempt.finish("hedge_lost" if lost else "cancelled")
+            raise
+        attempt.finish("completed")
+
+    async def _exchange(
+        self,
+        replica: UpstreamReplica,
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
+        trace_headers: list[tuple[bytes, bytes]] | None,
+    ) -> None:
         first_token_deadline = (
             trio.current_time() + self.model.first_token_timeout if request.stream else math.inf
         )
         outgoing = self.request(
-            replica, request, request_id, functools.partial(sink.set_phase, Phase.HEAD)
+            replica,
+            request,
+            request_id,
+            functools.partial(sink.set_phase, Phase.HEAD),
+            trace_headers,
         )
         try:
             with trio.CancelScope(deadline=first_token_deadline) as read_scope:

@@ -147,6 +147,12 @@ class _Entrant:
     def client_gone(self) -> bool:
         return self.race.sink.client_gone
 
+    @property
+    def lost(self) -> bool:
+        """Another attempt won the race (this one is cancelled for it)."""
+        winner = self.race.winner
+        return winner is not None and winner is not self
+
     def set_phase(self, phase: Phase) -> None:
         # Until a winner is known, the entrants' phases are the request's.
         if self.race.winner is None:

@@ -1,0 +1,462 @@
+"""OpenTelemetry traces: a request's spans, each ended once, on every exit path, with its outcome.
+
+The tree of one request (the same for every endpoint and transport, since all go through the
+one pipeline):
+
+* a SERVER span for the HTTP request (or the WebSocket message), continuing the client's
+  ``traceparent`` and ``tracestate``; ended with the access line (:meth:`RequestTrace.end`,
+  called by :meth:`~proxy.ops.logs.AccessRecord.emit`), with ``sluice.outcome`` the line's
+  outcome;
+* under it, ``{gen_ai.operation.name} {model}`` (CLIENT for an upstream, INTERNAL for the local
+  model), from the relay's start to its close (queueing, retries and hedging, and the upstream
+  closed): ended by :meth:`RequestTrace.relay_ended` as the relay closes, with the events
+  ``first token``, ``client disconnected`` and ``upstream closed`` and the times between;
+* under that, one span per upstream attempt (:meth:`RequestTrace.attempt`), whose context is
+  the ``traceparent`` the upstream receives.
+
+``trio.Cancelled`` is a BaseException, and the SDK's context managers would mark a cancelled
+span as a success: every span here is started and ended by hand, its status set from the
+outcome (UNSET when the client left or stalled: not Sluice's error; ERROR with ``error.type``
+for a failure of the upstream, a timeout, a shutdown).
+
+Tracing is off without an endpoint: then :data:`ACTIVE` is None, the SDK is never imported,
+and a request costs one ``is None`` test. Events are not recorded as they happen (that would
+cost the relay's per-chunk path): their times are known when the relay closes (its account
+keeps them) and they are added then, with those timestamps.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
+
+import trio
+
+from proxy.config import ConfigError, TracingConfig
+
+if TYPE_CHECKING:
+    from proxy.ops.metrics import Metrics
+
+log = logging.getLogger("sluice.tracing")
+
+TRACES_PATH = "/v1/traces"
+# Spans waiting for export at most; beyond it they are dropped and counted.
+MAX_QUEUE_SIZE = 2048
+# One export's bound, in seconds (it runs in the processor's thread, never a request's).
+EXPORT_TIMEOUT = 5.0
+_PROTOCOLS = ("http/protobuf", "grpc")
+
+# The process's tracing, or None (off). Read once per request and once per upstream attempt.
+ACTIVE: Tracing | None = None
+# The request whose producer runs in this task (and its children: trio copies contextvars).
+_CURRENT: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar("sluice_request_trace")
+# gen_ai.operation.name by endpoint label (semantic conventions v1.41).
+_OPERATIONS = {
+    "chat": "chat",
+    "messages": "chat",
+    "responses": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+}
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """What the exporter and sampler are built from: [tracing] over the OTEL_* variables."""
+
+    endpoint: str
+    protocol: str
+    headers: Mapping[str, str]
+    service_name: str
+    sampler: str
+    sampler_arg: float | None
+    capture_content: bool
+
+
+def _parse_headers(text: str, where: str) -> dict[str, str]:
+    """``k=v,k2=v2`` (values URL-encoded), as OTEL_EXPORTER_OTLP_HEADERS."""
+    headers = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        name, equals, value = item.partition("=")
+        if not equals or not name.strip():
+            raise ConfigError(f"{where} must be 'name=value,...', not {text!r}")
+        headers[unquote(name.strip()).lower()] = unquote(value.strip())
+    return headers
+
+
+def _traces_url(base: str, protocol: str) -> str:
+    if protocol == "grpc" or urlsplit(base).path.rstrip("/").endswith(TRACES_PATH):
+        return base
+    return base.rstrip("/") + TRACES_PATH
+
+
+def settings_from(config: TracingConfig, env: Mapping[str, str]) -> TraceSettings | None:
+    """The settings, or None when tracing is off (no endpoint, or OTEL_SDK_DISABLED=true)."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
+    if protocol not in _PROTOCOLS:
+        raise ConfigError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: Sluice exports {' or '.join(_PROTOCOLS)}"
+        )
+    if config.endpoint:
+        endpoint = _traces_url(config.endpoint, protocol)
+    elif env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        endpoint = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()
+    elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        endpoint = _traces_url(env["OTEL_EXPORTER_OTLP_ENDPOINT"].strip(), protocol)
+    else:
+        return None
+    if config.headers_env:
+        if config.headers_env not in env:
+            raise ConfigError(
+                f"'headers_env' in [tracing] names {config.headers_env}, which is not set"
+            )
+        headers = _parse_headers(env[config.headers_env], config.headers_env)
+    else:
+        variable = next(
+            (
+                v
+                for v in ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+                if env.get(v)
+            ),
+            None,
+        )
+        headers = {} if variable is None else _parse_headers(env[variable], variable)
+    sampler_arg: float | None
+    if config.sample_ratio >= 0:
+        sampler, sampler_arg = "parentbased_traceidratio", config.sample_ratio
+    else:
+        sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+        text = env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+        try:
+            sampler_arg = float(text) if text else None
+        except ValueError:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG must be a number, not {text!r}") from None
+    return TraceSettings(
+        endpoint=endpoint,
+        protocol=protocol,
+        headers=headers,
+        service_name=env.get("OTEL_SERVICE_NAME", "").strip() or "sluice",
+        sampler=sampler,
+        sampler_arg=sampler_arg,
+        capture_content=config.capture_content,
+    )
+
+
+def install(
+    config: TracingConfig, env: Mapping[str, str], metrics: Metrics | None = None
+) -> Tracing | None:
+    """Set this process's tracing from ``config`` and ``env`` (ACTIVE); None when off, and then
+    nothing of OpenTelemetry is imported. Raises ConfigError (with what to install) when it is
+    configured and cannot run."""
+    global ACTIVE
+    settings = settings_from(config, env)
+    if ACTIVE is not None:
+        ACTIVE.shutdown()
+    if settings is None:
+        ACTIVE = None
+        return None
+    from proxy.ops import otel_adapter
+
+    try:
+        otel_adapter.check()
+        dropped = None if metrics is None else metrics.trace_spans_dropped
+        provider = otel_adapter.build_provider(
+            service_name=settings.service_name,
+            sampler_name=settings.sampler,
+            sampler_ratio=settings.sampler_arg,
+            protocol=settings.protocol,
+            endpoint=settings.endpoint,
+            headers=settings.headers,
+            max_queue_size=MAX_QUEUE_SIZE,
+            export_timeout=EXPORT_TIMEOUT,
+            on_drop=(lambda: None) if dropped is None else dropped.inc,
+        )
+    except otel_adapter.TracingUnavailable as error:
+        raise ConfigError(str(error)) from None
+    ACTIVE = Tracing(settings, provider, otel_adapter)
+    return ACTIVE
+
+
+def check(config: TracingConfig, env: Mapping[str, str]) -> None:
+    """At start-up, before binding: a configured tracing that cannot run is a ConfigError."""
+    settings = settings_from(config, env)
+    if settings is None:
+        return
+    from proxy.ops import otel_adapter
+
+    try:
+        otel_adapter.check()
+        otel_adapter.exporter(settings.protocol, settings.endpoint, settings.headers, 1.0)
+        otel_adapter.sampler(settings.sampler, settings.sampler_arg)
+    except otel_adapter.TracingUnavailable as error:
+        raise ConfigError(str(error)) from None
+
+
+def classify(outcome: str, status: int, *, cut: bool = False) -> tuple[bool, str | None]:
+    """(is an error, error.type) of an outcome: a client that left or stalled is no error of
+    Sluice's, nor is a refusal of the client's request (4xx); a failure, a timeout or a
+    shutdown is (5xx, or in-band after a 2xx head). ``cut``: cancelled with no client gone,
+    which only the server's graceful deadline does (a stream cut by shutdown)."""
+    if outcome.startswith("cancelled"):
+        return (True, "shutdown") if cut else (False, None)
+    if outcome == "completed" or outcome == "stalled":
+        return False, None
+    return (status >= 500 or status < 400), outcome
+
+
+class Tracing:
+    """A process's tracer: begins each request's trace."""
+
+    def __init__(self, settings: TraceSettings, provider: Any, otel: Any) -> None:
+        self.settings = settings
+        self.provider = provider
+        self.otel = otel
+        self.tracer = provider.get_tracer("sluice")
+        self._shut = False
+
+    def begin(
+        self, traceparent: str | None, tracestate: str | None, method: str, path: str
+    ) -> RequestTrace:
+        otel = self.otel
+        parent = otel.extract(traceparent, tracestate)
+        wall = time.time_ns()
+        span = self.tracer.start_span(
+            f"{method} {path}" if method != "WS" else f"WS {path}",
+            context=parent,
+            kind=otel.SpanKind.SERVER,
+            start_time=wall,
+            attributes={"http.request.method": method, "url.path": path},
+        )
+        return RequestTrace(self, span, wall)
+
+    def attempt(self, url: str, host: str, port: int | None) -> AttemptTrace | None:
+        """The span of an upstream attempt of the request running in this task, if any."""
+        trace = _CURRENT.get(None)
+        return None if trace is None else trace.attempt(url, host, port)
+
+    def shutdown(self) -> None:
+        """Export what is queued (bounded by the exporter's timeout) and stop."""
+        global ACTIVE
+        if ACTIVE is self:
+            ACTIVE = None
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self.provider.shutdown()
+        except Exception:  # a collector that fails at exit must not fail the exit
+            log.exception("tracing: shutdown failed")
+
+
+class RequestTrace:
+    """One request's spans. ``end`` ends them all, once; whatever is still open at that point
+    (an attempt whose task never reached its own end) ends then, with the request's outcome."""
+
+    __slots__ = (
+        "_attempts",
+        "_clock",
+        "_cut",
+        "_operation",
+        "_tracing",
+        "ended",
+        "server",
+        "trace_id",
+        "traceresponse",
+    )
+
+    def __init__(self, tracing: Tracing, server: Any, wall: int) -> None:
+        self._tracing = tracing
+        self.server = server
+        # trio.current_time() and the wall clock at the start: the relay's times are trio's,
+        # span timestamps are wall-clock nanoseconds.
+        self._clock = (trio.current_time(), wall)
+        self._operation: Any = None
+        self._attempts: list[AttemptTrace] = []
+        self._cut = False
+        self.ended = False
+        context = server.get_span_context()
+        self.trace_id = f"{context.trace_id:032x}"
+        self.traceresponse = (
+            f"00-{self.trace_id}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+        )
+
+    def _ns(self, at: float) -> int:
+        mono, wall = self._clock
+        return wall + int((at - mono) * 1e9)
+
+    def operation(self, endpoint: str, model: str, *, local: bool, stream: bool) -> None:
+        """Start the ``{gen_ai.operation.name} {model}`` span, under the server span."""
+        otel = self._tracing.otel
+        name = _OPERATIONS.get(endpoint, endpoint or "chat")
+        self._operation = self._tracing.tracer.start_span(
+            f"{name} {model}",
+            context=otel.set_span_in_context(self.server),
+            kind=otel.SpanKind.INTERNAL if local else otel.SpanKind.CLIENT,
+            attributes={
+                "gen_ai.operation.name": name,
+                "gen_ai.provider.name": "sluice.local" if local else "openai",
+                "gen_ai.request.model": model,
+                "gen_ai.request.stream": stream,
+                "sluice.endpoint": endpoint,
+            },
+        )
+
+    def run(self, produce: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        """``produce``, run with this trace as its task's current one (so that its upstream
+        attempts, in this task or its children, find it)."""
+
+        async def traced(sink: Any) -> None:
+            _CURRENT.set(self)
+            await produce(sink)
+
+        return traced
+
+    def attempt(self, url: str, host: str, port: int | None) -> AttemptTrace:
+        otel = self._tracing.otel
+        parent = self._operation if self._operation is not None else self.server
+        attributes: dict[str, Any] = {
+            "http.request.resend_count": len(self._attempts),
+            "sluice.replica": url,
+            "server.address": host,
+        }
+        if port is not None:
+            attributes["server.port"] = port
+        span = self._tracing.tracer.start_span(
+            "POST",
+            context=otel.set_span_in_context(parent),
+            kind=otel.SpanKind.CLIENT,
+            attributes=attributes,
+        )
+        if self._operation is not None:
+            self._operation.set_attribute("server.address", host)
+            if port is not None:
+                self._operation.set_attribute("server.port", port)
+        attempt = AttemptTrace(self, span, otel.inject(span))
+        self._attempts.append(attempt)
+        return attempt
+
+    def relay_ended(
+        self,
+        *,
+        outcome: str,
+        status: int,
+        started: float,
+        ttft: float | None,
+        gone_at: float | None,
+        cancel_seconds: float | None,
+        delivered: int,
+        undelivered: int,
+        closed: float,
+    ) -> None:
+        """The relay has closed (its producer and upstream are gone): end the operation span
+        with what the relay's account knows, the events at the times they happened."""
+        span = self._operation
+        if span is None or self.ended:
+            return
+        self._operation = None
+        self._cut = outcome.startswith("cancelled") and gone_at is None
+        span.set_attribute("sluice.outcome", outcome)
+        span.set_attribute("sluice.tokens.delivered", delivered)
+        if ttft is not None:
+            span.set_attribute("gen_ai.response.time_to_first_chunk", ttft)
+            span.add_event("first token", timestamp=self._ns(started + ttft))
+        if gone_at is not None:
+            span.add_event("client disconnected", timestamp=self._ns(gone_at))
+        if cancel_seconds is not None:
+            span.set_attribute("sluice.cancel.latency_s", cancel_seconds)
+            span.set_attribute("sluice.tokens.undelivered", undelivered)
+            span.add_event(
+                "upstream closed",
+                timestamp=self._ns(closed),
+                attributes={"sluice.cancel.latency_s": cancel_seconds},
+            )
+        self._set_status(span, outcome, status)
+        ended = self._ns(closed)
+        for attempt in self._attempts:
+            attempt.end_late(outcome, ended, self._cut)
+        span.end(end_time=ended)
+
+    def _set_status(self, span: Any, outcome: str, status: int) -> None:
+        error, error_type = classify(outcome, status, cut=self._cut)
+        if error_type is not None:
+            span.set_attribute("error.type", error_type)
+        if error:
+            otel = self._tracing.otel
+            span.set_status(otel.Status(otel.StatusCode.ERROR, error_type))
+
+    def end(self, status: int, outcome: str, model: str, ended: float) -> None:
+        """The access line is written: end every span still open, the server span last."""
+        if self.ended:
+            return
+        if self._operation is not None:
+            self.relay_ended(
+                outcome=outcome,
+                status=status,
+                started=ended,
+                ttft=None,
+                gone_at=None,
+                cancel_seconds=None,
+                delivered=0,
+                undelivered=0,
+                closed=ended,
+            )
+        self.ended = True
+        span = self.server
+        span.set_attribute("http.response.status_code", status)
+        span.set_attribute("sluice.outcome", outcome)
+        if model != "-":
+            span.set_attribute("gen_ai.request.model", model)
+        self._set_status(span, outcome, status)
+        span.end(end_time=self._ns(ended))
+
+
+class AttemptTrace:
+    """One upstream attempt's span, and the headers that name it as the upstream's parent."""
+
+    __slots__ = ("_trace", "ended", "headers", "span")
+
+    def __init__(self, trace: RequestTrace, span: Any, headers: Mapping[str, str]) -> None:
+        self._trace = trace
+        self.span = span
+        self.headers = [(name.encode(), value.encode("latin-1")) for name, value in headers.items()]
+        self.ended = False
+
+    def finish(self, outcome: str, *, error: bool = False) -> None:
+        """The attempt returned (``completed``), failed (an error code) or was cancelled
+        (``cancelled``, ``hedge_lost``)."""
+        if self.ended:
+            return
+        self.ended = True
+        span = self.span
+        span.set_attribute("sluice.outcome", outcome)
+        if outcome == "hedge_lost":
+            span.set_attribute("sluice.hedge.lost", True)
+        if error:
+            otel = self._trace._tracing.otel
+            span.set_attribute("error.type", outcome)
+            span.set_status(otel.Status(otel.StatusCode.ERROR, outcome))
+        span.end()
+
+    def end_late(self, outcome: str, ended: int, cut: bool) -> None:
+        """Ended by the request (its task never reached its own end), with its outcome."""
+        if not self.ended:
+            self.ended = True
+            self.span.set_attribute("sluice.outcome", outcome)
+            if cut:
+                otel = self._trace._tracing.otel
+                self.span.set_attribute("error.type", "shutdown")
+                self.span.set_status(otel.Status(otel.StatusCode.ERROR, "shutdown"))
+            self.span.end(end_time=ended)
