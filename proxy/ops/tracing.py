@@ -99,6 +99,13 @@ def _traces_url(base: str, protocol: str) -> str:
 
 def settings_from(config: TracingConfig, env: Mapping[str, str]) -> TraceSettings | None:
     """The settings, or None when tracing is off (no endpoint, or OTEL_SDK_DISABLED=true)."""
+    if config.capture_content:
+        # Refused rather than silently ignored: an operator who asks for the text must not
+        # believe a trace holds it.
+        raise ConfigError(
+            "capture_content = true in [tracing]: this release records no prompt or answer "
+            "text in spans yet; set it to false (the default)"
+        )
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     protocol = (

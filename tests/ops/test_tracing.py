@@ -159,6 +159,9 @@ def test_section_and_its_environment_overrides() -> None:
         config_from_mapping({"tracing": {"endpoint": "collector:4318"}})
     with pytest.raises(ConfigError, match="names MISSING, which is not set"):
         tracing.settings_from(TracingConfig("http://c:4318", headers_env="MISSING"), {})
+    # Asked for but not recorded yet: refused at start-up, never silently ignored.
+    with pytest.raises(ConfigError, match="capture_content"):
+        tracing.check(config.tracing, {"H": "a=b"})
 
 
 def test_grpc_without_its_exporter_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
