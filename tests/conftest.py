@@ -8,13 +8,14 @@ import pytest
 
 from proxy.ops.logs import ACCESS_LOGGER
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
-from tests.support import client, close_raw_clients, fake, proxy
+from tests.support import client, close_raw_clients, fake, proxy, quiet_collector
 
 __all__ = [
     "client",
     "close_raw_clients",
     "fake",
     "proxy",
+    "quiet_collector",
     "smol_tokenizer",
     "tiny_loaded_model",
 ]

@@ -7,6 +7,7 @@ Testing policy (after trio-websocket's): real sockets on loopback only, port 0, 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import threading
@@ -350,3 +351,19 @@ def engine_threads() -> int:
     """Threads stepping a local model's batch: one per model, whatever the requests."""
     # trio names a worker thread after its job while it runs (the engine names its own).
     return sum(1 for t in threading.enumerate() if t.name.startswith("sluice engine "))
+
+
+@pytest.fixture
+def quiet_collector() -> Iterator[None]:
+    """For a test that times the relay in milliseconds: no full cyclic collection during it.
+
+    A serving process runs ``server.tune_gc`` (its start-up objects frozen out of the
+    collector's sight); the test process holds the whole suite's heap instead, and one full
+    collection of it, landing mid-test, costs hundreds of milliseconds that are not the relay's.
+    Collected once before, then off for the test."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

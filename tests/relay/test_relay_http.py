@@ -329,6 +329,7 @@ async def test_streams_outlive_quarts_response_timeout(
         assert len(stream_text(payloads).split()) == 20
 
 
+@pytest.mark.usefixtures("quiet_collector")
 async def test_concurrent_streams_interleave(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:

@@ -600,6 +600,7 @@ async def _leave_non_streaming(c: httpx.AsyncClient, recorder: Recorder) -> floa
     ],
     ids=["ttft", "mid-stream", "stall", "stall_headers", "non-stream"],
 )
+@pytest.mark.usefixtures("quiet_collector")
 async def test_disconnect_noticed_in_every_phase(nursery: trio.Nursery, leave: Any) -> None:
     fake, port = await start(nursery)
     with trio.fail_after(10):
