@@ -47,10 +47,18 @@ def message(kind: str, request_id: str, **fields: Any) -> str:
     return json.dumps({"type": kind, "id": request_id, **fields}, ensure_ascii=False)
 
 
+def trace_fields(trace_id: str | None) -> dict[str, str]:
+    """What a ``done`` or ``error`` message adds to name its trace: nothing with tracing off."""
+    return {} if trace_id is None else {"trace_id": trace_id}
+
+
 def error_message(request_id: str, error: ApiError, trace_id: str | None = None) -> str:
-    traced = {} if trace_id is None else {"trace_id": trace_id}
     return message(
-        "error", request_id, error=error.to_dict()["error"], status=error.status, **traced
+        "error",
+        request_id,
+        error=error.to_dict()["error"],
+        status=error.status,
+        **trace_fields(trace_id),
     )
 
 
@@ -79,7 +87,7 @@ class Translator:
 
     def __init__(self, request_id: str, max_event_bytes: int, trace_id: str | None = None) -> None:
         self.request_id = request_id
-        self._traced = {} if trace_id is None else {"trace_id": trace_id}
+        self._traced = trace_fields(trace_id)
         self.splitter = SSESplitter(max_event_bytes)
         self.finish_reason: str | None = None
         self.usage: Any = None
@@ -261,7 +269,7 @@ class WebSocketSession:
                         access.request_id,
                         error=passed,
                         status=relay.status,
-                        **({} if access.trace is None else {"trace_id": access.trace.trace_id}),
+                        **trace_fields(trace_id_of(access)),
                     )
                 )
 
