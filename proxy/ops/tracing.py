@@ -312,6 +312,7 @@ class RequestTrace:
             f"{name} {model}",
             context=otel.set_span_in_context(self.server),
             kind=otel.SpanKind.INTERNAL if local else otel.SpanKind.CLIENT,
+            start_time=self._ns(trio.current_time()),
             attributes={
                 "gen_ai.operation.name": name,
                 "gen_ai.provider.name": "sluice.local" if local else "openai",
@@ -346,6 +347,7 @@ class RequestTrace:
             context=otel.set_span_in_context(parent),
             kind=otel.SpanKind.CLIENT,
             attributes=attributes,
+            start_time=self._ns(trio.current_time()),
         )
         if self._operation is not None:
             self._operation.set_attribute("server.address", host)
@@ -455,7 +457,9 @@ class AttemptTrace:
             otel = self._trace._tracing.otel
             span.set_attribute("error.type", outcome)
             span.set_status(otel.Status(otel.StatusCode.ERROR, outcome))
-        span.end()
+        # On the request's clock, as its other spans' times: the wall clock read here could
+        # put a child's end after its parent's.
+        span.end(end_time=self._trace._ns(trio.current_time()))
 
     def end_late(self, outcome: str, ended: int, cut: bool) -> None:
         """Ended by the request (its task never reached its own end), with its outcome."""

@@ -352,6 +352,7 @@ async def test_a_websocket_message_is_a_span_under_the_handshakes_trace(
 
 
 @pytest.mark.parametrize("trouble", ["down", "fail", "slow"])
+@pytest.mark.usefixtures("quiet_collector")
 async def test_a_collector_in_trouble_never_delays_a_request(
     nursery: trio.Nursery, receiver: Receiver, trouble: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
