@@ -1,4 +1,4 @@
-"""OpenTelemetry traces, against a real OTLP/HTTP receiver (tests/ops/otlp_receiver.py): set
+"""OpenTelemetry traces, against a real OTLP/HTTP receiver (proxy/testing/otlp_receiver.py): set
 up with only the standard variables, each request's spans end on every exit path with the
 access line's outcome, the client's trace is continued into the upstream, and the response
 names its trace. Exporting never delays a request."""
@@ -18,7 +18,7 @@ from trio_websocket import open_websocket_url
 from proxy.config import ConfigError, TracingConfig
 from proxy.ops import otel_adapter, tracing
 from proxy.ops.logs import ACCESS_LOGGER
-from tests.ops.otlp_receiver import (
+from proxy.testing.otlp_receiver import (
     KIND_CLIENT,
     KIND_INTERNAL,
     KIND_SERVER,

@@ -1,6 +1,6 @@
-"""A real OTLP/HTTP trace receiver for the tests: an HTTP server on 127.0.0.1 (its own thread,
-as a collector is its own process) that decodes each ExportTraceServiceRequest with
-opentelemetry-proto and keeps the spans. It can also answer 500, or answer late, as a
+"""A real OTLP/HTTP trace receiver, for the tests and the benches: an HTTP server on 127.0.0.1
+(its own thread, as a collector is its own process) that decodes each ExportTraceServiceRequest
+with opentelemetry-proto and keeps the spans. It can also answer 500, or answer late, as a
 collector in trouble does."""
 
 from __future__ import annotations
