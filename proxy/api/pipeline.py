@@ -200,7 +200,11 @@ class RequestPipeline:
         trace = access.trace
         if trace is not None:
             trace.operation(
-                request.endpoint.label, request.model, local=local, stream=request.stream
+                request.endpoint.label,
+                request.model,
+                local=local,
+                stream=request.stream,
+                body=request.body,
             )
             produce = trace.run(produce)
         relay = self.config.relay

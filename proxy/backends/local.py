@@ -36,6 +36,7 @@ from inference import (
 )
 from inference.batching import DEFAULT_WINDOW, BatchEngine, Generation, Piece
 from proxy.config import LocalModel
+from proxy.ops import tracing
 from proxy.ops.metrics import Metrics
 from proxy.protocol.anthropic import MessagesStream, whole_message
 from proxy.protocol.errors import ApiError
@@ -182,22 +183,34 @@ class LocalBackend:
                 code="model_not_supported",
             )
         check_local_parameters(request.body, request.endpoint)
-        async with self.admission.slot():
-            sink.set_phase(Phase.FIRST_TOKEN)
-            # Templating and tokenizing a long prompt takes milliseconds: off the loop.
-            prompt_ids, params, body = await trio.to_thread.run_sync(self._prepare, request)
-            wire = _wire(request, self.model.name, len(prompt_ids), params.logprobs is not None)
-            endpoint = request.endpoint
-            choices = (
-                (body.get("n") or 1) if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else 1
+        trace = tracing.current()
+        queued = trio.current_time()
+        admitted = False
+        try:
+            async with self.admission.slot():
+                admitted = True
+                if trace is not None:
+                    trace.stage("queue wait", queued, trio.current_time())
+                await self._answer(request, request_id, sink)
+        finally:
+            if trace is not None and not admitted:
+                trace.stage("queue wait", queued, trio.current_time(), {"sluice.admitted": False})
+
+    async def _answer(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+        """The request, once it holds a slot of the model."""
+        sink.set_phase(Phase.FIRST_TOKEN)
+        # Templating and tokenizing a long prompt takes milliseconds: off the loop.
+        prompt_ids, params, body = await trio.to_thread.run_sync(self._prepare, request)
+        wire = _wire(request, self.model.name, len(prompt_ids), params.logprobs is not None)
+        endpoint = request.endpoint
+        choices = (body.get("n") or 1) if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else 1
+        if choices > 1:
+            assert isinstance(wire, _CompletionsWire)
+            await self._generate_choices(
+                request, request_id, sink, wire, prompt_ids, params, choices
             )
-            if choices > 1:
-                assert isinstance(wire, _CompletionsWire)
-                await self._generate_choices(
-                    request, request_id, sink, wire, prompt_ids, params, choices
-                )
-            else:
-                await self._generate_one(request, request_id, sink, wire, prompt_ids, params)
+        else:
+            await self._generate_one(request, request_id, sink, wire, prompt_ids, params)
 
     def _left_queue(self, seconds: float, outcome: str) -> None:
         if self.metrics is not None:
@@ -246,6 +259,8 @@ class LocalBackend:
         send, receive = trio.open_memory_channel[Piece](DEFAULT_WINDOW + 1)
         left = trio.Event()
         self._listeners[sequence] = (send, left)
+        trace = tracing.current()
+        stages = _Stages(trace, len(prompt_ids))
         self.engine.submit(sequence)
         try:
             async with receive:
@@ -255,11 +270,14 @@ class LocalBackend:
                             f"model '{self.model.name}' failed while generating: "
                             f"{type(piece.error).__name__}: {piece.error}"
                         ) from piece.error
+                    if stages.decoding is None:
+                        stages.prefilled()
                     await on_piece(piece)
                     sequence.consumed += 1
                     if sequence.parked:
                         self.engine.wake()
                     if piece.result is not None:
+                        stages.finished(piece.result.usage.completion_tokens)
                         return piece.result
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         finally:
@@ -272,15 +290,17 @@ class LocalBackend:
                 with trio.CancelScope(shield=True) as scope:
                     scope.deadline = trio.current_time() + _LEAVE_TIMEOUT
                     await left.wait()
-                if left.is_set() and self.metrics is not None:
-                    name = self.model.name
+                if left.is_set():
                     passes, produced = sequence.progress
-                    self.metrics.local_steps_after_cancel.labels(name).observe(
-                        passes - passes_at_cancel
-                    )
-                    self.metrics.local_tokens_for_nobody.labels(name).inc(
-                        produced - produced_at_cancel
-                    )
+                    stages.stopped(passes, produced - produced_at_cancel)
+                    if self.metrics is not None:
+                        name = self.model.name
+                        self.metrics.local_steps_after_cancel.labels(name).observe(
+                            passes - passes_at_cancel
+                        )
+                        self.metrics.local_tokens_for_nobody.labels(name).inc(
+                            produced - produced_at_cancel
+                        )
                 if scope.cancelled_caught:
                     log.error(
                         "request %s: the engine did not release its sequence in %.0fs",
@@ -397,6 +417,50 @@ class LocalBackend:
 
 # The endpoints a local model answers from its own generation.
 _GENERATED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES})
+
+
+class _Stages:
+    """One sequence's stages in its request's trace (nothing when the request is untraced):
+    ``prefill``, from its submission to its first piece (the wait for the engine's next step
+    included), then ``decode``, to its last piece or to the step where the engine let go of
+    it, and, for a request that left, the ``generation stopped`` event."""
+
+    __slots__ = ("decoding", "prompt_tokens", "submitted", "trace")
+
+    def __init__(self, trace: tracing.RequestTrace | None, prompt_tokens: int) -> None:
+        self.trace = trace
+        self.prompt_tokens = prompt_tokens
+        self.submitted = trio.current_time()
+        # When the first piece arrived (the end of the prefill).
+        self.decoding: float | None = None
+
+    def prefilled(self) -> None:
+        self.decoding = now = trio.current_time()
+        if self.trace is not None:
+            self.trace.stage(
+                "prefill", self.submitted, now, {"gen_ai.usage.input_tokens": self.prompt_tokens}
+            )
+
+    def finished(self, generated: int) -> None:
+        if self.trace is not None:
+            self._decoded({"sluice.local.tokens": generated})
+            self.trace.local_usage(self.prompt_tokens, generated)
+
+    def stopped(self, decode_step: int, for_nobody: int) -> None:
+        if self.trace is None:
+            return
+        if self.decoding is None:
+            self.trace.stage(
+                "prefill", self.submitted, trio.current_time(), {"sluice.stopped": True}
+            )
+        else:
+            self._decoded({"sluice.stopped": True})
+        self.trace.generation_stopped(trio.current_time(), decode_step, for_nobody)
+
+    def _decoded(self, attributes: dict[str, Any]) -> None:
+        assert self.trace is not None
+        if self.decoding is not None:
+            self.trace.stage("decode", self.decoding, trio.current_time(), attributes)
 
 
 class _Wire(Protocol):

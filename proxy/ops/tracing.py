@@ -28,6 +28,7 @@ keeps them) and they are added then, with those timestamps.
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,6 +39,7 @@ from urllib.parse import unquote, urlsplit
 import trio
 
 from proxy.config import ConfigError, TracingConfig
+from proxy.protocol import response_facts
 
 if TYPE_CHECKING:
     from proxy.ops.metrics import Metrics
@@ -99,13 +101,6 @@ def _traces_url(base: str, protocol: str) -> str:
 
 def settings_from(config: TracingConfig, env: Mapping[str, str]) -> TraceSettings | None:
     """The settings, or None when tracing is off (no endpoint, or OTEL_SDK_DISABLED=true)."""
-    if config.capture_content:
-        # Refused rather than silently ignored: an operator who asks for the text must not
-        # believe a trace holds it.
-        raise ConfigError(
-            "capture_content = true in [tracing]: this release records no prompt or answer "
-            "text in spans yet; set it to false (the default)"
-        )
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
     protocol = (
@@ -247,7 +242,7 @@ class Tracing:
             start_time=wall,
             attributes={"http.request.method": method, "url.path": path},
         )
-        return RequestTrace(self, span, wall)
+        return RequestTrace(self, span, wall, self.settings.capture_content)
 
     def attempt(self, url: str, host: str, port: int | None) -> AttemptTrace | None:
         """The span of an upstream attempt of the request running in this task, if any."""
@@ -274,9 +269,13 @@ class RequestTrace:
 
     __slots__ = (
         "_attempts",
+        "_capture",
         "_clock",
         "_cut",
+        "_local",
+        "_local_usage",
         "_operation",
+        "_stopped",
         "_tracing",
         "ended",
         "server",
@@ -284,7 +283,7 @@ class RequestTrace:
         "traceresponse",
     )
 
-    def __init__(self, tracing: Tracing, server: Any, wall: int) -> None:
+    def __init__(self, tracing: Tracing, server: Any, wall: int, capture: bool = False) -> None:
         self._tracing = tracing
         self.server = server
         # trio.current_time() and the wall clock at the start: the relay's times are trio's,
@@ -293,6 +292,12 @@ class RequestTrace:
         self._operation: Any = None
         self._attempts: list[AttemptTrace] = []
         self._cut = False
+        self._capture = capture
+        self._local = False
+        # The local model's own counts (prompt, generated), and where its generation stopped
+        # for a request that left: (when, the decode step, tokens generated after the leave).
+        self._local_usage: tuple[int, int] | None = None
+        self._stopped: tuple[float, int, int] | None = None
         self.ended = False
         context = server.get_span_context()
         self.trace_id = f"{context.trace_id:032x}"
@@ -304,23 +309,44 @@ class RequestTrace:
         mono, wall = self._clock
         return wall + int((at - mono) * 1e9)
 
-    def operation(self, endpoint: str, model: str, *, local: bool, stream: bool) -> None:
-        """Start the ``{gen_ai.operation.name} {model}`` span, under the server span."""
+    def operation(
+        self,
+        endpoint: str,
+        model: str,
+        *,
+        local: bool,
+        stream: bool,
+        body: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Start the ``{gen_ai.operation.name} {model}`` span, under the server span; with
+        content capture on, it records the prompt of ``body``."""
         otel = self._tracing.otel
         name = _OPERATIONS.get(endpoint, endpoint or "chat")
+        self._local = local
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": name,
+            "gen_ai.provider.name": "sluice.local" if local else "openai",
+            "gen_ai.request.model": model,
+            "gen_ai.request.stream": stream,
+            "sluice.endpoint": endpoint,
+        }
+        if self._capture and body is not None:
+            attributes["gen_ai.input.messages"] = json.dumps(
+                response_facts.input_messages(body), ensure_ascii=False
+            )
         self._operation = self._tracing.tracer.start_span(
             f"{name} {model}",
             context=otel.set_span_in_context(self.server),
             kind=otel.SpanKind.INTERNAL if local else otel.SpanKind.CLIENT,
             start_time=self._ns(trio.current_time()),
-            attributes={
-                "gen_ai.operation.name": name,
-                "gen_ai.provider.name": "sluice.local" if local else "openai",
-                "gen_ai.request.model": model,
-                "gen_ai.request.stream": stream,
-                "sluice.endpoint": endpoint,
-            },
+            attributes=attributes,
         )
+
+    def reads_body(self, streaming: bool) -> bool:
+        """Whether the relay keeps every write for this trace: a whole answer (its id, model,
+        usage are somewhere in it), or a stream whose text is captured. A stream's first and
+        last writes are always kept, at no cost."""
+        return not streaming or self._capture
 
     def run(self, produce: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         """``produce``, run with this trace as its task's current one (so that its upstream
@@ -357,6 +383,65 @@ class RequestTrace:
         self._attempts.append(attempt)
         return attempt
 
+    # -- the local model's stages -------------------------------------------------------------
+
+    def stage(
+        self, name: str, started: float, ended: float, attributes: Mapping[str, Any] | None = None
+    ) -> None:
+        """A stage of the local model's work (``queue wait``, ``prefill``, ``decode``), as a
+        child span of the operation span, from ``started`` to ``ended`` (trio's clock)."""
+        if self._operation is None:
+            return
+        otel = self._tracing.otel
+        span = self._tracing.tracer.start_span(
+            name,
+            context=otel.set_span_in_context(self._operation),
+            kind=otel.SpanKind.INTERNAL,
+            start_time=self._ns(started),
+            attributes=dict(attributes or {}),
+        )
+        span.end(end_time=self._ns(ended))
+
+    def generation_stopped(self, at: float, decode_step: int, for_nobody: int) -> None:
+        """The local model let go of a sequence whose request had left, ``at`` (trio's clock),
+        after ``decode_step`` steps, ``for_nobody`` of its tokens generated after the leave."""
+        previous = self._stopped
+        if previous is not None:
+            for_nobody += previous[2]
+        self._stopped = (at, decode_step, for_nobody)
+
+    def local_usage(self, input_tokens: int, output_tokens: int) -> None:
+        """The local model's own counts of a finished sequence (a request of ``n`` choices
+        has ``n``: their outputs add up, over the one prompt)."""
+        previous = 0 if self._local_usage is None else self._local_usage[1]
+        self._local_usage = (input_tokens, previous + output_tokens)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def _answer(
+        self, stream: bool, writes: tuple[bytes, ...], kept: list[bytes] | None
+    ) -> tuple[response_facts.ResponseFacts, list[dict[str, Any]] | None]:
+        """What the answer says of itself, and (content capture) its text."""
+        answers: list[dict[str, Any]] | None = None
+        if kept is not None:
+            data = b"".join(kept)
+            if stream:
+                answers = list(response_facts.sse_payloads(data))
+            else:
+                whole = response_facts.whole_payload(data)
+                answers = [] if whole is None else [whole]
+            facts = response_facts.facts_of(answers)
+        elif stream:
+            facts = response_facts.stream_facts(*writes)
+        else:
+            facts = response_facts.ResponseFacts()
+        if self._local_usage is not None:
+            facts.input_tokens, facts.output_tokens = self._local_usage
+        output = None
+        if self._capture and answers is not None:
+            output = response_facts.output_messages(answers)
+        return facts, output
+
     def relay_ended(
         self,
         *,
@@ -369,6 +454,9 @@ class RequestTrace:
         delivered: int,
         undelivered: int,
         closed: float,
+        stream: bool = False,
+        writes: tuple[bytes, ...] = (),
+        kept: list[bytes] | None = None,
     ) -> None:
         """The relay has closed (its producer and upstream are gone): end the operation span
         with what the relay's account knows, the events at the times they happened."""
@@ -379,6 +467,12 @@ class RequestTrace:
         self._cut = outcome.startswith("cancelled") and gone_at is None
         span.set_attribute("sluice.outcome", outcome)
         span.set_attribute("sluice.tokens.delivered", delivered)
+        if status < 300:
+            facts, output = self._answer(stream, writes, kept)
+            for name, value in facts.attributes().items():
+                span.set_attribute(name, value)
+            if output is not None:
+                span.set_attribute("gen_ai.output.messages", json.dumps(output, ensure_ascii=False))
         if ttft is not None:
             span.set_attribute("gen_ai.response.time_to_first_chunk", ttft)
             span.add_event("first token", timestamp=self._ns(started + ttft))
@@ -387,16 +481,27 @@ class RequestTrace:
         if cancel_seconds is not None:
             span.set_attribute("sluice.cancel.latency_s", cancel_seconds)
             span.set_attribute("sluice.tokens.undelivered", undelivered)
-            span.add_event(
-                "upstream closed",
-                timestamp=self._ns(closed),
-                attributes={"sluice.cancel.latency_s": cancel_seconds},
-            )
+            self._stop_event(span, cancel_seconds, closed)
         self._set_status(span, outcome, status)
         ended = self._ns(closed)
         for attempt in self._attempts:
             attempt.end_late(outcome, ended, self._cut)
         span.end(end_time=ended)
+
+    def _stop_event(self, span: Any, cancel_seconds: float, closed: float) -> None:
+        """``upstream closed`` (the upstream exchange's close has returned by now), or, for the
+        local model, ``generation stopped`` (when the engine let go, at which decode step)."""
+        attributes: dict[str, Any] = {"sluice.cancel.latency_s": cancel_seconds}
+        if not self._local:
+            span.add_event("upstream closed", timestamp=self._ns(closed), attributes=attributes)
+            return
+        at, step, for_nobody = self._stopped if self._stopped is not None else (closed, 0, 0)
+        attributes["sluice.local.decode_step"] = step
+        attributes["sluice.tokens.for_nobody"] = for_nobody
+        span.set_attribute("sluice.tokens.for_nobody", for_nobody)
+        span.add_event(
+            "generation stopped", timestamp=self._ns(min(at, closed)), attributes=attributes
+        )
 
     def _set_status(self, span: Any, outcome: str, status: int) -> None:
         error, error_type = classify(outcome, status, cut=self._cut)
@@ -430,6 +535,11 @@ class RequestTrace:
             span.set_attribute("gen_ai.request.model", model)
         self._set_status(span, outcome, status)
         span.end(end_time=self._ns(ended))
+
+
+def current() -> RequestTrace | None:
+    """The trace of the request whose producer runs in this task (None: untraced, or off)."""
+    return _CURRENT.get(None)
 
 
 class AttemptTrace:

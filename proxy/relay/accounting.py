@@ -16,25 +16,35 @@ from proxy.relay.state import Phase
 
 # Upper bounds of the write-gap buckets (Metrics.token_gaps); the last count is +Inf.
 GAP_BOUNDS = tuple(float(bound) for bound in GAP_BUCKETS)
+# What a traced request keeps of its body at most (see RelayAccount.kept); past it, nothing.
+MAX_KEPT_BYTES = 8 * 1024 * 1024
 
 
 class RelayAccount:
     """One request's accounting: where it was when it ended, its timings, what it wrote.
 
     Of a streamed (200, text/event-stream) response: when the relay started, the time to its
-    first write, the gaps between writes (counts per bucket of GAP_BOUNDS), and the SSE data
-    events written. Of a cancelled one: how long its work took to stop, and what was produced
-    for the client but never handed to its socket."""
+    first write, the gaps between writes (counts per bucket of GAP_BOUNDS), the SSE data
+    events written, and its first and last three writes (where every shape puts the answer's id,
+    model, finish reason and usage: the trace reads them at close). Of a cancelled one: how
+    long its work took to stop, and what was produced for the client but never handed to its
+    socket."""
 
     __slots__ = (
+        "_kept_bytes",
         "_last_write",
         "_now",
+        "before_last",
         "cancel_seconds",
         "events_out",
+        "first",
         "gap_counts",
         "gone_at",
+        "kept",
+        "last",
         "phase",
         "started_at",
+        "third_last",
         "ttft",
         "undelivered",
     )
@@ -55,6 +65,11 @@ class RelayAccount:
         # for the client but never handed to its socket.
         self.cancel_seconds: float | None = None
         self.undelivered = 0
+        self.first = self.third_last = self.before_last = self.last = b""
+        # Every write, for a traced request's trace to read at close: a whole (non-streamed)
+        # answer, or a stream whose text is captured. None: not kept (the common case).
+        self.kept: list[bytes] | None = None
+        self._kept_bytes = 0
 
     def start(self) -> None:
         """The relay starts (RelayBody.__aenter__): the clock every write is timed with."""
@@ -70,10 +85,16 @@ class RelayAccount:
         self._last_write = now
         if last is None:
             self.ttft = now - self.started_at
+            self.first = chunk
             if self.phase is not Phase.AFTER_LAST:
                 self.phase = Phase.MID_STREAM
         else:
             self.gap_counts[bisect_left(GAP_BOUNDS, now - last)] += 1
+        self.third_last = self.before_last
+        self.before_last = self.last
+        self.last = chunk
+        if self.kept is not None:
+            self.keep(chunk)
         # Events start at the chunk's start or right after a newline, and a JSON payload
         # holds no raw newline: this counts data lines, never token text. [DONE] ends the
         # last write of a stream.
@@ -81,10 +102,23 @@ class RelayAccount:
             chunk.count(b"\ndata:") + chunk.startswith(b"data:") - chunk.endswith(b"[DONE]\n\n")
         )
 
-    def handed(self) -> None:
+    def handed(self, chunk: bytes) -> None:
         """A chunk of a body that is not SSE events went out: it is mid-stream too."""
         if self.phase is not Phase.AFTER_LAST:
             self.phase = Phase.MID_STREAM
+        if self.kept is not None:
+            self.keep(chunk)
+
+    def keep(self, chunk: bytes) -> None:
+        """Keep ``chunk`` for the trace, within MAX_KEPT_BYTES (past it, none of the body: a
+        part of a JSON body says nothing)."""
+        kept = self.kept
+        assert kept is not None
+        self._kept_bytes += len(chunk)
+        if self._kept_bytes > MAX_KEPT_BYTES:
+            self.kept = None
+            return
+        kept.append(chunk)
 
     @property
     def gap_sum(self) -> float:

@@ -332,6 +332,8 @@ class RelayBody(ResponseBody):
         # here, so that the per-write call costs what a method of the body would.
         self.account = RelayAccount()
         self._wrote = self.account.wrote
+        if access is not None and access.trace is not None and access.trace.reads_body(streaming):
+            self.account.kept = []
         self._sse = False
         # The write-through hand-off (see write_through): the writer, and whether the producer
         # may use it now. Only the body sets direct_ok (True), when nothing is queued or being
@@ -520,6 +522,9 @@ class RelayBody(ResponseBody):
             delivered=account.events_out,
             undelivered=account.undelivered,
             closed=trio.current_time(),
+            stream=self._sse,
+            writes=(account.first, account.third_last, account.before_last, account.last),
+            kept=account.kept,
         )
 
     def client_disconnected(self) -> None:
@@ -614,7 +619,7 @@ class RelayBody(ResponseBody):
         if self._sse and chunk:
             self._wrote(chunk)
         elif chunk:
-            self.account.handed()
+            self.account.handed(chunk)
             if self.content_length is not None:
                 self._handed += len(chunk)
         return chunk
@@ -628,7 +633,7 @@ class RelayBody(ResponseBody):
                 if self._sse:
                     self._wrote(chunk)
                 else:
-                    self.account.handed()
+                    self.account.handed(chunk)
                 if written is None:
                     # Part of it is pending: wake the body (an empty chunk) to flush it.
                     self.direct_ok = False

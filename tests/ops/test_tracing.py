@@ -35,6 +35,7 @@ from tests.support import (
     Proxy,
     RawClient,
     chat_body,
+    sse_payloads,
     start_fake,
     start_proxy,
 )
@@ -83,7 +84,8 @@ async def flush(proxy: Proxy) -> None:
 
 
 def tree(spans: list[Span]) -> tuple[Span, Span, list[Span]]:
-    """The server span, the operation span under it, and the attempts under that."""
+    """The server span, the operation span under it, and the spans under that (the upstream
+    attempts, or the local model's stages)."""
     (server,) = [span for span in spans if span.kind == KIND_SERVER]
     (operation,) = [span for span in spans if span.parent_span_id == server.span_id]
     attempts = [span for span in spans if span.parent_span_id == operation.span_id]
@@ -159,9 +161,8 @@ def test_section_and_its_environment_overrides() -> None:
         config_from_mapping({"tracing": {"endpoint": "collector:4318"}})
     with pytest.raises(ConfigError, match="names MISSING, which is not set"):
         tracing.settings_from(TracingConfig("http://c:4318", headers_env="MISSING"), {})
-    # Asked for but not recorded yet: refused at start-up, never silently ignored.
-    with pytest.raises(ConfigError, match="capture_content"):
-        tracing.check(config.tracing, {"H": "a=b"})
+    settings = tracing.settings_from(config.tracing, {"H": "a=b"})
+    assert settings is not None and settings.capture_content
 
 
 def test_grpc_without_its_exporter_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -451,16 +452,69 @@ async def test_the_local_model_is_an_internal_operation(
             env=standard_env(receiver),
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-            response = await client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=3))
+            response = await client.post(
+                proxy.url + CHAT, json=chat_body("tiny", stream=False, max_tokens=3)
+            )
         assert response.status_code == 200
         await flush(proxy)
-    _, operation, attempts = tree(receiver.of_trace(trace_of(response)))
-    assert attempts == []
+    _, operation, stages = tree(receiver.of_trace(trace_of(response)))
     assert operation.name == "chat tiny"
     assert operation.kind == KIND_INTERNAL
-    assert operation.attributes["gen_ai.provider.name"] == "sluice.local"
-    assert operation.attributes["sluice.outcome"] == "completed"
-    assert "first token" in operation.events
+    attributes = operation.attributes
+    assert attributes["gen_ai.provider.name"] == "sluice.local"
+    assert attributes["sluice.outcome"] == "completed"
+    answer = response.json()
+    assert attributes["gen_ai.response.id"] == answer["id"]
+    assert attributes["gen_ai.response.model"] == "tiny"
+    assert attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert attributes["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"] == 3
+    # Non-streamed: its one write is no first token of a stream.
+    assert "first token" not in operation.events
+    # The model's stages, one after another, inside the operation.
+    queue, prefill, decode = sorted(stages, key=lambda span: span.start)
+    assert [queue.name, prefill.name, decode.name] == ["queue wait", "prefill", "decode"]
+    assert all(span.kind == KIND_INTERNAL for span in stages)
+    assert operation.start <= queue.start <= queue.end <= prefill.start
+    assert prefill.end <= decode.start <= decode.end <= operation.end
+    assert prefill.attributes["gen_ai.usage.input_tokens"] == answer["usage"]["prompt_tokens"]
+    assert decode.attributes["sluice.local.tokens"] == 3
+
+
+async def test_a_local_generation_stopped_for_a_client_that_left(
+    nursery: trio.Nursery, receiver: Receiver, tiny_loaded_model: Any
+) -> None:
+    from tests.support import local_model
+
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery,
+            {"tiny": local_model()},
+            local_models={"tiny": tiny_loaded_model},
+            env=standard_env(receiver),
+        )
+        body = chat_body("tiny", max_tokens=1000, stream=True)
+        body["ignore_eos"] = True
+        raw = await RawClient.post(proxy, CHAT, body)
+        await raw.read_until(b"data: ", count=4)
+        await raw.close()
+        await flush(proxy)
+    (server,) = [span for span in receiver.spans if span.kind == KIND_SERVER]
+    _, operation, stages = tree(receiver.of_trace(server.trace_id))
+    assert operation.attributes["sluice.outcome"] == "cancelled(mid_stream)"
+    assert "upstream closed" not in operation.events
+    stopped = operation.events["generation stopped"]
+    assert stopped["sluice.local.decode_step"] >= 3
+    # Every token generated after the leave, as sluice_local_tokens_for_nobody_total counts.
+    for_nobody = stopped["sluice.tokens.for_nobody"]
+    assert operation.attributes["sluice.tokens.for_nobody"] == for_nobody
+    metric = proxy.state.metrics.local_tokens_for_nobody.labels("tiny")._value.get()
+    assert for_nobody == metric
+    times = operation.event_times
+    assert times["client disconnected"] <= times["generation stopped"] <= operation.end
+    decode = next(span for span in stages if span.name == "decode")
+    assert decode.attributes["sluice.stopped"] is True
+    assert decode.end <= operation.end
 
 
 async def test_off_the_response_names_no_trace(nursery: trio.Nursery) -> None:
@@ -559,3 +613,124 @@ async def test_a_stalled_client_is_not_an_error(nursery: trio.Nursery, receiver:
         assert span.status == STATUS_UNSET
         assert "error.type" not in span.attributes
     assert attempt.end <= operation.end
+
+
+# -- what the answer says of itself --------------------------------------------------------
+
+ENDPOINT_CASES = {
+    "chat stream": (
+        CHAT,
+        chat_body(stream_options={"include_usage": True}),
+    ),
+    "chat whole": (CHAT, chat_body(stream=False)),
+    "completions": (
+        "/v1/completions",
+        {
+            "model": "fake-model",
+            "prompt": "hi",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    "responses": ("/v1/responses", {"model": "fake-model", "input": "hi", "stream": True}),
+    "messages": (
+        "/v1/messages",
+        {
+            "model": "fake-model",
+            "max_tokens": 50,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+        },
+    ),
+    "embeddings": ("/v1/embeddings", {"model": "fake-model", "input": "hi"}),
+}
+
+
+# Why each answer finished, in the endpoint's own words (the fake ends every answer so).
+FINISHED = {
+    "chat stream": "stop",
+    "chat whole": "stop",
+    "completions": "stop",
+    "responses": "completed",
+    "messages": "end_turn",
+}
+
+
+def _said(response: httpx.Response) -> dict[str, Any]:
+    """What the client was told of the answer's id, model, finish and usage (its own shape)."""
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        return response.json()
+    said: dict[str, Any] = {}
+    for line in response.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[len("data: ") :])
+        inner = event.get("response") or event.get("message") or event
+        said.setdefault("id", inner.get("id"))
+        if inner.get("usage"):
+            said["usage"] = {**said.get("usage", {}), **inner["usage"]}
+    return said
+
+
+@pytest.mark.parametrize("case", list(ENDPOINT_CASES))
+async def test_the_operation_span_names_the_answer(
+    nursery: trio.Nursery, receiver: Receiver, case: str
+) -> None:
+    path, body = ENDPOINT_CASES[case]
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=4)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=standard_env(receiver))
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(proxy.url + path, json=body)
+        assert response.status_code == 200, response.text
+        await flush(proxy)
+    _, operation, _ = tree(receiver.of_trace(trace_of(response)))
+    attributes = operation.attributes
+    said = _said(response)
+    usage = said.get("usage") or {}
+    if case != "embeddings":
+        assert attributes["gen_ai.response.id"] == said["id"]
+        assert attributes["gen_ai.response.finish_reasons"] == [FINISHED[case]], response.text
+    assert attributes["gen_ai.response.model"]
+    assert attributes["gen_ai.usage.input_tokens"] == usage.get(
+        "prompt_tokens", usage.get("input_tokens")
+    )
+    if case != "embeddings":
+        assert attributes["gen_ai.usage.output_tokens"] == usage.get(
+            "completion_tokens", usage.get("output_tokens")
+        )
+    # No text without capture_content.
+    assert "gen_ai.input.messages" not in attributes
+    assert "gen_ai.output.messages" not in attributes
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_capture_content_records_the_prompt_and_the_answer(
+    nursery: trio.Nursery, receiver: Receiver, stream: bool
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=4)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            env=standard_env(receiver),
+            tracing={"capture_content": True},
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(proxy.url + CHAT, json=chat_body(stream=stream))
+        assert response.status_code == 200
+        await flush(proxy)
+    _, operation, _ = tree(receiver.of_trace(trace_of(response)))
+    prompt = json.loads(operation.attributes["gen_ai.input.messages"])
+    assert prompt == [{"role": "user", "parts": [{"type": "text", "content": "hello there"}]}]
+    (answer,) = json.loads(operation.attributes["gen_ai.output.messages"])
+    if stream:
+        text = "".join(
+            json.loads(payload)["choices"][0]["delta"].get("content") or ""
+            for payload in sse_payloads(response.text)
+            if payload.startswith("{") and json.loads(payload)["choices"]
+        )
+    else:
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text
+    assert answer == {"role": "assistant", "parts": [{"type": "text", "content": text}]}
