@@ -734,3 +734,28 @@ async def test_capture_content_records_the_prompt_and_the_answer(
         text = response.json()["choices"][0]["message"]["content"]
     assert text
     assert answer == {"role": "assistant", "parts": [{"type": "text", "content": text}]}
+
+
+async def test_a_passthrough_path_has_the_same_tree(
+    nursery: trio.Nursery, receiver: Receiver
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=2)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": {"upstreams": [fake.url], "passthrough": ["/tokenize"]}},
+            env=standard_env(receiver),
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(
+                proxy.url + "/tokenize", json={"model": "fake-model", "prompt": "hello there"}
+            )
+        assert response.status_code == 200, response.text
+        await flush(proxy)
+    server, operation, (attempt,) = tree(receiver.of_trace(trace_of(response)))
+    assert server.name == "POST /tokenize"
+    assert operation.kind == KIND_CLIENT
+    assert operation.attributes["sluice.endpoint"] == "passthrough"
+    assert operation.attributes["sluice.outcome"] == "completed"
+    assert attempt.attributes["sluice.outcome"] == "completed"
+    assert fake.recorder.last().headers["traceparent"].split("-")[2] == attempt.span_id
