@@ -10,10 +10,13 @@ import dataclasses
 import gc
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -367,3 +370,29 @@ def quiet_collector() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+async def start_sluice(config: Path, *extra: str) -> tuple[trio.Process, str]:
+    """``sluice serve`` in a process of its own, and its URL once it serves; :func:`stop` it."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config), *extra],
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    received = b""
+    while b"sluice serving" not in received:
+        chunk = await process.stdout.receive_some()
+        assert chunk, f"sluice serve exited: {received!r}"
+        received += chunk
+    line = received.split(b"sluice serving", 1)[1].split(b"\n", 1)[0].decode()
+    url = next(word for word in line.split() if word.startswith("http://"))
+    return process, url
+
+
+async def stop(process: trio.Process) -> None:
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        assert process.stdout is not None
+        await process.stdout.aclose()

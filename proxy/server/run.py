@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from proxy.config import Config, check_public_bind
-from proxy.server import adapters, connection_server, hangup
+from proxy.server import adapters, connection_server, hangup, ws_buffer
 from proxy.server.adapters import httpcore_adapter
 from proxy.server.adapters.hypercorn_adapter import HypercornConfig, worker_serve, wrap_app
 from proxy.server.adapters.hypercorn_adapter import Sockets as Sockets
@@ -47,7 +47,8 @@ def hypercorn_config(config: Config) -> HypercornConfig:
     hyper.keep_alive_timeout = server.keep_alive_timeout
     hyper.graceful_timeout = server.graceful_timeout
     hyper.backlog = server.backlog
-    # WebSocket messages share the request body's limit: wsproto buffers a whole message.
+    # WebSocket messages share the request body's limit: a message is buffered whole, within
+    # it (ws_buffer.py).
     hyper.websocket_max_message_size = server.max_body_bytes
     # The access log would be one synchronous write per request on the event loop.
     hyper.accesslog = None
@@ -102,6 +103,7 @@ async def serve(
     if sockets is None:
         sockets = listen_sockets(hyper, config.relay.stall_timeout)
     connection_server.install()
+    ws_buffer.install()
     httpcore_adapter.install()
     connections = connection_server.ConnectionSet()
     connections.attach(hyper)

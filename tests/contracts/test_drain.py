@@ -11,41 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import trio
 
-from tests.support import chat_body, sse_payloads, start_fake
+from tests.support import chat_body, sse_payloads, start_fake, start_sluice, stop
 
 CHAT = "/v1/chat/completions"
-
-
-async def start_sluice(config: Path, *extra: str) -> tuple[trio.Process, str]:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config), *extra],
-        stdout=subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    received = b""
-    while b"sluice serving" not in received:
-        chunk = await process.stdout.receive_some()
-        assert chunk, f"sluice serve exited: {received!r}"
-        received += chunk
-    line = received.split(b"sluice serving", 1)[1].split(b"\n", 1)[0].decode()
-    url = next(word for word in line.split() if word.startswith("http://"))
-    return process, url
-
-
-async def stop(process: trio.Process) -> None:
-    with trio.CancelScope(shield=True):
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
-        assert process.stdout is not None
-        await process.stdout.aclose()
 
 
 async def test_sigterm_drains_then_cancels_the_rest(nursery: trio.Nursery, tmp_path: Path) -> None:
