@@ -1,0 +1,145 @@
+"""``--versus-tracing``: what tracing costs Sluice. Two proxies, the same but for tracing, take
+the same load alternately; the traced one exports every request's spans (sampler always on)
+over OTLP/HTTP to a receiver in a thread of this process (proxy/testing/otlp_receiver.py), and
+this module counts what it got: one SERVER span per chat request, or the figures are not those
+of tracing every request."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import trio
+
+from proxy.bench.client import http_get
+
+if TYPE_CHECKING:
+    from proxy.testing.otlp_receiver import Receiver
+
+# The load's requests (the readiness probes and /metrics are traced too: not counted).
+CHAT_PATH: Final = "/v1/chat/completions"
+# The SDK's batch processor exports every 500 ms: after a run, how long its last spans may
+# take to reach the receiver before the count is what it is.
+SETTLE_TIMEOUT: Final = 10.0
+SETTLE_POLL: Final = 0.05
+# The issue's target for CPU per event, traced over untraced.
+TARGET_RATIO: Final = 1.25
+_DROPPED: Final = re.compile(r"^sluice_trace_spans_dropped_total(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def traced_env(receiver_url: str) -> dict[str, str]:
+    """The traced proxy's environment: every trace sampled, exported to the receiver."""
+    return {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver_url + "/v1/traces",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_SDK_DISABLED": "",
+    }
+
+
+def untraced_env() -> dict[str, str]:
+    """The untraced proxy's: no endpoint, whatever the bench's own environment says."""
+    return {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "",
+    }
+
+
+@contextmanager
+def collector() -> Iterator[Receiver]:
+    """The OTLP receiver for one bench (imported here: only this A/B needs opentelemetry-proto)."""
+    from proxy.testing.otlp_receiver import otlp_receiver
+
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+def chat_server_spans(receiver: Receiver) -> int:
+    """The SERVER spans of chat requests the receiver holds."""
+    from proxy.testing.otlp_receiver import KIND_SERVER
+
+    with receiver.lock:
+        return sum(
+            1
+            for span in receiver.spans
+            if span.kind == KIND_SERVER and span.attributes.get("url.path") == CHAT_PATH
+        )
+
+
+@dataclass
+class TracingTally:
+    """What the traced proxy was sent and what reached the receiver, over the whole bench."""
+
+    requests: int = 0  # chat requests the traced proxy got (the warm-up's included)
+    spans: int = 0  # SERVER spans of chat requests the receiver got
+    exports: int = 0  # export requests (batches) the receiver got
+    all_spans: int = 0  # every span it got (server, operation, attempt, probes)
+    # The longest wait after a run for its last span (what the batch processor held back).
+    settle_max_s: float = 0.0
+    # sluice_trace_spans_dropped_total from the traced proxy's /metrics at the end (None: not read).
+    dropped: float | None = None
+    runs: list[tuple[int, int]] = field(default_factory=list)  # (requests, spans) per run
+
+    @property
+    def complete(self) -> bool:
+        return self.spans == self.requests and not self.dropped
+
+    async def settle(self, receiver: Receiver, sent: int) -> None:
+        """Count ``sent`` more requests, and wait until the receiver has a SERVER span for each
+        (or ``SETTLE_TIMEOUT``): the proxy's export of them is part of the run's cost."""
+        before = self.spans
+        self.requests += sent
+        started = trio.current_time()
+        deadline = started + SETTLE_TIMEOUT
+        # The receiver's thread gives no event to wait on: poll it, as the fake's records are.
+        while True:
+            if chat_server_spans(receiver) >= self.requests or trio.current_time() >= deadline:
+                break
+            await trio.sleep(SETTLE_POLL)
+        self.settle_max_s = max(self.settle_max_s, trio.current_time() - started)
+        self.spans = chat_server_spans(receiver)
+        with receiver.lock:
+            self.exports, self.all_spans = receiver.requests, len(receiver.spans)
+        self.runs.append((sent, self.spans - before))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"complete": self.complete}
+
+
+def parse_dropped(metrics: str) -> float | None:
+    """sluice_trace_spans_dropped_total in a Prometheus text exposition (None: absent)."""
+    match = _DROPPED.search(metrics)
+    return float(match.group(1)) if match else None
+
+
+async def read_dropped(address: tuple[str, int]) -> float | None:
+    """The traced proxy's dropped-span counter, or None where its /metrics does not say."""
+    try:
+        status, body = await http_get(address, "/metrics")
+    except OSError:
+        return None
+    return parse_dropped(body.decode("utf-8", "replace")) if status == 200 else None
+
+
+def markdown_lines(tally: TracingTally, cpu_ratio: float | None) -> list[str]:
+    """The section's lines on tracing: what was traced, what was dropped, the target."""
+    verdict = "every request was traced" if tally.complete else "NOT every request was traced"
+    dropped = "not read" if tally.dropped is None else f"{tally.dropped:g}"
+    lines = [
+        f"- Traced: the receiver got {tally.spans} SERVER spans for the {tally.requests} chat "
+        f"requests the traced proxy was sent (warm-up included): {verdict}; "
+        f"{tally.all_spans} spans in all, in {tally.exports} exports; "
+        f"`sluice_trace_spans_dropped_total` at the end: {dropped}; the last span of a run "
+        f"arrived at most {tally.settle_max_s:.2f} s after it (the proxy's CPU is read then, "
+        "so its exports count)"
+    ]
+    if cpu_ratio is not None:
+        met = "met" if cpu_ratio <= TARGET_RATIO else "NOT met"
+        lines.append(
+            f"- Proxy CPU per event, traced/untraced: {cpu_ratio:.2f}x "
+            f"(target <= {TARGET_RATIO:g}x: {met})"
+        )
+    return lines
