@@ -254,7 +254,11 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
         lines.append(f"- Environment: `{env}`")
     if report.tracing is not None:
         rate = all_ratios(report.summaries).get("proxy/versus", {})
-        lines += tracing_lines(report.tracing, rate.get("proxy_cpu_us_per_event"))
+        lines += tracing_lines(
+            report.tracing,
+            rate.get("proxy_cpu_us_per_event"),
+            _cpu_per_request_us(report.summaries["proxy"], report.summaries["versus"]),
+        )
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     errors = _errors_line(report.summaries, labels)
@@ -264,6 +268,13 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
         lines.append("")
         lines += [f"![{alt}]({link})" for alt, link in plots]
     return "\n".join(lines) + "\n"
+
+
+def _cpu_per_request_us(a: RunSummary, b: RunSummary) -> float | None:
+    """How much more CPU ``a`` spent per request (stream) than ``b``, in µs."""
+    if a.proxy_cpu_s is None or b.proxy_cpu_s is None or not a.streams or not b.streams:
+        return None
+    return (a.proxy_cpu_s / a.streams - b.proxy_cpu_s / b.streams) * 1e6
 
 
 _MD_TITLE: Final = """# Benchmarks
