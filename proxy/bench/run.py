@@ -395,6 +395,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
                     runs.setdefault(mode, []).append(run)
                 if tally is not None and endpoints.proxy is not None:
                     tally.dropped = await read_dropped(endpoints.proxy)
+                    tally.pair_ratios(runs.get("proxy", []), runs.get("versus", []))
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # A child that died or never came up, or Ctrl-C: raise that one error plainly, so

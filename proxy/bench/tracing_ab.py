@@ -17,6 +17,7 @@ import trio
 from proxy.bench.client import http_get
 
 if TYPE_CHECKING:
+    from proxy.bench.summary import RunData
     from proxy.testing.otlp_receiver import Receiver
 
 # The load's requests (the readiness probes and /metrics are traced too: not counted).
@@ -82,6 +83,9 @@ class TracingTally:
     # sluice_trace_spans_dropped_total from the traced proxy's /metrics at the end (None: not read).
     dropped: float | None = None
     runs: list[tuple[int, int]] = field(default_factory=list)  # (requests, spans) per run
+    # CPU per event, traced over untraced, of each repeat's pair of runs: how far the pooled
+    # ratio is from noise on this machine.
+    repeat_ratios: list[float] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -104,6 +108,18 @@ class TracingTally:
         with receiver.lock:
             self.exports, self.all_spans = receiver.requests, len(receiver.spans)
         self.runs.append((sent, self.spans - before))
+
+    def pair_ratios(self, traced: list[RunData], untraced: list[RunData]) -> None:
+        """``repeat_ratios`` from the runs of each mode, in the order they ran."""
+
+        def per_event(run: RunData) -> float | None:
+            events = sum(result.events for result in run.results)
+            return run.proxy_cpu_s / events if run.proxy_cpu_s is not None and events else None
+
+        for a, b in zip(traced, untraced, strict=False):
+            x, y = per_event(a), per_event(b)
+            if x is not None and y:
+                self.repeat_ratios.append(x / y)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"complete": self.complete}
@@ -147,6 +163,8 @@ def markdown_lines(
             if cpu_per_request_us is not None
             else ""
         )
+        if len(tally.repeat_ratios) > 1:
+            extra += "; repeat by repeat: " + ", ".join(f"{r:.2f}x" for r in tally.repeat_ratios)
         lines.append(
             f"- Proxy CPU per event, traced/untraced: {cpu_ratio:.2f}x "
             f"(target <= {TARGET_RATIO:g}x: {met}){extra}"

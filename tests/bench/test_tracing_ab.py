@@ -92,6 +92,17 @@ def test_dropped_spans_are_read_from_the_metrics_text() -> None:
     assert not tally.complete  # a dropped span is a request not fully traced
 
 
+def test_each_repeat_gets_its_own_cpu_ratio() -> None:
+    tally = tracing_ab.TracingTally()
+    traced = [RunData("proxy", results(50), {}, 1.0, 0.1, proxy_cpu_s=cpu) for cpu in (0.3, 0.2)]
+    untraced = [RunData("versus", results(50), {}, 1.0, 0.1, proxy_cpu_s=0.25)] * 2
+    untraced.append(RunData("versus", results(50), {}, 1.0, 0.1))  # an unpaired run: none
+    tally.pair_ratios(traced, untraced)
+    assert tally.repeat_ratios == pytest.approx([1.2, 0.8])
+    line = tracing_ab.markdown_lines(tally, 1.0)[1]
+    assert line.endswith("(target <= 1.25x: met); repeat by repeat: 1.20x, 0.80x")
+
+
 def results(events: int, count: int = 4) -> list[StreamResult]:
     return [
         StreamResult(
