@@ -69,6 +69,7 @@ from proxy.bench.tracing_ab import (
     TracingTally,
     collector,
     read_dropped,
+    side_threads_cpu_seconds,
     traced_env,
     untraced_env,
 )
@@ -209,6 +210,8 @@ async def _run_once(
     upstream_pid = endpoints.upstream_pid
     upstream_cpu0 = process_cpu_seconds(upstream_pid) if upstream_pid is not None else None
     client_cpu0 = own_cpu_seconds()
+    tally = endpoints.tally if mode == "proxy" else None
+    threads_cpu0 = side_threads_cpu_seconds(proxy_pid) if tally is not None and proxy_pid else None
     # A short lead so that creating the tasks is not counted against the first streams.
     t0 = trio.current_time() + 0.05
     wall0 = time.monotonic() + 0.05
@@ -219,11 +222,14 @@ async def _run_once(
     await _drive(mode, settings, address, results, requests, watched, trace, t0=t0, wall0=wall0)
     wall = time.monotonic() - wall0
     client_cpu = own_cpu_seconds() - client_cpu0
-    if mode == "proxy" and endpoints.tally is not None:
+    if tally is not None:
         # Until its spans are out: exporting them is part of what the traced run cost.
         assert endpoints.receiver is not None
         sent = sum(1 for result in results if result.sent is not None)
-        await endpoints.tally.settle(endpoints.receiver, sent)
+        await tally.settle(endpoints.receiver, sent)
+        threads_cpu = side_threads_cpu_seconds(proxy_pid) if proxy_pid else None
+        if threads_cpu is not None and threads_cpu0 is not None:
+            tally.add_threads(threads_cpu - threads_cpu0, sum(r.events for r in results))
 
     def delta(
         pid: int | None, before: float | None, read: Callable[[int], float | None]

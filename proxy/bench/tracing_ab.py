@@ -6,6 +6,7 @@ of tracing every request."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 import trio
 
 from proxy.bench.client import http_get
+from proxy.bench.procfs import _process_tree, parse_cpu_seconds, read_text_or_none
 
 if TYPE_CHECKING:
     from proxy.bench.summary import RunData
@@ -86,6 +88,10 @@ class TracingTally:
     # CPU per event, traced over untraced, of each repeat's pair of runs: how far the pooled
     # ratio is from noise on this machine.
     repeat_ratios: list[float] = field(default_factory=list)
+    # The traced proxy's CPU in threads other than its event loop's (the SDK's batch export),
+    # and the events of the runs it was read over (None: not read).
+    threads_cpu_s: float | None = None
+    threads_events: int = 0
 
     @property
     def complete(self) -> bool:
@@ -109,6 +115,10 @@ class TracingTally:
             self.exports, self.all_spans = receiver.requests, len(receiver.spans)
         self.runs.append((sent, self.spans - before))
 
+    def add_threads(self, cpu_s: float, events: int) -> None:
+        self.threads_cpu_s = (self.threads_cpu_s or 0.0) + cpu_s
+        self.threads_events += events
+
     def pair_ratios(self, traced: list[RunData], untraced: list[RunData]) -> None:
         """``repeat_ratios`` from the runs of each mode, in the order they ran."""
 
@@ -123,6 +133,22 @@ class TracingTally:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"complete": self.complete}
+
+
+def side_threads_cpu_seconds(pid: int) -> float | None:
+    """The CPU seconds of ``pid``'s threads (and its workers') but each process's main one:
+    in Sluice, the event loop runs in the main thread, the SDK exports from its own."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, found = 0.0, False
+    for process in _process_tree(pid):
+        tasks = f"/proc/{process}/task"
+        for tid in os.listdir(tasks) if os.path.isdir(tasks) else []:
+            stat = read_text_or_none(f"{tasks}/{tid}/stat")
+            if stat is not None:
+                found = True
+                if int(tid) != process:
+                    total += parse_cpu_seconds(stat, ticks)
+    return total if found else None
 
 
 def parse_dropped(metrics: str) -> float | None:
@@ -163,6 +189,12 @@ def markdown_lines(
             if cpu_per_request_us is not None
             else ""
         )
+        if tally.threads_cpu_s is not None and tally.threads_events:
+            per_event = tally.threads_cpu_s / tally.threads_events * 1e6
+            extra += (
+                f"; of the traced proxy's CPU, {per_event:.1f} µs per event was in threads "
+                "other than the event loop's (the SDK's batch export)"
+            )
         if len(tally.repeat_ratios) > 1:
             extra += "; repeat by repeat: " + ", ".join(f"{r:.2f}x" for r in tally.repeat_ratios)
         lines.append(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -82,6 +83,37 @@ async def test_the_tally_counts_chat_server_spans_and_waits_for_them(
     assert "got 1 SERVER spans for the 3 chat requests" in lines[0]
     assert "NOT every request was traced" in lines[0] and "at the end: not read" in lines[0]
     assert lines[1] == "- Proxy CPU per event, traced/untraced: 1.30x (target <= 1.25x: NOT met)"
+
+
+def test_the_export_threads_cpu_is_read_apart_from_the_event_loops() -> None:
+    import os
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    before = tracing_ab.side_threads_cpu_seconds(os.getpid())
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            now = tracing_ab.side_threads_cpu_seconds(os.getpid())
+            if now is not None and before is not None and now - before >= 0.05:
+                break
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert now is not None and before is not None and now - before >= 0.05
+    tally = tracing_ab.TracingTally()
+    tally.add_threads(0.01, 1000)
+    tally.add_threads(0.01, 1000)
+    line = tracing_ab.markdown_lines(tally, 1.1)[1]
+    assert "10.0 µs per event was in threads other than the event loop's" in line
 
 
 def test_dropped_spans_are_read_from_the_metrics_text() -> None:
