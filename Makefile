@@ -119,6 +119,7 @@ bench: $(STAMP)
 	# every connection right after its answer (legal HTTP/1.1; the keep-alive race): 0 errors.
 	$(BIN)/python -m proxy.bench --streams 100 --versus-transport httpx --repeat 3 \
 		--markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 100 --versus-tracing --repeat 3 --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --versus-transport httpx --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --upstream-habit close-after-response \
 		--versus-transport httpx --markdown docs/benchmarks.md

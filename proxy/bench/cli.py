@@ -135,6 +135,12 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
         "alternating; ratios are --transport over it (an auto --transport is the other one)",
     )
     add(
+        "--versus-tracing",
+        action="store_true",
+        help="the proxy traced (every request, OTLP/HTTP to a receiver in the bench) and a "
+        "second one untraced take the load alternately; ratios are traced over untraced",
+    )
+    add(
         "--upstream-habit",
         choices=HABITS,
         default=d.upstream_habit,
@@ -193,6 +199,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         pin=args.pin,
         transport=args.transport,
         versus_transport=args.versus_transport,
+        versus_tracing=args.versus_tracing,
         upstream_habit=args.upstream_habit,
         upstream_habit_seconds=args.upstream_habit_seconds,
         progress=not args.quiet,

@@ -160,6 +160,8 @@ def plot_labels(settings: BenchSettings) -> dict[str, str]:
     """What each mode is called in the plots' legends: Sluice by name (and by transport where
     two run, or one was named), the peer by what it is."""
     a, b = settings.transport, settings.versus_transport
+    if settings.versus_tracing:
+        a, b = "traced", "untraced"
     sluice = "Sluice" if a == "auto" and b is None else f"Sluice ({a})"
     labels = {
         "proxy": sluice,

@@ -12,6 +12,8 @@ from typing import Any, Final
 
 from proxy.bench.settings import BenchSettings, Mode
 from proxy.bench.summary import RunData, RunSummary
+from proxy.bench.tracing_ab import TracingTally
+from proxy.bench.tracing_ab import markdown_lines as tracing_lines
 
 # (field, label, format). Formats: "d" integer, ".Nf" fixed.
 FIGURES: Final[tuple[tuple[str, str, str], ...]] = (
@@ -152,8 +154,11 @@ def column_labels(settings: BenchSettings) -> dict[str, str]:
     """Column names for modes and ratios that say more than the mode: with
     ``--versus-transport``, ``proxy (lean)``, ``proxy (httpx)`` and ``lean/httpx`` (and
     ``lean/peer`` and so on for the first proxy's other ratios); with ``--transport`` alone,
-    ``proxy (httpx)``."""
+    ``proxy (httpx)``; with ``--versus-tracing``, ``proxy (traced)``, ``proxy (untraced)`` and
+    ``traced/untraced``."""
     a, b = settings.transport, settings.versus_transport
+    if settings.versus_tracing:
+        a, b = "traced", "untraced"
     if b is None:
         return {"proxy": f"proxy ({a})"} if a != "auto" else {}
     labels = {"proxy": f"proxy ({a})", "versus": f"proxy ({b})", "proxy/versus": f"{a}/{b}"}
@@ -181,6 +186,8 @@ def _title(report: BenchReport, relay: str = "proxy") -> str:
         title += f", transport {settings.transport} vs {settings.versus_transport}"
     elif settings.transport != "auto":
         title += f", {settings.transport} transport"
+    if settings.versus_tracing:
+        title += ", traced vs untraced"
     if settings.upstream_habit != "none":
         title += ", upstream " + settings.habit_text()
     others = [mode for mode in report.summaries if mode not in ("proxy", "versus")]
@@ -212,7 +219,16 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
             "- baseline: the same load through the same proxy, run just before, with the slow "
             "readers reading at full speed"
         )
-    if "versus" in report.summaries:
+    if "versus" in report.summaries and settings.versus_tracing:
+        lines.append(
+            f"- {labels['proxy']}: Sluice with tracing on, every request sampled "
+            "(`OTEL_TRACES_SAMPLER=always_on`), exporting OTLP/HTTP protobuf to a receiver in "
+            f"a thread of the bench (its CPU is the load generator's); {labels['versus']}: a "
+            "second Sluice process, identical but for no tracing endpoint, relaying to the same "
+            "fake upstream and alternating with it run by run; traced/untraced is "
+            f"{labels['proxy']} over {labels['versus']}"
+        )
+    elif "versus" in report.summaries:
         a, b = settings.transport, settings.versus_transport
         lines.append(
             f"- {labels['versus']}: a second Sluice process, identical to {labels['proxy']} but "
@@ -236,6 +252,13 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
     if report.env:
         env = " ".join(f"{k}={v}" for k, v in sorted(report.env.items()))
         lines.append(f"- Environment: `{env}`")
+    if report.tracing is not None:
+        rate = all_ratios(report.summaries).get("proxy/versus", {})
+        lines += tracing_lines(
+            report.tracing,
+            rate.get("proxy_cpu_us_per_event"),
+            _cpu_per_request_us(report.summaries["proxy"], report.summaries["versus"]),
+        )
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     errors = _errors_line(report.summaries, labels)
@@ -245,6 +268,13 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
         lines.append("")
         lines += [f"![{alt}]({link})" for alt, link in plots]
     return "\n".join(lines) + "\n"
+
+
+def _cpu_per_request_us(a: RunSummary, b: RunSummary) -> float | None:
+    """How much more CPU ``a`` spent per request (stream) than ``b``, in µs."""
+    if a.proxy_cpu_s is None or b.proxy_cpu_s is None or not a.streams or not b.streams:
+        return None
+    return (a.proxy_cpu_s / a.streams - b.proxy_cpu_s / b.streams) * 1e6
 
 
 _MD_TITLE: Final = """# Benchmarks
@@ -284,6 +314,8 @@ class BenchReport:
     runs: dict[str, RunData] = field(default_factory=dict)
     # With --pin: the CPUs each process ran on ("load_generator" is this one).
     cpus: dict[str, list[int]] = field(default_factory=dict)
+    # With --versus-tracing: the spans the traced proxy sent against its requests.
+    tracing: TracingTally | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -305,6 +337,8 @@ class BenchReport:
             out["ratios_peer"] = rates["proxy/peer"]
         if "proxy/versus" in rates:
             out["ratios_versus"] = rates["proxy/versus"]
+        if self.tracing is not None:
+            out["tracing"] = self.tracing.to_json()
         # What the columns are called in the table (the transports, with --versus-transport).
         out["labels"] = column_labels(self.settings)
         # RSS over time, per mode and run: [seconds since the run began, bytes].

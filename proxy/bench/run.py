@@ -4,6 +4,7 @@ and matched with the fake upstream's records."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 import trio
 
@@ -64,6 +65,17 @@ from proxy.bench.settings import (
     cpu_layout,
 )
 from proxy.bench.summary import RunData, RunSummary, merge_runs, summarize
+from proxy.bench.tracing_ab import (
+    TracingTally,
+    collector,
+    read_dropped,
+    side_threads_cpu_seconds,
+    traced_env,
+    untraced_env,
+)
+
+if TYPE_CHECKING:
+    from proxy.testing.otlp_receiver import Receiver
 
 RECORDS_POLL: Final = 0.2
 
@@ -165,6 +177,9 @@ class _Endpoints:
     peer_pid: int | None = None
     versus: tuple[str, int] | None = None  # the second Sluice, with --versus-transport
     versus_pid: int | None = None
+    # With --versus-tracing: the OTLP receiver of the traced proxy ("proxy"), and its count.
+    receiver: Receiver | None = None
+    tally: TracingTally | None = None
 
 
 async def _run_once(
@@ -195,6 +210,8 @@ async def _run_once(
     upstream_pid = endpoints.upstream_pid
     upstream_cpu0 = process_cpu_seconds(upstream_pid) if upstream_pid is not None else None
     client_cpu0 = own_cpu_seconds()
+    tally = endpoints.tally if mode == "proxy" else None
+    threads_cpu0 = side_threads_cpu_seconds(proxy_pid) if tally is not None and proxy_pid else None
     # A short lead so that creating the tasks is not counted against the first streams.
     t0 = trio.current_time() + 0.05
     wall0 = time.monotonic() + 0.05
@@ -205,6 +222,14 @@ async def _run_once(
     await _drive(mode, settings, address, results, requests, watched, trace, t0=t0, wall0=wall0)
     wall = time.monotonic() - wall0
     client_cpu = own_cpu_seconds() - client_cpu0
+    if tally is not None:
+        # Until its spans are out: exporting them is part of what the traced run cost.
+        assert endpoints.receiver is not None
+        sent = sum(1 for result in results if result.sent is not None)
+        await tally.settle(endpoints.receiver, sent)
+        threads_cpu = side_threads_cpu_seconds(proxy_pid) if proxy_pid else None
+        if threads_cpu is not None and threads_cpu0 is not None:
+            tally.add_threads(threads_cpu - threads_cpu0, sum(r.events for r in results))
 
     def delta(
         pid: int | None, before: float | None, read: Callable[[int], float | None]
@@ -324,7 +349,7 @@ def _schedule(settings: BenchSettings) -> list[Mode]:
     proxy: list[Mode] = ["baseline", "proxy"] if settings.baseline else ["proxy"]
     one: list[Mode] = ["direct"] if settings.direct else []
     one += proxy
-    if settings.versus_transport is not None:
+    if settings.versus_transport is not None or settings.versus_tracing:
         one.append("versus")
     if settings.peer is not None:
         one.append("peer")
@@ -352,24 +377,32 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
     placed: dict[str, list[int]] = {}
     own_cpus = os.sched_getaffinity(0) if layout is not None else None
+    tally = TracingTally() if settings.versus_tracing else None
     try:
         if layout is not None:
             set_own_cpus(layout.load)
             _record_cpus(placed, "load_generator", 0)
-        async with trio.open_nursery() as nursery:
-            systems = _Systems(nursery, settings, workdir, layout, pids)
-            endpoints = await systems.start(peer_starter)
-            if layout is not None:
-                # Read back once each is ready: its mask was set as it started (pinned_argv).
-                for name, pid in pids.items():
-                    _record_cpus(placed, name, pid)
-            await _warm_up_each(endpoints, settings, nonce)
-            cursor = 0
-            for n, mode in enumerate(_schedule(settings)):
-                label = f"bench-{nonce}-{mode}{n}"
-                run, cursor = await _run_once(mode, label, settings, endpoints, cursor)
-                runs.setdefault(mode, []).append(run)
-            nursery.cancel_scope.cancel()
+        # The receiver's thread starts after the pinning: it runs where the load generator does.
+        with contextlib.ExitStack() as stack:
+            receiver = stack.enter_context(collector()) if tally is not None else None
+            async with trio.open_nursery() as nursery:
+                systems = _Systems(nursery, settings, workdir, layout, pids, receiver)
+                endpoints = await systems.start(peer_starter)
+                endpoints.receiver, endpoints.tally = receiver, tally
+                if layout is not None:
+                    # Read back once each is ready: its mask was set as it started (pinned_argv).
+                    for name, pid in pids.items():
+                        _record_cpus(placed, name, pid)
+                await _warm_up_each(endpoints, settings, nonce)
+                cursor = 0
+                for n, mode in enumerate(_schedule(settings)):
+                    label = f"bench-{nonce}-{mode}{n}"
+                    run, cursor = await _run_once(mode, label, settings, endpoints, cursor)
+                    runs.setdefault(mode, []).append(run)
+                if tally is not None and endpoints.proxy is not None:
+                    tally.dropped = await read_dropped(endpoints.proxy)
+                    tally.pair_ratios(runs.get("proxy", []), runs.get("versus", []))
+                nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # A child that died or never came up, or Ctrl-C: raise that one error plainly, so
         # callers (and ``sluice``'s own ``except KeyboardInterrupt``) see it as it is. A mix,
@@ -396,6 +429,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         pids=pids,
         runs=pooled,
         cpus=placed,
+        tracing=tally,
     )
 
 
@@ -403,6 +437,9 @@ async def _warm_up_each(endpoints: _Endpoints, settings: BenchSettings, nonce: s
     """One unmeasured stream through each system the schedule runs the load at."""
     assert endpoints.proxy is not None
     await _warm_up(endpoints.proxy, settings, f"bench-{nonce}-warmup-proxy")
+    if endpoints.tally is not None:
+        assert endpoints.receiver is not None
+        await endpoints.tally.settle(endpoints.receiver, 1)  # its export is no run's cost
     if endpoints.versus is not None:
         await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus")
     if endpoints.peer is not None:
@@ -423,8 +460,10 @@ class _Systems:
         workdir: Path,
         layout: CpuLayout | None,
         pids: dict[str, int],
+        receiver: Receiver | None = None,
     ) -> None:
         self._nursery = nursery
+        self._receiver = receiver
         self._settings = settings
         self._workdir = workdir
         self._load_cpus = layout.load if layout is not None else None
@@ -450,7 +489,10 @@ class _Systems:
             await wait_ready("proxy", proxy, "", None)
         else:
             assert upstream_url is not None
-            proxy, proxy_pid = await self._start_proxy("proxy", settings.transport, upstream_url)
+            env = traced_env(self._receiver.url) if self._receiver is not None else None
+            proxy, proxy_pid = await self._start_proxy(
+                "proxy", settings.transport, upstream_url, env
+            )
             pids["proxy"] = proxy_pid
         endpoints = _Endpoints(proxy, upstream, proxy_pid, upstream_pid)
         if settings.versus_transport is not None:
@@ -459,6 +501,14 @@ class _Systems:
             assert upstream_url is not None
             endpoints.versus, endpoints.versus_pid = await self._start_proxy(
                 "versus", settings.versus_transport, upstream_url
+            )
+            pids["versus_proxy"] = endpoints.versus_pid
+        elif settings.versus_tracing:
+            # The same proxy untraced, alternating with the traced one (settings refuse
+            # --versus-tracing with --target).
+            assert upstream_url is not None
+            endpoints.versus, endpoints.versus_pid = await self._start_proxy(
+                "versus", settings.transport, upstream_url, untraced_env()
             )
             pids["versus_proxy"] = endpoints.versus_pid
         if peer_starter is not None:
@@ -488,12 +538,14 @@ class _Systems:
         return upstream, process.pid
 
     async def _start_proxy(
-        self, mode: Mode, transport: str, upstream_url: str
+        self, mode: Mode, transport: str, upstream_url: str, env: dict[str, str] | None = None
     ) -> tuple[tuple[str, int], int]:
-        """A Sluice proxy with ``transport`` in front of ``upstream_url``: its address and
-        PID. ``mode`` names its files and, for "versus", its transport the errors."""
+        """A Sluice proxy with ``transport`` in front of ``upstream_url`` (``env`` added to
+        its environment): its address and PID. ``mode`` names its files and, for "versus",
+        its transport (or its being untraced) the errors."""
         settings = self._settings
-        name = "proxy" if mode == "proxy" else f"proxy ({transport})"
+        other = "untraced" if settings.versus_tracing else transport
+        name = "proxy" if mode == "proxy" else f"proxy ({other})"
         stem = "proxy" if mode == "proxy" else f"proxy-{mode}"
         address = ("127.0.0.1", free_port("127.0.0.1"))
         config = self._workdir / f"{stem}.toml"
@@ -503,7 +555,7 @@ class _Systems:
         if settings.workers > 1:
             argv += ["--workers", str(settings.workers)]
         argv = pinned_argv(argv, self._proxy_cpus)
-        process = await self._nursery.start(supervise, name, argv, log)
+        process = await self._nursery.start(partial(supervise, env=env), name, argv, log)
         await wait_ready(name, address, "/healthz", log)
         return address, process.pid
 

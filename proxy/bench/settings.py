@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 Role = Literal["normal", "drop", "slow"]
 # "baseline": the proxy again, with every slow reader reading at full speed. "peer": the same
 # load through the peer to beat (another relay in front of the same fake upstream). "versus":
-# a second Sluice process, the same but for its upstream transport (--versus-transport).
+# a second Sluice process, the same but for its upstream transport (--versus-transport), or
+# with --versus-tracing the same untraced, "proxy" being the traced one.
 Mode = Literal["proxy", "versus", "peer", "direct", "baseline"]
 MODES: Final[tuple[Mode, ...]] = ("proxy", "versus", "peer", "direct", "baseline")
 # Sluice's upstream transports (``[upstream] transport``), as proxy.config knows them.
@@ -88,6 +89,9 @@ class BenchSettings:
     # (None: DEFAULT_HABIT_SECONDS for those, and nothing for the others).
     upstream_habit: str = "none"
     upstream_habit_seconds: float | None = None
+    # The proxy traced (every request, exported to a receiver in the bench) and a second one,
+    # "versus", the same untraced, alternating: what tracing costs.
+    versus_tracing: bool = False
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -162,6 +166,14 @@ class BenchSettings:
                 raise BenchError(
                     f"--versus-transport {versus} is --transport already: name the other one"
                 )
+        if self.versus_tracing and versus is not None:
+            raise BenchError(
+                "--versus-tracing and --versus-transport both make the second proxy: one at a time"
+            )
+        if self.versus_tracing and self.target is not None:
+            raise BenchError(
+                "--versus-tracing configures the proxies the bench starts, not --target"
+            )
         if self.target is not None and (self.transport != "auto" or versus is not None):
             raise BenchError(
                 "--transport and --versus-transport configure the proxy the bench starts, "
@@ -237,6 +249,11 @@ class BenchSettings:
             )
         elif self.transport != "auto":
             parts.append(f"Sluice's upstream transport {self.transport}")
+        if self.versus_tracing:
+            parts.append(
+                "Sluice traced (OTLP/HTTP to a receiver in the bench, every request sampled) "
+                "vs untraced (two proxies, alternating)"
+            )
         if self.upstream_habit != "none":
             parts.append(f"the fake upstream {self.habit_text()}")
         if self.workers > 1:
@@ -288,6 +305,8 @@ class BenchSettings:
             extra.append(f"transport={self.transport}")
         if self.versus_transport is not None:
             extra.append(f"versus={self.versus_transport}")
+        if self.versus_tracing:
+            extra.append("tracing=1")
         if self.upstream_habit in TIMED_HABITS:
             extra.append(f"habit={self.upstream_habit}@{self.upstream_habit_seconds:g}")
         elif self.upstream_habit != "none":
@@ -330,6 +349,7 @@ _NAME_WORDS: Final[tuple[tuple[str, Callable[[str, str], str]], ...]] = (
     ("slow", lambda v, d: f"slow{_percent(v)}"),
     ("transport", lambda v, d: f"{v}-transport"),
     ("versus", lambda v, d: f"vs-{v}"),
+    ("tracing", lambda v, d: "traced-vs-untraced"),
     ("direct", lambda v, d: "vs-direct"),
     ("peer", lambda v, d: "vs-peer"),
     ("baseline", lambda v, d: "vs-baseline"),
