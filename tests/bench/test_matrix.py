@@ -41,6 +41,7 @@ CELL_KEYS = {
     "access_outcomes",
     "steps_after_leave_max",
     "trials_unsettled",
+    "trace",
 }
 
 
@@ -81,6 +82,9 @@ async def test_a_reduced_matrix_against_sluice_cancels_every_trial() -> None:
         assert outcomes.pop("completed") == 2, cell
         ((outcome, count),) = outcomes.items()
         assert outcome.startswith("cancelled") and count == 2, cell
+        # Each trial's own trace (its traceparent's, also over the WebSocket's handshake),
+        # exported to the bench's receiver, says what its access line says.
+        assert cell["trace"] == {"traced": 2, "judged": 2, "failures": {}}, cell
     text = matrix.markdown_report(report)
     assert "| first_token | 2/2" in text
 
@@ -155,6 +159,9 @@ async def test_a_reduced_local_matrix_stops_each_sequence_within_one_step(
         assert cell["tokens_for_nobody"] <= 2, cell
         assert cell["trials_unsettled"] == 0, cell
         assert cell["active_streams_after"] == 0, cell
+        # Every trial's trace judged (a departure's verdict needs the local model's own
+        # "generation stopped" event, which this check leaves to the tracing's tests).
+        assert cell["trace"] is not None and cell["trace"]["judged"] == 2, cell
     assert "≤" in matrix.markdown_report(report)
 
 

@@ -281,7 +281,7 @@ def test_side_by_side_has_a_row_per_system() -> None:
     assert rows[1].startswith(
         "| FastAPI peer (shared/peers) | 27 | 21 | 6 (30 trials) | 1.0 ms | 1.0 ms | 12.5 ms | 2 |"
     )
-    assert rows[1].endswith("| 8 | 134/135 | — | — |")
+    assert rows[1].endswith("| 8 | 134/135 | — | — | — |")
     assert "| ≤1 step | ≤3 steps | ≤1 step | 1 |" in rows[2]
 
 
@@ -360,3 +360,79 @@ def test_the_benchmarks_page_gets_one_section_linking_the_document(tmp_path: Pat
     assert "- **Sluice (lean)** (commit" in text
     # The peer's shortfall is on its line, with the count.
     assert "6 never (30 trials)" in text
+
+
+# --------------------------------------------------------------------------- traces
+
+
+def traced(made: dict[str, Any], short: dict[tuple[str, str, str, str], str] = {}) -> Any:  # noqa: B006
+    """``made`` with every ran cell's trace verdicts (as ``Cell.to_json`` writes them): 5/5,
+    or 3/5 with ``short``'s reason in the cells it names."""
+    for row in made["cells"]:
+        if row["served"] and row["applicable"]:
+            why = short.get((row["transport"], row["phase"], row["endpoint"], row["leave"]))
+            row["trace"] = (
+                {"traced": 3, "judged": 5, "failures": {why: 2}}
+                if why
+                else {"traced": 5, "judged": 5, "failures": {}}
+            )
+    return made
+
+
+SHORT = {
+    ("sse", "mid_stream", "chat", "fin"): "no 'upstream closed' event",
+    ("ws", "mid_stream", "chat", "rst"): "span 'POST' did not end",
+}
+
+
+def test_the_trace_column_counts_trials_for_sluice_and_a_dash_for_others() -> None:
+    assert scorecard.summarise(traced(sluice()))["traced"] == 330
+    short = scorecard.summarise(traced(sluice(), SHORT))
+    assert (short["traced"], short["trace_trials"]) == (326, 330)
+    # A report without the field (a peer's, one written before it): no figure.
+    assert scorecard.summarise(peer())["traced"] is None
+    text = scorecard.document([traced(sluice()), traced(sluice(), SHORT), peer()])
+    side = text.split("## Side by side")[1].split("\n\n")[1].splitlines()
+    assert side[0].endswith("| cells with active streams left | trace |")
+    assert side[2].endswith("| 0 | 0 | 330/330 |")
+    # Short of N: not a clean mark.
+    assert side[3].endswith("| 0 | 0 | **326/330** |")
+    assert side[4].endswith("| — | — | — |")
+    assert "Trace: trials whose own trace" in text
+
+
+def test_the_reading_meets_every_target_only_with_every_trace_right() -> None:
+    (whole,) = [p for p in scorecard.reading(traced(sluice())) if p.startswith("met")]
+    assert "every trial's trace saying what happened (330/330)" in whole
+    phrases = scorecard.reading(traced(sluice(), SHORT))
+    assert not any(p.startswith("met every target") for p in phrases)
+    (phrase,) = [p for p in phrases if "trace did not say" in p]
+    assert phrase.startswith("the trace did not say what happened in 4 of 330 trials, in 2 cells")
+    assert "sse mid_stream chat fin trace 3/5" in phrase
+    assert "(why: no 'upstream closed' event (2); span 'POST' did not end (2))" in phrase
+    # Without verdicts, the reading says nothing of traces.
+    assert not any("trace" in p for p in scorecard.reading(sluice()))
+
+
+def test_a_scorecard_cell_shows_its_trace_only_when_short() -> None:
+    from proxy.bench.matrix.report import cell_text
+
+    row = cell("mid_stream", "sse", "chat", "fin")
+    assert cell_text({**row, "trace": {"traced": 5, "judged": 5, "failures": {}}}) == (
+        "5/5 · p99 1.0 ms"
+    )
+    short = {"traced": 4, "judged": 5, "failures": {"x": 1}}
+    assert cell_text({**row, "trace": short}).endswith(" · trace 4/5")
+    assert cell_text(row) == "5/5 · p99 1.0 ms"
+
+
+def test_a_heatmap_with_traces_frames_the_short_cells_and_is_stable(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    whole, short = tmp_path / "whole.png", tmp_path / "short.png"
+    scorecard.heatmap(traced(sluice()), whole)
+    scorecard.heatmap(traced(sluice(), SHORT), short)
+    again = tmp_path / "again.png"
+    scorecard.heatmap(traced(sluice(), SHORT), again)
+    assert short.read_bytes().startswith(PNG_SIGNATURE)
+    assert short.read_bytes() == again.read_bytes()
+    assert short.read_bytes() != whole.read_bytes()

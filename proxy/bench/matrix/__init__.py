@@ -29,7 +29,11 @@ request. For ``queued``, cancelled means the request never reached the upstream 
 freed (no latency: the upstream cannot see it). For ``after_last``, nothing is left to cancel:
 cancelled counts answers the fake completed. Of the system it starts, the bench also reads the
 process's open file descriptors after every trial and cell, and of Sluice
-``sluice_active_streams`` and the outcomes its access lines give.
+``sluice_active_streams`` and the outcomes its access lines give. Sluice exports its spans (by
+the standard OTEL variables only) to an OTLP receiver in this process; each trial's request
+names a trace of its own (a ``traceparent``, over the WebSocket its handshake's), and once the
+cells are done each trial's trace is judged (``proxy.testing.trace_check``) against its own
+access line's outcome: per cell, trace k of N trials whose trace says what happened.
 
 The systems: without options, ``sluice serve`` (a subprocess, so that its fds are its own) in
 front of the fake; ``--local MODEL``, Sluice serving a local model, whose chat cells are the
@@ -43,8 +47,8 @@ engine letting the sequence go, counted in forward passes after Sluice saw the c
 # The entry (this docstring is --help's), over modules by role: cells (the axes, the settings,
 # what a trial and a cell measured), client (the clients that leave), systems (the system under
 # test, started or found), trials (one trial of a cell), view (what the bench reads inside the
-# system), run (every cell, and the report), report (the text and the markdown tables) and cli
-# (the command line).
+# system), traces (each trial's trace judged), run (every cell, and the report), report (the
+# text and the markdown tables) and cli (the command line).
 
 from __future__ import annotations
 

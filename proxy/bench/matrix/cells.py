@@ -35,6 +35,9 @@ RECV_SIZE: Final = 64 * 1024
 # After each trial, how long Sluice (or a peer) gets to settle (active streams 0, fds back)
 # before the trial counts as unsettled; after each cell, the longer wait.
 TRIAL_SETTLE_TIMEOUT: Final = 0.5
+# After the last cell, how long the run waits for every trial's spans to reach the bench's
+# receiver (Sluice's batch processor exports every 0.5 s).
+TRACE_EXPORT_TIMEOUT: Final = 5.0
 # The local backend: sequences decoded together (the queued phase holds every one), a prompt
 # long enough that its prefill is under way when the client leaves (first_token), answers
 # long enough to leave in the middle of, and a short one for after_last.
@@ -80,6 +83,11 @@ class MatrixSettings:
         """Whether the system is not a Sluice this bench configures (a peer, a target)."""
         return bool(self.target or self.peer)
 
+    @property
+    def traced(self) -> bool:
+        """Whether the system exports its spans to the bench (the Sluice it starts)."""
+        return not self.outside
+
 
 @dataclass
 class Trial:
@@ -91,6 +99,11 @@ class Trial:
     steps_after_leave: int | None = None
     # Whether the system under test had settled (active streams 0, fds back) after it.
     settled: bool | None = None
+    # The trace its request named (its traceparent's), and whether that trace said what
+    # happened (None: not judged, the system exports no traces to the bench); if not, why.
+    trace_id: str = ""
+    traced: bool | None = None
+    trace_failure: str = ""
 
 
 @dataclass
@@ -118,6 +131,7 @@ class Cell:
         latencies = [t.latency for t in self.trials if t.latency is not None]
         steps = [t.steps_after_leave for t in self.trials if t.steps_after_leave is not None]
         settled = [t.settled for t in self.trials if t.settled is not None]
+        judged = [t for t in self.trials if t.traced is not None]
         ran = self.served and self.applicable
         return {
             "phase": self.phase.value,
@@ -139,7 +153,22 @@ class Cell:
             "access_outcomes": self.access_outcomes,
             "steps_after_leave_max": max(steps) if steps else None,
             "trials_unsettled": settled.count(False) if settled else None,
+            "trace": trace_verdicts(judged) if judged else None,
         }
+
+
+def trace_verdicts(trials: list[Trial]) -> dict[str, Any]:
+    """A cell's trace verdicts: how many of its judged trials' traces said what happened, and
+    the reasons of the others, each with its count."""
+    failures: dict[str, int] = {}
+    for trial in trials:
+        if not trial.traced:
+            failures[trial.trace_failure] = failures.get(trial.trace_failure, 0) + 1
+    return {
+        "traced": sum(1 for t in trials if t.traced),
+        "judged": len(trials),
+        "failures": failures,
+    }
 
 
 def _ms(seconds: float | None) -> float | None:

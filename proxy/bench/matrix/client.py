@@ -1,11 +1,13 @@
 """The matrix's clients: one request over one transport (raw HTTP/1.1 for ``fin`` and ``rst``,
 httpcore for an SDK's ``abort``, a WebSocket of its own), the bodies they send, and the moment
-each leave closed (or shut down) its socket, the start of every cancel latency."""
+each leave closed (or shut down) its socket, the start of every cancel latency. Every request
+names a trace of its own (a W3C ``traceparent``, sampled), so that its spans can be found."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import socket
 import struct
 import time
@@ -63,12 +65,20 @@ def local_body(phase: Phase | Literal["probe"], model: str, *, stream: bool) -> 
     }
 
 
-def _http_request(address: tuple[str, int], path: str, body: dict[str, Any], api_key: str) -> bytes:
+def traceparent(trace_id: str) -> str:
+    """A W3C ``traceparent`` naming ``trace_id`` (a parent span of its own; sampled)."""
+    return f"00-{trace_id}-{secrets.token_hex(8)}-01"
+
+
+def _http_request(
+    address: tuple[str, int], path: str, body: dict[str, Any], api_key: str, parent: str
+) -> bytes:
     data = json.dumps(body).encode()
     headers = [
         (b"Host", f"{address[0]}:{address[1]}".encode("latin-1")),
         (b"Content-Type", b"application/json"),
         (b"Authorization", f"Bearer {api_key}".encode("latin-1")),
+        (b"traceparent", parent.encode("latin-1")),
         (b"Content-Length", str(len(data)).encode()),
     ]
     return encode_request(b"POST", path.encode("latin-1"), headers, data)
@@ -125,7 +135,8 @@ class Client:
     """One request over one transport, left in one way. ``start`` runs it in ``nursery``;
     ``received`` (bytes; WebSocket: messages), ``events`` (SSE ``data:`` lines; WebSocket:
     messages), ``head`` and ``done`` say what arrived; ``leave`` leaves and returns the
-    moment its socket was closed, or shut down (``time.monotonic()``)."""
+    moment its socket was closed, or shut down (``time.monotonic()``). ``trace_id``: the
+    trace its ``traceparent`` names, on every transport (over WebSocket, the handshake's)."""
 
     def __init__(
         self,
@@ -143,6 +154,8 @@ class Client:
         self.transport = transport
         self.api_key = api_key
         self.body = body or request_body(endpoint, model, stream=transport != "json")
+        self.trace_id = secrets.token_hex(16)
+        self.traceparent = traceparent(self.trace_id)
         self.received = 0
         self.events = 0
         self.head = trio.Event()
@@ -168,7 +181,9 @@ class Client:
         sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock = sock
         await sock.connect(self.address)
-        data = _http_request(self.address, PATHS[self.endpoint], self.body, self.api_key)
+        data = _http_request(
+            self.address, PATHS[self.endpoint], self.body, self.api_key, self.traceparent
+        )
         while data:
             sent = await sock.send(data)
             data = data[sent:]
@@ -209,6 +224,7 @@ class Client:
         headers = [
             (b"Content-Type", b"application/json"),
             (b"Authorization", f"Bearer {self.api_key}".encode()),
+            (b"traceparent", self.traceparent.encode()),
         ]
         content = json.dumps(self.body).encode()
         with self._scope:
@@ -249,7 +265,10 @@ class Client:
             stream,
             host,
             "/v1/ws",
-            extra_headers=[(b"authorization", f"Bearer {self.api_key}".encode())],
+            extra_headers=[
+                (b"authorization", f"Bearer {self.api_key}".encode()),
+                (b"traceparent", self.traceparent.encode()),
+            ],
         )
         body = dict(self.body)
         body.pop("stream", None)

@@ -38,6 +38,9 @@ def cell_text(row: dict[str, Any]) -> str:
         text += f" · {row['tokens_for_nobody']} tok"
     if row["next_served"] != row["n"]:
         text += f" · next {row['next_served']}/{row['n']}"
+    trace = row.get("trace")
+    if trace and trace["traced"] != trace["judged"]:
+        text += f" · trace {trace['traced']}/{trace['judged']}"
     return text
 
 
@@ -60,6 +63,11 @@ def markdown_report(report: dict[str, Any]) -> str:
             else "Each cell: cancelled/N (the upstream saw the client go; queued: never reached "
             "it; after_last: completed) · cancel p99 · tokens generated for nobody · next "
             "request served (shown only when not N/N)."
+        )
+        + (
+            " Trace k/N: trials whose own trace says what happened (shown only when not N/N)."
+            if any(c.get("trace") for c in cells)
+            else ""
         ),
         "",
     ]

@@ -1,21 +1,24 @@
-"""A run of the matrix: the fake and the system under test started side by side, every cell's
-trials one at a time (each cell then read from inside the system), and the report assembled
-in the JSON's shape."""
+"""A run of the matrix: the fake and the system under test started side by side (and, for the
+Sluice this bench starts, an OTLP receiver its spans go to), every cell's trials one at a time
+(each cell then read from inside the system), every trial's trace judged once the cells are
+done, and the report assembled in the JSON's shape."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from proxy.bench.children import git_commit
-from proxy.bench.matrix.cells import Cell, MatrixSettings, applicability
+from proxy.bench.matrix.cells import TRACE_EXPORT_TIMEOUT, Cell, MatrixSettings, applicability
 from proxy.bench.matrix.report import progress_line
 from proxy.bench.matrix.systems import Context, serves_websocket, stack_versions, start_system
 from proxy.bench.matrix.trials import (
@@ -28,6 +31,9 @@ from proxy.bench.matrix.trials import (
 from proxy.bench.matrix.view import access_outcomes, fd_count, sluice_view
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 
+if TYPE_CHECKING:
+    from proxy.testing.otlp_receiver import Receiver
+
 
 async def run_matrix(settings: MatrixSettings, out: Any = None) -> dict[str, Any]:
     """Run every cell; return the report (the JSON's shape)."""
@@ -36,18 +42,49 @@ async def run_matrix(settings: MatrixSettings, out: Any = None) -> dict[str, Any
     fake = FakeUpstream(base)
     cells: list[Cell] = []
     # Configs and logs of the children; removed once they have stopped.
-    with tempfile.TemporaryDirectory(prefix="sluice-matrix-") as tmp:
-        system = await _run_cells(settings, fake, cells, Path(tmp), out)
+    with (
+        tempfile.TemporaryDirectory(prefix="sluice-matrix-") as tmp,
+        _receiver(settings, out) as receiver,
+    ):
+        system = await _run_cells(settings, fake, cells, Path(tmp), out, receiver)
     return await _report(system, settings, cells)
 
 
+@contextlib.contextmanager
+def _receiver(settings: MatrixSettings, out: Any) -> Iterator[Receiver | None]:
+    """The receiver the Sluice this bench starts exports its spans to; None for another
+    system, or where the bench cannot decode OTLP (then no trial is judged by its trace)."""
+    if not settings.traced:
+        yield None
+        return
+    try:
+        # Imported here: opentelemetry-proto is not among the bench's own dependencies.
+        from proxy.testing.otlp_receiver import otlp_receiver
+    except ImportError as exc:
+        print(f"no trace verdicts: {exc.name} is not installed", file=out)
+        yield None
+        return
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
 async def _run_cells(
-    settings: MatrixSettings, fake: FakeUpstream, cells: list[Cell], workdir: Path, out: Any
+    settings: MatrixSettings,
+    fake: FakeUpstream,
+    cells: list[Cell],
+    workdir: Path,
+    out: Any,
+    receiver: Receiver | None,
 ) -> str:
     async with trio.open_nursery() as nursery:
         fake_port = await nursery.start(fake.serve, "127.0.0.1", settings.fake_port)
         fake_url = f"http://127.0.0.1:{fake_port}"
-        system = await start_system(nursery, settings, fake_url, workdir, out)
+        env = None
+        if receiver is not None:
+            from proxy.bench.matrix.traces import tracing_env
+
+            env = tracing_env(receiver.url)
+        system = await start_system(nursery, settings, fake_url, workdir, out, env)
         ws_served = await serves_websocket(system.address, settings.api_key)
         ctx = Context(settings, fake, system.address, ws_served=ws_served, pid=system.pid)
         for endpoint in settings.endpoints:
@@ -66,6 +103,8 @@ async def _run_cells(
                         cells.append(cell)
                         await _run_cell(ctx, cell)
                         print(progress_line(cell), file=out)
+        if receiver is not None:
+            await _judge_traces(ctx, cells, receiver, out)
         nursery.cancel_scope.cancel()
     return system.name
 
@@ -87,6 +126,20 @@ async def _run_cell(ctx: Context, cell: Cell) -> None:
         for _ in range(settings.repeat):
             cell.trials.append(await without_gc_pauses(trial, ctx, cell))
         await sluice_view(ctx, cell)
+
+
+async def _judge_traces(ctx: Context, cells: list[Cell], receiver: Receiver, out: Any) -> None:
+    """Every trial's trace judged, while Sluice still runs (its last spans are exported by
+    the batch processor, not at its exit)."""
+    from proxy.bench.matrix.traces import judge_cells
+
+    access_outcomes(ctx)  # the lines written after the last cell was read
+    await judge_cells(
+        cells, ctx.trace_outcomes, receiver, local=ctx.local, patience=TRACE_EXPORT_TIMEOUT
+    )
+    judged = [t for c in cells for t in c.trials if t.traced is not None]
+    traced = sum(1 for t in judged if t.traced)
+    print(f"traces: {traced} of {len(judged)} trials said what happened", file=out)
 
 
 async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> dict[str, Any]:

@@ -40,9 +40,11 @@ class Context:
     ws_served: bool
     pid: int | None = None
     served: dict[str, bool] = field(default_factory=dict)
-    # Sluice's log (its access lines), and how far the matrix has read it.
+    # Sluice's log (its access lines), how far the matrix has read it, and the outcome of
+    # each line read that names a trace, by trace id.
     log: Path | None = None
     log_offset: int = 0
+    trace_outcomes: dict[str, str] = field(default_factory=dict)
     fd_baseline: int | None = None
 
     @property
@@ -80,10 +82,16 @@ class StartedSystem:
 
 
 async def start_system(
-    nursery: trio.Nursery, settings: MatrixSettings, fake_url: str, workdir: Path, out: Any
+    nursery: trio.Nursery,
+    settings: MatrixSettings,
+    fake_url: str,
+    workdir: Path,
+    out: Any,
+    sluice_env: dict[str, str] | None = None,
 ) -> StartedSystem:
     """The system ``settings`` name, started in ``nursery`` (which owns its process) and ready;
-    a ``--target`` is only told where the fake is."""
+    a ``--target`` is only told where the fake is. ``sluice_env``: added to the environment of
+    the Sluice it starts (its tracing's)."""
     if settings.peer == "fastapi":
         address = ("127.0.0.1", free_port())
         log = workdir / "peer.log"
@@ -124,7 +132,7 @@ async def start_system(
     write_text(config, sluice_config(address[1], fake_url, settings))
     log = workdir / "sluice.log"
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
-    process = await nursery.start(supervise, "proxy", argv, log)
+    process = await nursery.start(partial(supervise, env=sluice_env), "proxy", argv, log)
     # /readyz: a local model loads after the port answers.
     await wait_ready("proxy", address, "/readyz", log, PEER_READY_TIMEOUT)
     name = settings.system or (

@@ -106,6 +106,7 @@ async def run_trial(ctx: Context, cell: Cell) -> Trial:
                 raise BenchError("the queued cell's holder never reached the fake")
             since = len(fake.recorder.records)
         client = ctx.client(cell.endpoint, cell.transport, cell.phase)
+        trial.trace_id = client.trace_id
         await client.start(nursery, cell.leave)
 
         def records() -> list[RequestRecord]:
@@ -189,6 +190,7 @@ async def run_local_trial(ctx: Context, cell: Cell) -> Trial:
                 raise BenchError("the queued cell's holders never started generating")
         before = await read_local_counters(ctx)
         client = ctx.client("chat", cell.transport, cell.phase)
+        trial.trace_id = client.trace_id
         await client.start(nursery, cell.leave)
         reached = True
         if cell.phase == Phase.QUEUED:

@@ -103,7 +103,8 @@ async def sluice_view(ctx: Context, cell: Cell) -> None:
 
 
 def access_outcomes(ctx: Context) -> dict[str, int] | None:
-    """Count the outcomes of the access lines written since the last call."""
+    """Count the outcomes of the access lines written since the last call (and note, in
+    ``ctx.trace_outcomes``, the outcome of each that names its trace)."""
     if ctx.log is None:
         return None
     try:
@@ -124,6 +125,8 @@ def access_outcomes(ctx: Context) -> dict[str, int] | None:
             if api and "outcome" in fields:
                 outcome = str(fields["outcome"])
                 counts[outcome] = counts.get(outcome, 0) + 1
+                if fields.get("trace_id"):
+                    ctx.trace_outcomes[str(fields["trace_id"])] = outcome
     return counts
 
 

@@ -56,6 +56,12 @@ HOW_TO_READ: Final = """\
 - **tok**: tokens generated after the client left, summed over the N trials (one per trial
   can be the token in flight, and is not counted against the target); shown only when not 0.
 - **next k/N**: shown only when the proxy failed to serve the next request.
+- **trace k/N** (the Sluice the bench starts, which exports its spans over OTLP to a receiver
+  in the bench): trials whose own trace (each request sends a `traceparent` of its own) says
+  what happened, as `proxy/testing/trace_check.py` judges it: every span ended, the outcome
+  the trial's access line gave (a client that left: `cancelled(<phase>)`, with `client
+  disconnected` then `upstream closed`, local: `generation stopped`; after the last token:
+  `completed`); shown only when not N/N.
 - **n/a**: the phase does not exist for that transport (a non-streamed answer has no
   mid-stream; a WebSocket request has no response head; a target's admission queue cannot be
   produced from outside). **not served**: the system has no such endpoint or transport; such
@@ -85,11 +91,13 @@ OpenAI SDK's `close()` or a timeout does, through httpcore, the connection layer
 on; the clock starts when that socket closes; over WebSocket a close frame).
 
 Targets: every served cell N/N, cancel p99 ≤ 10 ms, 0 tokens for nobody, the next request
-always served; for a local report, ≤ 1 decode step instead of the p99.
+always served, and (Sluice) every trial's trace saying what happened; for a local report, ≤ 1
+decode step instead of the p99.
 
 Heat-maps: a row per transport and phase, a column per endpoint and leave; the colour is the
 cancelled fraction (red 0, green 1), the text the p99 in ms (local: `≤k st`, steps; no p99:
-k/N), bold in a red frame when over the target; grey: not served; hatched: n/a."""
+k/N), bold in a red frame when over the target; a dashed purple frame (and `tr k/N`): a trial
+whose trace did not say what happened; grey: not served; hatched: n/a."""
 
 
 SIDE_BY_SIDE_KEY: Final = """\
@@ -98,7 +106,10 @@ after_last: completed). Worst: the highest cancel p99 among a leave's cells (loc
 decode steps after Sluice saw the client go). Over target: cells over 10 ms p99 (local: over 1
 step). Next served: trials after which the next request was served, of all trials. Fds and
 active streams: Sluice's own view, which the bench has only of the Sluice it starts (— for any
-other system)."""
+other system). Trace: trials whose own trace, as Sluice exported it, says what happened (ended
+spans with the access line's outcome, and a departure's events), of all trials; only the Sluice
+the bench starts exports its spans to it (— for any other system), and a row is short of the
+target (bold) unless k = N."""
 
 
 def _key_versions(versions: dict[str, Any]) -> str:
@@ -158,14 +169,22 @@ def _dash(value: int | None) -> str:
     return "—" if value is None else str(value)
 
 
+def _traced(summary: Summary) -> str:
+    """``k/N`` of the trials' traces; bold when short of N; — where none was judged."""
+    traced, trials = summary["traced"], summary["trace_trials"]
+    if traced is None or trials is None:
+        return "—"
+    return f"{traced}/{trials}" if traced == trials else f"**{traced}/{trials}**"
+
+
 def _side_by_side(reports: Sequence[Report]) -> str:
     lines = [
         "## Side by side",
         "",
         "| system | served cells | N/N | never cancelled (0/N) | worst fin | worst rst | "
         "worst abort | over target | tokens for nobody | next served | worst fds over "
-        "baseline | cells with active streams left |",
-        "|---" * 12 + "|",
+        "baseline | cells with active streams left | trace |",
+        "|---" * 13 + "|",
     ]
     for report in reports:
         s = summarise(report)
@@ -178,7 +197,7 @@ def _side_by_side(reports: Sequence[Report]) -> str:
             + " | ".join(worst)
             + f" | {s['over_target_cells']} | {s['tokens_for_nobody']} | "
             f"{s['next_served']}/{s['next_trials']} | {_dash(s['worst_fds_over_baseline'])} | "
-            f"{_dash(s['active_streams_left_cells'])} |"
+            f"{_dash(s['active_streams_left_cells'])} | {_traced(s)} |"
         )
     lines += ["", SIDE_BY_SIDE_KEY]
     return "\n".join(lines)
@@ -279,5 +298,7 @@ def link_section(reports: Sequence[Report], target: str) -> str:
         if worst:
             clock = "decode steps after the leave" if summary["kind"] == "local" else "cancel p99"
             line += f"; {clock} {worst}"
+        if summary["traced"] is not None:
+            line += f"; trace {summary['traced']}/{summary['trace_trials']} trials"
         lines.append(line + ".")
     return "\n".join(lines)

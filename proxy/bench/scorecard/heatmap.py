@@ -1,6 +1,7 @@
 """A report's heat-map: a row per transport and phase, a column per endpoint and leave, the
-colour the cancelled fraction and the text the cell's clock (see HOW_TO_READ), drawn so that
-the same report gives the same bytes (a rerun on unchanged data leaves git nothing to show)."""
+colour the cancelled fraction and the text the cell's clock (see HOW_TO_READ), a cell framed
+when over its target or when a trial's trace did not say what happened, drawn so that the same
+report gives the same bytes (a rerun on unchanged data leaves git nothing to show)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ from proxy.bench.scorecard.reports import (
     Report,
     kind,
     steps_after_leave,
+    trace_counts,
 )
 
 CANCELLED_COLOURS: Final = ("#d7301f", "#fee08b", "#91cf60")
 NOT_SERVED: Final = "#bdbdbd"
 NOT_APPLICABLE_HATCH: Final = "#a6a6a6"
 OVER_TARGET: Final = "#b00000"
+TRACE_SHORT: Final = "#6a3d9a"
 DPI: Final = 100
 
 
@@ -45,6 +48,9 @@ def _cell_label(cell: Cell, local: bool) -> tuple[str, bool]:
         text, over = f"{cell.get('cancelled')}/{cell['n']}", False
     if cell.get("tokens_for_nobody"):
         text += f"\n{cell['tokens_for_nobody']} tok"
+    traced, judged = trace_counts(cell) or (0, 0)
+    if traced < judged:
+        text += f"\ntr {traced}/{judged}"
     return text, over
 
 
@@ -86,7 +92,7 @@ def heatmap(report: Report, path: Path) -> None:
         image = ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto", zorder=0)
         _axes_labels(ax, rows, columns)
         fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02, label="cancelled / N")
-        _legend(fig, patches, local)
+        _legend(fig, patches, local, traced=any(trace_counts(c) for c in cells))
         what = "decode steps after the client went" if local else "cancel p99 in ms"
         fig.suptitle(
             f"{report['system']} · commit {report['commit']} · N = {report['repeat']}\n"
@@ -147,26 +153,44 @@ def _draw_cell(
                     lw=1.6,
                 )
             )
+        traced, judged = trace_counts(cell) or (0, 0)
+        if traced < judged:
+            ax.add_patch(
+                patches.Rectangle(
+                    (j - 0.38, i - 0.38),
+                    0.76,
+                    0.76,
+                    fill=False,
+                    edgecolor=TRACE_SHORT,
+                    linestyle="--",
+                    lw=1.4,
+                )
+            )
 
 
-def _legend(fig: Any, patches: Any, local: bool) -> None:
-    fig.legend(
-        handles=[
-            patches.Patch(facecolor=NOT_SERVED, label="not served"),
-            patches.Patch(
-                facecolor="white", edgecolor=NOT_APPLICABLE_HATCH, hatch="///", label="n/a"
-            ),
+def _legend(fig: Any, patches: Any, local: bool, *, traced: bool) -> None:
+    handles = [
+        patches.Patch(facecolor=NOT_SERVED, label="not served"),
+        patches.Patch(facecolor="white", edgecolor=NOT_APPLICABLE_HATCH, hatch="///", label="n/a"),
+        patches.Patch(
+            fill=False,
+            edgecolor=OVER_TARGET,
+            lw=1.6,
+            label=f"over {TARGET_STEPS} step" if local else f"p99 over {TARGET_P99_MS:g} ms",
+        ),
+    ]
+    if traced:
+        # Only a report with trace verdicts: the others' pictures stay byte for byte.
+        handles.append(
             patches.Patch(
                 fill=False,
-                edgecolor=OVER_TARGET,
-                lw=1.6,
-                label=f"over {TARGET_STEPS} step" if local else f"p99 over {TARGET_P99_MS:g} ms",
-            ),
-        ],
-        loc="outside lower center",
-        ncol=3,
-        frameon=False,
-    )
+                edgecolor=TRACE_SHORT,
+                linestyle="--",
+                lw=1.4,
+                label="trace short of N",
+            )
+        )
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
 
 
 def _axes_labels(

@@ -23,11 +23,15 @@ from proxy.bench.scorecard.reports import (
     ran_cells,
     steps_after_leave,
     summarise,
+    trace_counts,
+    trace_short,
 )
 from proxy.relay.state import Phase
 
 # A reading lists at most this many cells by name; the tables below it hold the rest.
 LISTED_CELLS: Final = 10
+# And at most this many of the reasons a judge gave for a trace.
+LISTED_REASONS: Final = 3
 # What a transport's request is, for a reading that says what was never cancelled.
 REQUEST: Final = {
     "sse": "a streamed request",
@@ -185,6 +189,31 @@ def _waste_phrases(report: Report) -> list[str]:
     return phrases
 
 
+def _trace_text(cell: Cell) -> str:
+    traced, judged = trace_counts(cell) or (0, 0)
+    return f"trace {traced}/{judged}"
+
+
+def _trace_phrase(report: Report) -> str:
+    """The cells where a trial's trace did not say what happened, and the judge's reasons."""
+    short = trace_short(report)
+    if not short:
+        return ""
+    counts = [trace_counts(c) or (0, 0) for c in short]
+    missed = sum(n - k for k, n in counts)
+    trials = sum(n for _, n in (trace_counts(c) or (0, 0) for c in ran_cells(report)))
+    reasons: dict[str, int] = {}
+    for cell in short:
+        for reason, count in (cell["trace"].get("failures") or {}).items():
+            reasons[reason] = reasons.get(reason, 0) + int(count)
+    common = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))[:LISTED_REASONS]
+    why = "; ".join(f"{reason} ({count})" for reason, count in common)
+    return (
+        f"the trace did not say what happened in {missed} of {trials} trials, in "
+        f"{_cells(len(short))}: " + _listed(short, _trace_text) + (f" (why: {why})" if why else "")
+    )
+
+
 def _remarks(report: Report) -> list[str]:
     """What the bench saw inside the system that the targets do not judge: leftovers after a
     cell, and the cells it does not serve (never counted as failures)."""
@@ -255,6 +284,7 @@ def reading(report: Report) -> list[str]:
         *_partial_phrases(report),
         _steps_phrase(report) if local else _latency_phrase(report),
         *_waste_phrases(report),
+        _trace_phrase(report),
     ]
     shortfalls = [s for s in shortfalls if s]
     worst = worst_text(summary)
@@ -282,5 +312,11 @@ def reading(report: Report) -> list[str]:
             + (f" ({worst})" if worst else "")
             + ", no token for nobody beyond the one in flight, the next request served "
             "every time"
+            + (
+                ""
+                if summary["traced"] is None
+                else f", every trial's trace saying what happened ({summary['traced']}/"
+                f"{summary['trace_trials']})"
+            )
         ]
     return phrases + _remarks(report)

@@ -43,6 +43,10 @@ class Summary(TypedDict):
     # None where the bench could not look inside the system (any system but its own Sluice).
     worst_fds_over_baseline: int | None
     active_streams_left_cells: int | None
+    # Trials whose trace said what happened, of the trials judged; None where no trace was
+    # judged (a peer, a target, a report from before the traces).
+    traced: int | None
+    trace_trials: int | None
 
 
 def load_report(path: Path) -> Report:
@@ -136,6 +140,21 @@ def over_target(report: Report) -> list[Cell]:
     return [c for c in ran_cells(report) if (c.get("p99_ms") or 0.0) > TARGET_P99_MS]
 
 
+def trace_counts(cell: Cell) -> tuple[int, int] | None:
+    """(trials whose trace said what happened, trials judged) of a cell, or None where its
+    traces were not judged (the field is absent from the reports of other systems, and from
+    those written before it)."""
+    trace = cell.get("trace")
+    if not isinstance(trace, dict):
+        return None
+    return int(trace.get("traced") or 0), int(trace.get("judged") or 0)
+
+
+def trace_short(report: Report) -> list[Cell]:
+    """The cells with a trial whose trace did not say what happened."""
+    return [c for c in ran_cells(report) if (counts := trace_counts(c)) and counts[0] < counts[1]]
+
+
 def _worst(values: Iterable[float | int | None]) -> Any:
     present = [v for v in values if v is not None]
     return max(present) if present else None
@@ -147,6 +166,7 @@ def summarise(report: Report) -> Summary:
     judged = judged_cells(report)
     never = never_cancelled(report)
     measured_active = [c for c in ran if c.get("active_streams_after") is not None]
+    traces = [counts for c in ran if (counts := trace_counts(c)) is not None]
     return Summary(
         system=str(report["system"]),
         commit=str(report["commit"]),
@@ -173,4 +193,6 @@ def summarise(report: Report) -> Summary:
             if measured_active
             else None
         ),
+        traced=sum(k for k, _ in traces) if traces else None,
+        trace_trials=sum(n for _, n in traces) if traces else None,
     )
