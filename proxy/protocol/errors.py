@@ -86,3 +86,43 @@ def internal_error() -> ApiError:
         type=SERVER_ERROR,
         code="internal_error",
     )
+
+
+def is_json(body: bytes) -> bool:
+    """Whether ``body`` is one whole JSON value (what a non-streamed answer must be)."""
+    try:
+        json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def says_model_missing(body: bytes) -> bool:
+    """Whether an upstream's 404 says that the model it was asked for does not exist (vLLM:
+    "The model `x` does not exist."; OpenAI: code ``model_not_found``), rather than a path."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return False
+    if not isinstance(error, dict):
+        return False
+    message = error.get("message")
+    return error.get("code") == "model_not_found" or (
+        isinstance(message, str) and "model" in message.lower() and "not exist" in message
+    )
+
+
+def attributed(body: bytes, upstream: str) -> bytes:
+    """An upstream's own error body, its message saying it came from ``upstream`` (so that a
+    client, or a newcomer reading it, knows it is not Sluice's own); as it was if it is not an
+    error object with a message."""
+    try:
+        answer = json.loads(body)
+        error = answer["error"]
+        message = error["message"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return body
+    if not isinstance(message, str):
+        return body
+    error["message"] = f"The upstream {upstream} answered: {message}"
+    return json.dumps(answer).encode()

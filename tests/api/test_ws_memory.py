@@ -1,6 +1,7 @@
 """A WebSocket message over the size limit costs the server no more than the limit: a real
 ``sluice serve`` process, its RSS read from /proc, while authenticated clients each send one
-message many times the limit (hypercorn's own buffer kept all of each: proxy/server/ws_buffer.py)."""
+message many times the limit (hypercorn's own buffer kept all of each: see
+proxy/server/ws_buffer.py)."""
 
 from __future__ import annotations
 

@@ -161,10 +161,17 @@ class UpstreamBackend:
             self._metrics.queue_wait.labels(self.model.name, outcome).observe(seconds)
 
     def _no_healthy_replica(self) -> ApiError:
-        wait = self._router.next_recovery(self._loads, trio.current_time())
+        now = trio.current_time()
+        wait = self._router.next_recovery(self._loads, now)
+        failures = [
+            f"{load.url} ({load.last_failure})"
+            for load in self._loads
+            if load.ejected(now) and load.last_failure
+        ]
+        said = f"; ejected after failing: {', '.join(failures)}" if failures else ""
         error = ApiError(
             503,
-            f"no healthy upstream replica for model '{self.model.name}'",
+            f"no healthy upstream replica for model '{self.model.name}'{said}",
             type=UPSTREAM_ERROR,
             code="no_healthy_upstream",
             headers={"Retry-After": str(max(1, math.ceil(wait))) if wait < math.inf else "10"},

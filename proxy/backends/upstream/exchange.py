@@ -26,7 +26,13 @@ from proxy.backends.upstream.transports import Response
 from proxy.config import RelayConfig, UpstreamModel
 from proxy.ops import tracing
 from proxy.protocol import anthropic, http1, responses
-from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
+from proxy.protocol.errors import (
+    UPSTREAM_ERROR,
+    ApiError,
+    attributed,
+    is_json,
+    says_model_missing,
+)
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
@@ -176,7 +182,7 @@ class UpstreamExchange:
                             replica, response, read_scope, sink, _STREAM_END[request.endpoint]
                         )
                     else:
-                        await self._relay_whole(replica, response, sink)
+                        await self._relay_whole(replica, request.endpoint, response, sink)
         except (httpx.TransportError, httpx.StreamError, SSEProtocolError) as error:
             raise self._wire_error(replica, error, started=sink.started) from None
         if read_scope.cancelled_caught:
@@ -336,7 +342,9 @@ class UpstreamExchange:
             )
         return None
 
-    async def _relay_whole(self, replica: UpstreamReplica, response: Response, sink: Sink) -> None:
+    async def _relay_whole(
+        self, replica: UpstreamReplica, endpoint: Endpoint, response: Response, sink: Sink
+    ) -> None:
         body = await _read_bounded(response, self._relay.max_response_bytes)
         content_type = response.headers.get("content-type", JSON_CONTENT_TYPE)
         headers: dict[str, str] = {}
@@ -346,6 +354,18 @@ class UpstreamExchange:
         elif "content-encoding" in response.headers:
             # Not ours to decode: passed on with its encoding, never mislabelled.
             headers["Content-Encoding"] = response.headers["content-encoding"]
+        # An API answer is JSON; anything else (an HTML page from a wrong URL, a body cut
+        # short) is the upstream's fault, as the same in a stream is upstream_malformed.
+        checked = endpoint is not Endpoint.PASSTHROUGH and "Content-Encoding" not in headers
+        if checked and not is_json(body):
+            snippet = body[:200].decode("utf-8", "replace")
+            raise upstream_error(
+                502,
+                "upstream_malformed",
+                f"{replica.url} answered 200 with a body that is not JSON "
+                f"({content_type}): {snippet!r}",
+                retryable=True,
+            )
         sink.begin(200, content_type, headers, content_length=len(body))
         await sink.send(body)
 
@@ -374,6 +394,29 @@ class UpstreamExchange:
                 f"{replica.url} answered HTTP {status}: {snippet}",
                 retryable=status >= 500,
             )
+        if status in (401, 403):
+            # The upstream refused Sluice's credentials: the operator's mistake, never the
+            # client's (whose key Sluice checked itself), so never relayed as the client's 401.
+            replica.warn(
+                "auth",
+                "upstream %s refused Sluice's credentials (HTTP %d): check the model's api_key_env",
+                replica.url,
+                status,
+            )
+            raise upstream_error(
+                502,
+                "upstream_auth_error",
+                f"{replica.url} refused Sluice's credentials (HTTP {status}); the model's "
+                "upstream key is wrong or missing",
+                retryable=True,
+            )
+        if status == 404 and says_model_missing(body):
+            # A model name that is not the upstream's (see upstream_model): kept as the
+            # upstream's 404, said to be the upstream's.
+            replica.warn(
+                "model", "upstream %s: the model it was asked for does not exist", replica.url
+            )
+            body = attributed(body, replica.url)
         # The upstream's own 4xx (bad parameters, context too long, rate limited) is the
         # client's to see, as the upstream said it.
         headers = {

@@ -7,6 +7,8 @@ module reaches the upstream server through a replica.
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from importlib.metadata import version
 from typing import Any
@@ -22,6 +24,11 @@ from proxy.backends.upstream.transports import ConnectionSettings, Pool
 from proxy.config import UpstreamConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol.openai import NATIVE_ENDPOINTS, CompletionRequest, Endpoint
+
+log = logging.getLogger("sluice.upstream")
+# A replica's warning of one kind is logged at most this often (seconds): an operator's
+# mistake repeats on every request, and the log must not.
+WARN_INTERVAL = 60.0
 
 # How the proxy names itself to a replica: in its requests, health checks and scrapes.
 USER_AGENT = f"sluice/{version('sluice')}".encode()
@@ -87,6 +94,8 @@ class UpstreamReplica:
                 spare=settings.preconnect,
             )
         self._connect_timeout = settings.connect_timeout
+        # When each kind of warning (warn) was last logged.
+        self._warned: dict[str, float] = {}
         self.slots = trio.CapacityLimiter(settings.max_connections)
         # What health checks send as Authorization: the upstream key of a model this replica
         # serves (set by the app), as its requests do; a hosted API answers 401 without it.
@@ -140,6 +149,15 @@ class UpstreamReplica:
         connections that their server closed (HttpxPool.keep_spare). Runs until the pool
         closes or the task is cancelled."""
         await self._pool.keep_spare(self.origin, self._connect_timeout)
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        """Log a warning of ``kind`` about this replica, at most once per WARN_INTERVAL."""
+        now = time.monotonic()
+        last = self._warned.get(kind)
+        if last is not None and now - last < WARN_INTERVAL:
+            return
+        self._warned[kind] = now
+        log.warning(message, *args)
 
     async def aclose(self) -> None:
         await self._pool.aclose()

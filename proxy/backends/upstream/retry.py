@@ -99,6 +99,7 @@ class Attempt:
         except ApiError as error:
             if self._policy.blames_replica(error, sink):
                 self._router.failure(load, trio.current_time())
+                load.last_failure = f"{error.code}: {error.message}"
                 verdict = True
             if self._policy.counts(error, sink):
                 self._count_error(error)

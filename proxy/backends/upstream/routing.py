@@ -44,6 +44,9 @@ class ReplicaLoad:
     last_pick: int = field(default=0)
     consecutive_failures: int = 0
     ejected_until: float = 0.0
+    # What it last failed with (its error code and message): the 503 of a model whose every
+    # replica is ejected says it, or an operator's mistake (a wrong key) would read as an outage.
+    last_failure: str = ""
     # A half-open replica admits one probe at a time.
     probing: bool = False
 

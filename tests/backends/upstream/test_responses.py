@@ -1,11 +1,15 @@
 """Upstream answers a proxy must not mangle: redirects are not followed, and a body the server
 encoded although asked for identity is decoded (gzip, deflate) or passed on with its
-Content-Encoding (anything else, when not streamed)."""
+Content-Encoding (anything else, when not streamed). And upstream answers that are the
+operator's mistake, or the upstream's, read as such: a refusal of Sluice's credentials is a
+502 upstream_auth_error (never the client's own 401), an unknown model's 404 says it came from
+the upstream, and a non-JSON 200 is upstream_malformed."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 import zlib
 from functools import partial
 
@@ -155,3 +159,94 @@ async def test_a_decoded_body_past_the_limit_is_refused(
         )
     assert response.status_code == 502
     assert "limit" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("status", ["401 Unauthorized", "403 Forbidden"])
+async def test_a_refusal_of_sluices_credentials_is_a_502_of_the_upstream(
+    nursery: trio.Nursery, transport: str, status: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = b'{"error": {"message": "Incorrect API key provided.", "code": "invalid_api_key"}}'
+    with trio.fail_after(DEADLINE):
+        url = await nursery.start(
+            partial(serve_response, status, [("Content-Type", "application/json")], body)
+        )
+        model = {"upstreams": [url], "transport": transport}
+        proxy = await start_proxy(nursery, {"m": model}, upstream={"max_attempts": 1})
+        with caplog.at_level(logging.WARNING, logger="sluice.upstream"):
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+                answers = [
+                    await client.post(proxy.url + CHAT, json=chat_body("m", stream=stream))
+                    for stream in (False, True, False)
+                ]
+                anthropic = await client.post(
+                    proxy.url + "/v1/messages",
+                    json={
+                        "model": "m",
+                        "max_tokens": 5,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                )
+    for response in answers:
+        assert response.status_code == 502, response.text
+        error = response.json()["error"]
+        assert error["code"] == "upstream_auth_error"
+        assert error["type"] == "upstream_error"
+        assert url in error["message"] and "Incorrect API key" not in error["message"]
+    # In the endpoint's own shape; by now the replica is ejected (three failures), and the
+    # 503 says what it failed with.
+    assert anthropic.status_code == 503
+    assert anthropic.json()["type"] == "error"
+    assert "upstream_auth_error" in anthropic.json()["error"]["message"]
+    # The operator hears of it, once a minute per replica, not once a request.
+    warned = [r for r in caplog.records if "refused Sluice's credentials" in r.getMessage()]
+    assert len(warned) == 1 and url in warned[0].getMessage()
+
+
+async def test_an_unknown_models_404_says_it_came_from_the_upstream(
+    nursery: trio.Nursery, transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    vllm = {
+        "error": {
+            "message": "The model `m` does not exist.",
+            "type": "NotFoundError",
+            "param": None,
+            "code": 404,
+        }
+    }
+    with trio.fail_after(DEADLINE), caplog.at_level(logging.WARNING, logger="sluice.upstream"):
+        response = await ask(
+            nursery,
+            "404 Not Found",
+            [("Content-Type", "application/json")],
+            json.dumps(vllm).encode(),
+            stream=False,
+            transport=transport,
+        )
+    assert response.status_code == 404
+    error = response.json()["error"]
+    # Its status and code kept; its message names who said it.
+    assert (error["code"], error["type"]) == (404, "NotFoundError")
+    assert error["message"].startswith("The upstream http://127.0.0.1:")
+    assert error["message"].endswith("answered: The model `m` does not exist.")
+    assert any("does not exist" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "body", [b"<html><body>Welcome to nginx!</body></html>", b'{"id": "x", "choi']
+)
+async def test_a_non_json_answer_is_upstream_malformed(
+    nursery: trio.Nursery, transport: str, body: bytes
+) -> None:
+    with trio.fail_after(DEADLINE):
+        response = await ask(
+            nursery,
+            "200 OK",
+            [("Content-Type", "text/html")],
+            body,
+            stream=False,
+            transport=transport,
+        )
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "upstream_malformed"
+    assert "not JSON" in error["message"]
