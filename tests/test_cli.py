@@ -199,3 +199,28 @@ def test_the_app_never_starts_the_fake_upstream_itself() -> None:
     assert "[models.fake-model]" in str(refused.value)
     app = create_app(config, env={}, fake_upstream_url="http://127.0.0.1:9")
     assert app.extensions["sluice"].fake_upstream_url == "http://127.0.0.1:9"
+
+
+def test_bench_help_names_the_scorecard_and_the_matrix_help_each_axis(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "sluice bench --matrix" in text and "cancellation scorecard" in text
+    assert "--replicas" in text
+    with pytest.raises(SystemExit):
+        main(["bench", "--matrix", "--help"])
+    text = capsys.readouterr().out
+    for axis, values in {
+        "--phases": ("queued", "connecting", "head", "first_token", "mid_stream", "after_last"),
+        "--transports": ("sse", "json", "ws"),
+        "--endpoints": ("chat", "completions", "responses", "messages"),
+        "--leaves": ("fin", "rst", "abort"),
+    }.items():
+        assert axis in text
+        for value in values:
+            assert value in text, (axis, value)
+    # No internal names in what a user reads.
+    for internal in ("FakeSettings", "accept_delay", "proxy.testing", "shared/peers", "``"):
+        assert internal not in text, internal

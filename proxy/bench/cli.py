@@ -104,8 +104,9 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
     add(
         "--peer",
         metavar="URL_OR_auto",
-        help="also run the load through the FastAPI peer: 'auto' starts it (shared/peers/), a "
-        "URL targets one already running (with --upstream, the fake it relays to)",
+        help="also run the load through a peer gateway (FastAPI + httpx, as in the bench's "
+        "peers): 'auto' starts it, a URL targets one already running (with --upstream, the "
+        "fake it relays to)",
     )
     add("--peer-pid", type=int, help="with --peer URL: its PID, for CPU and RSS figures")
     add("--model", default=d.model, help="model name to request")
@@ -258,8 +259,29 @@ async def run_from_args(args: argparse.Namespace) -> None:
         write_text(args.markdown, upsert_section(old, settings.key(), section))
 
 
+# What --help says of the command's two other benches (each has its own --help).
+OTHER_BENCHES = """\
+the same command runs two other benches, each with its own --help:
+  {prog} --matrix
+      the cancellation scorecard: a client leaves in every phase of a request
+      (queued, connecting, head, first token, mid-stream, after the last), over
+      SSE, JSON and WebSocket, for every endpoint; each cell says whether the
+      upstream saw the client go, how fast (p50/p99), how many tokens were
+      generated for nobody, and whether the trace says what happened (make
+      scorecard writes docs/cancellation.md)
+  {prog} --replicas N --instances M --sessions S
+      the balance bench: least_busy, upstream_metrics and prefix_affinity in
+      front of N fake replicas with a prefix cache (TTFT, cache-hit rate)
+"""
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
-    parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(__doc__ or "").splitlines()[0],
+        epilog=OTHER_BENCHES.format(prog=prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.bench_command = command_line(argv, prog)

@@ -72,7 +72,7 @@ from proxy.bench.matrix.cells import (
     Trial,
     applicability,
 )
-from proxy.bench.matrix.cli import add_arguments, settings_from_args
+from proxy.bench.matrix.cli import DESCRIPTION, add_arguments, settings_from_args
 from proxy.bench.matrix.client import Client, local_body, request_body
 from proxy.bench.matrix.report import markdown_report
 from proxy.bench.matrix.run import run_matrix
@@ -117,7 +117,11 @@ def wants_matrix(argv: Sequence[str]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
-    parser = argparse.ArgumentParser(prog=f"{prog} --matrix", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog=f"{prog} --matrix",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     command = command_line(argv, prog)

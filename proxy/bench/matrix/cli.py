@@ -25,6 +25,33 @@ from proxy.bench.settings import BenchError
 # An axis's values: plain names, or the phases (whose names are their values).
 Choice = TypeVar("Choice", bound=str)
 
+DESCRIPTION = """\
+The cancellation scorecard: for Sluice, or any OpenAI-compatible proxy on loopback, in front of
+a fake upstream that this command runs and that records when it saw each client go. Each cell
+is one way for a client to leave (a phase, a transport, an endpoint and a way of leaving),
+tried --repeat times, one trial at a time. Per cell: how many trials the upstream saw cancelled,
+the cancel latency (the client's close to the proxy's close of the upstream; p50, p99, max),
+the tokens generated for nobody, whether the proxy served the next request, and, for Sluice,
+its open file descriptors, sluice_active_streams and, from the traces it exports to a receiver
+this command runs, how many trials' traces say what happened.
+
+Without a system option the bench starts `sluice serve`; --local MODEL, Sluice serving a local
+model; --peer, another gateway it starts; --target URL, a proxy already running (the bench
+prints the model line to configure it with)."""
+
+AXES_HELP = {
+    "phases": "where the client leaves, comma-separated (default: all): queued (waiting for "
+    "an upstream slot), connecting (the upstream has accepted but not read the request), "
+    "head (no response head yet), first_token (head sent, no token yet), mid_stream, "
+    "after_last (the whole answer read)",
+    "transports": "how the client talks, comma-separated (default: all): sse (streamed), "
+    "json (not streamed), ws (Sluice's /v1/ws)",
+    "endpoints": "which API, comma-separated (default: all): chat, completions, responses, "
+    "messages",
+    "leaves": "how the client goes, comma-separated (default: all): fin (a clean close), rst "
+    "(a reset), abort (an SDK closing the response early; over WebSocket, a close frame)",
+}
+
 
 def _choices(allowed: Sequence[Choice]) -> Callable[[str], tuple[Choice, ...]]:
     def parse(text: str) -> tuple[Choice, ...]:
@@ -47,10 +74,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="trials per cell (N)")
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the tables as markdown here")
-    parser.add_argument("--phases", type=_choices(PHASES), default=PHASES)
-    parser.add_argument("--transports", type=_choices(TRANSPORTS), default=TRANSPORTS)
-    parser.add_argument("--endpoints", type=_choices(ENDPOINTS), default=ENDPOINTS)
-    parser.add_argument("--leaves", type=_choices(LEAVES), default=LEAVES)
+    parser.add_argument(
+        "--phases", type=_choices(PHASES), default=PHASES, metavar="LIST", help=AXES_HELP["phases"]
+    )
+    parser.add_argument(
+        "--transports",
+        type=_choices(TRANSPORTS),
+        default=TRANSPORTS,
+        metavar="LIST",
+        help=AXES_HELP["transports"],
+    )
+    parser.add_argument(
+        "--endpoints",
+        type=_choices(ENDPOINTS),
+        default=ENDPOINTS,
+        metavar="LIST",
+        help=AXES_HELP["endpoints"],
+    )
+    parser.add_argument(
+        "--leaves", type=_choices(LEAVES), default=LEAVES, metavar="LIST", help=AXES_HELP["leaves"]
+    )
     parser.add_argument("--model", default="fake-model", help="the model name the target maps")
     parser.add_argument(
         "--transport",
@@ -62,9 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer",
         choices=("auto", "fastapi", "litellm"),
-        help="measure a peer this bench starts in front of the fake instead of Sluice: the "
-        "FastAPI peer (shared/peers/run-fastapi-gateway; auto is the same), or LiteLLM's proxy "
-        "(--litellm; make scorecard-peers installs it)",
+        help="measure a peer gateway this bench starts in front of the fake instead of Sluice: "
+        "fastapi, a FastAPI + httpx gateway as in the bench's peers (auto is the same), or "
+        "litellm, LiteLLM's proxy (--litellm; make scorecard-peers installs it)",
     )
     parser.add_argument(
         "--litellm", default=LITELLM, help="LiteLLM's executable, for --peer litellm"
