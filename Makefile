@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= conf/local.toml
+# `make run PORT=9000`: the port to serve on (else the config's [server] port).
+PORT ?=
 
 .PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench scorecard scorecard-peers scorecard-litellm scorecard-fastapi scorecard-doc fake-upstream clean browser redis
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/sluice serve --config $(CONFIG)
+	$(BIN)/sluice serve --config $(CONFIG) $(if $(PORT),--port $(PORT))
 
 lint: $(STAMP)
 	$(BIN)/ruff check proxy inference tests

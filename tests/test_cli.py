@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -224,3 +225,17 @@ def test_bench_help_names_the_scorecard_and_the_matrix_help_each_axis(
     # No internal names in what a user reads.
     for internal in ("FakeSettings", "accept_delay", "proxy.testing", "shared/peers", "``"):
         assert internal not in text, internal
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_run_takes_a_port() -> None:
+    root = Path(__file__).parents[1]
+
+    def command(*extra: str) -> str:
+        shown = subprocess.run(
+            ["make", "-n", "run", *extra], cwd=root, capture_output=True, text=True, check=True
+        )
+        return shown.stdout.strip().splitlines()[-1]
+
+    assert command("PORT=9123").endswith("serve --config conf/local.toml --port 9123")
+    assert command().endswith("serve --config conf/local.toml")

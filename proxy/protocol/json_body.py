@@ -8,6 +8,7 @@ digits raises ``ValueError`` (the int-string limit), deep nesting raises ``Recur
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from proxy.protocol.errors import bad_request, request_too_large
@@ -32,9 +33,14 @@ def parse_json_object(raw: bytes, max_bytes: int, what: str = "Request body") ->
         value = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as error:
         raise bad_request(f"{what} is not valid JSON: {error}.", code="invalid_json") from None
-    except ValueError as error:
-        # The int-string limit (sys.get_int_max_str_digits): the client's input, not our bug.
-        raise bad_request(f"{what} has a number too long: {error}.", code="invalid_json") from None
+    except ValueError:
+        # The int-string limit (sys.get_int_max_str_digits): the client's input, not our bug,
+        # and Python's own message (set_int_max_str_digits) is advice for the server's code.
+        raise bad_request(
+            f"{what} has an integer with more than {sys.get_int_max_str_digits()} digits; "
+            "no field of this API takes one.",
+            code="invalid_json",
+        ) from None
     except RecursionError:
         # Deep nesting exhausts the parser's stack.
         raise bad_request(f"{what} is nested too deeply.", code="invalid_json") from None

@@ -359,6 +359,12 @@ async def test_one_parser_for_bodies_and_messages(nursery: trio.Nursery) -> None
                 )
                 assert response.status_code == 400, response.text
                 assert response.json()["error"]["code"] == "invalid_json"
+                # What is wrong with the request, not advice for the server's code.
+                assert "set_int_max_str_digits" not in response.text
+            too_long = await client.post(
+                proxy.url + CHAT, content=long_number, headers={"Content-Type": "application/json"}
+            )
+            assert "an integer with more than 4300 digits" in too_long.json()["error"]["message"]
         async with open_websocket_url(ws_url(proxy)) as ws:
             for raw in (long_number, deep, not_utf8):
                 await ws.send_message(raw)

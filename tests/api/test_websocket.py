@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,3 +174,21 @@ async def test_slow_websocket_reader_pauses_upstream_then_is_cut(nursery: trio.N
             # trio-websocket leaves its TCP stream open after a reset (its _abort_web_socket
             # skips the close); closed here so that the socket is not left to the GC.
             await ws._stream.aclose()
+
+
+async def test_the_readmes_client_example_runs(nursery: trio.Nursery) -> None:
+    """The README's WebSocket client, as a user would copy it (its URL changed)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## WebSocket", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=3)
+        proxy = await start_proxy(nursery, {"smollm2": [fake.url]})
+        code = code.replace("ws://127.0.0.1:8080/v1/ws", ws_url(proxy))
+        done = await trio.run_process(
+            [sys.executable, "-c", code], capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert done.returncode == 0, done.stderr.decode()
+    out = done.stdout.decode()
+    assert out.startswith("The quick brown ")
+    assert "'type': 'done'" in out and "'finish_reason': 'stop'" in out
