@@ -95,6 +95,15 @@ def tree(spans: list[Span]) -> tuple[Span, Span, list[Span]]:
     return server, operation, attempts
 
 
+async def start_local_traced(nursery: trio.Nursery, receiver: Receiver, loaded: Any) -> Proxy:
+    """A proxy serving the tiny local model as "tiny", traced into ``receiver``."""
+    from tests.support import local_model
+
+    return await start_proxy(
+        nursery, {"tiny": local_model()}, local_models={"tiny": loaded}, env=standard_env(receiver)
+    )
+
+
 def trace_of(response: httpx.Response) -> str:
     """The trace id the response's traceresponse names."""
     return response.headers["traceresponse"].split("-")[1]
@@ -442,15 +451,8 @@ async def test_a_first_token_deadline_is_an_error(
 async def test_the_local_model_is_an_internal_operation(
     nursery: trio.Nursery, receiver: Receiver, tiny_loaded_model: Any
 ) -> None:
-    from tests.support import local_model
-
     with trio.fail_after(DEADLINE):
-        proxy = await start_proxy(
-            nursery,
-            {"tiny": local_model()},
-            local_models={"tiny": tiny_loaded_model},
-            env=standard_env(receiver),
-        )
+        proxy = await start_local_traced(nursery, receiver, tiny_loaded_model)
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(
                 proxy.url + CHAT, json=chat_body("tiny", stream=False, max_tokens=3)
@@ -484,15 +486,8 @@ async def test_the_local_model_is_an_internal_operation(
 async def test_a_local_generation_stopped_for_a_client_that_left(
     nursery: trio.Nursery, receiver: Receiver, tiny_loaded_model: Any
 ) -> None:
-    from tests.support import local_model
-
     with trio.fail_after(DEADLINE):
-        proxy = await start_proxy(
-            nursery,
-            {"tiny": local_model()},
-            local_models={"tiny": tiny_loaded_model},
-            env=standard_env(receiver),
-        )
+        proxy = await start_local_traced(nursery, receiver, tiny_loaded_model)
         body = chat_body("tiny", max_tokens=1000, stream=True)
         body["ignore_eos"] = True
         raw = await RawClient.post(proxy, CHAT, body)

@@ -74,26 +74,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="trials per cell (N)")
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--markdown", type=Path, help="write the tables as markdown here")
-    parser.add_argument(
-        "--phases", type=_choices(PHASES), default=PHASES, metavar="LIST", help=AXES_HELP["phases"]
-    )
-    parser.add_argument(
-        "--transports",
-        type=_choices(TRANSPORTS),
-        default=TRANSPORTS,
-        metavar="LIST",
-        help=AXES_HELP["transports"],
-    )
-    parser.add_argument(
-        "--endpoints",
-        type=_choices(ENDPOINTS),
-        default=ENDPOINTS,
-        metavar="LIST",
-        help=AXES_HELP["endpoints"],
-    )
-    parser.add_argument(
-        "--leaves", type=_choices(LEAVES), default=LEAVES, metavar="LIST", help=AXES_HELP["leaves"]
-    )
+    axes: dict[str, Sequence[str]] = {
+        "phases": PHASES,
+        "transports": TRANSPORTS,
+        "endpoints": ENDPOINTS,
+        "leaves": LEAVES,
+    }
+    for axis, values in axes.items():
+        parser.add_argument(
+            f"--{axis}",
+            type=_choices(values),
+            default=values,
+            metavar="LIST",
+            help=AXES_HELP[axis],
+        )
     parser.add_argument("--model", default="fake-model", help="the model name the target maps")
     parser.add_argument(
         "--transport",
