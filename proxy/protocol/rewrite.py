@@ -94,7 +94,7 @@ def edit_form(raw: bytes, boundary: str, edits: Edits) -> bytes:
         if head_end < 0:
             continue
         name = _field_name(segment[:head_end])
-        if name in edits:
+        if name is not None and name in edits:
             segments[index] = segment[: head_end + 4] + edits[name].encode()
             missing.pop(name, None)
     if missing:
@@ -160,3 +160,9 @@ class RenamingSplitter(SSESplitter):
     def feed(self, chunk: bytes) -> list[bytes]:
         rename = self._rename
         return [rename(event) for event in super().feed(chunk)]
+
+    @property
+    def renamed_pending(self) -> bytes:
+        """The unfinished event, renamed: what is left when a stream ends without its
+        delimiter."""
+        return self._rename(self.pending) if self.pending else b""

@@ -251,3 +251,14 @@ def test_a_renaming_splitter_renames_whole_events_split_anywhere() -> None:
         assert out == [event.replace(b"upstream-name", b"public") for event in events]
     plain = SSESplitter()
     assert plain.feed(stream) == events
+
+
+def test_an_unfinished_last_event_is_renamed_too() -> None:
+    rename = model_renamer("up", "public")
+    assert rename is not None
+    splitter = RenamingSplitter(1 << 20, rename)
+    assert splitter.renamed_pending == b""
+    assert splitter.feed(b'data: {"model":"up"}\n\ndata: {"model":"up"') == [
+        b'data: {"model":"public"}\n\n'
+    ]
+    assert splitter.renamed_pending == b'data: {"model":"public"'
