@@ -180,6 +180,19 @@ class UpstreamModel(UpstreamRequestConfig, ModelBase):
     # "/v1/rerank", "/v1/audio/transcriptions"...), routed by the body's "model" (or a form
     # field): with the same lifetime, limits and keys as every other request.
     passthrough: tuple[str, ...] = ()
+    # The name sent upstream in "model" (the server's --served-model-name), when it is not the
+    # table's own: requests are sent with it, answers come back with the table's name. By
+    # default the table's name, and the client's bytes are forwarded as they came.
+    upstream_model: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.upstream_model:
+            object.__setattr__(self, "upstream_model", self.name)
+
+    @property
+    def aliased(self) -> bool:
+        """Whether the upstream knows this model by another name than its clients do."""
+        return self.upstream_model != self.name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -731,6 +744,12 @@ def _build_models(
                 )
             if key != "backend":  # the tag: its kind's, checked above
                 values[key] = _coerce(value, hints[key], f"'{key}' in {where}")
+        if "upstream_model" in values and not values["upstream_model"].strip():
+            # An empty name would silently mean the default; say so instead.
+            raise ConfigError(
+                f"'upstream_model' in {where} must be the upstream's name for the model, a "
+                "non-empty string (leave it out to send the table's own name)"
+            )
         if kind is UpstreamModel:
             if "upstreams" not in values:
                 raise ConfigError(f"{where} needs 'upstreams', a non-empty array of base URLs")

@@ -352,3 +352,35 @@ def test_nan_timeout_is_rejected(tmp_path: Path, where: str) -> None:
 def test_negative_graceful_timeout_is_rejected() -> None:
     with pytest.raises(ConfigError, match="graceful_timeout"):
         build({"server": {"graceful_timeout": -1}})
+
+
+def test_upstream_model_is_the_table_s_name_unless_set() -> None:
+    plain, aliased = build(
+        {
+            "models": {
+                "smol": MODEL,
+                "HuggingFaceTB/SmolLM2": {**MODEL, "upstream_model": "served-name"},
+            }
+        }
+    ).models
+    assert isinstance(plain, UpstreamModel) and isinstance(aliased, UpstreamModel)
+    assert (plain.upstream_model, plain.aliased) == ("smol", False)
+    assert (aliased.upstream_model, aliased.aliased) == ("served-name", True)
+    assert UpstreamModel(name="m").upstream_model == "m"
+
+
+@pytest.mark.parametrize("value", ["", "  ", 3])
+def test_upstream_model_must_be_a_non_empty_string(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"'upstream_model' in \[models.m\]"):
+        build({"models": {"m": {**MODEL, "upstream_model": value}}})
+
+
+def test_upstream_model_is_no_key_of_a_local_model_nor_of_upstream() -> None:
+    local = {"backend": "local", "path": "x", "upstream_model": "y"}
+    with pytest.raises(ConfigError, match=r"'upstream_model' .* does not apply"):
+        build({"models": {"m": local}})
+    # A name belongs to one model: [upstream] has no default for it, nor its environment.
+    with pytest.raises(ConfigError, match="unknown key 'upstream_model'"):
+        build({"upstream": {"upstream_model": "y"}})
+    with pytest.raises(ConfigError, match="unknown key 'upstream_model'"):
+        build({}, SLUICE_UPSTREAM_UPSTREAM_MODEL="y")

@@ -2,8 +2,9 @@
 
 One task per replica asks its ``GET /v1/models`` every ``models_refresh_interval``, through
 the replica's own proxy, TLS settings and key (``transports.health_client``), and keeps, for
-each Sluice model it serves, the entry that names it (or the only entry, when the server lists
-one model under its own name, as ``vllm serve --served-model-name`` does not require). ``GET
+each Sluice model it serves, the entry that names it (by the model's ``upstream_model``, the
+name the server knows), or the only entry, when the server lists one model under its own name,
+as ``vllm serve --served-model-name`` does not require. ``GET
 /v1/models`` merges those entries into its own: ``max_model_len``, ``owned_by``, ``root``...
 
 A replica that does not answer keeps its last entries; nothing here ever delays a request.
@@ -35,15 +36,25 @@ class ModelCatalog:
         self.entries: dict[str, dict[str, Any]] = {}
 
     async def refresh_forever(
-        self, served: Mapping[UpstreamReplica, Sequence[str]], interval: float
+        self,
+        served: Mapping[UpstreamReplica, Sequence[str]],
+        interval: float,
+        upstream_names: Mapping[str, str] | None = None,
     ) -> None:
-        """Keep the entries fresh; runs under the app's nursery and ends with it."""
+        """Keep the entries fresh; runs under the app's nursery and ends with it.
+        ``upstream_names``: each aliased model's name upstream (its ``upstream_model``); a
+        model not in it is listed upstream under its own name."""
+        aliases = dict(upstream_names or {})
         async with trio.open_nursery() as nursery:
             for replica, names in served.items():
-                nursery.start_soon(self._refresh_replica, replica, list(names), interval)
+                nursery.start_soon(self._refresh_replica, replica, list(names), interval, aliases)
 
     async def _refresh_replica(
-        self, replica: UpstreamReplica, names: list[str], interval: float
+        self,
+        replica: UpstreamReplica,
+        names: list[str],
+        interval: float,
+        upstream_names: Mapping[str, str],
     ) -> None:
         async with health_client(replica.connection, interval) as client:
             while True:
@@ -53,13 +64,19 @@ class ModelCatalog:
                     except (httpx.HTTPError, ValueError) as error:
                         log.info("models of %s: %s", replica.url, error)
                     else:
-                        self._merge(names, listed)
+                        self._merge(names, listed, upstream_names)
                 await trio.sleep(interval)
 
-    def _merge(self, names: list[str], listed: list[dict[str, Any]]) -> None:
+    def _merge(
+        self,
+        names: list[str],
+        listed: list[dict[str, Any]],
+        upstream_names: Mapping[str, str] | None = None,
+    ) -> None:
         by_id = {entry.get("id"): entry for entry in listed if isinstance(entry, dict)}
+        aliases = upstream_names or {}
         for name in names:
-            entry = by_id.get(name)
+            entry = by_id.get(aliases.get(name, name))
             if entry is None and len(by_id) == 1:
                 entry = next(iter(by_id.values()))
             if entry is not None:

@@ -34,6 +34,7 @@ from proxy.protocol.errors import (
     says_model_missing,
 )
 from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.rewrite import RenamingSplitter, model_renamer, rewrite_body
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from proxy.relay.state import Phase
@@ -81,6 +82,9 @@ class UpstreamExchange:
         self.model = model
         self._relay = relay
         self._authorization = f"Bearer {api_key}".encode() if api_key else None
+        # A model the upstream knows by another name: requests are sent with that name, and
+        # answers come back with the model's own. None without an alias: nothing to do.
+        self._rename = model_renamer(model.upstream_model, model.name)
 
     def request(
         self,
@@ -91,14 +95,18 @@ class UpstreamExchange:
         trace_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> UpstreamRequest:
         # Headers built from scratch: nothing of the client's (its Authorization above all)
-        # reaches the upstream. The body is the client's bytes, as they came.
+        # reaches the upstream. The body is the client's bytes, as they came, unless the
+        # upstream knows the model by another name (and the client named it).
+        body = request.raw
+        if self._rename is not None and request.model:
+            body = rewrite_body(request, {"model": self.model.upstream_model})
         headers = [
             (b"host", replica.host_header),
             (b"user-agent", USER_AGENT),
             (b"content-type", request.content_type.encode("latin-1")),
             (b"accept", _ACCEPT[request.endpoint, request.stream]),
             (b"accept-encoding", b"identity"),
-            (b"content-length", str(len(request.raw)).encode()),
+            (b"content-length", str(len(body)).encode()),
             (b"x-request-id", request_id.encode()),
         ]
         if self._authorization is not None:
@@ -116,7 +124,7 @@ class UpstreamExchange:
             b"POST",
             replica.target(request),
             headers,
-            request.raw,
+            body,
             connect_timeout=self.model.connect_timeout,
             on_sent=on_sent,
         )
@@ -266,7 +274,11 @@ class UpstreamExchange:
         # idle_timeout + slack after its last chunk, and a deadline change (a context manager
         # and a heap push in trio) happens about once per slack, not per chunk.
         slack = min(idle_timeout / 10, _IDLE_SLACK)
-        splitter = SSESplitter(self._relay.max_event_bytes)
+        splitter = (
+            SSESplitter(self._relay.max_event_bytes)
+            if self._rename is None
+            else RenamingSplitter(self._relay.max_event_bytes, self._rename)
+        )
         saw_done = False
         async for chunk in response.chunks():
             events = splitter.feed(chunk if decoder is None else decode(decoder, chunk))
@@ -309,13 +321,32 @@ class UpstreamExchange:
         if "content-encoding" in response.headers:
             headers["Content-Encoding"] = response.headers["content-encoding"]
         idle_timeout = self.model.idle_timeout
+        # An aliased model's event stream is renamed event by event (whole events only: a name
+        # may be split across chunks); any other stream's bytes pass as they come.
+        splitter = (
+            RenamingSplitter(self._relay.max_event_bytes, self._rename)
+            if self._rename is not None
+            and not headers
+            and content_type.startswith("text/event-stream")
+            else None
+        )
         async for chunk in response.chunks():
+            if splitter is not None:
+                chunk = b"".join(splitter.feed(chunk))
+                if not chunk:
+                    read_scope.deadline = trio.current_time() + idle_timeout
+                    continue
             if not sink.started:
                 sink.begin(200, content_type, headers)
             if not sink.offer(chunk):
                 read_scope.deadline = math.inf
                 await sink.send(chunk)
             read_scope.deadline = trio.current_time() + idle_timeout
+        if splitter is not None and splitter.pending:
+            # An unterminated last event: the client gets it as the upstream ended it.
+            if not sink.started:
+                sink.begin(200, content_type, headers)
+            await sink.send(splitter.renamed_pending)
         if not sink.started:
             sink.begin(200, content_type, headers, content_length=0)
 
@@ -366,6 +397,11 @@ class UpstreamExchange:
                 f"({content_type}): {snippet!r}",
                 retryable=True,
             )
+        # A pass-through's answer is renamed only when it is JSON: nothing else has a "model"
+        # member (and an encoded body, passed on as it came, is not Sluice's to read).
+        rename = self._rename
+        if rename is not None and "Content-Encoding" not in headers:
+            body = rename(body) if checked or is_json(body) else body
         sink.begin(200, content_type, headers, content_length=len(body))
         await sink.send(body)
 
