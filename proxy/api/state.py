@@ -202,12 +202,19 @@ class SluiceState:
             )
         if upstream.list_upstream_models and self.replicas:
             served: dict[UpstreamReplica, list[str]] = {}
+            # An aliased model is listed upstream under its upstream_model.
+            upstream_names: dict[str, str] = {}
             for name, backend in self.backends.items():
                 if isinstance(backend, UpstreamBackend):
                     for replica in backend.replicas:
                         served.setdefault(replica, []).append(name)
+                    if backend.model.aliased:
+                        upstream_names[name] = backend.model.upstream_model
             nursery.start_soon(
-                self.catalog.refresh_forever, served, upstream.models_refresh_interval
+                self.catalog.refresh_forever,
+                served,
+                upstream.models_refresh_interval,
+                upstream_names,
             )
         if upstream.health_check_path and self.replicas:
             nursery.start_soon(

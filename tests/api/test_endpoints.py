@@ -338,9 +338,16 @@ async def test_a_client_that_leaves_stops_the_local_model_within_a_step(
 async def test_models_lists_what_the_upstream_says_of_each(nursery: trio.Nursery) -> None:
     fake = await start_fake(nursery, models=["fake-model"])
     only = await start_fake(nursery, models=["served-under-its-own-name"])
+    # Two models upstream: the aliased one is found under its upstream_model.
+    two = await start_fake(nursery, models=["other", "real-name"])
     proxy = await start_proxy(
         nursery,
-        {"fake-model": [fake.url], "alias": [only.url], "unknown": ["http://127.0.0.1:9"]},
+        {
+            "fake-model": [fake.url],
+            "alias": [only.url],
+            "public": {"upstreams": [two.url], "upstream_model": "real-name"},
+            "unknown": ["http://127.0.0.1:9"],
+        },
         upstream={"list_upstream_models": True, "models_refresh_interval": 0.05},
     )
     with trio.fail_after(DEADLINE):
@@ -348,11 +355,16 @@ async def test_models_lists_what_the_upstream_says_of_each(nursery: trio.Nursery
             while True:
                 listed = (await client.get(proxy.url + "/v1/models")).json()["data"]
                 owners = {entry["id"]: entry["owned_by"] for entry in listed}
-                if "sluice" not in (owners["fake-model"], owners["alias"]):
+                if "sluice" not in (owners["fake-model"], owners["alias"], owners["public"]):
                     break
                 await trio.sleep(0.02)
     # The ids stay Sluice's (what a client must send); the rest is the upstream's.
-    assert owners == {"fake-model": "sluice-fake", "alias": "sluice-fake", "unknown": "sluice"}
+    assert owners == {
+        "fake-model": "sluice-fake",
+        "alias": "sluice-fake",
+        "public": "sluice-fake",
+        "unknown": "sluice",
+    }
 
 
 async def test_leaving_an_sdk_stream_early_closes_the_upstream(rig: tuple[Proxy, Fake]) -> None:
