@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +126,21 @@ def test_an_upstream_only_key_on_a_local_model_is_refused_by_name(key: str) -> N
 def test_upstream_example_loads_without_its_api_key() -> None:
     config = load_config(CONF / "upstream.example.toml", env={})
     smol = config.model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    llama = config.model("llama-3-8b")
-    assert smol is not None and llama is not None
+    assert smol is not None
     assert smol.upstreams == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
     assert smol.api_key_env == "VLLM_API_KEY"
-    assert (smol.first_token_timeout, llama.first_token_timeout) == (60.0, 20.0)
-    assert llama.upstreams == ("http://127.0.0.1:8003/v1",)
+    assert smol.first_token_timeout == 60.0
     assert config.model("gpt-4") is None
+    # The second model is there to be uncommented (no server on :8003 here), and then loads.
+    assert config.model("llama-3-8b") is None
+    text = (CONF / "upstream.example.toml").read_text()
+    uncommented = text.replace("# [models.llama-3-8b]", "[models.llama-3-8b]").replace(
+        '# upstreams = ["http://127.0.0.1:8003/v1"]\n# first_token_timeout',
+        'upstreams = ["http://127.0.0.1:8003/v1"]\nfirst_token_timeout',
+    )
+    llama = config_from_mapping(tomllib.loads(uncommented), "example", env={}).model("llama-3-8b")
+    assert llama is not None and llama.first_token_timeout == 20.0
+    assert llama.upstreams == ("http://127.0.0.1:8003/v1",)
 
 
 def test_sections_are_read_and_ints_widen_to_float() -> None:
