@@ -46,6 +46,16 @@ Testing policy
   moment of the disconnect (anywhere in the stream, or after it) and the transport and backend
   at random, and checks the same invariants.
 
+* **Traces.** Every case runs with tracing on (only the standard ``OTEL_EXPORTER_OTLP_*``
+  variables), exporting to a real OTLP/HTTP receiver in this process. Each request a case sends
+  carries a ``traceparent`` with a fresh trace id; once the invariants above hold, the spans
+  are flushed, and every such request must have one access line and a trace that says the same
+  (:func:`proxy.testing.trace_check.judge`: every span ended, nested, with the line's outcome,
+  and a departure's events). The trial's line must say :func:`expected_outcome` of its phase,
+  the same expectation the cancellation counter is checked against. The warm-up's traces are
+  not looked at (their ids are not kept), nor the exporter's connections counted as the
+  request's descriptors.
+
 * **Hygiene.** Every test runs under ``trio.fail_after``. No virtual clock: real sockets, real
   worker threads. Conditions are waited for (events, or polling where there is none), never
   assumed after a fixed sleep.
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import re
 import socket
@@ -73,8 +84,19 @@ from hypothesis import strategies as st
 import proxy.server.run
 from proxy.backends.local import LocalBackend
 from proxy.backends.upstream.replica import UpstreamReplica
+from proxy.ops import tracing
+from proxy.ops.logs import ACCESS_LOGGER
 from proxy.relay.state import Phase
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
+from proxy.testing.otlp_receiver import Receiver, otlp_receiver
+from tests.contracts.tracing_support import (
+    AccessLines,
+    Traced,
+    flush,
+    new_traceparent,
+    verdict,
+    without_collector,
+)
 from tests.support import (
     DEADLINE,
     Fake,
@@ -114,6 +136,39 @@ UPSTREAM_BACKENDS = ("upstream", "upstream-httpx")
 # the response head (read from the producer task's await frames).
 CONNECTING_IN = {"upstream": "_connect_to_address", "upstream-httpx": "connect_tcp"}
 READING_HEAD_IN = {"upstream": "_read_head", "upstream-httpx": "_receive_response_headers"}
+
+
+# What a client that left at a random moment may have ended its request with.
+ANY_ENDING = ("completed", *(f"cancelled({phase})" for phase in Phase))
+
+
+# The access line names the phase by what the proxy has seen and handed on, the matrix by
+# where the work is; they differ in these cells. A whole (JSON) response: an upstream's head
+# comes with its end, so the proxy still waits for it (head); the local model hands its answer
+# on at the end, so no token went out (first_token).
+WHOLE_SEEN_AS = {
+    (Phase.FIRST_TOKEN, "upstream"): Phase.HEAD,
+    (Phase.MID_STREAM, "upstream"): Phase.HEAD,
+    (Phase.MID_STREAM, "local"): Phase.FIRST_TOKEN,
+}
+# A stream that hands on an event before its first token (the local model's chat role delta,
+# written before the prefill; the Responses API's response.created, written at the upstream's
+# head): the relay moves to mid_stream on the first chunk it hands on, token or not.
+FRAMING_FIRST = {("local", "chat"), ("upstream", "responses")}
+
+
+def expected_outcome(phase: Phase, transport: str, backend: str, endpoint: str) -> str:
+    """What the access line (and so the trace) says of a trial that leaves in ``phase``."""
+    if phase == Phase.AFTER_LAST:
+        return "completed"
+    kind = "local" if backend == "local" else "upstream"
+    if transport == "json":
+        phase = WHOLE_SEEN_AS.get((phase, kind), phase)
+    elif phase == Phase.FIRST_TOKEN and (kind, endpoint) in FRAMING_FIRST:
+        phase = Phase.MID_STREAM
+    return f"cancelled({phase})"
+
+
 NOT_APPLICABLE = {
     (Phase.CONNECTING, "local"): "the local backend opens no connection",
     (Phase.HEAD, "local"): (
@@ -196,6 +251,33 @@ def _matrix() -> list[Any]:
                     )
                 )
     return cases
+
+
+# -- tracing ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    with otlp_receiver() as running:
+        yield running
+
+
+@pytest.fixture
+def traced(receiver: Receiver) -> Iterator[Traced]:
+    """Tracing on for the proxy a case starts, and its access lines kept; off again after, so
+    that no later test is traced (tracing.ACTIVE is the process's)."""
+    lines = AccessLines()
+    access = logging.getLogger(ACCESS_LOGGER)
+    level = access.level
+    access.addHandler(lines)
+    access.setLevel(logging.INFO)
+    try:
+        yield Traced(receiver, lines)
+    finally:
+        access.removeHandler(lines)
+        access.setLevel(level)
+        if tracing.ACTIVE is not None:
+            tracing.ACTIVE.shutdown()
 
 
 # -- what the harness observes ---------------------------------------------------------------
@@ -295,6 +377,9 @@ class Rig:
     upstream: str = "upstream"
     # Which endpoint the upstream drivers' requests go to (ENDPOINT_PATHS).
     endpoint: str = "chat"
+    traced: Traced | None = None
+    # Each request sent since the baseline: its trace id and backend.
+    sent: dict[RawClient, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def local(self) -> LocalBackend:
@@ -337,7 +422,17 @@ class Rig:
         if backend == "upstream":
             backend = self.upstream
         body = self.body(backend, transport, endpoint, **options)
-        return await RawClient.post(self.proxy, self.path(backend, endpoint), body)
+        trace_id, traceparent = new_traceparent()
+        raw = await RawClient.post(
+            self.proxy, self.path(backend, endpoint), body, headers={"traceparent": traceparent}
+        )
+        self.sent[raw] = (trace_id, backend)
+        return raw
+
+    def request_fds(self) -> Counter[str]:
+        """This process's descriptors, less the exporter's and the receiver's connections."""
+        fds = open_fds()
+        return fds if self.traced is None else without_collector(fds, self.traced.port)
 
     def in_flight_connections(self) -> set[Any]:
         """Upstream connections serving a request now (connecting, or not idle)."""
@@ -364,13 +459,16 @@ class Rig:
         # by an automatic collection in the middle of a timed disconnect.
         gc.collect()
         self.idle_tasks = proxy_tasks()
-        self.fds = open_fds()
-        self.fd_count = len(os.listdir("/proc/self/fd"))
+        self.fds = self.request_fds()
+        self.fd_count = sum(self.fds.values())
+        self.sent.clear()
         self.cancelled = self.proxy.state.tracker.cancelled
         self.records = len(self.fake.recorder.records)
 
 
-async def start_rig(nursery: trio.Nursery, loaded: Any, **more_models: Any) -> Rig:
+async def start_rig(
+    nursery: trio.Nursery, loaded: Any, traced: Traced | None, **more_models: Any
+) -> Rig:
     fake = await start_fake(nursery, ttft=0.02, interval=0.01, tokens=5)
     slow = slowed(loaded)
     proxy = await start_proxy(
@@ -391,10 +489,11 @@ async def start_rig(nursery: trio.Nursery, loaded: Any, **more_models: Any) -> R
             },
             **more_models,
         },
+        env=None if traced is None else traced.env,
         local_models={"tiny": slow},
         upstream={"max_connections": 1},
     )
-    rig = Rig(proxy, fake, slow.model)
+    rig = Rig(proxy, fake, slow.model, traced=traced)
     await rig.warm_up()
     return rig
 
@@ -475,12 +574,20 @@ async def assert_nothing_left(rig: Rig, request_connections: set[Any]) -> None:
         lambda: rig.fake.recorder.open_connections == pooled(),
         lambda: f"{rig.fake.recorder.open_connections} open at the fake, {pooled()} pooled",
     )
-    # Sockets: no descriptor that the baseline lacks, and no more of them.
+
+    # Sockets: no descriptor that the baseline lacks, and no more of them. Waited for, not read
+    # once: the exporter's socket is not known as the collector's before it connects.
+    def fds_back() -> bool:
+        fds = rig.request_fds()
+        return not fds - rig.fds and sum(fds.values()) <= rig.fd_count
+
     await settle(
-        lambda: not open_fds() - rig.fds,
-        lambda: f"descriptors of the request remain: {open_fds() - rig.fds}",
+        fds_back,
+        lambda: (
+            f"descriptors of the request remain: {rig.request_fds() - rig.fds} "
+            f"({sum(rig.request_fds().values())} open, {rig.fd_count} before)"
+        ),
     )
-    assert len(os.listdir("/proc/self/fd")) <= rig.fd_count
     # Memory: the request's body (its channel, buffers, producer state) is unreachable. Often
     # refcounting alone has freed it; a full collection (~0.2 s with torch loaded) only if not.
     if len(tracker.alive):
@@ -507,16 +614,50 @@ async def assert_next_request_works(rig: Rig, backend: str, transport: str, **op
         assert isinstance(response.json(), dict)
 
 
+async def assert_traces_say_what_happened(rig: Rig, trial: RawClient, expected: str | None) -> str:
+    """Every request sent since the baseline has one access line, and a trace that says the
+    same (ended, nested, the line's outcome, a departure's events); the trial's line says
+    ``expected`` (None: any completed or cancelled one). Returns the trial's outcome."""
+    traced = rig.traced
+    assert traced is not None
+    sent = dict(rig.sent)
+    # The line is written (and the server span ended with it) as the request's relay closes.
+    await settle(
+        lambda: all(traced.access.of_trace(trace_id) for trace_id, _ in sent.values()),
+        lambda: (
+            f"no access line for {[t for t, _ in sent.values() if not traced.access.of_trace(t)]}"
+        ),
+    )
+    await flush()
+    said = ""
+    for raw, (trace_id, backend) in sent.items():
+        lines = traced.access.of_trace(trace_id)
+        assert len(lines) == 1, lines
+        outcome = lines[0]["outcome"]
+        if raw is trial:
+            said = outcome
+            if expected is None:
+                assert outcome in ANY_ENDING, lines[0]
+            else:
+                assert outcome == expected, lines[0]
+        reason = verdict(traced.receiver, trace_id, outcome, local=backend == "local")
+        assert reason is None, reason
+    assert trial in sent
+    return said
+
+
 # -- the phases ------------------------------------------------------------------------------
 
 
 @dataclass
 class Left:
-    """What a driver saw: the upstream connections the request used while in its phase, and
-    how many relays the disconnect cancelled."""
+    """What a driver saw: the upstream connections the request used while in its phase, how
+    many relays the disconnect cancelled, and the request that left in the phase (the trial;
+    a driver may send others, as the queued ones' holder)."""
 
     connections: set[Any]
     cancelled: int
+    trial: RawClient
 
 
 async def upstream_queued(rig: Rig, transport: str) -> Left:
@@ -534,7 +675,7 @@ async def upstream_queued(rig: Rig, transport: str) -> Left:
     assert len(rig.fake.recorder.records) == rig.records + 1  # it never reached the upstream
     closed_at = await holder.close()
     await assert_upstream_saw_close(rig, holder_record, closed_at)
-    return Left(connections, 2)
+    return Left(connections, 2, raw)
 
 
 async def upstream_connecting(rig: Rig, transport: str) -> Left:
@@ -549,7 +690,7 @@ async def upstream_connecting(rig: Rig, transport: str) -> Left:
         await rig.proxy.state.tracker.wait_idle()
     assert trio.current_time() - closed_at < CANCEL_BOUND
     assert len(rig.fake.recorder.records) == rig.records
-    return Left(connections, 1)
+    return Left(connections, 1, raw)
 
 
 async def _upstream_leave_parked(rig: Rig, transport: str, fake: dict[str, Any], in_: str) -> Left:
@@ -560,7 +701,7 @@ async def _upstream_leave_parked(rig: Rig, transport: str, fake: dict[str, Any],
     connections = rig.in_flight_connections()
     closed_at = await raw.close()
     await assert_upstream_saw_close(rig, record, closed_at)
-    return Left(connections, 1)
+    return Left(connections, 1, raw)
 
 
 async def upstream_head(rig: Rig, transport: str) -> Left:
@@ -589,7 +730,7 @@ async def upstream_mid_stream(rig: Rig, transport: str) -> Left:
     connections = rig.in_flight_connections()
     closed_at = await raw.close()
     await assert_upstream_saw_close(rig, record, closed_at)
-    return Left(connections, 1)
+    return Left(connections, 1, raw)
 
 
 async def upstream_after_last_token(rig: Rig, transport: str) -> Left:
@@ -606,7 +747,7 @@ async def upstream_after_last_token(rig: Rig, transport: str) -> Left:
     assert record.disconnected_at is None
     # Its connection, fully read, is back in the pool and reusable (checked idle later).
     assert len(rig.replica.pool_connections()) == 1
-    return Left(set(), 0)
+    return Left(set(), 0, raw)
 
 
 async def local_queued(rig: Rig, transport: str) -> Left:
@@ -622,7 +763,7 @@ async def local_queued(rig: Rig, transport: str) -> Left:
     steps = rig.model.steps
     closed_at = await holder.close()
     await assert_local_stopped(rig, closed_at, STEP, steps)
-    return Left(set(), 2)
+    return Left(set(), 2, raw)
 
 
 async def local_first_token(rig: Rig, transport: str) -> Left:
@@ -634,7 +775,7 @@ async def local_first_token(rig: Rig, transport: str) -> Left:
     closed_at = await raw.close()
     # The prefill runs to its end (a model step cannot be interrupted), then nothing more.
     await assert_local_stopped(rig, closed_at, PREFILL, steps, new_steps=0)
-    return Left(set(), 1)
+    return Left(set(), 1, raw)
 
 
 async def local_mid_stream(rig: Rig, transport: str) -> Left:
@@ -648,7 +789,7 @@ async def local_mid_stream(rig: Rig, transport: str) -> Left:
     steps = rig.model.steps
     closed_at = await raw.close()
     await assert_local_stopped(rig, closed_at, STEP, steps)
-    return Left(set(), 1)
+    return Left(set(), 1, raw)
 
 
 async def local_after_last_token(rig: Rig, transport: str) -> Left:
@@ -657,7 +798,7 @@ async def local_after_last_token(rig: Rig, transport: str) -> Left:
     if transport == "json":
         await rig.proxy.state.tracker.wait_idle()
     await raw.close()
-    return Left(set(), 0)
+    return Left(set(), 0, raw)
 
 
 Driver = Callable[[Rig, str], Awaitable[Left]]
@@ -690,9 +831,14 @@ def test_the_matrix_is_complete() -> None:
 
 @pytest.mark.parametrize(("phase", "transport", "backend"), _matrix())
 async def test_disconnect_leaves_nothing_behind(
-    phase: Phase, transport: str, backend: str, nursery: trio.Nursery, tiny_loaded_model: Any
+    phase: Phase,
+    transport: str,
+    backend: str,
+    nursery: trio.Nursery,
+    tiny_loaded_model: Any,
+    traced: Traced,
 ) -> None:
-    await leave_and_check(nursery, tiny_loaded_model, "chat", phase, transport, backend)
+    await leave_and_check(nursery, tiny_loaded_model, traced, "chat", phase, transport, backend)
 
 
 @pytest.mark.parametrize(("endpoint", "phase", "transport", "backend"), _endpoint_matrix())
@@ -703,13 +849,15 @@ async def test_disconnect_leaves_nothing_behind_on_every_endpoint(
     backend: str,
     nursery: trio.Nursery,
     tiny_loaded_model: Any,
+    traced: Traced,
 ) -> None:
-    await leave_and_check(nursery, tiny_loaded_model, endpoint, phase, transport, backend)
+    await leave_and_check(nursery, tiny_loaded_model, traced, endpoint, phase, transport, backend)
 
 
 async def leave_and_check(
     nursery: trio.Nursery,
     loaded: Any,
+    traced: Traced,
     endpoint: str,
     phase: Phase,
     transport: str,
@@ -725,6 +873,7 @@ async def leave_and_check(
         rig = await start_rig(
             nursery,
             loaded,
+            traced,
             unreachable=unreachable,
             **{"unreachable-httpx": {**unreachable, "transport": "httpx"}},
         )
@@ -734,6 +883,10 @@ async def leave_and_check(
         left = await DRIVERS[phase, backend](rig, transport)
         await assert_nothing_left(rig, left.connections)
         assert rig.proxy.state.tracker.cancelled - rig.cancelled == left.cancelled
+        expected = expected_outcome(phase, transport, backend, endpoint)
+        # The counter and the line must agree on whether the trial was cancelled at all.
+        assert (expected == "completed") == (left.cancelled == 0), (expected, left.cancelled)
+        await assert_traces_say_what_happened(rig, left.trial, expected)
         if phase == Phase.CONNECTING:
             # The same replica, now reachable: its one pool slot and semaphore slot are free.
             listener.close()
@@ -758,10 +911,12 @@ RANDOM_TOKENS = 15
 STREAM_TIME = 0.3
 
 
-async def disconnect_at(delay: float, transport: str, backend: str, loaded: Any) -> None:
+async def disconnect_at(
+    delay: float, transport: str, backend: str, loaded: Any, traced: Traced
+) -> None:
     with trio.fail_after(DEADLINE):
         async with trio.open_nursery() as nursery:
-            rig = await start_rig(nursery, loaded)
+            rig = await start_rig(nursery, loaded, traced)
             if backend in UPSTREAM_BACKENDS:
                 rig.upstream = backend
             rig.model.prefill_seconds = RANDOM_PREFILL
@@ -788,6 +943,10 @@ async def disconnect_at(delay: float, transport: str, backend: str, loaded: Any)
             # Which connection served it is not known at a random moment; the pool checks
             # (all idle, one for one with the fake's) still hold.
             await assert_nothing_left(rig, set())
+            outcome = await assert_traces_say_what_happened(rig, raw, None)
+            # The line agrees with the counter: cancelled exactly when the relay counted it.
+            cancelled = rig.proxy.state.tracker.cancelled - rig.cancelled
+            assert cancelled == (0 if outcome == "completed" else 1), (outcome, cancelled)
             await assert_next_request_works(rig, backend, transport)
             nursery.cancel_scope.cancel()
 
@@ -804,8 +963,10 @@ def _random_disconnect_test(examples: int) -> Any:
         transport=st.sampled_from(TRANSPORTS),
         backend=st.sampled_from(BACKENDS),
     )
-    async def test(delay: float, transport: str, backend: str, tiny_loaded_model: Any) -> None:
-        await disconnect_at(delay, transport, backend, tiny_loaded_model)
+    async def test(
+        delay: float, transport: str, backend: str, tiny_loaded_model: Any, traced: Traced
+    ) -> None:
+        await disconnect_at(delay, transport, backend, tiny_loaded_model, traced)
 
     return test
 
