@@ -19,12 +19,7 @@ import trio
 
 from proxy.ops import tracing
 from proxy.testing.otlp_receiver import Receiver, Span
-from proxy.testing.trace_check import GENERATION_STOPPED, judge
-
-# The local model's "generation stopped" event is the lead's, landing with its merge: until
-# then a local departure's trace lacks it, and that one reason (nothing else) is let pass.
-LOCAL_EVENTS_LANDED = False
-_NOT_LANDED = f"no {GENERATION_STOPPED!r} event"
+from proxy.testing.trace_check import judge
 
 
 def tracing_env(receiver: Receiver) -> dict[str, str]:
@@ -116,9 +111,9 @@ async def flush() -> None:
 
 def verdict(receiver: Receiver, trace_id: str, outcome: str, *, local: bool) -> str | None:
     """The judge's reason against the trace ``trace_id``, with its spans; None when it says
-    ``outcome``. A local departure's missing "generation stopped" passes until it lands."""
+    ``outcome``."""
     spans = receiver.of_trace(trace_id)
     reason = judge(spans, outcome, local=local)
-    if reason is None or (local and not LOCAL_EVENTS_LANDED and reason == _NOT_LANDED):
+    if reason is None:
         return None
     return f"trace {trace_id} does not say {outcome!r}: {reason}; spans: {describe(spans)}"
