@@ -14,10 +14,21 @@ generation is a :class:`~proxy.relay.RelayBody` from the pipeline, exactly as an
 WebSocket messages. Every write to the client goes through one :class:`StallGuard`: a reader
 that takes nothing for ``stall_timeout`` is cut off and its connection dropped, since the
 server's writes cannot be cancelled.
+
+The loop that reads the client's messages never waits on a write. When a write fails (the
+client reset the connection, or the stall guard dropped it), the server hands the app its
+``websocket.disconnect`` from inside that write, under the connection's send lock, through the
+app's bounded inbound queue: a reader blocked in a write of its own (a ``request_in_progress``
+reply to a client that floods without reading) would never drain that queue, and the write,
+the generation waiting on the lock, and its relay would wait forever. So those replies go
+through a short backlog written by a task of their own, and a client that does not read them
+is not sent more. After a stall everything the session runs is cancelled: nothing may go on
+waiting on a connection that has been dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from typing import Any
@@ -41,6 +52,9 @@ log = logging.getLogger("sluice.ws")
 WS_PATH = "/v1/ws"
 # The close code after a refused handshake (no valid key): an application code, like 401.
 UNAUTHORIZED_CLOSE = 4401
+# Replies to messages sent while a generation runs, waiting to be written: a client that sends
+# more without reading them is not answered for the rest (see the module's docstring).
+NOTICE_BACKLOG = 8
 
 
 def message(kind: str, request_id: str, **fields: Any) -> str:
@@ -165,6 +179,9 @@ class WebSocketSession:
         self.guard = StallGuard(pipeline.config.relay.stall_timeout, self._stalled)
         self.running: RelayBody | None = None
         self.scope: trio.CancelScope | None = None
+        # The scope of everything the session runs (its nursery's), cancelled after a stall.
+        self.session_scope: trio.CancelScope | None = None
+        self._notices, self._pending_notices = trio.open_memory_channel[str](NOTICE_BACKLOG)
 
     def _stalled(self) -> None:
         log.warning("websocket client took nothing for %.1fs; dropped", self.guard.stall_timeout)
@@ -172,9 +189,23 @@ class WebSocketSession:
             self.running.stall()  # its access line says so; it drops the connection
         else:
             self.connection.abort()
+        if self.session_scope is not None:
+            # A write the drop woke may be waiting to hand the app its disconnect (see the
+            # module's docstring): cancelled, it lets the session and its relay end.
+            self.session_scope.cancel()
 
     async def send(self, text: str) -> None:
         await self.guard.write(websocket.send, text)
+
+    def notify(self, text: str) -> None:
+        """Send ``text`` without waiting: into the backlog :meth:`write_notices` writes, or
+        nowhere if it is full (the client has not read what it was sent)."""
+        with contextlib.suppress(trio.WouldBlock):
+            self._notices.send_nowait(text)
+
+    async def write_notices(self) -> None:
+        async for text in self._pending_notices:
+            await self.send(text)
 
     def begin(self) -> AccessRecord:
         # The handshake's traceparent is the parent of every message's span.
@@ -286,7 +317,10 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
         await websocket.accept()
         session = WebSocketSession(pipeline, connection, None, client)
         async with trio.open_nursery() as nursery:
+            session.session_scope = nursery.cancel_scope
             nursery.start_soon(session.guard.watch)
+            # Read (and dropped) while the refusal is written, as a session's reader does.
+            nursery.start_soon(_discard_messages)
             await session.send(error_message(handshake.request_id, error))
             await session.guard.write(websocket.close, UNAUTHORIZED_CLOSE)
             nursery.cancel_scope.cancel()
@@ -296,7 +330,9 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
     # The handshake's headers: a model routed by a session header reads it from there.
     session.headers = websocket.headers
     async with trio.open_nursery() as nursery:
+        session.session_scope = nursery.cancel_scope
         nursery.start_soon(session.guard.watch)
+        nursery.start_soon(session.write_notices)
         while not session.guard.stalled:
             received = await websocket.receive()
             raw = received.encode() if isinstance(received, str) else received
@@ -310,12 +346,17 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
                     '{"type": "cancel"} first or wait for "done".',
                     code="request_in_progress",
                 )
-                await session.send(error_message("", busy))
+                session.notify(error_message("", busy))
                 continue
             if _is_cancel(raw):
                 continue  # nothing to cancel
             await nursery.start(session.generate, raw)
         nursery.cancel_scope.cancel()
+
+
+async def _discard_messages() -> None:
+    while True:
+        await websocket.receive()
 
 
 def _is_cancel(raw: bytes) -> bool:
