@@ -346,7 +346,10 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
                     '{"type": "cancel"} first or wait for "done".',
                     code="request_in_progress",
                 )
-                session.notify(error_message("", busy))
+                # A request of its own, refused: its own id, access line and span.
+                refused = session.begin()
+                pipeline.refused(refused, busy.status, busy.code or "error", "-")
+                session.notify(error_message(refused.request_id, busy, trace_id_of(refused)))
                 continue
             if _is_cancel(raw):
                 continue  # nothing to cancel

@@ -140,12 +140,15 @@ async def test_a_second_request_while_one_runs_is_refused(nursery: trio.Nursery)
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         async with open_websocket_url(ws_url(proxy)) as ws:
             await ws.send_message(chat())
-            assert (await receive(ws))["type"] == "token"
+            running = await receive(ws)
+            assert running["type"] == "token"
             await ws.send_message(chat())
             while (message := await receive(ws))["type"] == "token":
                 pass
             assert message["type"] == "error"
             assert message["error"]["code"] == "request_in_progress"
+            # The refused message is a request of its own, with its own id.
+            assert message["id"] and message["id"] != running["id"]
 
 
 async def test_slow_websocket_reader_pauses_upstream_then_is_cut(nursery: trio.Nursery) -> None:
