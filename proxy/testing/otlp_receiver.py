@@ -121,7 +121,10 @@ def otlp_receiver() -> Iterator[Receiver]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     receiver = Receiver(f"http://127.0.0.1:{server.server_address[1]}")
-    thread = threading.Thread(target=server.serve_forever, name="otlp receiver", daemon=True)
+    # A short poll: its shutdown (every test that uses one) waits up to one interval.
+    thread = threading.Thread(
+        target=server.serve_forever, args=(0.05,), name="otlp receiver", daemon=True
+    )
     thread.start()
     try:
         yield receiver

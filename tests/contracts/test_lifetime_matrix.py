@@ -89,14 +89,6 @@ from proxy.ops.logs import ACCESS_LOGGER
 from proxy.relay.state import Phase
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 from proxy.testing.otlp_receiver import Receiver, otlp_receiver
-from tests.contracts.tracing_support import (
-    AccessLines,
-    Traced,
-    flush,
-    new_traceparent,
-    verdict,
-    without_collector,
-)
 from tests.support import (
     DEADLINE,
     Fake,
@@ -109,6 +101,14 @@ from tests.support import (
     slowed,
     start_fake,
     start_proxy,
+)
+from tests.tracing_support import (
+    AccessLines,
+    Traced,
+    flush,
+    new_traceparent,
+    verdict,
+    without_collector,
 )
 
 CHAT = "/v1/chat/completions"

@@ -32,8 +32,8 @@ from inference.loading import load_model
 from proxy.ops import tracing
 from proxy.testing.otlp_receiver import KIND_CLIENT, Receiver, Span
 from proxy.testing.trace_check import judge
-from tests.ops.test_tracing import flush, tree
 from tests.support import RawClient, chat_body, sse_payloads, start_proxy, stream_text
+from tests.tracing_support import flush, tree
 
 pytestmark = pytest.mark.vllm
 

@@ -25,7 +25,6 @@ from proxy.testing.otlp_receiver import (
     STATUS_ERROR,
     STATUS_UNSET,
     Receiver,
-    Span,
     otlp_receiver,
 )
 from tests.ops.test_metrics import closed_port
@@ -39,6 +38,7 @@ from tests.support import (
     start_fake,
     start_proxy,
 )
+from tests.tracing_support import flush, tracing_env, tree
 
 CHAT = "/v1/chat/completions"
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -67,40 +67,12 @@ def access(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtur
         yield caplog
 
 
-def standard_env(receiver: Receiver) -> dict[str, str]:
-    """Only the standard variables, as the issue's 'done when' says."""
-    return {
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url + "/v1/traces",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-    }
-
-
-async def flush(proxy: Proxy) -> None:
-    """Every ended span exported (the processor's thread does it; the test waits in one)."""
-    await proxy.state.tracker.wait_idle()
-    active = proxy.state.tracing
-    assert active is not None
-    assert await trio.to_thread.run_sync(active.provider.force_flush)
-
-
-def tree(spans: list[Span]) -> tuple[Span, Span, list[Span]]:
-    """The server span, the operation span under it, and the spans under that (the upstream
-    attempts, or the local model's stages)."""
-    (server,) = [span for span in spans if span.kind == KIND_SERVER]
-    (operation,) = [span for span in spans if span.parent_span_id == server.span_id]
-    attempts = [span for span in spans if span.parent_span_id == operation.span_id]
-    assert len(spans) == 2 + len(attempts), spans
-    for span in spans:
-        assert span.end >= span.start > 0
-    return server, operation, attempts
-
-
 async def start_local_traced(nursery: trio.Nursery, receiver: Receiver, loaded: Any) -> Proxy:
     """A proxy serving the tiny local model as "tiny", traced into ``receiver``."""
     from tests.support import local_model
 
     return await start_proxy(
-        nursery, {"tiny": local_model()}, local_models={"tiny": loaded}, env=standard_env(receiver)
+        nursery, {"tiny": local_model()}, local_models={"tiny": loaded}, env=tracing_env(receiver)
     )
 
 
@@ -214,7 +186,7 @@ async def test_a_completed_stream_continues_the_clients_trace_into_the_upstream(
         proxy = await start_proxy(
             nursery,
             {"fake-model": {"upstreams": [fake.url], "transport": transport}},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(
@@ -262,7 +234,7 @@ async def test_a_completed_stream_continues_the_clients_trace_into_the_upstream(
 async def test_a_client_that_leaves_mid_stream(nursery: trio.Nursery, receiver: Receiver) -> None:
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0, interval=0.01, tokens=1000)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=standard_env(receiver))
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=tracing_env(receiver))
         raw = await RawClient.post(proxy, CHAT, chat_body())
         await raw.read_until(b"data: ", count=3)
         assert b"traceresponse: 00-" in raw.received
@@ -296,7 +268,7 @@ async def test_an_upstream_failure_is_an_error_with_its_type(
         proxy = await start_proxy(
             nursery,
             {"fake-model": {"upstreams": [dead], "max_attempts": 1}},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(proxy.url + CHAT, json=chat_body())
@@ -313,7 +285,7 @@ async def test_an_upstream_failure_is_an_error_with_its_type(
 async def test_a_refusal_ends_its_server_span(nursery: trio.Nursery, receiver: Receiver) -> None:
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=standard_env(receiver))
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=tracing_env(receiver))
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(proxy.url + CHAT, content=b"{")
         assert response.status_code == 400
@@ -329,7 +301,7 @@ async def test_a_websocket_message_is_a_span_under_the_handshakes_trace(
 ) -> None:
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0.01, interval=0.01, tokens=4)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=standard_env(receiver))
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=tracing_env(receiver))
         url = proxy.url.replace("http://", "ws://") + "/v1/ws"
         headers = [(b"traceparent", TRACEPARENT.encode()), (b"tracestate", TRACESTATE.encode())]
         async with open_websocket_url(url, extra_headers=headers) as ws:
@@ -370,7 +342,7 @@ async def test_a_collector_in_trouble_never_delays_a_request(
     monkeypatch.setattr(tracing, "MAX_QUEUE_SIZE", 3)
     monkeypatch.setattr(tracing, "EXPORT_TIMEOUT", 1.0)
     receiver.mode = trouble
-    env = standard_env(receiver)
+    env = tracing_env(receiver)
     if trouble == "down":
         env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"http://127.0.0.1:{closed_port()}/v1/traces"
     with trio.fail_after(DEADLINE):
@@ -407,7 +379,7 @@ async def test_a_hedges_loser_is_marked_and_ended(
         proxy = await start_proxy(
             nursery,
             {"m": {"upstreams": [slow.url, fast.url], "hedge_after": 0.2}},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(proxy.url + CHAT, json=chat_body("m"))
@@ -436,7 +408,7 @@ async def test_a_first_token_deadline_is_an_error(
         proxy = await start_proxy(
             nursery,
             {"m": {"upstreams": [fake.url], "first_token_timeout": 0.1, "max_attempts": 1}},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(proxy.url + CHAT, json=chat_body("m"))
@@ -545,7 +517,7 @@ async def test_a_stream_cut_by_shutdown_is_an_error(
         },
         env={},
     )
-    app = create_app(config, env=standard_env(receiver))
+    app = create_app(config, env=tracing_env(receiver))
     stop = trio.Event()
     with trio.fail_after(DEADLINE):
         async with trio.open_nursery() as server:
@@ -574,7 +546,7 @@ async def test_browsers_may_read_the_traceresponse(
         proxy = await start_proxy(
             nursery,
             {"fake-model": [fake.url]},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
             server={"cors_origins": ["https://app.example"]},
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
@@ -593,7 +565,7 @@ async def test_a_stalled_client_is_not_an_error(nursery: trio.Nursery, receiver:
         proxy = await start_proxy(
             nursery,
             {"fake-model": [fake.url]},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
             relay={"stall_timeout": 1.0},
         )
         raw = await RawClient.post(proxy, CHAT, chat_body(stream=False), rcvbuf=4096)
@@ -674,7 +646,7 @@ async def test_the_operation_span_names_the_answer(
     path, body = ENDPOINT_CASES[case]
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0, interval=0, tokens=4)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=standard_env(receiver))
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=tracing_env(receiver))
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(proxy.url + path, json=body)
         assert response.status_code == 200, response.text
@@ -708,7 +680,7 @@ async def test_capture_content_records_the_prompt_and_the_answer(
         proxy = await start_proxy(
             nursery,
             {"fake-model": [fake.url]},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
             tracing={"capture_content": True},
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
@@ -739,7 +711,7 @@ async def test_a_passthrough_path_has_the_same_tree(
         proxy = await start_proxy(
             nursery,
             {"fake-model": {"upstreams": [fake.url], "passthrough": ["/tokenize"]}},
-            env=standard_env(receiver),
+            env=tracing_env(receiver),
         )
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             response = await client.post(

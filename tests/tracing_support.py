@@ -1,5 +1,7 @@
-"""The cancellation harness's traces: each trial's request carries a fresh ``traceparent``, the
-proxy exports its spans to a real OTLP/HTTP receiver (:mod:`proxy.testing.otlp_receiver`), and
+"""Traces in the tests: a proxy exports its spans to a real OTLP/HTTP receiver
+(:mod:`proxy.testing.otlp_receiver`) set up with only the standard variables
+(:func:`tracing_env`); :func:`flush` waits until they are there, and :func:`tree` reads one
+request's. The cancellation harness's trials each carry a fresh ``traceparent``, and
 :func:`proxy.testing.trace_check.judge` must find that the trace says what the access line says.
 
 The exporter's connections to the receiver live in this process, as the requests' do: they are
@@ -18,8 +20,9 @@ from typing import Any
 import trio
 
 from proxy.ops import tracing
-from proxy.testing.otlp_receiver import Receiver, Span
+from proxy.testing.otlp_receiver import KIND_SERVER, Receiver, Span
 from proxy.testing.trace_check import judge
+from tests.support import Proxy
 
 
 def tracing_env(receiver: Receiver) -> dict[str, str]:
@@ -101,12 +104,26 @@ def describe(spans: list[Span]) -> str:
     )
 
 
-async def flush() -> None:
+async def flush(proxy: Proxy | None = None) -> None:
     """Every span ended so far is at the receiver (the export runs in the processor's thread;
-    the test waits for it in one of its own)."""
+    the test waits for it in one of its own); with ``proxy``, once its relays are done."""
+    if proxy is not None:
+        await proxy.state.tracker.wait_idle()
     active = tracing.ACTIVE
     assert active is not None, "tracing is not on"
     assert await trio.to_thread.run_sync(active.provider.force_flush)
+
+
+def tree(spans: list[Span]) -> tuple[Span, Span, list[Span]]:
+    """The server span, the operation span under it, and the spans under that (the upstream
+    attempts, or the local model's stages); every one ended."""
+    (server,) = [span for span in spans if span.kind == KIND_SERVER]
+    (operation,) = [span for span in spans if span.parent_span_id == server.span_id]
+    children = [span for span in spans if span.parent_span_id == operation.span_id]
+    assert len(spans) == 2 + len(children), spans
+    for span in spans:
+        assert span.end >= span.start > 0
+    return server, operation, children
 
 
 def verdict(receiver: Receiver, trace_id: str, outcome: str, *, local: bool) -> str | None:
