@@ -23,6 +23,7 @@ from proxy.server.adapters import check_all as check_adapters
 
 if TYPE_CHECKING:
     from proxy.server.run import Sockets
+    from proxy.server.supervision import SupervisorLink
 
 DEFAULT_CONFIG = "conf/local.toml"
 log = logging.getLogger("sluice.cli")
@@ -179,22 +180,35 @@ def run_worker(
     port: int | None,
     log_level: str,
     sockets: Sockets,
+    link: SupervisorLink,
 ) -> None:
     """One ``--workers`` process (spawned: a module-level function, imported by name)."""
+    import signal
+
     from proxy.api.app import create_app
     from proxy.server.run import serve_until_signalled, tune_gc
+    from proxy.server.supervision import arm_parent_death_signal, watching_supervisor
     from proxy.server.workers import EXIT_CANNOT_START
 
+    parent_death_signal = arm_parent_death_signal(link)
     # Our own process group: a terminal's Ctrl-C reaches the parent only, which forwards it
     # once, so the first signal drains and only a second one cancels.
     os.setpgrp()
+    # The supervisor passes SIGHUP on for a reload, which the server takes while it serves;
+    # one that comes before (or after) must not end the worker, as SIGHUP would by default.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     configure_logging(log_level)
     config = load_config(config_path, host=host, port=port)
 
     async def run() -> None:
         # As with one process: serving while the model loads (each worker its own copy), and
         # each worker with its own fake upstream when [fake_upstream] is on.
-        async with fake_upstream_beside(config) as fake_url:
+        # Watching the supervisor from the start: a worker leaves when it goes (even while
+        # its model loads).
+        async with (
+            watching_supervisor(link, parent_death_signal=parent_death_signal),
+            fake_upstream_beside(config) as fake_url,
+        ):
             app = create_app(config, fake_upstream_url=fake_url)
             tune_gc()
             await serve_until_signalled(app, config, sockets=sockets)

@@ -1,14 +1,20 @@
 """Fixtures live in ``tests/support.py`` and ``tests/model_fixtures.py`` (importable by test
-modules); this makes them visible to every test, and keeps each test's logging its own."""
+modules); this makes them visible to every test, and keeps each test's logging its own. The
+session also fails when the tests leave a process running (see ``tests/processes.py``)."""
 
 import logging
+import sys
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 import pytest
 
 from proxy.ops.logs import ACCESS_LOGGER
+from tests import processes
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
 from tests.support import client, close_raw_clients, fake, proxy, quiet_collector
+
+_SUBREAPER = pytest.StashKey[bool]()
 
 __all__ = [
     "client",
@@ -35,3 +41,33 @@ def restore_logging() -> Iterator[None]:
         log.handlers[:] = handlers
         log.setLevel(level)
         log.propagate = propagate
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # An orphan's parent would be PID 1, out of the session's sight; as a subreaper, the
+    # session becomes its parent instead.
+    session.config.stash[_SUBREAPER] = processes.become_subreaper()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Every fixture has been torn down: nothing the tests started may still run. Whatever
+    does is named, killed, and fails the run."""
+    if not session.config.stash.get(_SUBREAPER, False):
+        return
+    # The session's own resource tracker (multiprocessing starts one for this process when
+    # something here uses its semaphores or shared memory) ends when the session does.
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    left = processes.kill_left_behind(keep=frozenset({tracker} if tracker else ()))
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = ["processes left running by the tests (killed now):", *left]
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.section("processes left behind", sep="=", red=True, bold=True)
+        for line in lines:
+            reporter.write_line(line)
+    else:
+        print("\n".join(lines), file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

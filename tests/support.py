@@ -31,6 +31,7 @@ from proxy.config import Config, config_from_mapping
 from proxy.server.asgi import SluiceQuart
 from proxy.server.run import serve
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
+from tests import processes
 
 # Generous enough for a loaded 2-core CI machine; every I/O test runs under a fail_after.
 DEADLINE = 15
@@ -390,9 +391,18 @@ async def start_sluice(config: Path, *extra: str) -> tuple[trio.Process, str]:
 
 
 async def stop(process: trio.Process) -> None:
+    """SIGKILL, and then its workers (with ``--workers``) must leave on their own: they watch
+    their supervisor (proxy/server/supervision.py). Any still there after 5 s are killed, and
+    named in an AssertionError."""
     with trio.CancelScope(shield=True):
+        below = processes.descendants(process.pid) if process.returncode is None else []
         if process.returncode is None:
             process.kill()
         await process.wait()
         assert process.stdout is not None
         await process.stdout.aclose()
+        left = await processes.trio_wait_gone(below, 5.0)
+    if left:
+        named = [f"{pid}: {processes.cmdline(pid)}" for pid in left]
+        processes.kill_all(left)
+        raise AssertionError(f"still running 5 s after their supervisor was killed: {named}")
