@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -156,8 +157,12 @@ class WebSocketSession:
         connection: ClientConnection,
         key: KeyConfig | None,
         client: str,
+        current: Callable[[], RequestPipeline] | None = None,
     ) -> None:
+        # The handshake's pipeline; each message takes the current one (a reload meanwhile
+        # applies from the next message on), with its key found again there by name.
         self.pipeline = pipeline
+        self.current = current or (lambda: pipeline)
         self.headers: HeaderLookup = {}
         self.connection = connection
         self.key = key
@@ -217,8 +222,11 @@ class WebSocketSession:
             self.running = None
 
     async def _generate(self, raw: bytes, access: AccessRecord) -> None:
-        pipeline = self.pipeline
+        pipeline = self.current()
         try:
+            if pipeline is not self.pipeline:
+                self.key = pipeline.keys.reidentify(self.key)
+                self.pipeline = pipeline
             body = parse_json_object(raw, pipeline.config.server.max_body_bytes, "Message")
             body.pop("type", None)
             body["stream"] = True
@@ -274,8 +282,10 @@ class WebSocketSession:
                 )
 
 
-async def serve_websocket(pipeline: RequestPipeline) -> None:
-    """The handler of one WebSocket connection."""
+async def serve_websocket(current: Callable[[], RequestPipeline]) -> None:
+    """The handler of one WebSocket connection; ``current`` is the pipeline a reload last
+    installed."""
+    pipeline = current()
     connection = client_connection(websocket.scope)
     client = websocket.remote_addr or "-"
     handshake = pipeline.begin("WS", WS_PATH, client, None)
@@ -292,7 +302,7 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
             nursery.cancel_scope.cancel()
         return
     await websocket.accept()
-    session = WebSocketSession(pipeline, connection, key, client)
+    session = WebSocketSession(pipeline, connection, key, client, current)
     # The handshake's headers: a model routed by a session header reads it from there.
     session.headers = websocket.headers
     async with trio.open_nursery() as nursery:
