@@ -214,15 +214,16 @@ class Generation:
     async def retire(self) -> None:
         """Once a newer generation serves: wait for the relays begun on this one to end (each
         holds its backend, replica and pool, and its key's lease), then stop its background
-        work and close its pools."""
+        work and close its pools; at once when cancelled (the server stops)."""
         relays = self.pipeline.relays
-        while relays:
-            with trio.move_on_after(_RETIRE_POLL_SECONDS):
-                await self.tracker.wait_until(lambda _: not relays)
-        self._scope.cancel()
-        with trio.CancelScope(shield=True) as cleanup:
-            cleanup.deadline = trio.current_time() + _CLOSE_SECONDS
-            await self.aclose()
+        try:
+            while relays:
+                with trio.move_on_after(_RETIRE_POLL_SECONDS):
+                    await self.tracker.wait_until(lambda _: not relays)
+        finally:
+            with trio.CancelScope(shield=True) as cleanup:
+                cleanup.deadline = trio.current_time() + _CLOSE_SECONDS
+                await self.aclose()
 
     async def aclose(self) -> None:
         """Close its pools (once: shutdown may close a generation that is retiring)."""

@@ -161,6 +161,39 @@ async def test_a_stream_in_flight_keeps_its_upstream_and_finishes(
             assert old_replica.pool_connections() == []
 
 
+async def test_a_server_stopping_closes_a_retiring_generation(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    old = await start_fake(nursery, ttft=0, interval=0.02, tokens=1000)
+    new = await start_fake(nursery, ttft=0, interval=0, tokens=3)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(old.url, "key"))
+    with trio.fail_after(DEADLINE):
+        async with (
+            httpx.AsyncClient(timeout=10, trust_env=False) as client,
+            trio.open_nursery() as server,
+        ):
+            url, state = await serve_file(server, path)
+            old_generation = state.current
+            (old_replica,) = old_generation.replicas.values()
+
+            async def stream() -> None:
+                body = chat_body()
+                async with client.stream("POST", url + CHAT, json=body, headers=bearer("key")):
+                    await trio.sleep_forever()
+
+            server.start_soon(stream)
+            await old.recorder.wait_for(lambda r: r.records and r.records[0].tokens_sent)
+            path.write_text(toml(new.url, "key"))
+            assert await state.reload_config() == "applied"
+            assert old_generation in state.retiring
+            server.cancel_scope.cancel()
+        # Its stream was still running: closed with the server all the same.
+        assert old_generation not in state.retiring
+        assert old_replica.pool_connections() == []
+        await old.recorder.wait_for(lambda r: r.records[0].disconnected_at is not None)
+
+
 async def test_restart_only_changes_are_named_and_the_rest_applies(
     nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake, caplog: pytest.LogCaptureFixture
 ) -> None:
