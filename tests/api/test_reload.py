@@ -8,6 +8,7 @@ Most tests call the state's reload directly, in-process; one sends SIGHUP to a r
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import signal
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from trio_websocket import WebSocketConnection, open_websocket_url
 
 from proxy.api.app import create_app
 from proxy.api.auth import KeyRing, hash_key
@@ -23,6 +25,7 @@ from proxy.api.reload import plan_reload
 from proxy.api.state import SluiceState, state_of
 from proxy.config import KeyConfig, LimitsConfig, ServerConfig, config_from_mapping, load_config
 from proxy.server.run import serve
+from tests.api.test_limits_redis import REDIS_SERVER, RedisServer
 from tests.support import (
     DEADLINE,
     Fake,
@@ -161,6 +164,43 @@ async def test_a_stream_in_flight_keeps_its_upstream_and_finishes(
             assert old_replica.pool_connections() == []
 
 
+async def test_an_open_websocket_follows_the_reload(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake
+) -> None:
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(slow_fake.url, "kept", "removed"))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        ws_url = url.replace("http://", "ws://") + "/v1/ws"
+        message = json.dumps(
+            {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+        )
+
+        async def final(ws: WebSocketConnection) -> dict[str, Any]:
+            while True:
+                received = json.loads(await ws.get_message())
+                if received["type"] != "token":
+                    assert isinstance(received, dict)
+                    return received
+
+        async with (
+            open_websocket_url(ws_url, extra_headers=[(b"Authorization", b"Bearer kept")]) as kept,
+            open_websocket_url(
+                ws_url, extra_headers=[(b"Authorization", b"Bearer removed")]
+            ) as gone,
+        ):
+            for ws in (kept, gone):
+                await ws.send_message(message)
+                assert (await final(ws))["type"] == "done"
+            path.write_text(toml(slow_fake.url, "kept"))
+            assert await state.reload_config() == "applied"
+            await kept.send_message(message)
+            assert (await final(kept))["type"] == "done"
+            await gone.send_message(message)
+            refused = await final(gone)
+            assert (refused["type"], refused["status"]) == ("error", 401)
+
+
 async def test_a_server_stopping_closes_a_retiring_generation(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -234,6 +274,48 @@ async def test_a_local_model_keeps_its_weights(
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             body = chat_body("tiny", stream=False, max_tokens=2)
             assert (await client.post(url + CHAT, json=body)).status_code == 200
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed (`make redis`)")
+async def test_a_new_redis_url_counts_there(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake
+) -> None:
+    first, second = RedisServer(), RedisServer()
+    first.start()
+    second.start()
+    try:
+        limited = f'[[keys]]\nname = "k"\nsha256 = "{hash_key("k")}"\nrequests_per_minute = 1\n'
+
+        def config(redis: RedisServer) -> str:
+            return (
+                toml(slow_fake.url)
+                + limited
+                + f'[limits]\nbackend = "redis"\nurl = "{redis.url}"\n'
+            )
+
+        path = tmp_path / "sluice.toml"
+        path.write_text(config(first))
+        with trio.fail_after(DEADLINE):
+            url, state = await serve_file(nursery, path)
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+
+                async def status() -> int:
+                    body = chat_body(stream=False)
+                    return (
+                        await client.post(url + CHAT, json=body, headers=bearer("k"))
+                    ).status_code
+
+                assert [await status(), await status()] == [200, 429]
+                path.write_text(config(second))
+                assert await state.reload_config() == "applied"
+                # Counted in the new Redis, whose window for the key is empty.
+                assert [await status(), await status()] == [200, 429]
+                path.write_text(config(first))
+                assert await state.reload_config() == "applied"
+                assert await status() == 429  # the first one's window still holds its request
+    finally:
+        first.stop()
+        second.stop()
 
 
 def test_the_plan_names_what_needs_a_restart() -> None:
