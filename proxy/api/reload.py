@@ -65,6 +65,8 @@ class ConfigReloader:
             fresh = load_config(self.path, env=self.env)
         except OSError as error:
             raise ConfigError(f"cannot read {self.path}: {error.strerror or error}") from None
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{self.path} is not UTF-8 text: {error.reason}") from None
         if not fresh.models:
             raise ConfigError(f"{fresh.source} configures no model, so there is nothing to serve")
         plan = plan_reload(running, self.file_server, fresh)
