@@ -109,6 +109,12 @@ class RateWindow:
     def __len__(self) -> int:
         return len(self._admitted)
 
+    def resized(self, limit: int) -> RateWindow:
+        """A window of ``limit`` that remembers this one's admissions (the latest ``limit``)."""
+        window = RateWindow(limit, self.period)
+        window._admitted.extend(self._admitted)
+        return window
+
 
 class Lease:
     """One admitted request's hold on its key's concurrency; released exactly once."""
@@ -174,6 +180,17 @@ class KeyRing:
             raise invalid_api_key("Incorrect API key provided.")
         return found
 
+    def reidentify(self, key: KeyConfig | None) -> KeyConfig | None:
+        """A key identified by an earlier ring (before a reload), as this ring has it: by its
+        name and hash, with this ring's limits; a 401 :class:`ApiError` when it is gone. None
+        when this ring has no keys (authentication is off)."""
+        if not self.enabled:
+            return None
+        state = None if key is None else self._states.get(key.name)
+        if key is None or state is None or state.config.sha256 != key.sha256:
+            raise invalid_api_key("This API key is no longer accepted (the config was reloaded).")
+        return state.config
+
     @staticmethod
     def limited(key: KeyConfig) -> bool:
         return bool(key.requests_per_minute or key.max_concurrent_streams)
@@ -195,6 +212,24 @@ class KeyRing:
             state.window.admit(now)
         state.streams += 1
         return Lease(state)
+
+    def carry_over(self, previous: KeyRing) -> None:
+        """After a reload: a key that kept its name keeps its counters (its streams in flight,
+        the requests in its window) under its new limits, so that a reload frees no capacity.
+        The previous ring's leases then release into these same counters."""
+        for name, state in self._states.items():
+            kept = previous._states.get(name)
+            if kept is None:
+                continue
+            rpm = state.config.requests_per_minute
+            if not rpm:
+                kept.window = None
+            elif kept.window is None:
+                kept.window = state.window
+            elif kept.window.limit != rpm:
+                kept.window = kept.window.resized(rpm)
+            kept.config = state.config
+            self._states[name] = kept
 
     def streams(self, name: str) -> int:
         """Requests of the key ``name`` in flight now (tests, diagnostics)."""

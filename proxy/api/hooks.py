@@ -16,7 +16,6 @@ from proxy.server.asgi import SluiceQuart
 
 
 def register_hooks(app: SluiceQuart, state: SluiceState) -> None:
-    pipeline = state.pipeline
     passthrough = passthrough_paths(state.config)
     endpoint_here = endpoint_finder(passthrough)
     cors = CorsPolicy(state.config.server.cors_origins)
@@ -24,7 +23,9 @@ def register_hooks(app: SluiceQuart, state: SluiceState) -> None:
     @app.before_request
     async def begin_request() -> None:
         # First of the before_request hooks, so that a refusal by any later one (a 401) has
-        # its request id and access line too.
+        # its request id and access line too. The request keeps the pipeline it began on: a
+        # reload meanwhile changes nothing of it (its key, its model, its upstream).
+        pipeline = request.sluice_pipeline = state.pipeline  # type: ignore[attr-defined]
         request.sluice_access = pipeline.begin(  # type: ignore[attr-defined]
             request.method,
             request.path,
@@ -45,6 +46,7 @@ def register_hooks(app: SluiceQuart, state: SluiceState) -> None:
             # W3C Trace Context Level 2: the trace (and this server span) the response is of.
             response.headers["traceresponse"] = access.trace.traceresponse
         if not isinstance(response.response, RelayBody):
+            pipeline = request.sluice_pipeline  # type: ignore[attr-defined]
             model = getattr(request, "sluice_model", "-")
             endpoint = endpoint_here()
             if endpoint is not None and response.status_code >= 400:
@@ -67,6 +69,7 @@ def register_hooks(app: SluiceQuart, state: SluiceState) -> None:
         if request.path.startswith("/v1/") or request.path in passthrough:
             # Before the body is read: an unauthenticated client costs no parsing.
             access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
+            pipeline = request.sluice_pipeline  # type: ignore[attr-defined]
             key = pipeline.authenticate(request.headers, access)
             request.sluice_key = key  # type: ignore[attr-defined]
         return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
+import weakref
 from collections.abc import Mapping
 from functools import partial
 from typing import Protocol
@@ -72,6 +73,9 @@ class RequestPipeline:
         self.local_models = local_models
         # Local models still loading, and their stage: requests for them get a 503 meanwhile.
         self.loading: Mapping[str, str] = loading if loading is not None else {}
+        # The relays begun through this pipeline and not yet closed: a reload retires this
+        # pipeline's backends once it is empty (api/generation.py).
+        self.relays: weakref.WeakSet[RelayBody] = weakref.WeakSet()
 
     @staticmethod
     def request_id(presented: str | None) -> str:
@@ -208,7 +212,7 @@ class RequestPipeline:
             )
             produce = trace.run(produce)
         relay = self.config.relay
-        return RelayBody(
+        body = RelayBody(
             produce,
             streaming=request.stream,
             channel_capacity=relay.channel_capacity,
@@ -221,6 +225,10 @@ class RequestPipeline:
             errors=error_shape(request.endpoint),
             endpoint=request.endpoint.label,
         )
+        self.relays.add(body)
+        # A weak reference: the callback must not keep its body alive (a cycle).
+        body.close_callbacks.append(partial(_discard, self.relays, weakref.ref(body)))
+        return body
 
     def refused(
         self,
@@ -241,3 +249,9 @@ class RequestPipeline:
     def finished(access: AccessRecord, status: int, outcome: str, model: str) -> None:
         """The access line of a response that is not a relay (its body writes its own)."""
         access.emit(status=status, model=model, outcome=outcome, ended=trio.current_time())
+
+
+def _discard(relays: weakref.WeakSet[RelayBody], ref: weakref.ref[RelayBody]) -> None:
+    body = ref()
+    if body is not None:
+        relays.discard(body)

@@ -12,6 +12,7 @@ from typing import Any
 
 from quart import Response, request
 
+from proxy.api.pipeline import RequestPipeline
 from proxy.api.state import SluiceState
 from proxy.api.ws import serve_websocket
 from proxy.config import Config
@@ -60,10 +61,10 @@ def register_routes(app: SluiceQuart, state: SluiceState) -> None:
 def register_completions(app: SluiceQuart, state: SluiceState) -> None:
     """The endpoints served through the pipeline: the native ones, the pass-through paths and
     the WebSocket."""
-    pipeline = state.pipeline
 
     async def completions(endpoint: Endpoint) -> Response:
         access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
+        pipeline: RequestPipeline = request.sluice_pipeline  # type: ignore[attr-defined]
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
         parsed = pipeline.parse(
@@ -113,23 +114,24 @@ def register_completions(app: SluiceQuart, state: SluiceState) -> None:
 
     @app.websocket("/v1/ws")
     async def chat_websocket() -> None:
-        await serve_websocket(pipeline)
+        await serve_websocket(lambda: state.pipeline)
 
 
 def register_info(app: SluiceQuart, state: SluiceState) -> None:
     """What the process says of itself: its models, its metrics, its readiness and health."""
-    config = state.config
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return models_list([model.name for model in config.models], state.catalog.entries)
+        served = state.current  # the config a reload last applied
+        return models_list([model.name for model in served.config.models], served.catalog.entries)
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> dict[str, Any]:
         # Model names may hold slashes ("HuggingFaceTB/SmolLM2-135M-Instruct"): a path.
-        if config.model(model_id) is None:
+        served = state.current
+        if served.config.model(model_id) is None:
             raise model_not_found(model_id)
-        listed: dict[str, Any] = models_list([model_id], state.catalog.entries)["data"][0]
+        listed: dict[str, Any] = models_list([model_id], served.catalog.entries)["data"][0]
         return listed
 
     @app.get("/metrics")

@@ -1,10 +1,9 @@
 """The per-process state every request shares, and its start-up: the backends, their
-background work, and the local models' loading."""
+background work, the local models' loading, and a reload's swap of the config's generation."""
 
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -12,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from proxy.api.auth import KeyRing
+from proxy.api.generation import Generation
+from proxy.api.generation import check_no_fake_upstream as check_no_fake_upstream
+from proxy.api.generation import resolve_api_keys as resolve_api_keys
 from proxy.api.pipeline import RequestPipeline
+from proxy.api.reload import RELOAD_OUTCOMES, ConfigReloader
 from proxy.backends.base import Backend
-from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.replica import UpstreamReplica
-from proxy.backends.upstream.routing import HealthPolicy
-from proxy.backends.upstream.scrape import check_replicas, report_reachability
-from proxy.backends.upstream.transports import ConnectionSettings
-from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, LocalModel
+from proxy.config import Config, ConfigError, LocalModel
 from proxy.ops import tracing
 from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
@@ -32,34 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.app")
 
-
-def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
-    """Each model's upstream key, read from the environment variable its config names."""
-    keys: dict[str, str] = {}
-    for model in config.models:
-        if model.backend == "local" or not model.api_key_env:
-            continue
-        value = env.get(model.api_key_env)
-        if not value:
-            raise ConfigError(
-                f"[models.{model.name}] api_key_env names {model.api_key_env}, which is not "
-                f"set: export {model.api_key_env}=<the upstream's key> (vLLM's --api-key), or "
-                "remove api_key_env if the upstream runs without one"
-            )
-        keys[model.name] = value
-    return keys
-
-
-def check_no_fake_upstream(config: Config) -> None:
-    """A ConfigError when a model's upstream is the fake (``fake:``) but no fake upstream was
-    started for the app to reach."""
-    for model in config.models:
-        if model.backend == "upstream" and FAKE_UPSTREAM_URL in model.upstreams:
-            raise ConfigError(
-                f"[models.{model.name}] uses '{FAKE_UPSTREAM_URL}', but no fake upstream was "
-                "started beside the app: `sluice serve` starts it when [fake_upstream] is "
-                "enabled; in code, pass create_app(config, fake_upstream_url=...)"
-            )
+# Closing what a failed reload had opened never holds it up longer than this.
+_CLEANUP_SECONDS = 5.0
 
 
 class SluiceState:
@@ -72,19 +45,12 @@ class SluiceState:
         local_models: Mapping[str, Any] | None = None,
         fake_upstream_url: str | None = None,
     ) -> None:
-        self.config = config
         # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
         self.env = env
-        self.api_keys = resolve_api_keys(config, env)
         self.metrics = Metrics()
         # This process's tracing (ops/tracing.py), or None: off, and nothing of it imported.
         self.tracing = tracing.install(config.tracing, env, self.metrics)
-        # The clients' keys (not the upstreams' above) and their limits' counters ([limits]:
-        # in this process, or shared through Redis).
-        self.keys = KeyRing(config.keys, config.limits, self.metrics)
         self.tracker = RelayTracker(self.metrics)
-        self.replicas: dict[str, UpstreamReplica] = {}
-        self.backends: dict[str, Backend] = {}
         self.local_backends: dict[str, LocalBackend] = {}
         # Preloaded local models by name (tests); the others are loaded at start-up.
         self.local_models: dict[str, Any] = dict(local_models or {})
@@ -95,29 +61,69 @@ class SluiceState:
             for model in config.models
             if model.backend == "local" and model.name not in self.local_models
         }
-        # Every completion-like request, whatever its transport, goes through this one.
-        self.pipeline = RequestPipeline(
-            config,
-            self.keys,
-            self.metrics,
-            self.tracker,
-            self.backends,
-            self.local_backends,
-            loading=self.loading,
-        )
         # Where the models' "fake:" upstream listens: the fake upstream is tooling, started
         # beside the app by whoever starts the app (`sluice serve` with [fake_upstream]).
         self.fake_upstream_url = fake_upstream_url
-        if fake_upstream_url is None:
-            check_no_fake_upstream(config)
-        # What upstreams say of their models, for GET /v1/models (list_upstream_models).
-        self.catalog = ModelCatalog()
+        # The config's keys, upstreams and pipeline (api/generation.py): replaced whole by a
+        # reload, in one assignment; the previous ones retire once their relays end.
+        self.current = self.generation(config)
+        self.retiring: set[Generation] = set()
+        # The app's nursery, once serving: a reload starts its generation's work there.
+        self.nursery: trio.Nursery | None = None
+        # Re-reads the config file on SIGHUP (api/reload.py), with what it said at start.
+        self.reloader = ConfigReloader(config, env)
+        self._reloading = trio.Lock()
+        for outcome in RELOAD_OUTCOMES:
+            self.metrics.config_reloads.labels(outcome)  # each one there, at 0
         # Serving (backends started) and not draining: what /readyz reports.
         self.started = False
         self.draining = False
         # A model that failed to load: the server stops, and this is its one-line reason.
         self.load_error: BaseException | None = None
         self.failed = trio.Event()
+
+    def generation(self, config: Config, previous: Generation | None = None) -> Generation:
+        """The serving objects of ``config`` (not started): at start-up, and at each reload."""
+        return Generation(
+            config,
+            self.env,
+            self.metrics,
+            self.tracker,
+            self.local_backends,
+            self.loading,
+            self.fake_upstream_url,
+            previous,
+        )
+
+    # What the current generation serves with: each request reads these once (the pipeline
+    # at its start), so that a reload never mixes two configs within one request.
+    @property
+    def config(self) -> Config:
+        return self.current.config
+
+    @property
+    def pipeline(self) -> RequestPipeline:
+        return self.current.pipeline
+
+    @property
+    def keys(self) -> KeyRing:
+        return self.current.keys
+
+    @property
+    def api_keys(self) -> dict[str, str]:
+        return self.current.api_keys
+
+    @property
+    def backends(self) -> dict[str, Backend]:
+        return self.current.backends
+
+    @property
+    def replicas(self) -> dict[str, UpstreamReplica]:
+        return self.current.replicas
+
+    @property
+    def catalog(self) -> ModelCatalog:
+        return self.current.catalog
 
     @property
     def ready(self) -> bool:
@@ -159,20 +165,17 @@ class SluiceState:
         local = LocalBackend(model, self.local_models[model.name], self.metrics)
         await nursery.start(local.run)
         self.local_backends[model.name] = local
-        self.backends[model.name] = local
-
-    @property
-    def health_policy(self) -> HealthPolicy:
-        upstream = self.config.upstream
-        return HealthPolicy(upstream.failure_threshold, upstream.ejection_seconds)
+        # Every generation serves it; a reload's next one copies local_backends.
+        self.current.backends[model.name] = local
+        for generation in self.retiring:
+            generation.backends[model.name] = local
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start serving (the app's before_serving): the backends, then their background work
         in ``nursery`` (the app's), which runs until the server stops."""
-        if self.keys.shared is not None:
-            # The shared limits' Redis client lives in the app's nursery.
-            await nursery.start(self.keys.shared.keep_connected)
-        self.start_backends()
+        self.nursery = nursery
+        # The shared limits' Redis client and the upstreams' work live in the app's nursery.
+        await nursery.start(self.current.run)
         for model in self.config.models:
             if model.backend == "local" and model.name in self.local_models:
                 await self.start_local_backend(model, nursery)
@@ -181,97 +184,72 @@ class SluiceState:
             # In the background: the port answers while the weights load (/healthz says
             # "loading", requests to the model get 503 model_loading with Retry-After).
             nursery.start_soon(self.load_local_models, nursery)
-        self.watch_upstreams(nursery)
 
-    def watch_upstreams(self, nursery: trio.Nursery) -> None:
-        """The upstreams' background work, each task in ``nursery`` until the server stops."""
-        upstream = self.config.upstream
-        for backend in self.backends.values():
-            if isinstance(backend, UpstreamBackend):
-                # What its balance needs in the background (upstream_metrics: a scraper per
-                # replica); returns at once when it needs nothing.
-                nursery.start_soon(backend.watch_replicas)
-        for replica in self.replicas.values():
-            # Its pool's work in the background, until the pool closes: the lean pool's spare
-            # connections (returns at once without preconnect), httpx's sweep of idle
-            # connections that their server closed.
-            nursery.start_soon(replica.maintain_connections)
-        if self.replicas and self.fake_upstream_url is None:
-            nursery.start_soon(
-                report_reachability, list(self.replicas.values()), upstream.connect_timeout
-            )
-        if upstream.list_upstream_models and self.replicas:
-            served: dict[UpstreamReplica, list[str]] = {}
-            # An aliased model is listed upstream under its upstream_model.
-            upstream_names: dict[str, str] = {}
-            for name, backend in self.backends.items():
-                if isinstance(backend, UpstreamBackend):
-                    for replica in backend.replicas:
-                        served.setdefault(replica, []).append(name)
-                    if backend.model.aliased:
-                        upstream_names[name] = backend.model.upstream_model
-            nursery.start_soon(
-                self.catalog.refresh_forever,
-                served,
-                upstream.models_refresh_interval,
-                upstream_names,
-            )
-        if upstream.health_check_path and self.replicas:
-            nursery.start_soon(
-                check_replicas,
-                list(self.replicas.values()),
-                upstream.health_check_path,
-                upstream.health_check_interval,
-                self.health_policy,
-            )
+    async def serve_generation(self, generation: Generation) -> None:
+        """Serve ``generation`` from now on: its work started in the app's nursery, then one
+        assignment, which the next request reads; the previous one retires in the
+        background once its relays have ended."""
+        assert self.nursery is not None, "serving starts before a reload"
+        try:
+            await self.nursery.start(generation.run)
+        except BaseException:
+            with trio.CancelScope(shield=True) as cleanup:  # the pools it had opened
+                cleanup.deadline = trio.current_time() + _CLEANUP_SECONDS
+                await generation.aclose()
+            raise
+        # A local model that finished loading while this one started.
+        generation.backends.update(self.local_backends)
+        previous, self.current = self.current, generation
+        self.retiring.add(previous)
+        self.nursery.start_soon(self._retire, previous)
 
-    def start_backends(self) -> None:
-        upstream = self.config.upstream
-        socket_options = (
-            [(socket.SOL_SOCKET, socket.SO_RCVBUF, upstream.socket_rcvbuf)]
-            if upstream.socket_rcvbuf
-            else None
-        )
-        for model in self.config.models:
-            if model.backend == "local":
-                continue  # started by start_local_backend, once loaded
-            replicas = []
-            for url in model.upstreams:
-                if url == FAKE_UPSTREAM_URL:
-                    assert self.fake_upstream_url is not None  # check_no_fake_upstream
-                    url = self.fake_upstream_url
-                connection = ConnectionSettings.resolve(url, model, self.env)
-                name = UpstreamReplica.key(url, connection)
-                if name not in self.replicas:
-                    if not connection.verify:
-                        log.warning(
-                            "!!! TLS VERIFICATION IS OFF for %s (model '%s', verify = false): "
-                            "any server, or anyone between, can answer as this upstream and "
-                            "read its requests. Use ca_file for a private CA instead.",
-                            url,
-                            model.name,
-                        )
-                    self.replicas[name] = UpstreamReplica(
-                        url, upstream, connection, socket_options=socket_options
-                    )
-                    log.info("upstream %s via %s", url, connection.label)
-                replica = self.replicas[name]
-                key = self.api_keys.get(model.name)
-                if key is not None and replica.authorization is None:
-                    replica.authorization = f"Bearer {key}"
-                replicas.append(replica)
-            self.backends[model.name] = UpstreamBackend(
-                model,
-                replicas,
-                self.config.relay,
-                api_key=self.api_keys.get(model.name),
-                policy=self.health_policy,
-                metrics=self.metrics,
+    async def _retire(self, generation: Generation) -> None:
+        try:
+            await generation.retire()
+        finally:
+            self.retiring.discard(generation)
+
+    async def reload_config(self) -> str:
+        """Read the config file again and serve what of it applies (api/reload.py); a file
+        that cannot be served is one log line, and the running config goes on. The outcome
+        (applied, invalid, restart_needed) is counted and returned; "ignored" (not counted)
+        before serving has started or once draining."""
+        if self.nursery is None or self.draining:
+            log.warning("reload ignored: %s", "draining" if self.draining else "not serving yet")
+            return "ignored"
+        async with self._reloading:  # one at a time: each builds on the one before
+            try:
+                plan = self.reloader.read(self.config)
+                generation = self.generation(plan.config, previous=self.current)
+                await self.serve_generation(generation)
+            except ConfigError as error:
+                refused: Exception | None = error
+            except Exception as error:  # a reload must not stop the server
+                log.exception("reload failed, still serving the previous config")
+                refused = error
+            else:
+                refused = None
+        if refused is not None:
+            if isinstance(refused, ConfigError):
+                # One line, no traceback: the message says which key and why.
+                log.error("reload refused, still serving the previous config: %s", refused)
+            outcome = "invalid"
+        elif plan.restart_needed:
+            log.warning(
+                "config reloaded from %s; restart needed for: %s (left as they were)",
+                plan.config.source,
+                ", ".join(plan.restart_needed),
             )
+            outcome = plan.outcome
+        else:
+            log.info("config reloaded from %s", plan.config.source)
+            outcome = plan.outcome
+        self.metrics.config_reloads.labels(outcome).inc()
+        return outcome
 
     async def aclose(self) -> None:
-        for replica in self.replicas.values():
-            await replica.aclose()
+        for generation in (self.current, *self.retiring):
+            await generation.aclose()
         if self.tracing is not None:
             # Flushes what is queued, bounded by the exporter's timeout: in a thread, so that a
             # collector that is down delays no other task's shutdown.

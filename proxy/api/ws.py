@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -170,8 +171,12 @@ class WebSocketSession:
         connection: ClientConnection,
         key: KeyConfig | None,
         client: str,
+        current: Callable[[], RequestPipeline] | None = None,
     ) -> None:
+        # The handshake's pipeline; each message takes the current one (a reload meanwhile
+        # applies from the next message on), with its key found again there by name.
         self.pipeline = pipeline
+        self.current = current or (lambda: pipeline)
         self.headers: HeaderLookup = {}
         self.connection = connection
         self.key = key
@@ -248,8 +253,11 @@ class WebSocketSession:
             self.running = None
 
     async def _generate(self, raw: bytes, access: AccessRecord) -> None:
-        pipeline = self.pipeline
+        pipeline = self.current()
         try:
+            if pipeline is not self.pipeline:
+                self.key = pipeline.keys.reidentify(self.key)
+                self.pipeline = pipeline
             body = parse_json_object(raw, pipeline.config.server.max_body_bytes, "Message")
             body.pop("type", None)
             body["stream"] = True
@@ -305,8 +313,10 @@ class WebSocketSession:
                 )
 
 
-async def serve_websocket(pipeline: RequestPipeline) -> None:
-    """The handler of one WebSocket connection."""
+async def serve_websocket(current: Callable[[], RequestPipeline]) -> None:
+    """The handler of one WebSocket connection; ``current`` is the pipeline a reload last
+    installed."""
+    pipeline = current()
     connection = client_connection(websocket.scope)
     client = websocket.remote_addr or "-"
     handshake = pipeline.begin("WS", WS_PATH, client, None)
@@ -326,7 +336,7 @@ async def serve_websocket(pipeline: RequestPipeline) -> None:
             nursery.cancel_scope.cancel()
         return
     await websocket.accept()
-    session = WebSocketSession(pipeline, connection, key, client)
+    session = WebSocketSession(pipeline, connection, key, client, current)
     # The handshake's headers: a model routed by a session header reads it from there.
     session.headers = websocket.headers
     async with trio.open_nursery() as nursery:

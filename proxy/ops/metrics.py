@@ -228,6 +228,14 @@ class Metrics:
         "failed (the lease expires on its own after lease_seconds).",
         ["operation", "outcome"],
     )
+    config_reloads = MetricSpec(
+        Counter,
+        "sluice_config_reloads",
+        "Config reloads (SIGHUP) by outcome: applied; restart_needed (applied, but the file "
+        "also changed what only a restart applies: host, port, workers, a local model); "
+        "invalid (the file did not load or validate: the previous config goes on serving).",
+        ["outcome"],
+    )
     trace_spans_dropped = MetricSpec(
         Counter,
         "sluice_trace_spans_dropped",

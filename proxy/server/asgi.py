@@ -200,14 +200,16 @@ class RelayWebsocketConnection(TrioASGIWebsocketConnection):
 
 class ServedState(Protocol):
     """What the server layer needs of the app's per-process state (api.state.SluiceState): the
-    drain flag /readyz reports, the upstream pools to close at shutdown, and a failure (a
-    model that would not load) that must stop the server."""
+    drain flag /readyz reports, the upstream pools to close at shutdown, a failure (a model
+    that would not load) that must stop the server, and the reload SIGHUP asks for."""
 
     draining: bool
     failed: trio.Event
     load_error: BaseException | None
 
     async def aclose(self) -> None: ...
+
+    async def reload_config(self) -> str: ...
 
 
 class SluiceQuart(QuartTrio):

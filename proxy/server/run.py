@@ -165,7 +165,8 @@ async def serve_until_signalled(
     """Serve until SIGTERM/SIGINT, then drain: /readyz turns 503 at once, the listeners close
     after ``drain_delay``, in-flight requests get ``graceful_timeout`` to finish and the rest
     are cancelled (hypercorn's graceful shutdown, with our relays inside it). A second signal
-    cancels everything at once."""
+    cancels everything at once. SIGHUP reloads the config file (the state's reload_config:
+    what it applies and what needs a restart is api/reload.py's), draining or not."""
     stop_accepting = trio.Event()
     server = config.server
 
@@ -192,8 +193,13 @@ async def serve_until_signalled(
             stop_accepting.set()
 
         async def watch_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
                 async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        # Beside the signals, not in their way: a reload waits for its new
+                        # upstreams' start, and a SIGTERM meanwhile must drain at once.
+                        nursery.start_soon(app.served_state.reload_config)
+                        continue
                     if app.served_state.draining:
                         log.warning("second signal: cancelling in-flight requests now")
                         nursery.cancel_scope.cancel()

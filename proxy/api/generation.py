@@ -1,0 +1,235 @@
+"""One config's serving objects: its client keys and their limits' counters, its upstream
+replicas and backends, its catalog of upstream models, and the request pipeline over them.
+
+Built at start-up and again at each reload (api/reload.py): a request keeps the generation it
+began on (its pipeline), so a reload never changes the settings of a request in flight, and an
+old generation's pools close only once its last relay has. The local models are not a
+generation's: they are loaded once per process, and every generation serves the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Mapping
+
+import trio
+
+from proxy.api.auth import KeyRing
+from proxy.api.pipeline import RequestPipeline
+from proxy.backends.base import Backend
+from proxy.backends.upstream.backend import UpstreamBackend
+from proxy.backends.upstream.catalog import ModelCatalog
+from proxy.backends.upstream.replica import UpstreamReplica
+from proxy.backends.upstream.routing import HealthPolicy
+from proxy.backends.upstream.scrape import check_replicas, report_reachability
+from proxy.backends.upstream.transports import ConnectionSettings
+from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
+from proxy.ops.metrics import Metrics
+from proxy.relay.body import RelayTracker
+
+log = logging.getLogger("sluice.app")
+
+# A retiring generation looks again this often for relays that ended without closing (a
+# response dropped before its body was entered leaves nothing to notify).
+_RETIRE_POLL_SECONDS = 1.0
+# Closing a retired generation's pools never holds up the process longer than this.
+_CLOSE_SECONDS = 5.0
+
+
+def resolve_api_keys(config: Config, env: Mapping[str, str]) -> dict[str, str]:
+    """Each model's upstream key, read from the environment variable its config names."""
+    keys: dict[str, str] = {}
+    for model in config.models:
+        if model.backend == "local" or not model.api_key_env:
+            continue
+        value = env.get(model.api_key_env)
+        if not value:
+            raise ConfigError(
+                f"[models.{model.name}] api_key_env names {model.api_key_env}, which is not "
+                f"set: export {model.api_key_env}=<the upstream's key> (vLLM's --api-key), or "
+                "remove api_key_env if the upstream runs without one"
+            )
+        keys[model.name] = value
+    return keys
+
+
+def check_no_fake_upstream(config: Config) -> None:
+    """A ConfigError when a model's upstream is the fake (``fake:``) but no fake upstream was
+    started for the app to reach."""
+    for model in config.models:
+        if model.backend == "upstream" and FAKE_UPSTREAM_URL in model.upstreams:
+            raise ConfigError(
+                f"[models.{model.name}] uses '{FAKE_UPSTREAM_URL}', but no fake upstream was "
+                "started beside the app: `sluice serve` starts it when [fake_upstream] is "
+                "enabled; in code, pass create_app(config, fake_upstream_url=...)"
+            )
+
+
+class Generation:
+    """What one config serves with, beside the process's shared parts (metrics, relay
+    tracker, local models). Raises :class:`ConfigError` for what only serving checks (an
+    upstream key's variable unset, a ``fake:`` upstream with no fake)."""
+
+    def __init__(
+        self,
+        config: Config,
+        env: Mapping[str, str],
+        metrics: Metrics,
+        tracker: RelayTracker,
+        local_backends: Mapping[str, Backend],
+        loading: Mapping[str, str],
+        fake_upstream_url: str | None = None,
+        previous: Generation | None = None,
+    ) -> None:
+        self.config = config
+        # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
+        self.env = env
+        self.api_keys = resolve_api_keys(config, env)
+        self.fake_upstream_url = fake_upstream_url
+        if fake_upstream_url is None:
+            check_no_fake_upstream(config)
+        self.metrics = metrics
+        self.tracker = tracker
+        # The clients' keys (not the upstreams' above) and their limits' counters ([limits]:
+        # in this process, or shared through Redis). A key kept across a reload keeps its
+        # counters: its streams in flight still count against it.
+        self.keys = KeyRing(config.keys, config.limits, metrics)
+        if previous is not None:
+            self.keys.carry_over(previous.keys)
+        self.replicas: dict[str, UpstreamReplica] = {}
+        # The upstream models' backends (start_backends) and the local ones, shared.
+        self.backends: dict[str, Backend] = dict(local_backends)
+        # What upstreams say of their models, for GET /v1/models (list_upstream_models).
+        self.catalog = ModelCatalog()
+        self.pipeline = RequestPipeline(
+            config, self.keys, metrics, tracker, self.backends, local_backends, loading=loading
+        )
+        # Its background work's scope: cancelled when it retires.
+        self._scope = trio.CancelScope()
+        self._closed = False
+
+    @property
+    def health_policy(self) -> HealthPolicy:
+        upstream = self.config.upstream
+        return HealthPolicy(upstream.failure_threshold, upstream.ejection_seconds)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start its backends, then run their background work (the limits' Redis client,
+        health checks, scrapers, the catalog, spare connections) until :meth:`retire`."""
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                if self.keys.shared is not None:
+                    await nursery.start(self.keys.shared.keep_connected)
+                self.start_backends()
+                self.watch_upstreams(nursery)
+                task_status.started()
+
+    def start_backends(self) -> None:
+        upstream = self.config.upstream
+        socket_options = (
+            [(socket.SOL_SOCKET, socket.SO_RCVBUF, upstream.socket_rcvbuf)]
+            if upstream.socket_rcvbuf
+            else None
+        )
+        for model in self.config.models:
+            if model.backend == "local":
+                continue  # the process's, started once loaded (SluiceState)
+            replicas = []
+            for url in model.upstreams:
+                if url == FAKE_UPSTREAM_URL:
+                    assert self.fake_upstream_url is not None  # check_no_fake_upstream
+                    url = self.fake_upstream_url
+                connection = ConnectionSettings.resolve(url, model, self.env)
+                name = UpstreamReplica.key(url, connection)
+                if name not in self.replicas:
+                    if not connection.verify:
+                        log.warning(
+                            "!!! TLS VERIFICATION IS OFF for %s (model '%s', verify = false): "
+                            "any server, or anyone between, can answer as this upstream and "
+                            "read its requests. Use ca_file for a private CA instead.",
+                            url,
+                            model.name,
+                        )
+                    self.replicas[name] = UpstreamReplica(
+                        url, upstream, connection, socket_options=socket_options
+                    )
+                    log.info("upstream %s via %s", url, connection.label)
+                replica = self.replicas[name]
+                key = self.api_keys.get(model.name)
+                if key is not None and replica.authorization is None:
+                    replica.authorization = f"Bearer {key}"
+                replicas.append(replica)
+            self.backends[model.name] = UpstreamBackend(
+                model,
+                replicas,
+                self.config.relay,
+                api_key=self.api_keys.get(model.name),
+                policy=self.health_policy,
+                metrics=self.metrics,
+            )
+
+    def watch_upstreams(self, nursery: trio.Nursery) -> None:
+        """The upstreams' background work, each task in ``nursery`` until it is cancelled."""
+        upstream = self.config.upstream
+        for backend in self.backends.values():
+            if isinstance(backend, UpstreamBackend):
+                # What its balance needs in the background (upstream_metrics: a scraper per
+                # replica); returns at once when it needs nothing.
+                nursery.start_soon(backend.watch_replicas)
+        for replica in self.replicas.values():
+            # Its pool's work in the background, until the pool closes: the lean pool's spare
+            # connections (returns at once without preconnect), httpx's sweep of idle
+            # connections that their server closed.
+            nursery.start_soon(replica.maintain_connections)
+        if self.replicas and self.fake_upstream_url is None:
+            nursery.start_soon(
+                report_reachability, list(self.replicas.values()), upstream.connect_timeout
+            )
+        if upstream.list_upstream_models and self.replicas:
+            served: dict[UpstreamReplica, list[str]] = {}
+            # An aliased model is listed upstream under its upstream_model.
+            upstream_names: dict[str, str] = {}
+            for name, backend in self.backends.items():
+                if isinstance(backend, UpstreamBackend):
+                    for replica in backend.replicas:
+                        served.setdefault(replica, []).append(name)
+                    if backend.model.aliased:
+                        upstream_names[name] = backend.model.upstream_model
+            nursery.start_soon(
+                self.catalog.refresh_forever,
+                served,
+                upstream.models_refresh_interval,
+                upstream_names,
+            )
+        if upstream.health_check_path and self.replicas:
+            nursery.start_soon(
+                check_replicas,
+                list(self.replicas.values()),
+                upstream.health_check_path,
+                upstream.health_check_interval,
+                self.health_policy,
+            )
+
+    async def retire(self) -> None:
+        """Once a newer generation serves: wait for the relays begun on this one to end (each
+        holds its backend, replica and pool, and its key's lease), then stop its background
+        work and close its pools; at once when cancelled (the server stops)."""
+        relays = self.pipeline.relays
+        try:
+            while relays:
+                with trio.move_on_after(_RETIRE_POLL_SECONDS):
+                    await self.tracker.wait_until(lambda _: not relays)
+        finally:
+            with trio.CancelScope(shield=True) as cleanup:
+                cleanup.deadline = trio.current_time() + _CLOSE_SECONDS
+                await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close its pools (once: shutdown may close a generation that is retiring)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._scope.cancel()
+        for replica in self.replicas.values():
+            await replica.aclose()

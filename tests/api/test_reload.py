@@ -1,0 +1,432 @@
+"""Reload (SIGHUP): the config file is read again and applied; a stream in flight keeps the
+settings it began with and finishes; a file that cannot be served is one log line and the old
+config goes on; what needs a restart is named and left as it was.
+
+Most tests call the state's reload directly, in-process; one sends SIGHUP to a real
+`sluice serve`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from trio_websocket import WebSocketConnection, open_websocket_url
+
+from proxy.api.app import create_app
+from proxy.api.auth import KeyRing, hash_key
+from proxy.api.reload import plan_reload
+from proxy.api.state import SluiceState, state_of
+from proxy.config import KeyConfig, LimitsConfig, ServerConfig, config_from_mapping, load_config
+from proxy.server.run import serve
+from tests.api.test_limits_redis import REDIS_SERVER, RedisServer
+from tests.support import (
+    DEADLINE,
+    Fake,
+    chat_body,
+    poll_until,
+    sse_payloads,
+    start_fake,
+    start_sluice,
+    stop,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+def toml(upstream: str, *keys: str, server: str = "port = 0") -> str:
+    """A config serving "fake-model" from ``upstream`` to the clients holding ``keys``."""
+    tables = "".join(f'[[keys]]\nname = "{key}"\nsha256 = "{hash_key(key)}"\n' for key in keys)
+    return f'[server]\n{server}\n[models.fake-model]\nupstreams = ["{upstream}"]\n{tables}'
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def serve_file(nursery: trio.Nursery, path: Path) -> tuple[str, SluiceState]:
+    config = load_config(path, env={})
+    app = create_app(config, env={})
+    binds = await nursery.start(serve, app, config)
+    return binds[0], state_of(app)
+
+
+def reloads(state: SluiceState, outcome: str) -> float:
+    value = state.metrics.config_reloads.labels(outcome)._value.get()
+    assert isinstance(value, float)
+    return value
+
+
+@pytest.fixture
+async def slow_fake(nursery: trio.Nursery) -> Fake:
+    return await start_fake(nursery, ttft=0, interval=0.01, tokens=5)
+
+
+async def test_a_new_key_works_and_a_removed_one_does_not(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake
+) -> None:
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(slow_fake.url, "old-key"))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            body = chat_body(stream=False)
+            assert (
+                await client.post(url + CHAT, json=body, headers=bearer("new-key"))
+            ).status_code == 401
+            path.write_text(toml(slow_fake.url, "new-key"))
+            assert await state.reload_config() == "applied"
+            assert (
+                await client.post(url + CHAT, json=body, headers=bearer("new-key"))
+            ).status_code == 200
+            assert (
+                await client.post(url + CHAT, json=body, headers=bearer("old-key"))
+            ).status_code == 401
+            metrics = (await client.get(url + "/metrics")).text
+    assert 'sluice_config_reloads_total{outcome="applied"} 1.0' in metrics
+    assert 'sluice_config_reloads_total{outcome="invalid"} 0.0' in metrics
+
+
+async def test_a_broken_file_is_one_line_and_the_old_config_serves(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(slow_fake.url, "old-key"))
+    broken = {
+        "not TOML": "[server\n",
+        "not valid": toml(slow_fake.url, "old-key", server="port = 0\ngraceful_timeout = -1"),
+        "unset api_key_env": toml(slow_fake.url, "old-key").replace(
+            "[[keys]]", 'api_key_env = "SLUICE_TEST_UNSET"\n[[keys]]', 1
+        ),
+        "no model": "[server]\nport = 0\n",
+    }
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        before = state.current
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            for number, (why, text) in enumerate(broken.items(), 1):
+                path.write_text(text)
+                caplog.clear()
+                with caplog.at_level(logging.INFO, logger="sluice"):
+                    assert await state.reload_config() == "invalid", why
+                lines = [r for r in caplog.records if r.name == "sluice.app"]
+                assert len(lines) == 1, (why, [r.getMessage() for r in lines])
+                assert lines[0].levelno == logging.ERROR
+                assert "still serving the previous config" in lines[0].getMessage()
+                assert "\n" not in lines[0].getMessage()
+                assert state.current is before
+                assert reloads(state, "invalid") == number
+                response = await client.post(
+                    url + CHAT, json=chat_body(stream=False), headers=bearer("old-key")
+                )
+                assert response.status_code == 200, why
+
+
+async def test_a_stream_in_flight_keeps_its_upstream_and_finishes(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    old = await start_fake(nursery, ttft=0, interval=0.02, tokens=50)
+    new = await start_fake(nursery, ttft=0, interval=0, tokens=3)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(old.url, "key"))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        old_generation = state.current
+        (old_replica,) = old_generation.replicas.values()
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            text = ""
+            async with client.stream(
+                "POST", url + CHAT, json=chat_body(), headers=bearer("key")
+            ) as response:
+                async for chunk in response.aiter_text():
+                    text += chunk
+                    if state.current is old_generation:
+                        # Mid-stream: the file now names another upstream.
+                        path.write_text(toml(new.url, "key"))
+                        assert await state.reload_config() == "applied"
+                        assert old_generation in state.retiring
+                        answered = await client.post(
+                            url + CHAT, json=chat_body(stream=False), headers=bearer("key")
+                        )
+                        assert answered.status_code == 200
+                        assert len(new.recorder.records) == 1
+            assert sse_payloads(text)[-1] == "[DONE]"
+            assert len(old.recorder.records) == 1
+            assert old.recorder.records[0].tokens_sent == 50
+            # Its relay done, the old generation's pools close and its work stops.
+            await poll_until(lambda: old_generation not in state.retiring)
+            assert old_replica.pool_connections() == []
+
+
+async def test_an_open_websocket_follows_the_reload(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake
+) -> None:
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(slow_fake.url, "kept", "removed"))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        ws_url = url.replace("http://", "ws://") + "/v1/ws"
+        message = json.dumps(
+            {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+        )
+
+        async def final(ws: WebSocketConnection) -> dict[str, Any]:
+            while True:
+                received = json.loads(await ws.get_message())
+                if received["type"] != "token":
+                    assert isinstance(received, dict)
+                    return received
+
+        async with (
+            open_websocket_url(ws_url, extra_headers=[(b"Authorization", b"Bearer kept")]) as kept,
+            open_websocket_url(
+                ws_url, extra_headers=[(b"Authorization", b"Bearer removed")]
+            ) as gone,
+        ):
+            for ws in (kept, gone):
+                await ws.send_message(message)
+                assert (await final(ws))["type"] == "done"
+            path.write_text(toml(slow_fake.url, "kept"))
+            assert await state.reload_config() == "applied"
+            await kept.send_message(message)
+            assert (await final(kept))["type"] == "done"
+            await gone.send_message(message)
+            refused = await final(gone)
+            assert (refused["type"], refused["status"]) == ("error", 401)
+
+
+async def test_a_server_stopping_closes_a_retiring_generation(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    old = await start_fake(nursery, ttft=0, interval=0.02, tokens=1000)
+    new = await start_fake(nursery, ttft=0, interval=0, tokens=3)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(old.url, "key"))
+    with trio.fail_after(DEADLINE):
+        async with (
+            httpx.AsyncClient(timeout=10, trust_env=False) as client,
+            trio.open_nursery() as server,
+        ):
+            url, state = await serve_file(server, path)
+            old_generation = state.current
+            (old_replica,) = old_generation.replicas.values()
+
+            async def stream() -> None:
+                body = chat_body()
+                async with client.stream("POST", url + CHAT, json=body, headers=bearer("key")):
+                    await trio.sleep_forever()
+
+            server.start_soon(stream)
+            await old.recorder.wait_for(lambda r: r.records and r.records[0].tokens_sent)
+            path.write_text(toml(new.url, "key"))
+            assert await state.reload_config() == "applied"
+            assert old_generation in state.retiring
+            server.cancel_scope.cancel()
+        # Its stream was still running: closed with the server all the same.
+        assert old_generation not in state.retiring
+        assert old_replica.pool_connections() == []
+        await old.recorder.wait_for(lambda r: r.records[0].disconnected_at is not None)
+
+
+async def test_restart_only_changes_are_named_and_the_rest_applies(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(slow_fake.url, "old-key"))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        path.write_text(toml(slow_fake.url, "new-key", server="workers = 3\nport = 8999"))
+        with caplog.at_level(logging.INFO, logger="sluice"):
+            assert await state.reload_config() == "restart_needed"
+        (line,) = [r.getMessage() for r in caplog.records if "reloaded" in r.getMessage()]
+        assert "restart needed for: server.port, server.workers" in line
+        assert state.config.server.port == 0 and state.config.server.workers == 1
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(
+                url + CHAT, json=chat_body(stream=False), headers=bearer("new-key")
+            )
+            assert response.status_code == 200
+    assert reloads(state, "restart_needed") == 1
+
+
+async def test_a_local_model_keeps_its_weights(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake, tiny_loaded_model: Any
+) -> None:
+    local = '[models.tiny]\nbackend = "local"\npath = "{}"\ndefault_temperature = 0.0\n'
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(slow_fake.url) + local.format("unused-preloaded"))
+    config = load_config(path, env={})
+    app = create_app(config, env={}, local_models={"tiny": tiny_loaded_model})
+    with trio.fail_after(DEADLINE):
+        url = (await nursery.start(serve, app, config))[0]
+        state = state_of(app)
+        engine = state.backends["tiny"]
+        path.write_text(toml(slow_fake.url) + local.format("other-weights"))
+        assert await state.reload_config() == "restart_needed"
+        assert state.backends["tiny"] is engine
+        assert state.config.model("tiny") == config.model("tiny")
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            body = chat_body("tiny", stream=False, max_tokens=2)
+            assert (await client.post(url + CHAT, json=body)).status_code == 200
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed (`make redis`)")
+async def test_a_new_redis_url_counts_there(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake
+) -> None:
+    first, second = RedisServer(), RedisServer()
+    first.start()
+    second.start()
+    try:
+        limited = f'[[keys]]\nname = "k"\nsha256 = "{hash_key("k")}"\nrequests_per_minute = 1\n'
+
+        def config(redis: RedisServer) -> str:
+            return (
+                toml(slow_fake.url)
+                + limited
+                + f'[limits]\nbackend = "redis"\nurl = "{redis.url}"\n'
+            )
+
+        path = tmp_path / "sluice.toml"
+        path.write_text(config(first))
+        with trio.fail_after(DEADLINE):
+            url, state = await serve_file(nursery, path)
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+
+                async def status() -> int:
+                    body = chat_body(stream=False)
+                    return (
+                        await client.post(url + CHAT, json=body, headers=bearer("k"))
+                    ).status_code
+
+                assert [await status(), await status()] == [200, 429]
+                path.write_text(config(second))
+                assert await state.reload_config() == "applied"
+                # Counted in the new Redis, whose window for the key is empty.
+                assert [await status(), await status()] == [200, 429]
+                path.write_text(config(first))
+                assert await state.reload_config() == "applied"
+                assert await status() == 429  # the first one's window still holds its request
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_the_plan_names_what_needs_a_restart() -> None:
+    data: dict[str, Any] = {
+        "server": {"port": 0},
+        "models": {
+            "up": {"upstreams": ["http://127.0.0.1:9"], "passthrough": ["/tokenize"]},
+            "tiny": {"backend": "local", "path": "a.gguf"},
+        },
+    }
+    running = config_from_mapping(data, "f.toml", env={})
+    # The command line's --port 8123: running on it, while the file says 0.
+    running = dataclasses.replace(running, server=ServerConfig(port=8123))
+    data["models"]["up"] = {
+        "upstreams": ["http://127.0.0.1:10"],
+        "passthrough": ["/tokenize", "/x"],
+    }
+    data["models"]["tiny"]["path"] = "b.gguf"
+    data["models"]["new"] = {"backend": "local", "path": "c.gguf"}
+    data["tracing"] = {"sample_ratio": 0.5}
+    fresh = config_from_mapping(data, "f.toml", env={})
+    plan = plan_reload(running, ServerConfig(port=0), fresh)
+    assert plan.restart_needed == (
+        "tracing.sample_ratio",
+        "models.new (a new local model)",
+        "models.tiny.path",
+        "models.up.passthrough (/x)",
+    )
+    assert plan.outcome == "restart_needed"
+    # The rest applies; what needs a restart stays as it runs.
+    assert plan.config.server.port == 8123
+    assert plan.config.tracing == running.tracing
+    assert [m.name for m in plan.config.models] == ["up", "tiny"]
+    assert plan.config.model("tiny") == running.model("tiny")
+    up = plan.config.model("up")
+    assert up is not None and up.backend == "upstream"
+    assert up.upstreams == ("http://127.0.0.1:10",)
+    # Nothing that needs a restart: applied.
+    unchanged = dataclasses.replace(running, server=ServerConfig(port=0))
+    assert plan_reload(running, ServerConfig(port=0), unchanged).outcome == "applied"
+
+
+def test_a_kept_key_keeps_its_counters_under_its_new_limits() -> None:
+    limits = LimitsConfig()
+    old = KeyRing(
+        [KeyConfig("a", hash_key("a"), requests_per_minute=3, max_concurrent_streams=2)], limits
+    )
+    key = old.identify("Bearer a")
+    old.admit(key, 0.0)
+    lease = old.admit(key, 1.0)
+    new = KeyRing(
+        [
+            KeyConfig("a", hash_key("a"), requests_per_minute=2, max_concurrent_streams=3),
+            KeyConfig("b", hash_key("b")),
+        ],
+        limits,
+    )
+    new.carry_over(old)
+    assert new.streams("a") == 2
+    renewed = new.identify("Bearer a")
+    assert renewed.requests_per_minute == 2
+    with pytest.raises(Exception, match="Rate limit"):
+        new.admit(renewed, 2.0)  # 2 requests in the last minute: the new limit's
+    lease.release()  # a lease of the old ring frees the same counter
+    assert new.streams("a") == 1
+    assert new.reidentify(key) == renewed
+    assert new.streams("b") == 0
+
+
+async def test_sighup_reloads_a_real_server(nursery: trio.Nursery, tmp_path: Path) -> None:
+    fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=40)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(fake.url, "old-key"))
+    with trio.fail_after(30):
+        process, url = await start_sluice(path)
+        try:
+            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+
+                async def status(key: str) -> int:
+                    body = chat_body(stream=False, fake={"tokens": 1})
+                    return (
+                        await client.post(url + CHAT, json=body, headers=bearer(key))
+                    ).status_code
+
+                text = ""
+                async with client.stream(
+                    "POST", url + CHAT, json=chat_body(), headers=bearer("old-key")
+                ) as response:
+                    async for chunk in response.aiter_text():
+                        if not text:
+                            # A stream in flight (2 s of tokens): the key rotates under it.
+                            assert await status("new-key") == 401
+                            path.write_text(toml(fake.url, "old-key", "new-key"))
+                            process.send_signal(signal.SIGHUP)
+                            with trio.fail_after(3):
+                                while await status("new-key") != 200:  # noqa: ASYNC110
+                                    await trio.sleep(0.05)
+                        text += chunk
+                assert sse_payloads(text)[-1] == "[DONE]"
+                assert process.returncode is None
+
+                path.write_text("[server\nport = 0\n")
+                process.send_signal(signal.SIGHUP)
+                invalid = 'sluice_config_reloads_total{outcome="invalid"} 1.0'
+                with trio.fail_after(3):
+                    while invalid not in (await client.get(url + "/metrics")).text:  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+                assert await status("old-key") == 200
+                assert await status("new-key") == 200
+                assert await status("other-key") == 401
+                metrics = (await client.get(url + "/metrics")).text
+                assert 'sluice_config_reloads_total{outcome="applied"} 1.0' in metrics
+        finally:
+            await stop(process)
