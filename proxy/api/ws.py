@@ -358,7 +358,7 @@ async def serve_websocket(current: Callable[[], RequestPipeline]) -> None:
                 )
                 # A request of its own, refused: its own id, access line and span.
                 refused = session.begin()
-                pipeline.refused(refused, busy.status, busy.code or "error", "-")
+                session.pipeline.refused(refused, busy.status, busy.code or "error", "-")
                 session.notify(error_message(refused.request_id, busy, trace_id_of(refused)))
                 continue
             if _is_cancel(raw):
