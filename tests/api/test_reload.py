@@ -430,3 +430,38 @@ async def test_sighup_reloads_a_real_server(nursery: trio.Nursery, tmp_path: Pat
                 assert 'sluice_config_reloads_total{outcome="applied"} 1.0' in metrics
         finally:
             await stop(process)
+
+
+async def test_sighup_to_the_supervisor_reloads_every_worker(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """With --workers, the supervisor passes SIGHUP on: every worker reads the file again (the
+    kernel spreads fresh connections among them, so many of them must all see the new key)."""
+    fake = await start_fake(nursery, ttft=0, interval=0, tokens=1)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(fake.url, "old-key"))
+    with trio.fail_after(60):
+        process, url = await start_sluice(path, "--workers", "2")
+        try:
+
+            async def statuses(key: str, count: int = 12) -> set[int]:
+                seen = set()
+                for _ in range(count):
+                    # A connection of its own each time: any worker may take it.
+                    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+                        body = chat_body(stream=False)
+                        response = await client.post(url + CHAT, json=body, headers=bearer(key))
+                        seen.add(response.status_code)
+                return seen
+
+            assert await statuses("new-key") == {401}
+            path.write_text(toml(fake.url, "old-key", "new-key"))
+            process.send_signal(signal.SIGHUP)
+            with trio.fail_after(5):
+                while await statuses("new-key") != {200}:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            # Stable: every worker has it, not one of them by chance.
+            assert await statuses("new-key", 24) == {200}
+            assert process.returncode is None
+        finally:
+            await stop(process)
