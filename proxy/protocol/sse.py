@@ -7,6 +7,7 @@ The hot path of the relay. Events are forwarded as the exact bytes the upstream 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from proxy.protocol.errors import ApiError
@@ -95,3 +96,16 @@ def data_event(payload: dict[str, Any]) -> bytes:
 def error_event(error: ApiError) -> bytes:
     """The in-band form of an error, for a stream whose HTTP status has already been sent."""
     return data_event(error.to_dict())
+
+
+# What a written chunk of each endpoint's stream holds once it holds a token (text, reasoning,
+# a tool call), by the endpoint's label: an answer may open with events that carry none (a chat
+# role delta with empty content, Responses' response.created and in_progress, Anthropic's
+# message_start), and the time to those is not the time to the first token. A chunk is searched
+# only until the first one matches.
+FIRST_TOKEN: dict[str, re.Pattern[bytes]] = {
+    "chat": re.compile(rb'"(?:content|reasoning_content|reasoning)":\s*"(?!")|"tool_calls":\s*\['),
+    "completions": re.compile(rb'"text":\s*"(?!")'),
+    "responses": re.compile(rb"response\.[a-z_.]*delta"),
+    "messages": re.compile(rb"content_block_delta"),
+}

@@ -6,6 +6,7 @@ not per event) and read once at close, by the tracker (metrics) and the access r
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from collections.abc import Callable
 
@@ -42,6 +43,7 @@ class RelayAccount:
         "gone_at",
         "kept",
         "last",
+        "opening",
         "phase",
         "started_at",
         "third_last",
@@ -66,6 +68,9 @@ class RelayAccount:
         self.cancel_seconds: float | None = None
         self.undelivered = 0
         self.first = self.third_last = self.before_last = self.last = b""
+        # What a write holds when it holds a token, for the endpoint's stream (see
+        # protocol.sse.FIRST_TOKEN); None: every write does.
+        self.opening: re.Pattern[bytes] | None = None
         # Every write, for a traced request's trace to read at close: a whole (non-streamed)
         # answer, or a stream whose text is captured. None: not kept (the common case).
         self.kept: list[bytes] | None = None
@@ -82,14 +87,21 @@ class RelayAccount:
         a bisect on a 13-tuple and a byte scan in C; the metrics take it in at close."""
         now = self._now()
         last = self._last_write
-        self._last_write = now
-        if last is None:
-            self.ttft = now - self.started_at
-            self.first = chunk
-            if self.phase is not Phase.AFTER_LAST:
-                self.phase = Phase.MID_STREAM
-        else:
+        if last is not None:
+            self._last_write = now
             self.gap_counts[bisect_left(GAP_BOUNDS, now - last)] += 1
+        else:
+            if not self.first:
+                self.first = chunk
+            opening = self.opening
+            # Until the first token, a write of the answer's opening only (a chat role delta,
+            # Responses' response.created) is no first token: the time to it is not a TTFT,
+            # nor has the stream reached its middle.
+            if opening is None or opening.search(chunk) is not None:
+                self._last_write = now
+                self.ttft = now - self.started_at
+                if self.phase is not Phase.AFTER_LAST:
+                    self.phase = Phase.MID_STREAM
         self.third_last = self.before_last
         self.before_last = self.last
         self.last = chunk

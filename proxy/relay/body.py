@@ -45,6 +45,7 @@ from proxy.ops.tracing import RequestTrace
 from proxy.protocol.errors import ApiError, internal_error
 from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
 from proxy.protocol.shapes import ErrorShape
+from proxy.protocol.sse import FIRST_TOKEN
 from proxy.relay.accounting import RelayAccount
 from proxy.relay.stall import StallGuard
 from proxy.relay.state import Phase, RelayEvent, RelayState, step
@@ -334,6 +335,8 @@ class RelayBody(ResponseBody):
         self._wrote = self.account.wrote
         if access is not None and access.trace is not None and access.trace.reads_body(streaming):
             self.account.kept = []
+        if streaming:
+            self.account.opening = FIRST_TOKEN.get(endpoint)
         self._sse = False
         # The write-through hand-off (see write_through): the writer, and whether the producer
         # may use it now. Only the body sets direct_ok (True), when nothing is queued or being

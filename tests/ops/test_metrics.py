@@ -308,3 +308,23 @@ async def test_openmetrics_when_asked(proxy: Proxy, client: httpx.AsyncClient) -
         for sample in requests.samples
     )
     assert families["sluice_token_gap_seconds"].type == "histogram"
+
+
+async def test_a_local_streams_ttft_is_its_first_token_not_its_role_delta(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
+) -> None:
+    """The role delta goes out before the prefill; the time to first token is the prefill's."""
+    prefill = 0.3
+    loaded = slowed(tiny_loaded_model, 0.0, prefill)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery,
+            {"tiny": {"backend": "local", "path": "unused-preloaded"}},
+            local_models={"tiny": loaded},
+        )
+        response = await client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=3))
+        assert response.status_code == 200
+        await proxy.state.tracker.wait_idle()
+        samples = await scrape(client, proxy)
+    assert value(samples, "sluice_ttft_seconds_count", model="tiny") == 1
+    assert value(samples, "sluice_ttft_seconds_sum", model="tiny") >= prefill
