@@ -118,23 +118,18 @@ def sse_payloads(data: bytes) -> Iterator[dict[str, Any]]:
     """The JSON objects of the ``data:`` lines in ``data`` (a run of SSE events, perhaps cut
     at either end): a line that is not whole JSON (a cut one, ``[DONE]``) is skipped."""
     for line in data.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if not payload.startswith(b"{"):
-            continue
-        try:
-            value = json.loads(payload)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            yield value
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload.startswith(b"{") and (value := whole_payload(payload)) is not None:
+                yield value
 
 
 def whole_payload(body: bytes) -> dict[str, Any] | None:
+    """``body`` as a JSON object; None if it is not one (a RecursionError is an upstream's
+    too deep nesting, read when the request ends: it must not fail the relay's close)."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 

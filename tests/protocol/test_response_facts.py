@@ -153,6 +153,10 @@ def test_wrong_types_are_ignored_never_raised() -> None:
     odd = {"id": 5, "model": None, "choices": [7, {"finish_reason": 3}], "usage": "many"}
     assert response_facts.facts_of([odd]).attributes() == {}
     assert list(sse_payloads(b'data: [1]\n\ndata: nope\n\ndata: {"a": 1}\n\n')) == [{"a": 1}]
+    # Nesting too deep for the parser is not JSON here either: nothing, never a RecursionError.
+    deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert list(sse_payloads(b"data: " + deep + b"\n\n")) == []
+    assert body_facts(deep).attributes() == {}
 
 
 def test_the_prompt_of_each_endpoint() -> None:
