@@ -10,7 +10,6 @@ import json
 import platform
 import re
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +22,10 @@ import trio
 from proxy.bench.children import PEER_READY_TIMEOUT, peer_script, supervise, wait_ready
 from proxy.bench.matrix.cells import LOCAL_SLOTS, TRIGGER_TIMEOUT, MatrixSettings
 from proxy.bench.matrix.client import Client, local_body, request_body
+
+# Re-exported (the matrix's old names) until it starts its peers through proxy.bench.peers.
+from proxy.bench.peers.configs import litellm_config as litellm_config
+from proxy.bench.peers.install import litellm_version as litellm_version
 from proxy.bench.report import write_text
 from proxy.bench.settings import BenchError
 from proxy.relay.state import Phase
@@ -185,35 +188,6 @@ def sluice_config(port: int, fake_url: str, settings: MatrixSettings) -> str:
             else f"upstreams = [{json.dumps(fake_url)}]\n"
         )
     )
-
-
-def litellm_config(fake_url: str, model: str) -> str:
-    """LiteLLM's proxy config: ``model`` sent, as an OpenAI-compatible model, to the fake."""
-    return (
-        "# Written by proxy.bench.matrix for one run.\n"
-        "model_list:\n"
-        f"  - model_name: {json.dumps(model)}\n"
-        "    litellm_params:\n"
-        f"      model: {json.dumps('openai/' + model)}\n"
-        f"      api_base: {json.dumps(fake_url + '/v1')}\n"
-        "      api_key: unused-by-the-fake\n"
-    )
-
-
-def litellm_version(executable: str) -> str:
-    """The version of the litellm package beside ``executable`` (its venv's python)."""
-    python = Path(executable).parent / "python"
-    try:
-        out = subprocess.run(
-            [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def free_port() -> int:
