@@ -74,6 +74,7 @@ def test_envoy_relays_every_path_to_the_fake_without_a_timeout() -> None:
     assert "route: { cluster: fake, timeout: 0s }" in config
     assert "stream_idle_timeout: 0s" in config
     assert "upgrade_type: websocket" in config
+    assert "max_requests: 1000000" in config
     argv = envoy_argv("envoy", "/w/envoy.yaml")
     assert argv[argv.index("--concurrency") + 1] == "1"
     assert "--disable-hot-restart" in argv

@@ -25,7 +25,8 @@ def envoy_config(listen: tuple[str, int], fake_url: str) -> str:
     """Envoy's bootstrap: one listener, every path to the fake over HTTP/1.1.
 
     Route timeout 0 (Envoy's default is 15 s, which would cut a long stream) and no stream
-    idle timeout (a long first token is no idle stream); WebSocket upgrades relayed."""
+    idle timeout (a long first token is no idle stream); WebSocket upgrades relayed; its
+    cluster's circuit breakers opened (their defaults cap a thousand concurrent streams)."""
     host, port = upstream_address(fake_url)
     return f"""\
 # Written by proxy.bench.peers for one run.
@@ -60,6 +61,13 @@ static_resources:
   - name: fake
     type: STATIC
     connect_timeout: 5s
+    # Envoy's default limits (1024 connections, pending and active requests) would refuse
+    # streams past a thousand with 503s, which no other system here does.
+    circuit_breakers:
+      thresholds:
+      - max_connections: 1000000
+        max_pending_requests: 1000000
+        max_requests: 1000000
     load_assignment:
       cluster_name: fake
       endpoints:

@@ -106,7 +106,7 @@ SPECS: Final[Mapping[str, PeerSpec]] = MappingProxyType(
             title=f"Envoy {ENVOY_VERSION}",
             how=(
                 "--concurrency 1, route timeout 0 and no stream idle timeout, WebSocket "
-                "upgrade on, HTTP/1.1 to the fake"
+                "upgrade on, circuit breakers opened, HTTP/1.1 to the fake"
             ),
             websocket=True,
             not_served=_frozen({"ws": _NO_WS_UPSTREAM}),
@@ -158,8 +158,8 @@ SPECS: Final[Mapping[str, PeerSpec]] = MappingProxyType(
             title=f"Portkey gateway {PORTKEY_VERSION}",
             how=(
                 "its openai provider with the fake as custom host (x-portkey-custom-host), on "
-                "node; a header shim (portkey_headers.mjs) so that its streams answer at all on "
-                "node (Portkey-AI/gateway#1550)"
+                "node, bound to loopback; a shim (portkey_shim.mjs) so that its streams answer "
+                "at all on node (Portkey-AI/gateway#1550)"
             ),
             websocket=False,
             not_served=_frozen(

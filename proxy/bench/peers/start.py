@@ -37,7 +37,7 @@ from proxy.bench.report import write_text
 from proxy.bench.settings import BenchError
 
 HERE: Final = Path(__file__).resolve().parent
-PORTKEY_SHIM: Final = HERE / "portkey_headers.mjs"
+PORTKEY_SHIM: Final = HERE / "portkey_shim.mjs"
 HOST: Final = "127.0.0.1"
 
 
