@@ -98,6 +98,14 @@ SPECS: Final[Mapping[str, PeerSpec]] = MappingProxyType(
             how="one worker, the model as openai/<model> at the fake, a master key",
             websocket=False,
             not_served=_frozen({"ws": _NO_WS_ROUTE}),
+            trackers=_frozen(
+                {
+                    # Its fix for a leave before the first streamed chunk (LIT-3568), which
+                    # 1.108.7 has; measured here, such a leave still reached the fake only
+                    # with the whole answer.
+                    "first_token": "BerriAI/litellm#31499",
+                }
+            ),
         ),
         "envoy": PeerSpec(
             name="envoy",
@@ -144,10 +152,9 @@ SPECS: Final[Mapping[str, PeerSpec]] = MappingProxyType(
             ),
             trackers=_frozen(
                 {
-                    # The router's relay noticed a client gone only at its next write: fixed
-                    # after 0.3.2 (a prefill with no chunks kept the upstream request alive).
-                    "head": "sgl-project/sglang#19524",
-                    "first_token": "sgl-project/sglang#19524",
+                    # Its relay notices a client gone only at its next write to it, so a
+                    # leave before the first token leaves the upstream request running.
+                    "first_token": "sgl-project/sglang#30530",
                 }
             ),
         ),
