@@ -181,12 +181,8 @@ def litellm_argv(litellm: str, listen: tuple[str, int], config: str) -> list[str
     return [*argv, "--num_workers", "1"]
 
 
-def portkey_headers(fake_url: str, api_key: str) -> tuple[tuple[str, str], ...]:
-    """What each request to Portkey's gateway carries: its OpenAI provider, the fake as the
-    custom host (the OpenAI-compatible route to a self-hosted model), and the key it forwards
-    (the fake takes any)."""
-    return (
-        ("x-portkey-provider", "openai"),
-        ("x-portkey-custom-host", fake_url + "/v1"),
-        ("authorization", f"Bearer {api_key}"),
-    )
+def portkey_headers(fake_url: str) -> tuple[tuple[str, str], ...]:
+    """What each request to Portkey's gateway carries: its OpenAI provider and the fake as the
+    custom host (the OpenAI-compatible route to a self-hosted model). The client's own
+    Authorization, if any, is forwarded as it is (the fake takes any, or none)."""
+    return (("x-portkey-provider", "openai"), ("x-portkey-custom-host", fake_url + "/v1"))

@@ -44,7 +44,8 @@ HOST: Final = "127.0.0.1"
 @dataclass
 class StartedPeer:
     """A peer answering: its facts, its address, its process and its log, and the headers each
-    request to it carries in this run (its spec's and those naming this run's fake)."""
+    request to it must carry in this run (its spec's, those naming this run's fake, LiteLLM's
+    master key), by name: a client that sends its own Authorization sends that one once."""
 
     spec: PeerSpec
     address: tuple[str, int]
@@ -115,7 +116,8 @@ def _launch(
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         }
         argv = configs.litellm_argv(str(bin_dir / "litellm"), address, str(config))
-        return _Launch(argv, "/health/liveliness", env=env)
+        key = (("authorization", f"Bearer {api_key}"),)
+        return _Launch(argv, "/health/liveliness", env=env, request_headers=key)
     if name == "envoy":
         config = workdir / "envoy.yaml"
         write_text(config, configs.envoy_config(address, fake_url))
@@ -128,7 +130,7 @@ def _launch(
         server = folder / PORTKEY_SERVER
         argv = ["node", "--import", str(PORTKEY_SHIM), str(server)]
         argv += [f"--port={address[1]}", "--headless"]
-        headers = configs.portkey_headers(fake_url, api_key)
+        headers = configs.portkey_headers(fake_url)
         # production: no UI routes, no log console.
         return _Launch(argv, "/", env={"NODE_ENV": "production"}, request_headers=headers)
     raise BenchError(f"no way to start peer {name!r}")  # every PEER_NAMES entry is above
