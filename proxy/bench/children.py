@@ -22,11 +22,8 @@ from proxy.bench.settings import BenchError
 
 _E = TypeVar("_E", bound=BaseException)
 READY_TIMEOUT: Final = 30.0
-# The peer's first start builds its own venv with pip: minutes, not seconds.
+# A peer or a local model that starts slowly (LiteLLM imports for a minute on this machine).
 PEER_READY_TIMEOUT: Final = 600.0
-# Where ``--peer auto`` finds the peer's starter: ``shared/peers`` beside the repository.
-PEERS_DIR: Final = Path(__file__).resolve().parents[3] / "shared" / "peers"
-PEER_SCRIPT: Final = "run-fastapi-gateway"
 # How long a child gets to exit after SIGTERM before SIGKILL. The proxy's own graceful shutdown
 # is set to 1 s in the config we write, so this is rarely reached.
 STOP_TIMEOUT: Final = 5.0
@@ -160,19 +157,6 @@ async def wait_ready(
             await trio.sleep(0.05)
     tail = f"; its log ends:\n{_log_tail(log)}" if log is not None else ""
     raise BenchError(f"the {name} at {address[0]}:{address[1]} not ready in {patience:g} s{tail}")
-
-
-def peer_script(peers_dir: Path | None = None) -> Path:
-    """The FastAPI peer's starter (``run-fastapi-gateway UPSTREAM_URL PORT``), or a clear
-    error where this checkout has no ``shared/peers`` beside it."""
-    script = (PEERS_DIR if peers_dir is None else peers_dir) / PEER_SCRIPT
-    if not (script.is_file() and os.access(script, os.X_OK)):
-        raise BenchError(
-            f"--peer auto: no executable {script} on this machine (it lives in shared/peers/ "
-            "beside the repository); start a peer yourself and pass --peer URL --peer-pid PID "
-            "--upstream URL"
-        )
-    return script
 
 
 async def git_commit() -> str | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.bench.children import run_stoppable
+from proxy.bench.peers import PEER_NAMES
 from proxy.bench.plots import load_pyplot, write_plots
 from proxy.bench.procfs import read_text_or_none
 from proxy.bench.report import (
@@ -103,12 +104,21 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
     add("--proxy-pid", type=int, help="with --target: its PID, for CPU and RSS figures")
     add(
         "--peer",
-        metavar="URL_OR_auto",
-        help="also run the load through a peer gateway (FastAPI + httpx, as in the bench's "
-        "peers): 'auto' starts it, a URL targets one already running (with --upstream, the "
-        "fake it relays to)",
+        action="append",
+        default=[],
+        metavar="NAME_OR_URL",
+        help="also run the load through another gateway, alternating with the proxy; repeat "
+        f"it to run several side by side. A name ({', '.join(PEER_NAMES)}; auto is fastapi) "
+        "is installed under .peers/ when missing and started in front of the same fake; a URL "
+        "(anything with ://) is one already running (with --upstream, the fake it relays to)",
     )
-    add("--peer-pid", type=int, help="with --peer URL: its PID, for CPU and RSS figures")
+    add(
+        "--peer-pid",
+        type=int,
+        action="append",
+        default=[],
+        help="with --peer URL: its PID, for CPU and RSS figures (one per URL, in order)",
+    )
     add("--model", default=d.model, help="model name to request")
     add(
         "--workers",
@@ -193,8 +203,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         target=args.target,
         upstream=args.upstream,
         proxy_pid=args.proxy_pid,
-        peer=args.peer,
-        peer_pid=args.peer_pid,
+        peers=tuple(args.peer),
+        peer_pids=tuple(args.peer_pid),
         model=args.model,
         workers=args.workers,
         pin=args.pin,
@@ -239,7 +249,7 @@ async def run_from_args(args: argparse.Namespace) -> None:
         print(f"sluice bench: {error}", file=sys.stderr)
         raise SystemExit(1) from None
     print(f"sluice bench: {settings.describe()}")
-    labels = column_labels(settings)
+    labels = column_labels(settings, report.peers)
     print(format_table(report.summaries, labels))
     errors = _errors_line(report.summaries, labels)
     if errors:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -114,14 +115,18 @@ class ResponseParser:
         self.complete = self._reader.complete
 
 
-def build_request(host: str, port: int, path: str, body: bytes) -> bytes:
-    """A streaming POST of ``body`` to ``path``, one per connection (``Connection: close``)."""
+def build_request(
+    host: str, port: int, path: str, body: bytes, extra: Iterable[tuple[str, str]] = ()
+) -> bytes:
+    """A streaming POST of ``body`` to ``path``, one per connection (``Connection: close``);
+    ``extra``: headers the system under test needs (a gateway's key, its routing headers)."""
     headers = [
         (b"Host", f"{host}:{port}".encode("latin-1")),
         (b"Content-Type", b"application/json"),
         (b"Accept", b"text/event-stream"),
         (b"Content-Length", b"%d" % len(body)),
         (b"Connection", b"close"),
+        *((name.encode("latin-1"), value.encode("latin-1")) for name, value in extra),
     ]
     return http1.encode_request(b"POST", path.encode("latin-1"), headers, body)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
 from proxy.bench.procfs import RSS_PERIOD
-from proxy.bench.report import BenchReport, _title
+from proxy.bench.report import BenchReport, PeerFacts, _title
 from proxy.bench.settings import BenchError, BenchSettings
 from proxy.bench.summary import RunData, collect_samples, percentile
 
@@ -127,9 +127,18 @@ _STYLE: Final[dict[str, dict[str, Any]]] = {
     "proxy": {"color": "tab:blue"},
     "direct": {"color": "tab:gray", "linestyle": "--"},
     "baseline": {"color": "tab:green", "linestyle": "--"},
-    "peer": {"color": "tab:orange"},
     "versus": {"color": "tab:purple"},
 }
+# The peers' colours, in the order they were named.
+_PEER_COLOURS: Final = ("tab:orange", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
+
+def _style(mode: str, settings: BenchSettings) -> dict[str, Any]:
+    if mode in _STYLE:
+        return _STYLE[mode]
+    peers = [name for name, _ in settings.peer_modes()]
+    index = peers.index(mode) if mode in peers else len(peers)
+    return {"color": _PEER_COLOURS[index % len(_PEER_COLOURS)]}
 
 
 def _log_axis(ax: Any, ticker: Any, left: float | None) -> None:
@@ -156,21 +165,26 @@ def minor_tick_label(value: float, _: object = None) -> str:
     return f"{value:g}" if round(mantissa, 6) in (2, 3, 5) else ""
 
 
-def plot_labels(settings: BenchSettings) -> dict[str, str]:
+def plot_labels(
+    settings: BenchSettings, peers: Mapping[str, PeerFacts | None] | None = None
+) -> dict[str, str]:
     """What each mode is called in the plots' legends: Sluice by name (and by transport where
-    two run, or one was named), the peer by what it is."""
+    two run, or one was named), a peer by what it is."""
     a, b = settings.transport, settings.versus_transport
     if settings.versus_tracing:
         a, b = "traced", "untraced"
     sluice = "Sluice" if a == "auto" and b is None else f"Sluice ({a})"
     labels = {
         "proxy": sluice,
-        "peer": "peer (FastAPI + httpx)",
+        "peer": "peer (--peer URL)",
         "direct": "direct to the fake upstream",
         "baseline": f"{sluice}, slow readers reading fast",
     }
     if b is not None:
         labels["versus"] = f"Sluice ({b})"
+    for mode, facts in (peers or {}).items():
+        if facts is not None:
+            labels[mode] = facts.title
     return labels
 
 
@@ -225,7 +239,7 @@ def latency_figure(
     when nothing was measured. ``series``: ``latency_series`` of each run, if at hand."""
     plt = load_pyplot()
     ticker = importlib.import_module("matplotlib.ticker")
-    labels = plot_labels(report.settings)
+    labels = plot_labels(report.settings, report.peers)
     if series is None:
         series = {mode: latency_series(run) for mode, run in report.runs.items()}
     panels = _latency_panels(series)
@@ -242,7 +256,7 @@ def latency_figure(
             xs, ys = cdf_points(max(v, LOG_FLOOR_MS) for v in values[key])
             if xs:
                 name = cdf_label(labels.get(mode, mode), values[key])
-                (line,) = ax.step(xs, ys, where="post", label=name, **_STYLE[mode])
+                (line,) = ax.step(xs, ys, where="post", label=name, **_style(mode, report.settings))
                 marked.append((line.get_color(), values[key]))
         _log_axis(ax, ticker, log_axis_left([values[key] for values in series.values()]))
         _mark_percentiles(ax, marked)
@@ -262,7 +276,7 @@ def rss_figure(report: BenchReport) -> Any | None:
     """Each relay's RSS as growth over its run's start (MiB, left) and per concurrent stream
     (KiB, right), one line per run; None when no relay's RSS was sampled."""
     plt = load_pyplot()
-    labels = plot_labels(report.settings)
+    labels = plot_labels(report.settings, report.peers)
     streams = report.settings.streams
     lines = {mode: rss_series(run) for mode, run in report.runs.items()}
     if not any(lines.values()):
@@ -274,7 +288,9 @@ def rss_figure(report: BenchReport) -> Any | None:
             name = shown if len(runs) == 1 else f"{shown} #{i + 1}"
             peak = line.peak_mib
             # A repeat in its mode's colour, told apart by its dashes.
-            style = _STYLE[mode] | ({"linestyle": _REPEAT_DASHES[(i - 1) % 2]} if i else {})
+            style = _style(mode, report.settings) | (
+                {"linestyle": _REPEAT_DASHES[(i - 1) % 2]} if i else {}
+            )
             ax.plot(
                 line.seconds,
                 line.mib,

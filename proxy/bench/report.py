@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from proxy.bench.settings import BenchSettings, Mode
+from proxy.bench.settings import BenchSettings
 from proxy.bench.summary import RunData, RunSummary
 from proxy.bench.tracing_ab import TracingTally
 from proxy.bench.tracing_ab import markdown_lines as tracing_lines
@@ -37,9 +37,11 @@ FIGURES: Final[tuple[tuple[str, str, str], ...]] = (
     ("cancel_unmatched", "dropped, no upstream record", "d"),
     ("wasted_tokens_mean", "wasted tokens/dropped stream, mean", ".1f"),
     ("wasted_tokens_max", "wasted tokens/dropped stream, max", "d"),
+    ("wasted_tokens_total", "tokens for nobody (all dropped streams)", "d"),
     ("proxy_cpu_s", "proxy CPU (s)", ".2f"),
     ("proxy_cpu_wait_s", "proxy waiting for a core (s)", ".2f"),
     ("proxy_cpu_us_per_event", "proxy CPU per event (µs)", ".0f"),
+    ("proxy_cpu_us_per_request", "proxy CPU per request (µs)", ".0f"),
     ("proxy_peak_rss_mib", "proxy peak RSS (MiB)", ".1f"),
     ("proxy_rss_start_mib", "proxy RSS as the run began (MiB)", ".1f"),
     ("proxy_rss_growth_mib", "proxy RSS rise during the run (MiB)", ".1f"),
@@ -65,8 +67,6 @@ _SLOW_ROWS: Final = frozenset(
 _DROP_ROWS: Final = frozenset(
     name for name, _, _ in FIGURES if name.startswith(("cancel_", "wasted_"))
 )
-# Modes a proxy run is compared with, in the order of their ratio columns.
-_REFERENCES: Final[tuple[Mode, ...]] = ("versus", "peer", "direct", "baseline")
 
 
 def ratios(proxy: RunSummary, direct: RunSummary) -> dict[str, float | None]:
@@ -92,14 +92,14 @@ def _fmt(value: float | int | None, spec: str) -> str:
 
 
 def all_ratios(summaries: dict[str, RunSummary]) -> dict[str, dict[str, float | None]]:
-    """``{"proxy/versus": ..., "proxy/peer": ..., "proxy/direct": ..., "proxy/baseline": ...}``
-    for the references present."""
+    """``{"proxy/versus": ..., "proxy/envoy": ..., "proxy/direct": ..., "proxy/baseline": ...}``:
+    the proxy over every other mode present, in the order of ``summaries`` (the columns')."""
     if "proxy" not in summaries:
         return {}
     return {
         f"proxy/{ref}": ratios(summaries["proxy"], summaries[ref])
-        for ref in _REFERENCES
-        if ref in summaries
+        for ref in summaries
+        if ref != "proxy"
     }
 
 
@@ -150,19 +150,25 @@ def _errors_line(summaries: dict[str, RunSummary], labels: dict[str, str] | None
     return "errors by kind — " + "; ".join(parts) if parts else ""
 
 
-def column_labels(settings: BenchSettings) -> dict[str, str]:
+def column_labels(
+    settings: BenchSettings, peers: Mapping[str, PeerFacts | None] | None = None
+) -> dict[str, str]:
     """Column names for modes and ratios that say more than the mode: with
     ``--versus-transport``, ``proxy (lean)``, ``proxy (httpx)`` and ``lean/httpx`` (and
-    ``lean/peer`` and so on for the first proxy's other ratios); with ``--transport`` alone,
+    ``lean/direct`` and so on for the first proxy's other ratios); with ``--transport`` alone,
     ``proxy (httpx)``; with ``--versus-tracing``, ``proxy (traced)``, ``proxy (untraced)`` and
-    ``traced/untraced``."""
+    ``traced/untraced``. A peer the bench started (``peers``) is its system's title."""
+    labels: dict[str, str] = {}
+    for mode, facts in (peers or {}).items():
+        if facts is not None:
+            labels[mode] = facts.title
     a, b = settings.transport, settings.versus_transport
     if settings.versus_tracing:
         a, b = "traced", "untraced"
     if b is None:
-        return {"proxy": f"proxy ({a})"} if a != "auto" else {}
-    labels = {"proxy": f"proxy ({a})", "versus": f"proxy ({b})", "proxy/versus": f"{a}/{b}"}
-    for ref in ("peer", "direct", "baseline"):
+        return labels | ({"proxy": f"proxy ({a})"} if a != "auto" else {})
+    labels |= {"proxy": f"proxy ({a})", "versus": f"proxy ({b})", "proxy/versus": f"{a}/{b}"}
+    for ref in ("direct", "baseline", *(mode for mode, _ in settings.peer_modes())):
         labels[f"proxy/{ref}"] = f"{a}/{ref}"
     return labels
 
@@ -192,7 +198,8 @@ def _title(report: BenchReport, relay: str = "proxy") -> str:
         title += ", upstream " + settings.habit_text()
     others = [mode for mode in report.summaries if mode not in ("proxy", "versus")]
     if "proxy" in report.summaries and others:
-        title += f", {relay} vs " + " and ".join(others)
+        listed = ", ".join(others[:-1]) + " and " + others[-1] if len(others) > 1 else others[0]
+        title += f", {relay} vs {listed}"
     return title
 
 
@@ -202,7 +209,7 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
     machine = report.machine
     ram = machine.get("ram_bytes")
     ram_text = f"{ram / 2**30:.1f} GiB RAM" if ram else "RAM unknown"
-    labels = column_labels(settings)
+    labels = column_labels(settings, report.peers)
     header, rows = table_rows(report.summaries, labels)
     lines = [
         f"## {_title(report)}",
@@ -236,12 +243,18 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
             f"and alternating with it run by run; {a}/{b} is {labels['proxy']} over "
             f"{labels['versus']}"
         )
-    if "peer" in report.summaries:
-        how = "started by the bench" if report.settings.peer == "auto" else "already running"
+    for mode, _ in settings.peer_modes():
+        if mode not in report.summaries:
+            continue
+        facts = report.peers.get(mode)
+        shown = labels.get(mode, mode)
+        if facts is None:
+            what = "a gateway already running (`--peer URL`)"
+        else:
+            what = f"`{facts.package}`, started by the bench ({facts.how})"
         lines.append(
-            "- peer: the FastAPI + httpx gateway on uvicorn/uvloop/httptools "
-            f"(`shared/peers/fastapi_gateway.py`, {how}), relaying to the same fake upstream, "
-            "alternating with the proxy; its CPU and RSS rows are the peer's process tree"
+            f"- {shown}: {what}, relaying to the same fake upstream, alternating with the "
+            "proxy; its CPU and RSS rows are its process tree"
         )
     if report.cpus:
         where = "; ".join(
@@ -299,6 +312,15 @@ def upsert_section(text: str, key: str, section: str) -> str:
     return text.rstrip("\n") + "\n\n" + block
 
 
+@dataclass(frozen=True)
+class PeerFacts:
+    """What a report says of a peer the bench started (from its ``PeerSpec``)."""
+
+    title: str
+    package: str
+    how: str
+
+
 @dataclass
 class BenchReport:
     settings: BenchSettings
@@ -316,6 +338,8 @@ class BenchReport:
     cpus: dict[str, list[int]] = field(default_factory=dict)
     # With --versus-tracing: the spans the traced proxy sent against its requests.
     tracing: TracingTally | None = None
+    # Each peer's mode: what the bench started there (None: a peer given by URL).
+    peers: dict[str, PeerFacts | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -333,14 +357,22 @@ class BenchReport:
             out["ratios"] = rates["proxy/direct"]
         if "proxy/baseline" in rates:
             out["ratios_baseline"] = rates["proxy/baseline"]
-        if "proxy/peer" in rates:
-            out["ratios_peer"] = rates["proxy/peer"]
+        peer_modes = [mode for mode, _ in self.settings.peer_modes()]
+        if len(peer_modes) == 1 and f"proxy/{peer_modes[0]}" in rates:
+            out["ratios_peer"] = rates[f"proxy/{peer_modes[0]}"]
+        out["ratios_peers"] = {
+            mode: rates[f"proxy/{mode}"] for mode in peer_modes if f"proxy/{mode}" in rates
+        }
+        out["peers"] = {
+            mode: dataclasses.asdict(facts) if facts is not None else None
+            for mode, facts in self.peers.items()
+        }
         if "proxy/versus" in rates:
             out["ratios_versus"] = rates["proxy/versus"]
         if self.tracing is not None:
             out["tracing"] = self.tracing.to_json()
         # What the columns are called in the table (the transports, with --versus-transport).
-        out["labels"] = column_labels(self.settings)
+        out["labels"] = column_labels(self.settings, self.peers)
         # RSS over time, per mode and run: [seconds since the run began, bytes].
         out["rss_samples"] = {
             mode: [

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TextIO
@@ -21,13 +21,11 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import trio
 
 from proxy.bench.children import (
-    PEER_READY_TIMEOUT,
     READY_TIMEOUT,
     _first_leaf,
     _record_cpus,
     free_port,
     git_commit,
-    peer_script,
     pinned_argv,
     set_own_cpus,
     supervise,
@@ -42,6 +40,7 @@ from proxy.bench.client import (
     http_get,
     run_stream,
 )
+from proxy.bench.peers import PeerSpec, ensure_installed, start_peer
 from proxy.bench.procfs import (
     RssTrace,
     _raise_fd_limit,
@@ -53,9 +52,8 @@ from proxy.bench.procfs import (
     reset_peak_rss,
     sample_rss,
 )
-from proxy.bench.report import BenchReport, column_labels, write_text
+from proxy.bench.report import BenchReport, PeerFacts, column_labels, write_text
 from proxy.bench.settings import (
-    MODES,
     BenchError,
     BenchSettings,
     CpuLayout,
@@ -78,6 +76,9 @@ if TYPE_CHECKING:
     from proxy.testing.otlp_receiver import Receiver
 
 RECORDS_POLL: Final = 0.2
+# The key a peer the bench starts is given and every request to it carries (the fake upstream
+# checks none; a gateway that requires one gets it).
+BENCH_API_KEY: Final = "sk-bench"
 
 
 def _proxy_config(
@@ -168,13 +169,22 @@ async def _show_progress(label: str, progress: _Progress, total: int, out: TextI
 
 
 @dataclass
+class _Peer:
+    address: tuple[str, int]
+    pid: int | None
+    headers: tuple[tuple[str, str], ...] = ()
+    spec: PeerSpec | None = None  # None: a peer given by URL
+
+
+@dataclass
 class _Endpoints:
     proxy: tuple[str, int] | None
     upstream: tuple[str, int] | None
     proxy_pid: int | None
     upstream_pid: int | None
-    peer: tuple[str, int] | None = None
-    peer_pid: int | None = None
+    # Each peer's mode: where it listens, its PID (None: a URL's, not given), and what every
+    # request to it carries.
+    peers: dict[Mode, _Peer] = field(default_factory=dict)
     versus: tuple[str, int] | None = None  # the second Sluice, with --versus-transport
     versus_pid: int | None = None
     # With --versus-tracing: the OTLP receiver of the traced proxy ("proxy"), and its count.
@@ -189,20 +199,22 @@ async def _run_once(
     endpoints: _Endpoints,
     cursor: int,
 ) -> tuple[RunData, int]:
-    address = {
-        "direct": endpoints.upstream,
-        "peer": endpoints.peer,
-        "versus": endpoints.versus,
-    }.get(mode, endpoints.proxy)
+    peer = endpoints.peers.get(mode)
+    address = (
+        peer.address
+        if peer is not None
+        else {"direct": endpoints.upstream, "versus": endpoints.versus}.get(mode, endpoints.proxy)
+    )
     assert address is not None
-    results, requests = _streams(mode, label, settings, address)
-    # The relay measured: the proxy, or the peer or the versus proxy in its place (their
+    headers = peer.headers if peer is not None else ()
+    results, requests = _streams(mode, label, settings, address, headers)
+    # The relay measured: the proxy, or a peer or the versus proxy in its place (their
     # figures fill the same rows).
-    proxy_pid = {
-        "direct": None,
-        "peer": endpoints.peer_pid,
-        "versus": endpoints.versus_pid,
-    }.get(mode, endpoints.proxy_pid)
+    proxy_pid = (
+        peer.pid
+        if peer is not None
+        else {"direct": None, "versus": endpoints.versus_pid}.get(mode, endpoints.proxy_pid)
+    )
     if proxy_pid is not None:
         reset_peak_rss(proxy_pid)
     proxy_cpu0 = process_cpu_seconds(proxy_pid) if proxy_pid is not None else None
@@ -260,7 +272,11 @@ async def _run_once(
 
 
 def _streams(
-    mode: Mode, label: str, settings: BenchSettings, address: tuple[str, int]
+    mode: Mode,
+    label: str,
+    settings: BenchSettings,
+    address: tuple[str, int],
+    headers: tuple[tuple[str, str], ...] = (),
 ) -> tuple[list[StreamResult], list[bytes]]:
     """Each client's empty result and its request, tagged ``label-i``."""
     # The baseline's slow readers read at full speed: the same draw with slow = 0 gives the
@@ -274,7 +290,7 @@ def _streams(
         tag = f"{label}-{i}"
         results.append(StreamResult(index=i, tag=tag, role=role))
         body = chat_body(model, tag, settings.ttft, settings.interval, settings.tokens)
-        requests.append(build_request(host, port, "/v1/chat/completions", body))
+        requests.append(build_request(host, port, "/v1/chat/completions", body, headers))
     return results, requests
 
 
@@ -321,7 +337,12 @@ async def _drive(
         nursery.cancel_scope.cancel()
 
 
-async def _warm_up(address: tuple[str, int], settings: BenchSettings, tag: str) -> None:
+async def _warm_up(
+    address: tuple[str, int],
+    settings: BenchSettings,
+    tag: str,
+    headers: tuple[tuple[str, str], ...] = (),
+) -> None:
     """One unmeasured stream, so that first-request costs (imports, pool set-up) are not
     counted as TTFT."""
     host, port = address
@@ -329,7 +350,7 @@ async def _warm_up(address: tuple[str, int], settings: BenchSettings, tag: str) 
         settings.model_name, tag, settings.ttft, settings.interval, min(settings.tokens, 3)
     )
     result = StreamResult(index=-1, tag=tag, role="normal")
-    request = build_request(host, port, "/v1/chat/completions", body)
+    request = build_request(host, port, "/v1/chat/completions", body, headers)
     with trio.move_on_after(READY_TIMEOUT):
         await run_stream(
             address, request, result, start_at=trio.current_time(), drop_at=0, slow_delay=0
@@ -340,9 +361,9 @@ async def _warm_up(address: tuple[str, int], settings: BenchSettings, tag: str) 
 
 
 def _schedule(settings: BenchSettings) -> list[Mode]:
-    """Alternate direct, proxy, versus and peer across repeats (direct, proxy, versus, peer;
-    then peer, versus, proxy, direct), so that none always runs first on a cold machine or last
-    on a warm one. The
+    """Alternate direct, proxy, versus and the peers across repeats (direct, proxy, versus,
+    peers; then the peers reversed, versus, proxy, direct), so that none always runs first on a
+    cold machine or last on a warm one. The
     baseline runs right before each proxy run: the proxy's memory is then at its lowest for
     the baseline, and whatever the slow readers add shows in the proxy run (the other way
     round, the baseline would inherit the slow run's heap)."""
@@ -351,8 +372,7 @@ def _schedule(settings: BenchSettings) -> list[Mode]:
     one += proxy
     if settings.versus_transport is not None or settings.versus_tracing:
         one.append("versus")
-    if settings.peer is not None:
-        one.append("peer")
+    one += [mode for mode, _ in settings.peer_modes()]
     order: list[Mode] = []
     for rep in range(settings.repeat):
         if rep % 2 == 0:
@@ -372,12 +392,16 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     nonce = os.urandom(4).hex()  # tags unique even against an upstream reused across benches
     runs: dict[Mode, list[RunData]] = {}
     pids: dict[str, int] = {}
-    # Before anything starts: no peer to start here is a plain error, not a half-run bench.
-    peer_starter = peer_script() if settings.peer == "auto" else None
+    # Before anything starts: a peer that is not installed and cannot be is a plain error,
+    # not a half-run bench (installing one takes minutes, once).
+    peer_names = [value for _, value in settings.peer_modes() if "://" not in value]
+    for name in peer_names:
+        await trio.to_thread.run_sync(ensure_installed, name)
     layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
     placed: dict[str, list[int]] = {}
     own_cpus = os.sched_getaffinity(0) if layout is not None else None
     tally = TracingTally() if settings.versus_tracing else None
+    endpoints_peers: dict[Mode, _Peer] = {}
     try:
         if layout is not None:
             set_own_cpus(layout.load)
@@ -387,8 +411,9 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
             receiver = stack.enter_context(collector()) if tally is not None else None
             async with trio.open_nursery() as nursery:
                 systems = _Systems(nursery, settings, workdir, layout, pids, receiver)
-                endpoints = await systems.start(peer_starter)
+                endpoints = await systems.start()
                 endpoints.receiver, endpoints.tally = receiver, tally
+                endpoints_peers = endpoints.peers
                 if layout is not None:
                     # Read back once each is ready: its mask was set as it started (pinned_argv).
                     for name, pid in pids.items():
@@ -416,7 +441,8 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         shutil.rmtree(workdir, ignore_errors=True)
         if own_cpus is not None:
             set_own_cpus(own_cpus)
-    pooled: dict[str, RunData] = {mode: merge_runs(runs[mode]) for mode in MODES if mode in runs}
+    modes = settings.modes()
+    pooled: dict[str, RunData] = {mode: merge_runs(runs[mode]) for mode in modes if mode in runs}
     summaries: dict[str, RunSummary] = {mode: summarize(run) for mode, run in pooled.items()}
     return BenchReport(
         settings=settings,
@@ -430,6 +456,10 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         runs=pooled,
         cpus=placed,
         tracing=tally,
+        peers={
+            mode: None if p.spec is None else PeerFacts(p.spec.title, p.spec.package, p.spec.how)
+            for mode, p in endpoints_peers.items()
+        },
     )
 
 
@@ -442,8 +472,8 @@ async def _warm_up_each(endpoints: _Endpoints, settings: BenchSettings, nonce: s
         await endpoints.tally.settle(endpoints.receiver, 1)  # its export is no run's cost
     if endpoints.versus is not None:
         await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus")
-    if endpoints.peer is not None:
-        await _warm_up(endpoints.peer, settings, f"bench-{nonce}-warmup-peer")
+    for mode, peer in endpoints.peers.items():
+        await _warm_up(peer.address, settings, f"bench-{nonce}-warmup-{mode}", peer.headers)
     if settings.direct:
         assert endpoints.upstream is not None
         await _warm_up(endpoints.upstream, settings, f"bench-{nonce}-warmup-direct")
@@ -470,9 +500,9 @@ class _Systems:
         self._proxy_cpus = layout.proxy if layout is not None else None
         self._pids = pids
 
-    async def start(self, peer_starter: Path | None) -> _Endpoints:
+    async def start(self) -> _Endpoints:
         """The fake upstream (unless one is given), the proxy (unless ``--target``), the
-        versus proxy and the peer, as the settings ask."""
+        versus proxy and the peers, as the settings ask."""
         settings, pids = self._settings, self._pids
         upstream_pid: int | None = None
         if settings.upstream is not None:
@@ -511,13 +541,26 @@ class _Systems:
                 "versus", settings.transport, upstream_url, untraced_env()
             )
             pids["versus_proxy"] = endpoints.versus_pid
-        if peer_starter is not None:
-            assert upstream_url is not None  # settings refuse --peer auto without one
-            endpoints.peer, endpoints.peer_pid = await self._start_peer(peer_starter, upstream_url)
-        elif settings.peer is not None:
-            endpoints.peer = _address(settings.peer)
-            endpoints.peer_pid = settings.peer_pid
-            await wait_ready("peer", endpoints.peer, "", None)
+        pids_given = iter(settings.peer_pids)
+        for mode, value in settings.peer_modes():
+            if "://" in value:
+                address = _address(value)
+                await wait_ready(mode, address, "", None)
+                endpoints.peers[mode] = _Peer(address, next(pids_given, None))
+                continue
+            assert upstream_url is not None  # settings refuse a named peer without one
+            started = await start_peer(
+                self._nursery,
+                value,
+                upstream_url,
+                self._workdir,
+                api_key=BENCH_API_KEY,
+                model=settings.model_name,
+                cpus=self._proxy_cpus,
+            )
+            pids[mode] = started.pid
+            headers = (("Authorization", f"Bearer {BENCH_API_KEY}"), *started.request_headers)
+            endpoints.peers[mode] = _Peer(started.address, started.pid, headers, started.spec)
         return endpoints
 
     async def _start_fake(self) -> tuple[tuple[str, int], int]:
@@ -557,16 +600,4 @@ class _Systems:
         argv = pinned_argv(argv, self._proxy_cpus)
         process = await self._nursery.start(partial(supervise, env=env), name, argv, log)
         await wait_ready(name, address, "/healthz", log)
-        return address, process.pid
-
-    async def _start_peer(
-        self, peer_starter: Path, upstream_url: str
-    ) -> tuple[tuple[str, int], int]:
-        address = ("127.0.0.1", free_port("127.0.0.1"))
-        log = self._workdir / "peer.log"
-        argv = [str(peer_starter), upstream_url, str(address[1])]
-        argv = pinned_argv(argv, self._proxy_cpus)
-        process = await self._nursery.start(supervise, "FastAPI peer", argv, log)
-        self._pids["peer"] = process.pid
-        await wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
         return address, process.pid

@@ -13,12 +13,17 @@ from typing import Final, Literal
 from urllib.parse import urlsplit
 
 Role = Literal["normal", "drop", "slow"]
-# "baseline": the proxy again, with every slow reader reading at full speed. "peer": the same
-# load through the peer to beat (another relay in front of the same fake upstream). "versus":
-# a second Sluice process, the same but for its upstream transport (--versus-transport), or
-# with --versus-tracing the same untraced, "proxy" being the traced one.
-Mode = Literal["proxy", "versus", "peer", "direct", "baseline"]
-MODES: Final[tuple[Mode, ...]] = ("proxy", "versus", "peer", "direct", "baseline")
+# What one run of the load goes through. "proxy": Sluice. "baseline": the proxy again, with
+# every slow reader reading at full speed. "versus": a second Sluice process, the same but for
+# its upstream transport (--versus-transport), or with --versus-tracing the same untraced,
+# "proxy" being the traced one. "direct": straight at the fake upstream. A peer (another relay
+# in front of the same fake) runs under its own mode: its name (``envoy``, ``nginx``...), or
+# ``peer`` (``peer2``...) for one given by URL.
+Mode = str
+FIXED_MODES: Final[tuple[Mode, ...]] = ("proxy", "versus", "direct", "baseline")
+# A --peer that is a name: the project's FastAPI peer by another name.
+PEER_AUTO: Final = "auto"
+PEER_AUTO_NAME: Final = "fastapi"
 # Sluice's upstream transports (``[upstream] transport``), as proxy.config knows them.
 TRANSPORTS: Final = ("auto", "lean", "httpx")
 # The fake upstream's connection habits (its flag of the same name, "none": no flag).
@@ -73,8 +78,11 @@ class BenchSettings:
     target: str | None = None
     upstream: str | None = None
     proxy_pid: int | None = None
-    peer: str | None = None  # "auto": start the FastAPI peer; else a running one's URL
-    peer_pid: int | None = None
+    # Peers run side by side with the proxy, alternating: each a name (a system the bench
+    # installs under .peers/ and starts; "auto" is "fastapi") or the URL of one already running
+    # (``peer_pids``: their PIDs, in the order of the URLs).
+    peers: tuple[str, ...] = ()
+    peer_pids: tuple[int, ...] = ()
     model: str = "fake-model"
     progress: bool = True
     workers: int = 1  # worker processes of the proxy the bench starts
@@ -126,30 +134,61 @@ class BenchSettings:
         assign_roles(self.streams, self.drop, self.slow, self.seed)  # validates the fractions
         if self.direct and self.target is not None and self.upstream is None:
             raise BenchError("--direct with --target needs --upstream (the proxy's upstream)")
-        if self.peer_pid is not None and (self.peer is None or self.peer == "auto"):
-            raise BenchError("--peer-pid goes with --peer URL (a peer already running)")
-        if self.peer is not None and self.peer != "auto" and self.upstream is None:
-            raise BenchError(
-                "--peer URL needs --upstream: the fake upstream that peer relays to, so that "
-                "both relays stream the same answers"
-            )
-        if self.peer == "auto" and self.target is not None and self.upstream is None:
-            raise BenchError("--peer auto with --target needs --upstream (the proxy's upstream)")
-        peer_url = self.peer if self.peer != "auto" else None
+        self._check_peers()
+        peer_urls = [value for _, value in self.peer_modes() if "://" in value]
         if self.pin:
             if not hasattr(os, "sched_setaffinity"):
                 raise BenchError("--pin needs sched_setaffinity (Linux)")
-            if self.target is not None or self.upstream is not None or peer_url is not None:
+            if self.target is not None or self.upstream is not None or peer_urls:
                 raise BenchError(
                     "--pin places the processes the bench starts: not with --target, "
                     "--upstream or --peer URL"
                 )
             cpu_layout(os.sched_getaffinity(0), self.workers)  # enough CPUs, or an error now
-        for url in (self.target, self.upstream, peer_url):
+        for url in (self.target, self.upstream, *peer_urls):
             if url is not None:
                 _address(url)
         self._check_transports()
         self._check_habit()
+
+    def _check_peers(self) -> None:
+        names = [value for value in self.peers if "://" not in value]
+        urls = [value for value in self.peers if "://" in value]
+        if self.peer_pids and len(self.peer_pids) != len(urls):
+            raise BenchError(
+                "--peer-pid goes with --peer URL (a peer already running): one PID per URL, "
+                f"in order ({len(urls)} URL(s), {len(self.peer_pids)} PID(s))"
+            )
+        modes = [mode for mode, _ in self.peer_modes()]
+        if len(set(modes)) != len(modes):
+            raise BenchError("--peer names the same system twice")
+        if urls and self.upstream is None:
+            raise BenchError(
+                "--peer URL needs --upstream: the fake upstream that peer relays to, so that "
+                "both relays stream the same answers"
+            )
+        if names and self.target is not None and self.upstream is None:
+            raise BenchError(
+                f"--peer {names[0]} with --target needs --upstream (the proxy's upstream)"
+            )
+
+    def peer_modes(self) -> list[tuple[Mode, str]]:
+        """Each peer's mode and its value (a name, or a URL): ``auto`` runs as ``fastapi``, a
+        URL as ``peer``, ``peer2``..."""
+        out: list[tuple[Mode, str]] = []
+        urls = 0
+        for value in self.peers:
+            if "://" in value:
+                urls += 1
+                out.append(("peer" if urls == 1 else f"peer{urls}", value))
+            else:
+                name = PEER_AUTO_NAME if value == PEER_AUTO else value
+                out.append((name, name))
+        return out
+
+    def modes(self) -> list[Mode]:
+        """Every mode a run of these settings can have, in the order of the table's columns."""
+        return ["proxy", "versus", *(mode for mode, _ in self.peer_modes()), "direct", "baseline"]
 
     def _check_transports(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -259,7 +298,7 @@ class BenchSettings:
         if self.workers > 1:
             parts.append(f"proxy with {self.workers} workers")
         if self.pin:
-            parts.append("proxy (and peer) pinned to CPUs of their own")
+            parts.append("proxy (and peers) pinned to CPUs of their own")
         if self.repeat > 1:
             parts.append(f"{self.repeat} repeats pooled")
         return "; ".join(parts)
@@ -297,8 +336,11 @@ class BenchSettings:
             extra.append("baseline=1")
         if self.workers > 1:
             extra.append(f"workers={self.workers}")
-        if self.peer is not None:
-            extra.append("peer=1")
+        peers = [mode for mode, _ in self.peer_modes()]
+        if peers == [PEER_AUTO_NAME] or peers == ["peer"]:
+            extra.append("peer=1")  # the key sections had before there could be several
+        elif peers:
+            extra.append("peers=" + ",".join(peers))
         if self.pin:
             extra.append("pin=1")
         if self.transport != "auto":
@@ -352,6 +394,7 @@ _NAME_WORDS: Final[tuple[tuple[str, Callable[[str, str], str]], ...]] = (
     ("tracing", lambda v, d: "traced-vs-untraced"),
     ("direct", lambda v, d: "vs-direct"),
     ("peer", lambda v, d: "vs-peer"),
+    ("peers", lambda v, d: "vs-" + v.replace(",", "-")),
     ("baseline", lambda v, d: "vs-baseline"),
     ("habit", _habit_words),
     ("repeat", lambda v, d: f"{v}-repeats"),

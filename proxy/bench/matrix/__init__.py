@@ -38,8 +38,10 @@ access line's outcome: per cell, trace k of N trials whose trace says what happe
 The systems: without options, ``sluice serve`` (a subprocess, so that its fds are its own) in
 front of the fake; ``--local MODEL``, Sluice serving a local model, whose chat cells are the
 engine letting the sequence go, counted in forward passes after Sluice saw the client go
-(``sluice_local_steps_after_cancel``); ``--peer fastapi`` (shared/peers) or ``--peer litellm``
-(LiteLLM's proxy, with a master key made for the run), started here in front of the fake; and
+(``sluice_local_steps_after_cancel``); ``--peer NAME``, another gateway
+(``proxy.bench.peers``: the project's FastAPI peer, LiteLLM, Envoy, nginx, vllm-router,
+sglang-router, Portkey), installed under ``.peers/NAME`` when missing and started here in
+front of the fake (``--peer URL`` is ``--target URL``); and
 ``--target URL``, a proxy already running, which must send model ``--model`` to the fake on
 ``--fake-port`` (the bench prints the line to configure and starts the fake there).
 """
@@ -62,7 +64,6 @@ from proxy.bench.cli import command_line
 from proxy.bench.matrix.cells import (
     ENDPOINTS,
     LEAVES,
-    LITELLM,
     LOCAL_MODEL_NAME,
     PATHS,
     PHASES,
@@ -76,7 +77,6 @@ from proxy.bench.matrix.cli import DESCRIPTION, add_arguments, settings_from_arg
 from proxy.bench.matrix.client import Client, local_body, request_body
 from proxy.bench.matrix.report import markdown_report
 from proxy.bench.matrix.run import run_matrix
-from proxy.bench.matrix.systems import litellm_version
 from proxy.bench.matrix.trials import NOT_SERVED, run_local_trial, run_trial
 from proxy.bench.matrix.view import local_counters
 from proxy.bench.report import write_text
@@ -85,7 +85,6 @@ from proxy.bench.settings import BenchError
 __all__ = [
     "ENDPOINTS",
     "LEAVES",
-    "LITELLM",
     "LOCAL_MODEL_NAME",
     "NOT_SERVED",
     "PATHS",
@@ -97,7 +96,6 @@ __all__ = [
     "Trial",
     "add_arguments",
     "applicability",
-    "litellm_version",
     "local_body",
     "local_counters",
     "main",

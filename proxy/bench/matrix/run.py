@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from proxy.bench.children import git_commit
-from proxy.bench.matrix.cells import TRACE_EXPORT_TIMEOUT, Cell, MatrixSettings, applicability
+from proxy.bench.matrix.cells import (
+    PATHS,
+    TRACE_EXPORT_TIMEOUT,
+    Cell,
+    MatrixSettings,
+    applicability,
+)
 from proxy.bench.matrix.report import progress_line
 from proxy.bench.matrix.systems import Context, serves_websocket, stack_versions, start_system
 from proxy.bench.matrix.trials import (
@@ -29,6 +35,7 @@ from proxy.bench.matrix.trials import (
     without_gc_pauses,
 )
 from proxy.bench.matrix.view import access_outcomes, fd_count, sluice_view
+from proxy.bench.peers import ensure_installed, peer_version, spec
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
 
 if TYPE_CHECKING:
@@ -38,6 +45,10 @@ if TYPE_CHECKING:
 async def run_matrix(settings: MatrixSettings, out: Any = None) -> dict[str, Any]:
     """Run every cell; return the report (the JSON's shape)."""
     out = out if out is not None else sys.stderr
+    if settings.peer:
+        # Before anything starts (installing takes minutes, once): a system that is missing
+        # and cannot be installed is one line, not a half-run matrix.
+        await trio.to_thread.run_sync(ensure_installed, settings.peer)
     base = FakeSettings(close_after_response=True)
     fake = FakeUpstream(base)
     cells: list[Cell] = []
@@ -46,8 +57,8 @@ async def run_matrix(settings: MatrixSettings, out: Any = None) -> dict[str, Any
         tempfile.TemporaryDirectory(prefix="sluice-matrix-") as tmp,
         _receiver(settings, out) as receiver,
     ):
-        system = await _run_cells(settings, fake, cells, Path(tmp), out, receiver)
-    return await _report(system, settings, cells)
+        system, not_served = await _run_cells(settings, fake, cells, Path(tmp), out, receiver)
+    return await _report(system, settings, cells, not_served)
 
 
 @contextlib.contextmanager
@@ -75,7 +86,7 @@ async def _run_cells(
     workdir: Path,
     out: Any,
     receiver: Receiver | None,
-) -> str:
+) -> tuple[str, dict[str, str]]:
     async with trio.open_nursery() as nursery:
         fake_port = await nursery.start(fake.serve, "127.0.0.1", settings.fake_port)
         fake_url = f"http://127.0.0.1:{fake_port}"
@@ -86,9 +97,24 @@ async def _run_cells(
             env = tracing_env(receiver.url)
         system = await start_system(nursery, settings, fake_url, workdir, out, env)
         ws_served = await serves_websocket(system.address, settings.api_key)
-        ctx = Context(settings, fake, system.address, ws_served=ws_served, pid=system.pid)
+        ctx = Context(
+            settings,
+            fake,
+            system.address,
+            ws_served=ws_served,
+            pid=system.pid,
+            headers=system.headers,
+        )
+        known = spec(settings.peer).not_served if settings.peer else {}
         for endpoint in settings.endpoints:
-            ctx.served[endpoint] = await post_status(ctx, endpoint) not in NOT_SERVED
+            status = await post_status(ctx, endpoint)
+            ctx.served[endpoint] = status not in NOT_SERVED
+            if not ctx.served[endpoint]:
+                ctx.not_served[endpoint] = known.get(endpoint) or (
+                    f"HTTP {status} to {PATHS[endpoint]}"
+                )
+        if not ws_served and "ws" in settings.transports:
+            ctx.not_served["ws"] = known.get("ws") or "no WebSocket upgrade at /v1/ws"
         # Let the warm-up's access lines and sockets settle before the baselines.
         await trio.sleep(0.2)
         ctx.fd_baseline = fd_count(system.pid) if system.pid is not None else None
@@ -106,7 +132,7 @@ async def _run_cells(
         if receiver is not None:
             await _judge_traces(ctx, cells, receiver, out)
         nursery.cancel_scope.cancel()
-    return system.name
+    return system.name, ctx.not_served
 
 
 async def _run_cell(ctx: Context, cell: Cell) -> None:
@@ -115,10 +141,12 @@ async def _run_cell(ctx: Context, cell: Cell) -> None:
     applicable, why = applicability(
         cell.phase, cell.transport, cell.endpoint, settings.outside, ctx.local
     )
-    if not ctx.served[cell.endpoint] or (
-        cell.transport == "ws" and (cell.endpoint != "chat" or not ctx.ws_served)
-    ):
-        cell.served, cell.note = False, "not served"
+    if not ctx.served[cell.endpoint]:
+        cell.served, cell.note = False, f"not served: {ctx.not_served[cell.endpoint]}"
+    elif cell.transport == "ws" and not ctx.ws_served:
+        cell.served, cell.note = False, f"not served: {ctx.not_served['ws']}"
+    elif cell.transport == "ws" and cell.endpoint != "chat":
+        cell.served, cell.note = False, "not served: /v1/ws carries chat requests only"
     elif not applicable:
         cell.applicable, cell.note = False, f"not applicable: {why}"
     else:
@@ -142,10 +170,18 @@ async def _judge_traces(ctx: Context, cells: list[Cell], receiver: Receiver, out
     print(f"traces: {traced} of {len(judged)} trials said what happened", file=out)
 
 
-async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> dict[str, Any]:
+async def _report(
+    system: str, settings: MatrixSettings, cells: list[Cell], not_served: dict[str, str]
+) -> dict[str, Any]:
     versions = stack_versions(sluice=not settings.outside)
-    if settings.peer == "litellm":
-        versions = {"litellm": settings.peer_version, **versions}
+    extra: dict[str, Any] = {}
+    if settings.peer:
+        peer = spec(settings.peer)
+        version = await trio.to_thread.run_sync(peer_version, peer.name)
+        versions = {peer.name: version, **versions}
+        # Where its own project tracks a phase it never cancels ("not reported upstream"
+        # where none was found).
+        extra = {"peer": peer.name, "how": peer.how, "trackers": dict(peer.trackers)}
     return {
         "system": system,
         "kind": settings.kind,
@@ -157,4 +193,7 @@ async def _report(system: str, settings: MatrixSettings, cells: list[Cell]) -> d
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "repeat": settings.repeat,
         "cells": [cell.to_json() for cell in cells],
+        # Why each endpoint (or "ws") it does not serve is not served.
+        "not_served": not_served,
+        **extra,
     }

@@ -1,5 +1,5 @@
-"""The system under test: starting it in front of the fake (Sluice as ``sluice serve``, the
-FastAPI peer, LiteLLM's proxy) or finding a ``--target``, the configs written for it, the
+"""The system under test: starting it in front of the fake (Sluice as ``sluice serve``, or a
+peer from ``proxy.bench.peers``) or finding a ``--target``, the configs written for it, the
 versions its report names, and the context every trial works with."""
 
 from __future__ import annotations
@@ -19,13 +19,10 @@ from urllib.parse import urlsplit
 
 import trio
 
-from proxy.bench.children import PEER_READY_TIMEOUT, peer_script, supervise, wait_ready
+from proxy.bench.children import PEER_READY_TIMEOUT, supervise, wait_ready
 from proxy.bench.matrix.cells import LOCAL_SLOTS, TRIGGER_TIMEOUT, MatrixSettings
 from proxy.bench.matrix.client import Client, local_body, request_body
-
-# Re-exported (the matrix's old names) until it starts its peers through proxy.bench.peers.
-from proxy.bench.peers.configs import litellm_config as litellm_config
-from proxy.bench.peers.install import litellm_version as litellm_version
+from proxy.bench.peers import start_peer
 from proxy.bench.report import write_text
 from proxy.bench.settings import BenchError
 from proxy.relay.state import Phase
@@ -49,6 +46,10 @@ class Context:
     log_offset: int = 0
     trace_outcomes: dict[str, str] = field(default_factory=dict)
     fd_baseline: int | None = None
+    # Why each endpoint (or "ws") the system does not serve is not served.
+    not_served: dict[str, str] = field(default_factory=dict)
+    # What every request to the system carries besides the key (a gateway's routing).
+    headers: tuple[tuple[str, str], ...] = ()
 
     @property
     def local(self) -> bool:
@@ -70,6 +71,7 @@ class Context:
             transport,
             api_key=self.settings.api_key,
             body=self.body(endpoint, phase, stream=transport != "json"),
+            headers=self.headers,
         )
 
 
@@ -82,6 +84,7 @@ class StartedSystem:
     address: tuple[str, int]
     pid: int | None = None
     log: Path | None = None
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 async def start_system(
@@ -95,31 +98,17 @@ async def start_system(
     """The system ``settings`` name, started in ``nursery`` (which owns its process) and ready;
     a ``--target`` is only told where the fake is. ``sluice_env``: added to the environment of
     the Sluice it starts (its tracing's)."""
-    if settings.peer == "fastapi":
-        address = ("127.0.0.1", free_port())
-        log = workdir / "peer.log"
-        argv = [str(peer_script()), fake_url, str(address[1])]
-        process = await nursery.start(supervise, "FastAPI peer", argv, log)
-        await wait_ready("FastAPI peer", address, "/v1/models", log, PEER_READY_TIMEOUT)
-        name = settings.system or "FastAPI peer (shared/peers)"
-        return StartedSystem(name, address, process.pid, log)
-    if settings.peer == "litellm":
-        address = ("127.0.0.1", free_port())
-        config = workdir / "litellm.yaml"
-        write_text(config, litellm_config(fake_url, settings.model))
-        log = workdir / "litellm.log"
-        argv = [settings.litellm, "--config", str(config), "--host", address[0]]
-        argv += ["--port", str(address[1]), "--num_workers", "1"]
-        env = {
-            # Its documented production stance: a master key, which every request carries.
-            "LITELLM_MASTER_KEY": settings.api_key,
-            # The model cost map is otherwise fetched from GitHub at start-up.
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        }
-        process = await nursery.start(partial(supervise, env=env), "LiteLLM", argv, log)
-        await wait_ready("LiteLLM", address, "/health/liveliness", log, PEER_READY_TIMEOUT)
-        name = settings.system or f"LiteLLM proxy {settings.peer_version}"
-        return StartedSystem(name, address, process.pid, log)
+    if settings.peer:
+        peer = await start_peer(
+            nursery,
+            settings.peer,
+            fake_url,
+            workdir,
+            api_key=settings.api_key,
+            model=settings.model,
+        )
+        name = settings.system or peer.spec.title
+        return StartedSystem(name, peer.address, peer.pid, peer.log, peer.request_headers)
     if settings.target:
         parts = urlsplit(settings.target)
         if parts.hostname is None:

@@ -71,7 +71,7 @@ async def post_status(ctx: Context, endpoint: str) -> int | None:
     ctx.fake.settings = fake_settings(ctx.fake.settings, PROBE)
     url = f"http://{ctx.address[0]}:{ctx.address[1]}{PATHS[endpoint]}"
     body = ctx.body(endpoint, PROBE, stream=True)
-    headers = {"Authorization": f"Bearer {ctx.settings.api_key}"}
+    headers = {"Authorization": f"Bearer {ctx.settings.api_key}", **dict(ctx.headers)}
     with trio.move_on_after(TRIGGER_TIMEOUT):
         try:
             async with httpx.AsyncClient(timeout=TRIGGER_TIMEOUT, trust_env=False) as client:

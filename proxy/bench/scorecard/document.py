@@ -27,6 +27,11 @@ KEY_VERSIONS: Final = (
     "uvicorn",
     "starlette",
     "litellm",
+    "envoy",
+    "nginx",
+    "vllm-router",
+    "sglang-router",
+    "portkey",
     "torch",
     "transformers",
 )
@@ -64,8 +69,10 @@ HOW_TO_READ: Final = """\
   `completed`); shown only when not N/N.
 - **n/a**: the phase does not exist for that transport (a non-streamed answer has no
   mid-stream; a WebSocket request has no response head; a target's admission queue cannot be
-  produced from outside). **not served**: the system has no such endpoint or transport; such
-  cells are never counted as failures.
+  produced from outside). **not served**: the system has no such endpoint or transport (its
+  reading says why); such cells are never counted as failures. Where a system never cancels
+  a phase, its reading says so and names its own project's tracker entry for it, or "not
+  reported upstream".
 - **≤k steps** (a `local` report: Sluice's own model, no upstream): the cell is the worker
   thread stopping, counted in the forward passes (decode steps, prefill chunks) the model ran
   for the sequence after Sluice saw the client go, read from Sluice's
@@ -126,11 +133,11 @@ def _commands(reports: Sequence[Report]) -> str:
         '# any OpenAI-compatible proxy on loopback whose model "fake-model" goes to '
         "http://127.0.0.1:9099:",
         GENERIC_TARGET,
-        "# every system above (LiteLLM where installed), then this file; make bench runs it:",
+        "# Sluice's three systems (N = 5), then this file; make bench runs it:",
         "make scorecard",
-        "# install LiteLLM's proxy (pinned) into .litellm-venv, measure it and the FastAPI "
-        "peer, then this file:",
-        "make scorecard-peers",
+        "# the other systems (N = 3), each installed, pinned, under .peers/NAME when missing, "
+        "then this file:",
+        "make scorecard-field",
         "# this file and its heat-maps, from reports at hand:",
         f"{PROG} REPORT.json [REPORT.json ...] --markdown docs/cancellation.md --images docs/",
         "```",

@@ -116,9 +116,22 @@ def _never_phrases(report: Report) -> list[str]:
             trials = sum(int(c["n"]) for c in cells)
             phrases.append(
                 f"**never cancelled** {what}: {_where(cells)}: {_out_of_n(cells, '0')} in "
-                f"{_cells(len(cells))} ({trials} of {trials} trials)"
+                f"{_cells(len(cells))} ({trials} of {trials} trials)" + _tracked(report, cells)
             )
     return phrases
+
+
+def _tracked(report: Report, cells: Sequence[Cell]) -> str:
+    """Where the system's own project tracks not cancelling these cells' phases, for another
+    system's report (one that says where it looked: its ``trackers``)."""
+    trackers = report.get("trackers")
+    if trackers is None:
+        return ""
+    phases = _ordered((str(c["phase"]) for c in cells), [p.value for p in PHASES])
+    refs = {phase: trackers.get(phase) or "not reported upstream" for phase in phases}
+    if len(set(refs.values())) == 1:
+        return f"; its tracker: {next(iter(refs.values()))}"
+    return "; its tracker: " + ", ".join(f"{phase} {ref}" for phase, ref in refs.items())
 
 
 def _partial_phrases(report: Report) -> list[str]:
@@ -241,7 +254,12 @@ def _remarks(report: Report) -> list[str]:
         )
     unserved = _unserved(report)
     if unserved:
-        remarks.append(f'"not served" (not counted): {unserved}')
+        why = "; ".join(
+            f"{what}: {reason}" for what, reason in report.get("not_served", {}).items()
+        )
+        remarks.append(
+            f'"not served" (not counted): {unserved}' + (f" (why: {why})" if why else "")
+        )
     return remarks
 
 
