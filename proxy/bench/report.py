@@ -251,7 +251,8 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
         if facts is None:
             what = "a gateway already running (`--peer URL`)"
         else:
-            what = f"`{facts.package}`, started by the bench ({facts.how})"
+            version = f" (version {facts.version})" if facts.version else ""
+            what = f"`{facts.package}`{version}, started by the bench ({facts.how})"
         lines.append(
             f"- {shown}: {what}, relaying to the same fake upstream, alternating with the "
             "proxy; its CPU and RSS rows are its process tree"
@@ -319,6 +320,7 @@ class PeerFacts:
     title: str
     package: str
     how: str
+    version: str = ""  # what the installed system reports (nginx: Debian's build)
 
 
 @dataclass

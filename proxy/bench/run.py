@@ -40,7 +40,7 @@ from proxy.bench.client import (
     http_get,
     run_stream,
 )
-from proxy.bench.peers import PeerSpec, ensure_installed, start_peer
+from proxy.bench.peers import PeerSpec, ensure_installed, peer_version, start_peer
 from proxy.bench.procfs import (
     RssTrace,
     _raise_fd_limit,
@@ -395,8 +395,10 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     # Before anything starts: a peer that is not installed and cannot be is a plain error,
     # not a half-run bench (installing one takes minutes, once).
     peer_names = [value for _, value in settings.peer_modes() if "://" not in value]
+    versions: dict[str, str] = {}
     for name in peer_names:
         await trio.to_thread.run_sync(ensure_installed, name)
+        versions[name] = await trio.to_thread.run_sync(peer_version, name)
     layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
     placed: dict[str, list[int]] = {}
     own_cpus = os.sched_getaffinity(0) if layout is not None else None
@@ -457,7 +459,9 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
         cpus=placed,
         tracing=tally,
         peers={
-            mode: None if p.spec is None else PeerFacts(p.spec.title, p.spec.package, p.spec.how)
+            mode: None
+            if p.spec is None
+            else PeerFacts(p.spec.title, p.spec.package, p.spec.how, versions.get(mode, ""))
             for mode, p in endpoints_peers.items()
         },
     )
