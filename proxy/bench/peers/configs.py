@@ -85,10 +85,11 @@ def envoy_argv(envoy: str, config: str) -> list[str]:
 
 def nginx_config(listen: tuple[str, int], fake_url: str, workdir: str, user: str | None) -> str:
     """nginx's config: in the foreground (``daemon off``: the bench owns the process), one
-    worker, every path in ``workdir``; no buffering of the answer or the request, keep-alive
-    to the fake (HTTP/1.1 and an empty Connection header, unless the client asks to upgrade
-    to a WebSocket). ``user``: who the worker runs as where nginx starts as root (nginx's
-    default there would be nobody), None where it does not."""
+    worker, its pid and temp files in ``workdir``, its errors on stderr (the peer's log); no
+    buffering of the answer or the request, keep-alive to the fake (HTTP/1.1 and an empty
+    Connection header, unless the client asks to upgrade to a WebSocket). ``user``: who the
+    worker runs as where nginx starts as root (nginx's default there would be nobody), None
+    where it does not."""
     host, port = upstream_address(fake_url)
     user_line = f"user {user};\n" if user else ""
     temp = f"{workdir}/nginx-temp"
@@ -97,7 +98,7 @@ def nginx_config(listen: tuple[str, int], fake_url: str, workdir: str, user: str
 {user_line}daemon off;
 worker_processes 1;
 pid {workdir}/nginx.pid;
-error_log {workdir}/nginx-error.log warn;
+error_log stderr warn;
 events {{
     worker_connections 16384;
 }}
@@ -134,8 +135,9 @@ http {{
 
 
 def nginx_argv(nginx: str, workdir: str, config: str) -> list[str]:
-    # -e: the log nginx opens before it reads its config (else /var/log/nginx, not ours).
-    return [nginx, "-p", workdir, "-e", f"{workdir}/nginx-error.log", "-c", config]
+    # -e: the log nginx opens before it reads its config (else /var/log/nginx): its stderr,
+    # which is the peer's log, as its error_log is.
+    return [nginx, "-p", workdir, "-e", "stderr", "-c", config]
 
 
 def router_argv(

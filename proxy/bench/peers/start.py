@@ -85,10 +85,8 @@ async def start_peer(
     argv = pinned_argv(launch.argv, cpus)
     process = await nursery.start(partial(supervise, env=launch.env), facts.title, argv, log)
     await wait_ready(facts.title, address, launch.ready_path, log, PEER_READY_TIMEOUT)
-    headers = facts.request_headers + tuple(
-        pair for pair in launch.request_headers if pair not in facts.request_headers
-    )
-    return StartedPeer(facts, address, process.pid, log, headers)
+    headers = {**dict(facts.request_headers), **dict(launch.request_headers)}
+    return StartedPeer(facts, address, process.pid, log, tuple(headers.items()))
 
 
 def _launch(
