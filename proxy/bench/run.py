@@ -563,7 +563,9 @@ class _Systems:
                 cpus=self._proxy_cpus,
             )
             pids[mode] = started.pid
-            headers = (("Authorization", f"Bearer {BENCH_API_KEY}"), *started.request_headers)
+            headers = started.request_headers
+            if not any(name.lower() == "authorization" for name, _ in headers):
+                headers = (("Authorization", f"Bearer {BENCH_API_KEY}"), *headers)
             endpoints.peers[mode] = _Peer(started.address, started.pid, headers, started.spec)
         return endpoints
 

@@ -108,7 +108,9 @@ async def _run_cells(
         known = spec(settings.peer).not_served if settings.peer else {}
         for endpoint in settings.endpoints:
             status = await post_status(ctx, endpoint)
-            ctx.served[endpoint] = status not in NOT_SERVED
+            # A system may refuse what it lacks with another status (Portkey's 500 for
+            # /v1/messages): its spec's word stands.
+            ctx.served[endpoint] = status not in NOT_SERVED and endpoint not in known
             if not ctx.served[endpoint]:
                 ctx.not_served[endpoint] = known.get(endpoint) or (
                     f"HTTP {status} to {PATHS[endpoint]}"

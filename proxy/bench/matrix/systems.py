@@ -108,7 +108,10 @@ async def start_system(
             model=settings.model,
         )
         name = settings.system or peer.spec.title
-        return StartedSystem(name, peer.address, peer.pid, peer.log, peer.request_headers)
+        # Every request carries the run's key already (a peer's own, LiteLLM's master key, is
+        # that key).
+        headers = tuple((k, v) for k, v in peer.request_headers if k.lower() != "authorization")
+        return StartedSystem(name, peer.address, peer.pid, peer.log, headers)
     if settings.target:
         parts = urlsplit(settings.target)
         if parts.hostname is None:
