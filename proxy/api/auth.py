@@ -21,6 +21,7 @@ import hmac
 import re
 from collections import deque
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -31,8 +32,10 @@ from proxy.api.limits import (
     concurrency_limited,
     rate_limited,
 )
+from proxy.api.token_budget import Charge, KeyBudget, Metered
 from proxy.config import KeyConfig, LimitsConfig
 from proxy.protocol.errors import INVALID_REQUEST, ApiError
+from proxy.protocol.token_usage import CURRENT_METER
 
 if TYPE_CHECKING:
     from proxy.ops.metrics import Metrics
@@ -45,7 +48,10 @@ CORS_REQUEST_HEADERS = "Authorization, Content-Type, X-Request-ID"
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _MAX_REQUESTED_HEADERS = 32
 # Response headers a browser script may read besides the CORS-safelisted ones.
-CORS_EXPOSED_HEADERS = "X-Request-ID, Retry-After, traceresponse"
+CORS_EXPOSED_HEADERS = (
+    "X-Request-ID, Retry-After, traceresponse, "
+    "x-ratelimit-limit-tokens, x-ratelimit-remaining-tokens, x-ratelimit-reset-tokens"
+)
 # How long a browser may cache a preflight answer.
 CORS_MAX_AGE = "600"
 
@@ -117,26 +123,36 @@ class RateWindow:
 
 
 class Lease:
-    """One admitted request's hold on its key's concurrency; released exactly once."""
+    """One admitted request's hold on its key's concurrency, released exactly once, and its
+    token reservation, settled at most once (to what it used)."""
 
-    __slots__ = ("_state",)
+    __slots__ = ("_charge", "_settling", "_state")
 
-    def __init__(self, state: _KeyState | None) -> None:
+    def __init__(self, state: _KeyState | None, charge: Charge | None = None) -> None:
         self._state = state
+        self._settling = state
+        self._charge = charge
 
     def release(self) -> None:
         state, self._state = self._state, None
         if state is not None:
             state.streams -= 1
 
+    def settle(self, tokens: int) -> None:
+        state, charge, self._settling = self._settling, self._charge, None
+        if state is not None and charge is not None and state.budget is not None:
+            state.budget.settle(charge, tokens)
+
 
 class _KeyState:
-    __slots__ = ("config", "streams", "window")
+    __slots__ = ("budget", "config", "streams", "window")
 
     def __init__(self, config: KeyConfig) -> None:
         self.config = config
         self.window = RateWindow(config.requests_per_minute) if config.requests_per_minute else None
         self.streams = 0
+        budgeted = config.tokens_per_minute or config.tokens_per_day
+        self.budget = KeyBudget(config) if budgeted else None
 
 
 class KeyRing:
@@ -193,13 +209,14 @@ class KeyRing:
 
     @staticmethod
     def limited(key: KeyConfig) -> bool:
-        return bool(key.requests_per_minute or key.max_concurrent_streams)
+        return bool(key.requests_per_minute or key.max_concurrent_streams or key.token_budgeted)
 
-    def admit(self, key: KeyConfig, now: float) -> Lease:
-        """Admit one request for ``key`` at ``now``, or raise a 429 :class:`ApiError`.
+    def admit(self, key: KeyConfig, now: float, reservation: int = 0) -> Lease:
+        """Admit one request for ``key`` at ``now``, or raise a 429 :class:`ApiError`; a
+        token-budgeted key's request reserves ``reservation`` tokens.
 
-        Both limits are checked before either is charged: a request refused for concurrency
-        does not use up the key's requests per minute.
+        Every limit is checked before any is charged: a request refused for concurrency
+        does not use up the key's requests per minute, nor its tokens.
         """
         state = self._states[key.name]
         if state.window is not None:
@@ -208,10 +225,13 @@ class KeyRing:
                 raise rate_limited(key, wait)
         if key.max_concurrent_streams and state.streams >= key.max_concurrent_streams:
             raise concurrency_limited(key)
+        budget = state.budget
+        if budget is not None:
+            budget.check(key, now)
         if state.window is not None:
             state.window.admit(now)
         state.streams += 1
-        return Lease(state)
+        return Lease(state, None if budget is None else budget.reserve(now, reservation))
 
     def carry_over(self, previous: KeyRing) -> None:
         """After a reload: a key that kept its name keeps its counters (its streams in flight,
@@ -228,6 +248,12 @@ class KeyRing:
                 kept.window = state.window
             elif kept.window.limit != rpm:
                 kept.window = kept.window.resized(rpm)
+            if state.budget is None:
+                kept.budget = None
+            elif kept.budget is None:
+                kept.budget = state.budget
+            else:
+                kept.budget.resized(state.config)
             kept.config = state.config
             self._states[name] = kept
 
@@ -236,7 +262,9 @@ class KeyRing:
         return self._states[name].streams
 
 
-def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Producer:
+def limited_producer(
+    keys: KeyRing, key: KeyConfig, produce: Producer, metered: Metered | None = None
+) -> Producer:
     """``produce``, admitted against ``key``'s limits first.
 
     Admission runs inside the relay, so the concurrency lease exists only once the relay body
@@ -244,22 +272,35 @@ def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Produc
     always releases it. Through Redis, the lease is renewed by a task beside ``produce`` (in a
     nursery of its own) and released when ``produce`` ends, however it ends. A refusal is an
     ApiError before the head: the relay turns it into the 429 (or the 503 of on_error = "deny").
+
+    A ``metered`` request reserves its tokens on admission and settles them when ``produce``
+    ends, however it ends (every token it will ever be charged is counted by then): in
+    memory at once, through Redis shielded and bounded, once.
     """
 
+    reservation = 0 if metered is None else metered.reservation
+    if metered is not None:
+        produce = partial(_produce_metered, produce, metered)
     shared = keys.shared
     if shared is None:
 
         async def admitted(sink: RelaySink) -> None:
-            lease = keys.admit(key, trio.current_time())
+            lease = keys.admit(key, trio.current_time(), reservation)
             sink.on_close(lease.release)
-            await produce(sink)
+            if metered is None:
+                await produce(sink)
+                return
+            try:
+                await produce(sink)
+            finally:
+                lease.settle(metered.charged)
 
         return admitted
 
     async def admitted_shared(sink: RelaySink) -> None:
         # Bounded by [limits] timeout: a 429, a 503 (on_error = "deny"), or a lease (None: no
         # slot to hold, or admitted uncounted under on_error = "allow").
-        lease = await shared.acquire(key)
+        lease = await shared.acquire(key, reservation)
         if lease is None:
             await produce(sink)
             return
@@ -269,10 +310,28 @@ def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Produc
                 await produce(sink)
                 nursery.cancel_scope.cancel()
         finally:
-            # Shielded and bounded: a cancelled request gives its slot back too.
+            # Shielded and bounded: a cancelled request gives its slot back too, and is
+            # charged what it used.
+            if metered is not None:
+                await lease.settle(metered.charged)
             await lease.release()
 
     return admitted_shared
+
+
+async def _produce_metered(produce: Producer, metered: Metered, sink: RelaySink) -> None:
+    """``produce`` with its meter set for this task and those it starts (the exchange, the
+    local model); however it ends, ``metered`` then knows what it used."""
+    token = CURRENT_METER.set(metered.meter)
+    failed: str | None = None
+    try:
+        await produce(sink)
+    except ApiError as error:
+        failed = error.code
+        raise
+    finally:
+        CURRENT_METER.reset(token)
+        metered.ended(client_left=sink.client_gone, failed=failed)
 
 
 class CorsPolicy:
