@@ -42,9 +42,9 @@ def test_token_settings_are_read_and_checked() -> None:
     assert key.tokens_counted == "output" and key.token_budgeted
     with pytest.raises(ConfigError, match="unknown key 'tokens_per_minit'"):
         build({"keys": [key_table() | {"tokens_per_minit": 5}]})
-    with pytest.raises(ConfigError, match="'tokens_counted'.*total, output"):
+    with pytest.raises(ConfigError, match=r"'tokens_counted'.*total, output"):
         build({"keys": [key_table() | {"tokens_counted": "input"}]})
-    with pytest.raises(ConfigError, match="'tokens_per_day'.*>= 0"):
+    with pytest.raises(ConfigError, match=r"'tokens_per_day'.*>= 0"):
         build({"keys": [key_table(tokens_per_day=-1)]})
 
 
