@@ -20,7 +20,15 @@ from proxy.ops.logs import ACCESS_LOGGER
 from proxy.protocol.errors import ApiError
 from tests.api.test_auth import bearer, build, key_table
 from tests.ops.test_metrics import scrape, value
-from tests.support import DEADLINE, Proxy, chat_body, sse_payloads, start_fake, start_proxy
+from tests.support import (
+    DEADLINE,
+    Proxy,
+    chat_body,
+    local_model,
+    sse_payloads,
+    start_fake,
+    start_proxy,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -350,3 +358,31 @@ async def test_the_cap_goes_in_each_endpoints_own_field(
             response = await client.post(proxy.url + path, json=body, headers=bearer())
         assert response.status_code == 200, response.text
         assert fake.recorder.records[-1].body[field] == expected
+
+
+async def test_a_local_model_is_charged_its_own_count(
+    nursery: trio.Nursery, tiny_loaded_model: Any, access: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery,
+            {"tiny": local_model()},
+            local_models={"tiny": tiny_loaded_model},
+            keys=[key_table(tokens_per_minute=10_000, max_tokens_cap=6)],
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            whole = await client.post(
+                proxy.url + CHAT, json=chat_body("tiny", stream=False), headers=bearer()
+            )
+            streamed = await client.post(
+                proxy.url + CHAT, json=chat_body("tiny", max_tokens=50), headers=bearer()
+            )
+        usage = whole.json()["usage"]
+        # The cap held both to 6 tokens; no usage chunk was asked of a local model.
+        assert usage["completion_tokens"] == 6
+        assert not any('"usage"' in event for event in sse_payloads(streamed.text))
+        lines = access_lines(access)
+        assert [(line["input_tokens"], line["output_tokens"]) for line in lines] == [
+            (usage["prompt_tokens"], 6)
+        ] * 2
+        assert lines[0]["input_estimated"] is False
