@@ -21,7 +21,6 @@ import hmac
 import re
 from collections import deque
 from collections.abc import Iterable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -32,10 +31,9 @@ from proxy.api.limits import (
     concurrency_limited,
     rate_limited,
 )
-from proxy.api.token_budget import Charge, KeyBudget, Metered
+from proxy.api.token_budget import Charge, KeyBudget, Metered, metered_producer
 from proxy.config import KeyConfig, LimitsConfig
 from proxy.protocol.errors import INVALID_REQUEST, ApiError
-from proxy.protocol.token_usage import CURRENT_METER
 
 if TYPE_CHECKING:
     from proxy.ops.metrics import Metrics
@@ -209,7 +207,12 @@ class KeyRing:
 
     @staticmethod
     def limited(key: KeyConfig) -> bool:
-        return bool(key.requests_per_minute or key.max_concurrent_streams or key.token_budgeted)
+        return bool(
+            key.requests_per_minute
+            or key.max_concurrent_streams
+            or key.tokens_per_minute
+            or key.tokens_per_day
+        )
 
     def admit(self, key: KeyConfig, now: float, reservation: int = 0) -> Lease:
         """Admit one request for ``key`` at ``now``, or raise a 429 :class:`ApiError`; a
@@ -280,7 +283,7 @@ def limited_producer(
 
     reservation = 0 if metered is None else metered.reservation
     if metered is not None:
-        produce = partial(_produce_metered, produce, metered)
+        produce = metered_producer(produce, metered)
     shared = keys.shared
     if shared is None:
 
@@ -317,21 +320,6 @@ def limited_producer(
             await lease.release()
 
     return admitted_shared
-
-
-async def _produce_metered(produce: Producer, metered: Metered, sink: RelaySink) -> None:
-    """``produce`` with its meter set for this task and those it starts (the exchange, the
-    local model); however it ends, ``metered`` then knows what it used."""
-    token = CURRENT_METER.set(metered.meter)
-    failed: str | None = None
-    try:
-        await produce(sink)
-    except ApiError as error:
-        failed = error.code
-        raise
-    finally:
-        CURRENT_METER.reset(token)
-        metered.ended(client_left=sink.client_gone, failed=failed)
 
 
 class CorsPolicy:

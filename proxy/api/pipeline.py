@@ -32,7 +32,7 @@ from typing import Protocol
 import trio
 
 from proxy.api.auth import KeyRing, limited_producer
-from proxy.api.token_budget import Metered, metered_request
+from proxy.api.token_budget import Metered, metered_producer, metered_request
 from proxy.backends.base import Backend
 from proxy.config import Config, KeyConfig, LocalModel
 from proxy.ops import tracing
@@ -216,6 +216,9 @@ class RequestPipeline:
             # Admitted inside the relay, so that its 429 is counted like any relayed status
             # and the concurrency it holds is released when the body closes.
             produce = limited_producer(self.keys, key, produce, metered)
+        elif metered is not None:
+            # A cap and no budget: counted for the accounting, nothing to admit against.
+            produce = metered_producer(produce, metered)
         trace = access.trace
         if trace is not None:
             trace.operation(

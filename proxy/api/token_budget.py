@@ -28,11 +28,13 @@ from proxy.protocol.errors import RATE_LIMIT, ApiError
 from proxy.protocol.openai import CompletionRequest
 from proxy.protocol.rewrite import rewrite_body
 from proxy.protocol.token_usage import (
+    CURRENT_METER,
     DEFAULT_RESERVED_OUTPUT,
     Usage,
     UsageMeter,
     cap_edits,
     estimate_input_tokens,
+    generates,
     meters,
     requested_output,
     usage_edits,
@@ -41,7 +43,7 @@ from proxy.protocol.token_usage import (
 if TYPE_CHECKING:
     from proxy.ops.logs import AccessRecord
     from proxy.ops.metrics import Metrics
-    from proxy.relay.body import RelayBody
+    from proxy.relay.body import Producer, RelayBody, RelaySink
 
 MINUTE = 60.0
 DAY = 86_400.0
@@ -258,6 +260,8 @@ def metered_request(
         )
     asked = requested_output(request)
     output = asked if asked is not None else (key.max_tokens_cap or default_output)
+    if not generates(request.endpoint):
+        output = 0  # embeddings: input only
     estimated_input = estimate_input_tokens(request.body)
     meter = UsageMeter(
         request.endpoint,
@@ -268,3 +272,22 @@ def metered_request(
     )
     reservation = output if key.tokens_counted == "output" else estimated_input + output
     return request, Metered(key, request.model, meter, output, reservation)
+
+
+def metered_producer(produce: Producer, metered: Metered) -> Producer:
+    """``produce`` with its meter set for its task and those it starts (the upstream exchange,
+    the local model); however it ends, ``metered`` then knows what it used."""
+
+    async def metering(sink: RelaySink) -> None:
+        token = CURRENT_METER.set(metered.meter)
+        failed: str | None = None
+        try:
+            await produce(sink)
+        except ApiError as error:
+            failed = error.code
+            raise
+        finally:
+            CURRENT_METER.reset(token)
+            metered.ended(client_left=sink.client_gone, failed=failed)
+
+    return metering

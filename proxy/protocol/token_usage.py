@@ -104,7 +104,8 @@ class UsageMeter:
         # The client did not ask for the usage chunk the proxy asked for: it is not relayed.
         self.strip_usage = strip_usage
         self.local = local
-        # Content delta events received (a stream), and whether a whole answer came.
+        # Content delta events received (a stream), and whether an answer came: a stream
+        # that began (the upstream's 200 with events), or a whole answer.
         self.deltas = 0
         self.answered = False
         # What the answer's usage blocks said (input_tokens, output_tokens; None: nothing).
@@ -155,7 +156,8 @@ class UsageMeter:
         """What the request used: see the module's docstring for the order of the sources.
         ``reserved_output`` is charged for a whole answer that never came while the upstream
         may have been generating it (the client left, or a deadline passed): nothing said how
-        much was made, and charging nothing would be the dodge."""
+        much was made, and charging nothing would be the dodge. A stream that never began
+        (refused, failed, or left before the upstream answered) made nothing: no charge."""
         if self.local:
             if self.generated is None:
                 return Usage(0, 0, 0, False)
@@ -167,9 +169,11 @@ class UsageMeter:
         input_tokens = self.estimated_input if estimated else facts.input_tokens or 0
         if facts.output_tokens is not None:
             output = facts.output_tokens
-        elif self.streamed or self.answered:
+        elif self.answered:
             output = self.deltas
-        elif client_left or (failed is not None and failed.endswith("timeout")):
+        elif not self.streamed and (
+            client_left or (failed is not None and failed.endswith("timeout"))
+        ):
             output = reserved_output
         else:
             # Refused or failed before the model was reached (an upstream's 4xx, no replica).
@@ -205,6 +209,8 @@ class MeteredSplitter(SSESplitter):
         rename: Callable[[bytes], bytes] | None = None,
     ) -> None:
         super().__init__(max_event_bytes)
+        # Made for a stream that began: the upstream answered 200 with an event stream.
+        meter.answered = True
         self._meter = meter
         self._delta = _DELTA.get(meter.endpoint, b"\0")
         self._rename = rename
@@ -282,6 +288,11 @@ def usage_edits(request: CompletionRequest) -> dict[str, Any]:
     if request.stream and chat_like and not request.include_usage:
         return {"stream_options.include_usage": True}
     return {}
+
+
+def generates(endpoint: Endpoint) -> bool:
+    """Whether ``endpoint`` answers with generated tokens (embeddings do not)."""
+    return endpoint in _MAX_FIELDS
 
 
 def meters(endpoint: Endpoint) -> bool:

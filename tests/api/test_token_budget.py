@@ -169,6 +169,13 @@ def access(caplog: pytest.LogCaptureFixture) -> Any:
         yield caplog
 
 
+async def settled_lines(proxy: Proxy, caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The access lines, once every relay has closed (a line is written as its body closes,
+    which may be after the client has read the whole response)."""
+    await proxy.state.tracker.wait_idle()
+    return access_lines(caplog)
+
+
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
     return [
         json.loads(record.getMessage())
@@ -197,10 +204,11 @@ async def test_a_whole_answer_is_charged_from_its_usage_block(
             assert response.headers["x-ratelimit-remaining-tokens"] == "0"
             assert 55 <= int(response.headers["retry-after"]) <= 60
             assert response.headers["x-ratelimit-reset-tokens"].endswith("s")
+            await proxy.state.tracker.wait_idle()
             samples = await scrape(client, proxy)
         assert value(samples, "sluice_key_tokens_total", key="alice", kind="input") == 8
         assert value(samples, "sluice_key_tokens_total", key="alice", kind="output") == 120
-        lines = access_lines(access)
+        lines = await settled_lines(proxy, access)
         assert [(line["input_tokens"], line["output_tokens"]) for line in lines[:4]] == [
             (2, 30)
         ] * 4
@@ -231,7 +239,7 @@ async def test_the_usage_chunk_is_asked_for_upstream_and_kept_from_the_client(
         assert len(plain_events) == 30 + 3  # role, 29 more tokens, finish... as without a key
         asked_events = sse_payloads(asked.text)
         assert json.loads(asked_events[-2])["usage"]["completion_tokens"] == 30
-        lines = access_lines(access)
+        lines = await settled_lines(proxy, access)
         assert [(line["input_tokens"], line["output_tokens"]) for line in lines] == [(2, 30)] * 2
 
 
@@ -248,7 +256,7 @@ async def test_without_usage_blocks_the_deltas_are_counted(
                 proxy.url + CHAT, json=chat_body(stream=False), headers=bearer()
             )
         assert streamed.status_code == whole.status_code == 200
-        lines = access_lines(access)
+        lines = await settled_lines(proxy, access)
         # One per content delta (the role chunk's empty content counted with them); the
         # prompt estimated: "hello there" and "user" are 15 characters, 4 tokens.
         assert 30 <= lines[0]["output_tokens"] <= 31
@@ -281,7 +289,7 @@ async def test_the_dodge_a_stream_left_early_is_charged_what_was_generated(
                 await proxy.state.tracker.wait_idle()
         # Charged ~40 and more each (what was received), never nothing: refused by the 4th.
         assert 429 in outcomes and outcomes.index(429) <= 3
-        lines = [line for line in access_lines(access) if line["status"] == 200]
+        lines = [line for line in await settled_lines(proxy, access) if line["status"] == 200]
         assert all(line["output_tokens"] >= 40 for line in lines)
         assert all(line["outcome"].startswith("cancelled") for line in lines)
 
@@ -381,7 +389,7 @@ async def test_a_local_model_is_charged_its_own_count(
         # The cap held both to 6 tokens; no usage chunk was asked of a local model.
         assert usage["completion_tokens"] == 6
         assert not any('"usage"' in event for event in sse_payloads(streamed.text))
-        lines = access_lines(access)
+        lines = await settled_lines(proxy, access)
         assert [(line["input_tokens"], line["output_tokens"]) for line in lines] == [
             (usage["prompt_tokens"], 6)
         ] * 2

@@ -110,8 +110,11 @@ def test_the_charge_takes_the_best_source_there_is() -> None:
     usage = told.usage(100, client_left=True, failed=None)
     assert (usage.input, usage.output, usage.estimated) == (7, 3, False)
     assert usage.charge("total") == 10 and usage.charge("output") == 3
-    # No usage block: the deltas received, the input estimated.
+    # A stream that never began made nothing, whoever left.
     counted = meter()
+    assert counted.usage(100, client_left=True, failed=None).charge("total") == 0
+    # No usage block: the deltas received, the input estimated.
+    MeteredSplitter(1 << 20, counted)  # the upstream answered with an event stream
     counted.deltas = 40
     usage = counted.usage(100, client_left=True, failed=None)
     assert (usage.input, usage.output, usage.estimated) == (5, 40, True)
