@@ -11,7 +11,8 @@ a stream is held from the relay's start until its body closes, disconnects inclu
 decisions here are sans-IO (they take the time as an argument, so the window arithmetic is
 tested with explicit times). ``backend = "redis"`` counts them in one Redis shared by every
 worker and instance (:mod:`proxy.api.limits`): a stream is held while its producer runs, as a
-lease the request renews.
+lease the request renews. Token budgets (:mod:`proxy.api.token_budget`) are admitted with
+them, in the same check, and settled when the producer ends.
 """
 
 from __future__ import annotations

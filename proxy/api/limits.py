@@ -66,7 +66,7 @@ LOG_INTERVAL = 60.0
 
 # KEYS: the rate log, the leases, the token windows (minute, day), the token charges, the
 # pending reservations. ARGV: requests per minute (0: none), concurrent streams (0: none), the
-# lease id (also the member of every set), lease seconds, the rate window's period, tokens per
+# lease id (also the member of every set), lease seconds, the minute's period, tokens per
 # minute (0: none), tokens per day (0: none), the reservation, the day's period.
 # Returns {0} admitted, {1, wait} over the rate (wait as a string: Lua numbers become
 # integers), {2} over the concurrency, {3, wait, limit, remaining, period} over a token budget.
@@ -80,7 +80,7 @@ local streams = tonumber(ARGV[2])
 local id = ARGV[3]
 local lease = tonumber(ARGV[4])
 local period = tonumber(ARGV[5])
-local budgets = {{KEYS[3], tonumber(ARGV[6]), 60, '=tpm'}, {KEYS[4], tonumber(ARGV[7]),
+local budgets = {{KEYS[3], tonumber(ARGV[6]), period, '=tpm'}, {KEYS[4], tonumber(ARGV[7]),
   tonumber(ARGV[9]), '=tpd'}}
 local reservation = tonumber(ARGV[8])
 local tokens = budgets[1][2] > 0 or budgets[2][2] > 0
