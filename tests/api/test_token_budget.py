@@ -14,7 +14,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from proxy.api.auth import CORS_EXPOSED_HEADERS, KeyRing
-from proxy.api.token_budget import TokenWindow, reset_text
+from proxy.api.token_budget import Charge, TokenWindow, reset_text
 from proxy.config import ConfigError, KeyConfig
 from proxy.ops.logs import ACCESS_LOGGER
 from proxy.protocol.errors import ApiError
@@ -82,9 +82,7 @@ def test_a_window_admits_while_it_has_room_and_says_when_it_frees_enough() -> No
     assert window.used == 0
 
 
-def _charge(window: TokenWindow, at: float, tokens: int) -> Any:
-    from proxy.api.token_budget import Charge
-
+def _charge(window: TokenWindow, at: float, tokens: int) -> Charge:
     charge = Charge(at, tokens)
     window.add(charge)
     return charge
