@@ -12,9 +12,8 @@ it asks of the pipeline, in order:
 4. :meth:`RequestPipeline.relay`: the :class:`~proxy.relay.RelayBody` that runs the request:
    the key's limits (requests per minute, concurrent streams, token budgets: the request held
    to its key's cap, metered, reserved on admission and settled at its end) admitted inside
-   it, the backend's
-   own admission, the stall limit, the relay's lifetime (one nursery), metrics, drain tracking
-   (the tracker's active relays) and the access line at its close.
+   it, the backend's own admission, the stall limit, the relay's lifetime (one nursery),
+   metrics, drain tracking (the tracker's active relays) and the access line at its close.
 5. :meth:`RequestPipeline.refused` for a request refused before a relay existed: the same
    metric and the same access line, with the refusal's code as the outcome.
 """
