@@ -252,6 +252,37 @@ class KeyConfig:
     # each counts on its own) or across every worker and instance (backend = "redis").
     requests_per_minute: int = 0
     max_concurrent_streams: int = 0
+    # Token budgets (proxy/api/token_budget.py), 0 = none, counted where the requests are:
+    # tokens in any 60 s, and in any 24 h. A request is admitted while the window has room,
+    # reserves its max tokens, and is charged what it used when it ends.
+    tokens_per_minute: int = 0
+    tokens_per_day: int = 0
+    # What a budget counts: "total" (input and output tokens) or "output" only.
+    tokens_counted: str = "total"
+    # The most output tokens one request may ask for (0: no cap), applied to a request that
+    # asks for more or says nothing, in its endpoint's own field (max_tokens,
+    # max_completion_tokens, max_output_tokens).
+    max_tokens_cap: int = 0
+
+    def __post_init__(self) -> None:
+        where = f"[[keys]] {self.name!r}"
+        if self.tokens_counted not in TOKENS_COUNTED:
+            raise ConfigError(
+                f"'tokens_counted' in {where} must be one of {', '.join(TOKENS_COUNTED)}, "
+                f"not {self.tokens_counted!r}"
+            )
+        for name in ("tokens_per_minute", "tokens_per_day", "max_tokens_cap"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"'{name}' in {where} must be >= 0 (0: none)")
+
+    @property
+    def token_budgeted(self) -> bool:
+        """Whether the key's requests are metered: it has a token budget or a cap."""
+        return bool(self.tokens_per_minute or self.tokens_per_day or self.max_tokens_cap)
+
+
+# What a key's token budget may count ([[keys]] tokens_counted).
+TOKENS_COUNTED = ("total", "output")
 
 
 # The placeholder a model's `upstreams` uses for the in-process fake upstream.

@@ -11,7 +11,8 @@ a stream is held from the relay's start until its body closes, disconnects inclu
 decisions here are sans-IO (they take the time as an argument, so the window arithmetic is
 tested with explicit times). ``backend = "redis"`` counts them in one Redis shared by every
 worker and instance (:mod:`proxy.api.limits`): a stream is held while its producer runs, as a
-lease the request renews.
+lease the request renews. Token budgets (:mod:`proxy.api.token_budget`) are admitted with
+them, in the same check, and settled when the producer ends.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from proxy.api.limits import (
     concurrency_limited,
     rate_limited,
 )
+from proxy.api.token_budget import Charge, KeyBudget, Metered, metered_producer
 from proxy.config import KeyConfig, LimitsConfig
 from proxy.protocol.errors import INVALID_REQUEST, ApiError
 
@@ -45,7 +47,10 @@ CORS_REQUEST_HEADERS = "Authorization, Content-Type, X-Request-ID"
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _MAX_REQUESTED_HEADERS = 32
 # Response headers a browser script may read besides the CORS-safelisted ones.
-CORS_EXPOSED_HEADERS = "X-Request-ID, Retry-After, traceresponse"
+CORS_EXPOSED_HEADERS = (
+    "X-Request-ID, Retry-After, traceresponse, "
+    "x-ratelimit-limit-tokens, x-ratelimit-remaining-tokens, x-ratelimit-reset-tokens"
+)
 # How long a browser may cache a preflight answer.
 CORS_MAX_AGE = "600"
 
@@ -117,26 +122,36 @@ class RateWindow:
 
 
 class Lease:
-    """One admitted request's hold on its key's concurrency; released exactly once."""
+    """One admitted request's hold on its key's concurrency, released exactly once, and its
+    token reservation, settled at most once (to what it used)."""
 
-    __slots__ = ("_state",)
+    __slots__ = ("_charge", "_settling", "_state")
 
-    def __init__(self, state: _KeyState | None) -> None:
+    def __init__(self, state: _KeyState | None, charge: Charge | None = None) -> None:
         self._state = state
+        self._settling = state
+        self._charge = charge
 
     def release(self) -> None:
         state, self._state = self._state, None
         if state is not None:
             state.streams -= 1
 
+    def settle(self, tokens: int) -> None:
+        state, charge, self._settling = self._settling, self._charge, None
+        if state is not None and charge is not None and state.budget is not None:
+            state.budget.settle(charge, tokens)
+
 
 class _KeyState:
-    __slots__ = ("config", "streams", "window")
+    __slots__ = ("budget", "config", "streams", "window")
 
     def __init__(self, config: KeyConfig) -> None:
         self.config = config
         self.window = RateWindow(config.requests_per_minute) if config.requests_per_minute else None
         self.streams = 0
+        budgeted = config.tokens_per_minute or config.tokens_per_day
+        self.budget = KeyBudget(config) if budgeted else None
 
 
 class KeyRing:
@@ -193,13 +208,19 @@ class KeyRing:
 
     @staticmethod
     def limited(key: KeyConfig) -> bool:
-        return bool(key.requests_per_minute or key.max_concurrent_streams)
+        return bool(
+            key.requests_per_minute
+            or key.max_concurrent_streams
+            or key.tokens_per_minute
+            or key.tokens_per_day
+        )
 
-    def admit(self, key: KeyConfig, now: float) -> Lease:
-        """Admit one request for ``key`` at ``now``, or raise a 429 :class:`ApiError`.
+    def admit(self, key: KeyConfig, now: float, reservation: int = 0) -> Lease:
+        """Admit one request for ``key`` at ``now``, or raise a 429 :class:`ApiError`; a
+        token-budgeted key's request reserves ``reservation`` tokens.
 
-        Both limits are checked before either is charged: a request refused for concurrency
-        does not use up the key's requests per minute.
+        Every limit is checked before any is charged: a request refused for concurrency
+        does not use up the key's requests per minute, nor its tokens.
         """
         state = self._states[key.name]
         if state.window is not None:
@@ -208,10 +229,13 @@ class KeyRing:
                 raise rate_limited(key, wait)
         if key.max_concurrent_streams and state.streams >= key.max_concurrent_streams:
             raise concurrency_limited(key)
+        budget = state.budget
+        if budget is not None:
+            budget.check(key, now)
         if state.window is not None:
             state.window.admit(now)
         state.streams += 1
-        return Lease(state)
+        return Lease(state, None if budget is None else budget.reserve(now, reservation))
 
     def carry_over(self, previous: KeyRing) -> None:
         """After a reload: a key that kept its name keeps its counters (its streams in flight,
@@ -228,6 +252,12 @@ class KeyRing:
                 kept.window = state.window
             elif kept.window.limit != rpm:
                 kept.window = kept.window.resized(rpm)
+            if state.budget is None:
+                kept.budget = None
+            elif kept.budget is None:
+                kept.budget = state.budget
+            else:
+                kept.budget.resized(state.config)
             kept.config = state.config
             self._states[name] = kept
 
@@ -236,7 +266,9 @@ class KeyRing:
         return self._states[name].streams
 
 
-def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Producer:
+def limited_producer(
+    keys: KeyRing, key: KeyConfig, produce: Producer, metered: Metered | None = None
+) -> Producer:
     """``produce``, admitted against ``key``'s limits first.
 
     Admission runs inside the relay, so the concurrency lease exists only once the relay body
@@ -244,22 +276,35 @@ def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Produc
     always releases it. Through Redis, the lease is renewed by a task beside ``produce`` (in a
     nursery of its own) and released when ``produce`` ends, however it ends. A refusal is an
     ApiError before the head: the relay turns it into the 429 (or the 503 of on_error = "deny").
+
+    A ``metered`` request reserves its tokens on admission and settles them when ``produce``
+    ends, however it ends (every token it will ever be charged is counted by then): in
+    memory at once, through Redis shielded and bounded, once.
     """
 
+    reservation = 0 if metered is None else metered.reservation
+    if metered is not None:
+        produce = metered_producer(produce, metered)
     shared = keys.shared
     if shared is None:
 
         async def admitted(sink: RelaySink) -> None:
-            lease = keys.admit(key, trio.current_time())
+            lease = keys.admit(key, trio.current_time(), reservation)
             sink.on_close(lease.release)
-            await produce(sink)
+            if metered is None:
+                await produce(sink)
+                return
+            try:
+                await produce(sink)
+            finally:
+                lease.settle(metered.charged)
 
         return admitted
 
     async def admitted_shared(sink: RelaySink) -> None:
         # Bounded by [limits] timeout: a 429, a 503 (on_error = "deny"), or a lease (None: no
         # slot to hold, or admitted uncounted under on_error = "allow").
-        lease = await shared.acquire(key)
+        lease = await shared.acquire(key, reservation)
         if lease is None:
             await produce(sink)
             return
@@ -269,7 +314,10 @@ def limited_producer(keys: KeyRing, key: KeyConfig, produce: Producer) -> Produc
                 await produce(sink)
                 nursery.cancel_scope.cancel()
         finally:
-            # Shielded and bounded: a cancelled request gives its slot back too.
+            # Shielded and bounded: a cancelled request gives its slot back too, and is
+            # charged what it used.
+            if metered is not None:
+                await lease.settle(metered.charged)
             await lease.release()
 
     return admitted_shared

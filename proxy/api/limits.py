@@ -13,8 +13,21 @@ one slot:
   script drops expired leases before counting, so a crashed instance's slots free themselves
   within ``lease_seconds``.
 
+Token budgets (``tokens_per_minute``, ``tokens_per_day``; see :mod:`proxy.api.token_budget`)
+add, under the same hash tag:
+
+- ``<prefix>{<name>}:tpm`` and ``:tpd``: one member per admitted request, scored by its
+  admission time, for the minute's window and the day's;
+- ``<prefix>{<name>}:tokens``: a hash of each member's charge (its reservation, then what it
+  used) and of each window's running total (``=tpm``, ``=tpd``), so that admitting costs no
+  sum over the window: members that leave a window are subtracted from its total as they go;
+- ``<prefix>{<name>}:pending``: the reservations not yet settled, scored by their lease's
+  expiry and renewed with the concurrency lease. A settlement applies only to a reservation
+  still pending (removed as it applies: a retried settlement changes nothing); one whose
+  worker died expires and stays charged in full.
+
 Times are the Redis server's (``TIME`` inside the script): instances' clocks never disagree.
-Both limits are checked before either is charged, as in memory.
+Every limit is checked before any is charged, as in memory.
 
 The client is coredis (anyio: native on trio, no thread per call). Every call is bounded by
 ``[limits] timeout`` (connecting included): when Redis is down, slow or erroring, a request gets
@@ -31,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from proxy.api.token_budget import DAY, token_limited
 from proxy.config import KeyConfig, LimitsConfig
 from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError
 
@@ -50,11 +64,14 @@ UNAVAILABLE_RETRY_AFTER = 1
 # Errors are logged at most this often (each log line says how many there were since the last).
 LOG_INTERVAL = 60.0
 
-# KEYS: the rate log, the leases. ARGV: requests per minute (0: none), concurrent streams (0:
-# none), the lease id (also the rate log's member), lease seconds, the window's period.
-# Returns {0} admitted, {1, wait} over the rate (wait as a string: Lua numbers become integers),
-# {2} over the concurrency. An id already present means this very admission is being retried
-# (the client retries a call whose connection broke): admitted, and charged only once.
+# KEYS: the rate log, the leases, the token windows (minute, day), the token charges, the
+# pending reservations. ARGV: requests per minute (0: none), concurrent streams (0: none), the
+# lease id (also the member of every set), lease seconds, the minute's period, tokens per
+# minute (0: none), tokens per day (0: none), the reservation, the day's period.
+# Returns {0} admitted, {1, wait} over the rate (wait as a string: Lua numbers become
+# integers), {2} over the concurrency, {3, wait, limit, remaining, period} over a token budget.
+# An id already present means this very admission is being retried (the client retries a
+# call whose connection broke): admitted, and charged only once.
 ADMIT_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -63,8 +80,13 @@ local streams = tonumber(ARGV[2])
 local id = ARGV[3]
 local lease = tonumber(ARGV[4])
 local period = tonumber(ARGV[5])
+local budgets = {{KEYS[3], tonumber(ARGV[6]), period, '=tpm'}, {KEYS[4], tonumber(ARGV[7]),
+  tonumber(ARGV[9]), '=tpd'}}
+local reservation = tonumber(ARGV[8])
+local tokens = budgets[1][2] > 0 or budgets[2][2] > 0
 if (rpm > 0 and redis.call('ZSCORE', KEYS[1], id))
-    or (streams > 0 and redis.call('ZSCORE', KEYS[2], id)) then
+    or (streams > 0 and redis.call('ZSCORE', KEYS[2], id))
+    or (tokens and redis.call('HEXISTS', KEYS[5], id) == 1) then
   return {0}
 end
 if rpm > 0 then
@@ -80,6 +102,53 @@ if streams > 0 then
     return {2}
   end
 end
+if tokens then
+  -- Expired reservations stay charged in full: only their pending mark goes.
+  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+  local longest = budgets[2][2] > 0 and 2 or 1
+  local refusal = nil
+  for i, budget in ipairs(budgets) do
+    local zkey, limit, window, total = budget[1], budget[2], budget[3], budget[4]
+    if limit > 0 then
+      local gone = redis.call('ZRANGEBYSCORE', zkey, '-inf', now - window)
+      if #gone > 0 then
+        local freed = 0
+        for _, member in ipairs(gone) do
+          freed = freed + (tonumber(redis.call('HGET', KEYS[5], member)) or 0)
+          if i == longest then
+            redis.call('HDEL', KEYS[5], member)
+          end
+        end
+        redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now - window)
+        redis.call('HINCRBY', KEYS[5], total, -freed)
+      end
+      local used = tonumber(redis.call('HGET', KEYS[5], total)) or 0
+      if used >= limit then
+        local need, freed, wait, start = used - limit + 1, 0, window, 0
+        while wait == window do
+          local page = redis.call('ZRANGE', zkey, start, start + 99, 'WITHSCORES')
+          if #page == 0 then
+            break
+          end
+          for j = 1, #page, 2 do
+            freed = freed + (tonumber(redis.call('HGET', KEYS[5], page[j])) or 0)
+            if freed >= need then
+              wait = tonumber(page[j + 1]) + window - now
+              break
+            end
+          end
+          start = start + 100
+        end
+        if refusal == nil or wait > tonumber(refusal[2]) then
+          refusal = {3, tostring(wait), limit, math.max(0, limit - used), tostring(window)}
+        end
+      end
+    end
+  end
+  if refusal ~= nil then
+    return refusal
+  end
+end
 if rpm > 0 then
   redis.call('ZADD', KEYS[1], now, id)
   redis.call('PEXPIRE', KEYS[1], math.ceil(period * 1000) + 1000)
@@ -88,20 +157,71 @@ if streams > 0 then
   redis.call('ZADD', KEYS[2], now + lease, id)
   redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 1000) + 1000)
 end
+if tokens then
+  local keep = 0
+  redis.call('HSET', KEYS[5], id, reservation)
+  for _, budget in ipairs(budgets) do
+    if budget[2] > 0 then
+      redis.call('ZADD', budget[1], now, id)
+      redis.call('HINCRBY', KEYS[5], budget[4], reservation)
+      redis.call('PEXPIRE', budget[1], math.ceil(budget[3] * 1000) + 1000)
+      keep = math.max(keep, budget[3])
+    end
+  end
+  redis.call('PEXPIRE', KEYS[5], math.ceil(keep * 1000) + 1000)
+  redis.call('ZADD', KEYS[6], now + lease, id)
+  redis.call('PEXPIRE', KEYS[6], math.ceil(lease * 1000) + 1000)
+end
 return {0}
 """
 
-# KEYS: the leases. ARGV: the lease id, lease seconds. Pushes the lease's expiry; one that has
-# expired already (renewals late by a whole lease) is not brought back: its slot may be taken.
+# KEYS: the leases to renew (the concurrency slot's, the pending reservation's). ARGV: the
+# lease id, lease seconds. Pushes each lease's expiry; one that has expired already (renewals
+# late by a whole lease) is not brought back: its slot may be taken, its reservation is final.
 RENEW_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local lease = tonumber(ARGV[2])
-local renewed = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + lease, ARGV[1])
-if renewed > 0 then
-  redis.call('PEXPIRE', KEYS[1], math.ceil(lease * 1000) + 1000)
+local renewed = 0
+for _, key in ipairs(KEYS) do
+  local changed = redis.call('ZADD', key, 'XX', 'CH', now + lease, ARGV[1])
+  if changed > 0 then
+    redis.call('PEXPIRE', key, math.ceil(lease * 1000) + 1000)
+  end
+  renewed = renewed + changed
 end
 return renewed
+"""
+
+# KEYS: the token windows (minute, day), the token charges, the pending reservations. ARGV:
+# the lease id, the tokens used. Applies only to a reservation still pending, and only once
+# (the pending mark goes as it applies); returns 1 if it did, 0 if the reservation had expired
+# (charged in full) or was settled already.
+SETTLE_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local id = ARGV[1]
+local used = tonumber(ARGV[2])
+local pending = redis.call('ZSCORE', KEYS[4], id)
+if not pending then
+  return 0
+end
+redis.call('ZREM', KEYS[4], id)
+if tonumber(pending) < now then
+  return 0
+end
+local charged = tonumber(redis.call('HGET', KEYS[3], id))
+if not charged then
+  return 0
+end
+redis.call('HSET', KEYS[3], id, used)
+if redis.call('ZSCORE', KEYS[1], id) then
+  redis.call('HINCRBY', KEYS[3], '=tpm', used - charged)
+end
+if redis.call('ZSCORE', KEYS[2], id) then
+  redis.call('HINCRBY', KEYS[3], '=tpd', used - charged)
+end
+return 1
 """
 
 
@@ -161,14 +281,38 @@ def limits_unavailable() -> ApiError:
 
 
 class RedisLease:
-    """One admitted request's concurrency slot in Redis (a member of the key's leases)."""
+    """One admitted request's hold in Redis: its concurrency slot (a member of the key's
+    leases), its token reservation (a member of the key's pending reservations), or both."""
 
-    __slots__ = ("_store", "id", "key")
+    __slots__ = ("_settled", "_store", "budget", "id", "key")
 
-    def __init__(self, store: RedisLimits, key: str, lease_id: str) -> None:
+    def __init__(
+        self,
+        store: RedisLimits,
+        key: str | None,
+        lease_id: str,
+        budget: tuple[str, str, str, str] | None = None,
+    ) -> None:
         self._store = store
         self.key = key
         self.id = lease_id
+        # The token windows (minute, day), the charges and the pending reservations.
+        self.budget = budget
+        self._settled = False
+
+    @property
+    def renewed_keys(self) -> list[str]:
+        keys = [] if self.key is None else [self.key]
+        if self.budget is not None:
+            keys.append(self.budget[3])
+        return keys
+
+    async def settle(self, tokens: int) -> None:
+        """The reservation becomes ``tokens`` (once; shielded and bounded)."""
+        if self.budget is None or self._settled:
+            return
+        self._settled = True
+        await self._store.settle(self, tokens)
 
     async def keep_renewed(self) -> None:
         """Renew the lease every ``lease_seconds / 3`` until cancelled: two renewals may fail
@@ -201,6 +345,7 @@ class RedisLimits:
         self._client: coredis.Redis[bytes] | None = None
         self._admit: Any = None
         self._renew: Any = None
+        self._settle: Any = None
         self._ready: trio.Event | None = None
         self._errors = _ErrorLog()
         # Set by keep_connected (the server's nursery owns the client's task): a request
@@ -210,6 +355,10 @@ class RedisLimits:
     def _keys(self, name: str) -> tuple[str, str]:
         base = f"{self.limits.key_prefix}{{{name}}}"
         return f"{base}:rpm", f"{base}:streams"
+
+    def _token_keys(self, name: str) -> tuple[str, str, str, str]:
+        base = f"{self.limits.key_prefix}{{{name}}}"
+        return f"{base}:tpm", f"{base}:tpd", f"{base}:tokens", f"{base}:pending"
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the client's connections open until cancelled. Connecting happens on first use,
@@ -230,6 +379,7 @@ class RedisLimits:
                 self._client = client
                 self._admit = client.register_script(ADMIT_SCRIPT)
                 self._renew = client.register_script(RENEW_SCRIPT)
+                self._settle = client.register_script(SETTLE_SCRIPT)
                 ready.set()
                 task_status.started()
                 await trio.sleep_forever()
@@ -279,10 +429,13 @@ class RedisLimits:
         if self.metrics is not None:
             self.metrics.limits_errors.labels(operation, outcome).inc()
 
-    async def acquire(self, key: KeyConfig) -> RedisLease | None:
-        """Admit one request for ``key``: its lease (None when it holds no concurrency slot, or
-        was admitted uncounted under ``on_error = "allow"``), or a 429 / 503 ApiError."""
+    async def acquire(self, key: KeyConfig, reservation: int = 0) -> RedisLease | None:
+        """Admit one request for ``key``, reserving ``reservation`` tokens of a budgeted key:
+        its lease (None when it holds no concurrency slot nor reservation, or was admitted
+        uncounted under ``on_error = "allow"``), or a 429 / 503 ApiError."""
         rate, streams = self._keys(key.name)
+        budget = self._token_keys(key.name)
+        budgeted = bool(key.tokens_per_minute or key.tokens_per_day)
         lease_id = os.urandom(9).hex()
         reply: Any = None
         failure = "timed out"
@@ -290,13 +443,17 @@ class RedisLimits:
             try:
                 client = await self._connected()
                 reply = await self._admit(
-                    keys=[rate, streams],
+                    keys=[rate, streams, *budget],
                     args=[
                         key.requests_per_minute,
                         key.max_concurrent_streams,
                         lease_id,
                         self.limits.lease_seconds,
                         RATE_PERIOD,
+                        key.tokens_per_minute,
+                        key.tokens_per_day,
+                        reservation,
+                        DAY,
                     ],
                     client=client,
                 )
@@ -314,9 +471,17 @@ class RedisLimits:
             raise rate_limited(key, float(reply[1]))
         if verdict == 2:
             raise concurrency_limited(key)
-        if not key.max_concurrent_streams:
+        if verdict == 3:
+            wait, limit, remaining, period = reply[1:5]
+            raise token_limited(key, int(limit), float(period), int(remaining), float(wait))
+        if not key.max_concurrent_streams and not budgeted:
             return None
-        return RedisLease(self, streams, lease_id)
+        return RedisLease(
+            self,
+            streams if key.max_concurrent_streams else None,
+            lease_id,
+            budget if budgeted else None,
+        )
 
     async def renew(self, lease: RedisLease) -> None:
         """Push ``lease``'s expiry; a failure is counted and logged, and the lease expires
@@ -326,7 +491,9 @@ class RedisLimits:
             try:
                 client = await self._connected()
                 await self._renew(
-                    keys=[lease.key], args=[lease.id, self.limits.lease_seconds], client=client
+                    keys=lease.renewed_keys,
+                    args=[lease.id, self.limits.lease_seconds],
+                    client=client,
                 )
             except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
                 failure = repr(error)
@@ -335,9 +502,27 @@ class RedisLimits:
         self._count("renew", "failed")
         self._errors.error("renew", failure)
 
+    async def settle(self, lease: RedisLease, tokens: int) -> None:
+        """Settle the reservation to ``tokens``, shielded and bounded; a failed settlement is
+        counted and logged, and the reservation stays charged in full."""
+        assert lease.budget is not None
+        failure = "timed out"
+        with trio.CancelScope(shield=True), trio.move_on_after(self.limits.timeout):
+            try:
+                client = await self._connected()
+                await self._settle(keys=list(lease.budget), args=[lease.id, tokens], client=client)
+            except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
+                failure = repr(error)
+            else:
+                return
+        self._count("settle", "failed")
+        self._errors.error("settle", failure)
+
     async def release(self, lease: RedisLease) -> None:
         """Give the slot back, shielded (the request may be cancelled) and bounded; a failed
         release is counted and logged, and the lease expires on its own."""
+        if lease.key is None:
+            return
         failure = "timed out"
         with trio.CancelScope(shield=True), trio.move_on_after(self.limits.timeout):
             try:

@@ -10,9 +10,10 @@ it asks of the pipeline, in order:
    (401 otherwise).
 3. :meth:`RequestPipeline.parse`: the body, under the size limit, with one set of errors.
 4. :meth:`RequestPipeline.relay`: the :class:`~proxy.relay.RelayBody` that runs the request:
-   the key's limits (requests per minute, concurrent streams) admitted inside it, the backend's
-   own admission, the stall limit, the relay's lifetime (one nursery), metrics, drain tracking
-   (the tracker's active relays) and the access line at its close.
+   the key's limits (requests per minute, concurrent streams, token budgets: the request held
+   to its key's cap, metered, reserved on admission and settled at its end) admitted inside
+   it, the backend's own admission, the stall limit, the relay's lifetime (one nursery),
+   metrics, drain tracking (the tracker's active relays) and the access line at its close.
 5. :meth:`RequestPipeline.refused` for a request refused before a relay existed: the same
    metric and the same access line, with the refusal's code as the outcome.
 """
@@ -30,8 +31,9 @@ from typing import Protocol
 import trio
 
 from proxy.api.auth import KeyRing, limited_producer
+from proxy.api.token_budget import Metered, metered_producer, metered_request
 from proxy.backends.base import Backend
-from proxy.config import Config, KeyConfig
+from proxy.config import Config, KeyConfig, LocalModel
 from proxy.ops import tracing
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
@@ -39,6 +41,7 @@ from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.errors import SERVER_ERROR, ApiError, bad_request, model_not_found
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.shapes import error_shape
+from proxy.protocol.token_usage import DEFAULT_RESERVED_OUTPUT
 from proxy.relay.body import Producer, RelayBody, RelayTracker
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -195,12 +198,26 @@ class RequestPipeline:
     ) -> RelayBody:
         """The relay that runs ``request``: enter it (``async with``) and iterate it."""
         backend = self.backend_for(request.model)
+        local = request.model in self.local_models
+        metered: Metered | None = None
+        if key is not None and key.token_budgeted:
+            model = self.config.model(request.model)
+            default_output = (
+                model.default_max_tokens
+                if isinstance(model, LocalModel)
+                else DEFAULT_RESERVED_OUTPUT
+            )
+            request, metered = metered_request(
+                request, key, upstream=not local, default_output=default_output
+            )
         produce: Producer = partial(backend.produce, request, access.request_id)
         if key is not None and self.keys.limited(key):
             # Admitted inside the relay, so that its 429 is counted like any relayed status
             # and the concurrency it holds is released when the body closes.
-            produce = limited_producer(self.keys, key, produce)
-        local = request.model in self.local_models
+            produce = limited_producer(self.keys, key, produce, metered)
+        elif metered is not None:
+            # A cap and no budget: counted for the accounting, nothing to admit against.
+            produce = metered_producer(produce, metered)
         trace = access.trace
         if trace is not None:
             trace.operation(
@@ -228,6 +245,10 @@ class RequestPipeline:
         self.relays.add(body)
         # A weak reference: the callback must not keep its body alive (a cycle).
         body.close_callbacks.append(partial(_discard, self.relays, weakref.ref(body)))
+        if metered is not None:
+            body.close_callbacks.append(
+                partial(_tokens_closed, metered, weakref.ref(body), access, self.metrics)
+            )
         return body
 
     def refused(
@@ -249,6 +270,14 @@ class RequestPipeline:
     def finished(access: AccessRecord, status: int, outcome: str, model: str) -> None:
         """The access line of a response that is not a relay (its body writes its own)."""
         access.emit(status=status, model=model, outcome=outcome, ended=trio.current_time())
+
+
+def _tokens_closed(
+    metered: Metered, ref: weakref.ref[RelayBody], access: AccessRecord, metrics: Metrics
+) -> None:
+    body = ref()
+    if body is not None:
+        metered.closed(body, access, metrics)
 
 
 def _discard(relays: weakref.WeakSet[RelayBody], ref: weakref.ref[RelayBody]) -> None:

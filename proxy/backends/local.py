@@ -42,6 +42,7 @@ from proxy.protocol.anthropic import MessagesStream, whole_message
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint, check_local_parameters
 from proxy.protocol.responses import ResponsesStream, whole_response
+from proxy.protocol.token_usage import CURRENT_METER
 from proxy.relay.admission import Admission
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from proxy.relay.state import Phase
@@ -281,6 +282,7 @@ class LocalBackend:
                         return piece.result
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         finally:
+            for_nobody = 0
             if not left.is_set():
                 # Read before the flag is set: a pass that starts after it is one too many.
                 passes_at_cancel, produced_at_cancel = sequence.progress
@@ -292,6 +294,7 @@ class LocalBackend:
                     await left.wait()
                 if left.is_set():
                     passes, produced = sequence.progress
+                    for_nobody = produced - produced_at_cancel
                     stages.stopped(passes, produced - produced_at_cancel)
                     if self.metrics is not None:
                         name = self.model.name
@@ -308,6 +311,8 @@ class LocalBackend:
                         _LEAVE_TIMEOUT,
                     )
                     self._listeners.pop(sequence, None)
+            if (meter := CURRENT_METER.get()) is not None:  # a key's token budget
+                meter.local_generation(len(prompt_ids), sequence.progress[1], for_nobody)
 
     async def _generate_one(
         self,

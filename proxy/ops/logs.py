@@ -28,7 +28,17 @@ access_log = logging.getLogger(ACCESS_LOGGER)
 class AccessRecord:
     """What is known of a request when it arrives; completed by whoever sees it end."""
 
-    __slots__ = ("client", "key", "method", "outcome", "path", "request_id", "started", "trace")
+    __slots__ = (
+        "client",
+        "key",
+        "method",
+        "outcome",
+        "path",
+        "request_id",
+        "started",
+        "tokens",
+        "trace",
+    )
 
     def __init__(
         self, request_id: str, method: str, path: str, client: str, started: float
@@ -44,6 +54,9 @@ class AccessRecord:
         self.outcome = "completed"
         # The request's spans (proxy/ops/tracing.py), or None when tracing is off.
         self.trace: RequestTrace | None = None
+        # A metered request's tokens (a key with a token budget): input, output, for nobody,
+        # and whether the input is an estimate. None: not metered.
+        self.tokens: tuple[int, int, int, bool] | None = None
 
     def emit(
         self,
@@ -77,6 +90,18 @@ class AccessRecord:
             "key": self.key,
             "trace_id": None if trace is None else trace.trace_id,
         }
+        tokens = self.tokens
+        if tokens is None:
+            fields.update(
+                input_tokens=None, output_tokens=None, for_nobody_tokens=None, input_estimated=None
+            )
+        else:
+            fields.update(
+                input_tokens=tokens[0],
+                output_tokens=tokens[1],
+                for_nobody_tokens=tokens[2],
+                input_estimated=tokens[3],
+            )
         access_log.info(json.dumps(fields, separators=(",", ":")))
 
 

@@ -223,10 +223,21 @@ class Metrics:
         Counter,
         "sluice_limits_errors",
         'Calls to the shared limits store ([limits] backend = "redis") that failed or '
-        "timed out, by operation (admit, renew, release) and outcome: for admit, what "
-        "on_error did (denied: 503, allowed: admitted uncounted); for renew and release, "
-        "failed (the lease expires on its own after lease_seconds).",
+        "timed out, by operation (admit, renew, release, settle) and outcome: for admit, "
+        "what on_error did (denied: 503, allowed: admitted uncounted); for renew and "
+        "release, failed (the lease expires on its own after lease_seconds); for settle, "
+        "failed (the token reservation stays charged in full).",
         ["operation", "outcome"],
+    )
+    key_tokens = MetricSpec(
+        Counter,
+        "sluice_key_tokens",
+        "Tokens used by the requests of keys with a token budget or cap ([[keys]] "
+        "tokens_per_minute, tokens_per_day, max_tokens_cap), by key, model and kind: input, "
+        "output (the model's count when it gave one; otherwise one per content delta event "
+        "received), and for_nobody (output made for a client that had already left). What "
+        "the budgets are charged; distinct from sluice_tokens_out (events written).",
+        ["key", "model", "kind"],
     )
     config_reloads = MetricSpec(
         Counter,

@@ -248,7 +248,12 @@ def _answer_piece(answer: Mapping[str, Any]) -> str:
     return "".join(texts)
 
 
+def answer_text(answers: Iterable[Mapping[str, Any]]) -> str:
+    """The text of an answer (every event of a stream, or a whole answer), unclipped."""
+    return "".join(_answer_piece(answer) for answer in answers)
+
+
 def output_messages(answers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The answer (every event of a stream, or a whole answer) as one GenAI output message."""
-    text = "".join(_answer_piece(answer) for answer in answers)
+    text = answer_text(answers)
     return [_message("assistant", text)] if text else []

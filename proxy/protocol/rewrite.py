@@ -49,6 +49,16 @@ def rewrite_body(request: CompletionRequest, edits: Edits) -> bytes:
 def edit_json(body: Mapping[str, Any], edits: Edits) -> bytes:
     """``body`` serialized with each path of ``edits`` set (intermediate objects created, or
     replaced where they are not objects); ``body`` itself is left as it was."""
+    edited = edited_body(body, edits)
+    try:
+        return json.dumps(edited, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        # A lone surrogate ("\ud800"), which JSON may carry escaped but UTF-8 cannot encode.
+        return json.dumps(edited, separators=(",", ":")).encode()
+
+
+def edited_body(body: Mapping[str, Any], edits: Edits) -> dict[str, Any]:
+    """A copy of ``body`` with each path of ``edits`` set; ``body`` is left as it was."""
     edited = dict(body)
     for path, value in edits.items():
         *parents, leaf = path.split(".")
@@ -60,11 +70,7 @@ def edit_json(body: Mapping[str, Any], edits: Edits) -> bytes:
             target[name] = inner
             target = inner
         target[leaf] = value
-    try:
-        return json.dumps(edited, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        # A lone surrogate ("\ud800"), which JSON may carry escaped but UTF-8 cannot encode.
-        return json.dumps(edited, separators=(",", ":")).encode()
+    return edited
 
 
 def edit_form(raw: bytes, boundary: str, edits: Edits) -> bytes:

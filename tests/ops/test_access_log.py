@@ -43,6 +43,11 @@ FIELDS = {
     "key",
     # The request's trace (tracing on), else null: the line's fields are the same either way.
     "trace_id",
+    # A metered request's tokens (its key has a token budget), else null.
+    "input_tokens",
+    "output_tokens",
+    "for_nobody_tokens",
+    "input_estimated",
 }
 
 

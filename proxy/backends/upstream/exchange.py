@@ -36,6 +36,7 @@ from proxy.protocol.errors import (
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.rewrite import RenamingSplitter, model_renamer, rewrite_body
 from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
+from proxy.protocol.token_usage import CURRENT_METER, MeteredSplitter
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from proxy.relay.state import Phase
 
@@ -274,11 +275,15 @@ class UpstreamExchange:
         # idle_timeout + slack after its last chunk, and a deadline change (a context manager
         # and a heap push in trio) happens about once per slack, not per chunk.
         slack = min(idle_timeout / 10, _IDLE_SLACK)
-        splitter = (
-            SSESplitter(self._relay.max_event_bytes)
-            if self._rename is None
-            else RenamingSplitter(self._relay.max_event_bytes, self._rename)
-        )
+        # A metered request (a key with a token budget) counts its events as they are split.
+        meter = CURRENT_METER.get()
+        splitter: SSESplitter
+        if meter is not None:
+            splitter = MeteredSplitter(self._relay.max_event_bytes, meter, self._rename)
+        elif self._rename is None:
+            splitter = SSESplitter(self._relay.max_event_bytes)
+        else:
+            splitter = RenamingSplitter(self._relay.max_event_bytes, self._rename)
         saw_done = False
         async for chunk in response.chunks():
             events = splitter.feed(chunk if decoder is None else decode(decoder, chunk))
@@ -402,6 +407,9 @@ class UpstreamExchange:
         rename = self._rename
         if rename is not None and "Content-Encoding" not in headers:
             body = rename(body) if checked or is_json(body) else body
+        meter = CURRENT_METER.get()
+        if meter is not None and checked:
+            meter.whole(body)
         sink.begin(200, content_type, headers, content_length=len(body))
         await sink.send(body)
 

@@ -88,6 +88,7 @@ class _Completion:
     prompt_tokens: int
     response_id: str
     created: int
+    usage_blocks: bool = True
 
     @classmethod
     def build(
@@ -123,10 +124,11 @@ class _Completion:
             model=model,
             tokens=tokens,
             finish_reason=finish_reason,
-            include_usage=include_usage,
+            include_usage=include_usage and plan.usage,
             prompt_tokens=_count_prompt_tokens(body),
             response_id=f"{'chatcmpl' if chat else 'cmpl'}-{number}",
             created=int(time.time()),
+            usage_blocks=plan.usage,
         )
 
     def usage(self) -> dict[str, int]:
@@ -153,6 +155,8 @@ class _Completion:
             "choices": [choice],
             "usage": self.usage(),
         }
+        if not self.usage_blocks:
+            del obj["usage"]
         return json.dumps(obj, separators=(",", ":")).encode()
 
     def frames(self, *, chunked: bool) -> Frames:
@@ -279,6 +283,7 @@ class _Responses:
     created: int
     max_output_tokens: int | None
     instructions: str | None
+    usage_blocks: bool = True
 
     @classmethod
     def build(cls, body: dict[str, Any], plan: Plan, default_model: str, number: int) -> _Responses:
@@ -307,6 +312,7 @@ class _Responses:
             created=int(time.time()),
             max_output_tokens=body.get("max_output_tokens"),
             instructions=instructions,
+            usage_blocks=plan.usage,
         )
 
     @property
@@ -371,7 +377,7 @@ class _Responses:
             "top_logprobs": None,
             "top_p": 1.0,
             "truncation": "disabled",
-            "usage": self._usage() if final else None,
+            "usage": self._usage() if final and self.usage_blocks else None,
             "user": None,
         }
 
@@ -435,6 +441,7 @@ class _Messages:
     stop_reason: str
     prompt_tokens: int
     number: int
+    usage_blocks: bool = True
 
     @classmethod
     def build(cls, body: dict[str, Any], plan: Plan, default_model: str, number: int) -> _Messages:
@@ -460,12 +467,13 @@ class _Messages:
             stop_reason="max_tokens" if capped else "end_turn",
             prompt_tokens=_count_words(texts),
             number=number,
+            usage_blocks=plan.usage,
         )
 
     def message(self, *, final: bool) -> dict[str, Any]:
         """The message object: whole, or (not ``final``) as ``message_start`` carries it."""
         content = [{"type": "text", "text": _generated_text(self.tokens)}] if final else []
-        return {
+        message = {
             "id": f"msg_{self.number}",
             "type": "message",
             "role": "assistant",
@@ -478,6 +486,9 @@ class _Messages:
                 "output_tokens": self.tokens if final else 0,
             },
         }
+        if not self.usage_blocks:
+            del message["usage"]
+        return message
 
     def whole_body(self) -> bytes:
         return compact_json(self.message(final=True)).encode()
@@ -495,13 +506,12 @@ class _Messages:
         before = f'event: {delta}\ndata: {{"type":"{delta}","index":0,'
         before += '"delta":{"type":"text_delta","text":'
         usage = {"input_tokens": self.prompt_tokens, "output_tokens": self.tokens}
+        ending: dict[str, Any] = {"delta": {"stop_reason": self.stop_reason, "stop_sequence": None}}
+        if self.usage_blocks:
+            ending["usage"] = usage
         tail = [
             event("content_block_stop", index=0),
-            event(
-                "message_delta",
-                delta={"stop_reason": self.stop_reason, "stop_sequence": None},
-                usage=usage,
-            ),
+            event("message_delta", **ending),
             event("message_stop"),
         ]
         return EventFrames(

@@ -35,13 +35,13 @@ MODES: Final[frozenset[str]] = frozenset(
 
 MALFORMED_EVENT: Final = b"this is not server-sent events\n\n"
 
-_OVERRIDABLE: Final = frozenset({"ttft", "interval", "tokens", "mode", "at", "status"})
+_OVERRIDABLE: Final = frozenset({"ttft", "interval", "tokens", "mode", "at", "status", "usage"})
 
 
 @dataclass
 class FakeSettings:
-    """Server-wide defaults; a request may override ttft, interval, tokens, mode, at and
-    status with an extra ``"fake": {...}`` object in its JSON body (in a multipart body: a
+    """Server-wide defaults; a request may override ttft, interval, tokens, mode, at, status
+    and usage with an extra ``"fake": {...}`` object in its JSON body (in a multipart body: a
     ``fake`` field holding that object as JSON text).
 
     ``mode``/``at``/``status`` apply to the model endpoints (every ``POST`` one) only: a proxy's
@@ -65,6 +65,9 @@ class FakeSettings:
     close_after_response: bool = False
     keepalive_timeout: float | None = None
     late_close: float | None = None
+    # False: answers carry no usage blocks (a stream asked for include_usage gets none, a whole
+    # answer has no "usage"), as servers that count nothing; the proxy must count itself.
+    usage: bool = True
     # HTTPS: PEM files; with a client CA, a client must present a certificate it signed.
     tls_cert: str = ""
     tls_key: str = ""
@@ -100,6 +103,7 @@ class FakeSettings:
             check_int("sndbuf", self.sndbuf, 1)
         check_bool("close_after_response", self.close_after_response)
         check_bool("via_proxy", self.via_proxy)
+        check_bool("usage", self.usage)
         if self.keepalive_timeout is not None:
             check_seconds("keepalive_timeout", self.keepalive_timeout)
         if self.late_close is not None:
@@ -167,6 +171,7 @@ class Plan:
     mode: str
     at: int
     status: int
+    usage: bool = True
 
     @classmethod
     def build(cls, settings: FakeSettings, body: dict[str, Any]) -> Plan:
@@ -186,6 +191,7 @@ class Plan:
             mode=check_mode(fake.get("mode", settings.mode)),
             at=check_int("fake.at", fake.get("at", settings.at), 0),
             status=check_int("fake.status", fake.get("status", settings.status), 200, 599),
+            usage=check_bool("fake.usage", fake.get("usage", settings.usage)),
         )
 
 
