@@ -193,7 +193,9 @@ async def test_local_queue_and_step_metrics(
         samples = await scrape(client, proxy)
         assert value(samples, "sluice_queue_depth", model="tiny") == 0
         running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
-        await running.read_until(b'"content":"')
+        # Its first token, not only the role delta (whose content is ""): its TTFT is then
+        # measured however slowly this machine runs the rest.
+        await running.read_until(b'"content":"', count=2)
         queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=4))
         await backend.admission.wait_queued(1)
         refused = await client.post(proxy.url + CHAT, json=chat_body("tiny", max_tokens=2))
