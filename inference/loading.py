@@ -135,7 +135,11 @@ def quantize_int8(model: Any) -> Any:
         # (fbgemm) are the same.
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)  # type: ignore[no-untyped-call]
+        from torch.ao.quantization import per_channel_dynamic_qconfig
+
+        return torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
+            model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
+        )
 
 
 def load_model(
