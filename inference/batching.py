@@ -21,7 +21,12 @@ Per sequence:
   memory nor slows the others; it rejoins when its reader has caught up to half the window.
   The request pipeline's stall limit is what finally evicts one whose client stops reading;
 * **a joining prompt** is prefilled ``prefill_chunk`` tokens per step while others decode, so
-  a running stream's next token waits for one chunk, not for a whole long prompt.
+  a running stream's next token waits for one chunk, not for a whole long prompt;
+* **a shared prefix**: with a :class:`inference.prefix_cache.PrefixCache`, a joining prompt
+  starts from the KV of the longest prefix it shares with a prompt or a sequence the engine
+  finished before, and prefills only the rest. A prompt's KV is stored when its prefill is
+  complete, a sequence's (prompt and answer) when it finishes; a cancelled one stores nothing
+  more, so an entry is never half-written.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any, Protocol
 from . import cache_rows
 from .chunks import Usage
 from .detokenize import IncrementalDetokenizer
+from .prefix_cache import PrefixCache
 from .sampling import GenerationResult, SamplingParams, penalize, sample
 from .stops import StopMatcher
 
@@ -94,6 +100,8 @@ class Generation:
         self.step_seconds: list[float] = []
         self.slow_steps = 0
         self.prefilled = 0
+        # Prompt tokens whose KV came from the prefix cache (not prefilled).
+        self.reused = 0
         self.cache: Any = None  # its own, while prefilling or parked
         self.parked_rows: cache_rows.Rows | None = None
         self.started_prefill = 0.0
@@ -138,6 +146,7 @@ class BatchEngine:
         batching: bool = True,
         on_step: StepHook | None = None,
         on_prefill: Callable[[float], None] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.generator = generator
         self.model = generator.model
@@ -149,6 +158,8 @@ class BatchEngine:
         self.deliver = deliver
         self.on_step = on_step
         self.on_prefill = on_prefill
+        self.prefix_cache = prefix_cache
+        self._prefix_checked = False
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Generation] = []
@@ -361,9 +372,53 @@ class BatchEngine:
             pieces.append((sequence, piece))
         if finished:
             gone.extend(rows[index] for index in sorted(finished))
+            self._store_finished(finished)
             self._remove_rows(finished)
         if self.on_step is not None:
             self.on_step(len(rows), elapsed)
+
+    def _store_finished(self, finished: set[int]) -> None:
+        """Each finished row's KV (its prompt and its answer but the last token, which was
+        never fed back) into the prefix cache, copied out before the rows are removed."""
+        if self.prefix_cache is None:
+            return
+        for index in sorted(finished):
+            sequence = self._rows[index]
+            ids = [*sequence.prompt_ids, *sequence.generated[:-1]]
+            self.prefix_cache.store(
+                ids, cache_rows.take_row(self._cache, index, self._starts[index])
+            )
+
+    def _cache_checked(self, cache: Any) -> bool:
+        """Whether the prefix cache may keep this model's caches: with batching, checked at
+        start-up (:func:`inference.cache_rows.check`); alone, on the first prompt's cache."""
+        if self.batching and self.capacity > 1:
+            return True
+        if not self._prefix_checked:
+            self._prefix_checked = True
+            reason = cache_rows.check_cache(cache)
+            if reason is not None:
+                log.warning("the prefix cache is off: %s", reason)
+                self.prefix_cache = None
+                return False
+        return True
+
+    def _start_prefill(self, sequence: Generation) -> None:
+        """A waiting sequence's first chunk is next: its detokenizer and draw, and the KV of
+        the prefix it shares with an entry of the prefix cache (copied by the first chunk's
+        update, so the entry stays as it is)."""
+        import torch
+
+        sequence.started_prefill = time.perf_counter()
+        sequence._detokenizer = IncrementalDetokenizer(self.generator.decode)
+        if sequence.params.seed is not None:
+            sequence._rng = torch.Generator().manual_seed(sequence.params.seed)
+        if self.prefix_cache is None:
+            return
+        shared, rows = self.prefix_cache.lookup(sequence.prompt_ids)
+        if rows is not None:
+            sequence.cache = cache_rows.cache_from_rows(self.model.config, rows)
+            sequence.prefilled = sequence.reused = shared
 
     def _timed(self, sequence: Generation, elapsed: float) -> None:
         sequence.step_seconds.append(elapsed)
@@ -386,11 +441,8 @@ class BatchEngine:
 
         sequence = self._waiting[0]
         prompt = sequence.prompt_ids
-        if sequence.prefilled == 0:
-            sequence.started_prefill = time.perf_counter()
-            sequence._detokenizer = IncrementalDetokenizer(self.generator.decode)
-            if sequence.params.seed is not None:
-                sequence._rng = torch.Generator().manual_seed(sequence.params.seed)
+        if sequence._detokenizer is None:
+            self._start_prefill(sequence)
         # Alone, the whole prompt at once; beside running streams, a chunk per step.
         size = self.prefill_chunk if self._rows else len(prompt)
         chunk = prompt[sequence.prefilled : sequence.prefilled + size]
@@ -423,6 +475,11 @@ class BatchEngine:
             self.on_prefill(seconds)
         pieces.append((sequence, piece))
         cache, sequence.cache = sequence.cache, None
+        if self.prefix_cache is not None and self._cache_checked(cache):
+            self.prefix_cache.store(
+                prompt,
+                [(keys.clone(), values.clone()) for keys, values in cache_rows.rows_of(cache)],
+            )
         if piece.result is not None:
             piece.result.step_seconds = sequence.step_seconds
             gone.append(sequence)

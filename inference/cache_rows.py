@@ -11,7 +11,8 @@ and go edits its ``DynamicCache`` directly. What it relies on (transformers 5.24
   cache's alone, so a row may be overwritten in place).
 
 Everything else is public: a cache is built through ``DynamicCache.update``. :func:`check`
-runs when a local model is served: a model whose cache is not made of plain ``DynamicLayer`` s
+runs when a local model is served with batching (:func:`check_cache` on a prompt's first
+cache, for the prefix cache alone): a model whose cache is not made of plain ``DynamicLayer`` s
 (sliding windows, linear attention), or a transformers without these attributes, is served
 without batching (one sequence at a time, which needs none of this), and the reason is logged.
 """
@@ -58,7 +59,7 @@ def check(model: Any) -> str | None:
         )
     try:
         import torch
-        from transformers.cache_utils import DynamicCache, DynamicLayer
+        from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: F401 - both must exist
     except ImportError as error:
         return f"transformers has no DynamicCache/DynamicLayer ({error})"
     try:
@@ -71,7 +72,15 @@ def check(model: Any) -> str | None:
             )
     except Exception as error:  # noqa: BLE001 - start-up, in a thread: no Cancelled here
         return f"a forward pass with a DynamicCache failed ({type(error).__name__}: {error})"
-    cache = getattr(output, "cache", None)
+    return check_cache(getattr(output, "cache", None))
+
+
+def check_cache(cache: Any) -> str | None:
+    """None when this cache (a forward pass's) is made of rows this module can edit;
+    otherwise why not."""
+    import torch
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
     layers = getattr(cache, "layers", None)
     if not isinstance(cache, DynamicCache) or not layers:
         return "the model's forward pass returns no DynamicCache with layers"
@@ -81,8 +90,10 @@ def check(model: Any) -> str | None:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
             return "DynamicLayer has no keys/values tensors"
-        if keys.dim() != 4 or keys.shape[-2] != 1:
-            return f"DynamicLayer.keys has shape {tuple(keys.shape)}, not [batch, heads, 1, dim]"
+        if keys.dim() != 4 or keys.shape[0] != 1:
+            return (
+                f"DynamicLayer.keys has shape {tuple(keys.shape)}, not [1, heads, positions, dim]"
+            )
     return None
 
 

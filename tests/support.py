@@ -266,8 +266,9 @@ async def wait_until_steady(sample: Callable[[], int], *, interval: float = 0.1)
 
 
 class SlowModel:
-    """A loaded model's network, slowed: each generation's first call (the prefill; the
-    generator passes no cache yet) sleeps ``prefill_seconds``, every later call (a decode step)
+    """A loaded model's network, slowed: each generation's prefill (a call without position
+    ids: the engine passes them only to a decode step; a prefill may start from a prefix
+    cache's KV, so the cache does not tell) sleeps ``prefill_seconds``, every decode step
     ``step_seconds``. Counts both. The delays may be changed between requests."""
 
     def __init__(
@@ -283,7 +284,7 @@ class SlowModel:
     def __call__(self, **kwargs: Any) -> Any:
         # Counted before the sleep: a test that sees the count go up knows the step is running.
         self.steps += 1
-        if kwargs.get("cache") is None:
+        if kwargs.get("position_ids") is None:
             self.prefills += 1
             time.sleep(self.prefill_seconds)
         else:

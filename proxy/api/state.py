@@ -145,7 +145,9 @@ class SluiceState:
 
             try:
                 loaded = await trio.to_thread.run_sync(
-                    partial(load_model, model.path, model.name, progress=stage)
+                    partial(
+                        load_model, model.path, model.name, progress=stage, weights=model.weights
+                    )
                 )
             except ModelLoadError as error:
                 report(model.name, "failed")

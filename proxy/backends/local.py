@@ -35,6 +35,7 @@ from inference import (
     sampling_from_body,
 )
 from inference.batching import DEFAULT_WINDOW, BatchEngine, Generation, Piece
+from inference.prefix_cache import EVICTION, HIT, PrefixCache
 from proxy.config import LocalModel
 from proxy.ops import tracing
 from proxy.ops.metrics import Metrics
@@ -81,6 +82,13 @@ class LocalBackend:
                 unbatchable,
                 model.slots,
             )
+        # Reuse needs the same cache editing as batching (rows taken out of a batch); alone
+        # (one slot, nothing checked yet), the engine checks the first prompt's cache.
+        self.prefix_cache = (
+            PrefixCache(model.prefix_cache_bytes, on_event=self._on_prefix_event)
+            if model.prefix_cache_bytes > 0 and unbatchable is None
+            else None
+        )
         self.engine = BatchEngine(
             self.generator,
             max_batch=model.slots,
@@ -89,6 +97,7 @@ class LocalBackend:
             deliver=self._deliver,
             on_step=self._on_step,
             on_prefill=self._on_prefill,
+            prefix_cache=self.prefix_cache,
         )
         # Each sequence's way back: its pieces' channel, and the event set when it is out.
         self._listeners: dict[Generation, tuple[trio.MemorySendChannel[Piece], trio.Event]] = {}
@@ -98,6 +107,9 @@ class LocalBackend:
             name = model.name
             metrics.queue_depth.labels(name).set_function(lambda: self.admission.waiting)
             metrics.local_batch_size.labels(name).set_function(lambda: self.engine.batch_size)
+            metrics.local_prefix_bytes.labels(name).set_function(
+                lambda: 0 if self.prefix_cache is None else self.prefix_cache.bytes
+            )
         # Recent decode step latencies (bounded), and prefill times: the step-time watch.
         self.decode_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
         self.prefill_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
@@ -172,6 +184,17 @@ class LocalBackend:
         if self.metrics is not None:
             self.metrics.local_prefill.labels(self.model.name).observe(seconds)
             self.metrics.local_tokens.labels(self.model.name).inc()
+
+    def _on_prefix_event(self, kind: str) -> None:
+        """Runs in the engine thread: a prefix cache lookup's outcome, or an eviction."""
+        if self.metrics is not None:
+            name = self.model.name
+            if kind == HIT:
+                self.metrics.local_prefix_hits.labels(name).inc()
+            elif kind == EVICTION:
+                self.metrics.local_prefix_evictions.labels(name).inc()
+            else:
+                self.metrics.local_prefix_misses.labels(name).inc()
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         if request.endpoint not in _GENERATED:
@@ -417,6 +440,8 @@ class LocalBackend:
             "decode_step_ms_p50": quantile_ms(0.5),
             "decode_step_ms_p99": quantile_ms(0.99),
             "slow_steps": self.slow_steps,
+            # Read from the engine thread's plain counters: a moment's figures.
+            "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.describe(),
         }
 
 

@@ -313,6 +313,31 @@ class Metrics:
         ["model"],
         _PREFILL_BUCKETS,
     )
+    local_prefix_hits = MetricSpec(
+        Counter,
+        "sluice_local_prefix_cache_hits",
+        "Local models: prompts that began with the KV of a cached prefix (a chat's earlier "
+        "turns, a shared system prompt) and prefilled only the rest.",
+        ["model"],
+    )
+    local_prefix_misses = MetricSpec(
+        Counter,
+        "sluice_local_prefix_cache_misses",
+        "Local models: prompts that shared no prefix with the prefix cache (prefilled whole).",
+        ["model"],
+    )
+    local_prefix_evictions = MetricSpec(
+        Counter,
+        "sluice_local_prefix_cache_evictions",
+        "Local models: prefix cache entries evicted (least recently used) for room.",
+        ["model"],
+    )
+    local_prefix_bytes = MetricSpec(
+        Gauge,
+        "sluice_local_prefix_cache_bytes",
+        "Local models: bytes of KV held by the prefix cache now (at most prefix_cache_bytes).",
+        ["model"],
+    )
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

@@ -212,3 +212,38 @@ async def test_a_character_cut_by_max_tokens_never_reaches_the_client_as_u_fffd(
         response = await client.post(proxy.url + CHAT, json={**body, "stream": False})
         choice = response.json()["choices"][0]
         assert (choice["message"]["content"], choice["finish_reason"]) == (text, "length")
+
+
+# --- the prefix cache ------------------------------------------------------------------------
+
+
+async def test_a_repeated_prompt_reuses_its_prefix_and_healthz_and_metrics_say_so(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_local_proxy(nursery, tiny_loaded_model, slots=2)
+        body = question("Tell me about rivers.", stream=False, max_tokens=8)
+        answers = [
+            (await client.post(proxy.url + CHAT, json=body)).json()["choices"][0]["message"]
+            for _ in range(2)
+        ]
+        assert answers[0] == answers[1]
+        health = (await client.get(proxy.url + "/healthz")).json()["local_models"]["tiny"]
+        cache = health["prefix_cache"]
+        assert (cache["hits"], cache["misses"], cache["entries"]) == (1, 1, 1)
+        assert 0 < cache["bytes"] <= cache["limit_bytes"] == 256 * 1024 * 1024
+        metrics = (await client.get(proxy.url + "/metrics")).text
+        assert 'sluice_local_prefix_cache_hits_total{model="tiny"} 1.0' in metrics
+        assert 'sluice_local_prefix_cache_misses_total{model="tiny"} 1.0' in metrics
+        assert f'sluice_local_prefix_cache_bytes{{model="tiny"}} {float(cache["bytes"])}' in metrics
+
+
+async def test_a_prefix_cache_of_zero_bytes_is_off(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await start_local_proxy(nursery, tiny_loaded_model, prefix_cache_bytes=0)
+        response = await client.post(proxy.url + CHAT, json=question("Hi", stream=False))
+        assert response.status_code == 200
+        health = (await client.get(proxy.url + "/healthz")).json()["local_models"]["tiny"]
+        assert health["prefix_cache"] is None

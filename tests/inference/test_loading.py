@@ -33,3 +33,26 @@ def test_broken_gguf_fails_with_a_message(tmp_path: Path) -> None:
     broken.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(ModelLoadError, match=r"could not load gguf .*broken\.gguf"):
         load_model(str(broken), "broken")
+
+
+def test_int8_weights_quantize_every_linear_layer_and_still_generate(
+    tiny_loaded_model: Any,
+) -> None:
+    import copy
+    import dataclasses
+
+    import torch
+
+    from inference.loading import quantize_int8
+
+    model = quantize_int8(copy.deepcopy(tiny_loaded_model.model))
+    assert not any(type(module) is torch.nn.Linear for module in model.modules())
+    generator = Generator(dataclasses.replace(tiny_loaded_model, model=model))
+    pieces: list[str] = []
+    result = generator.generate(
+        generator.text_prompt("Hello"),
+        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        emit=pieces.append,
+        checkpoint=lambda: None,
+    )
+    assert result.usage.completion_tokens == 4
