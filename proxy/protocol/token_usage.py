@@ -9,7 +9,8 @@ The truth, in order of preference:
    ``message_start`` and ``message_delta``);
 2. without one (the client left, the upstream broke, a deadline passed), what was received as
    it streamed: **one token per content delta event** (an event carrying answer text: chat's
-   ``"content":"`` or ``"reasoning_content":"``, completions' ``"text":"``, a Responses
+   ``"content":"`` or ``"reasoning_content":"`` with text after it, so not the opening role
+   delta's ``"content":""``, completions' ``"text":"`` likewise, a Responses
    ``*.delta`` event, a Messages ``content_block_delta``), those received for a client that
    had already left included;
 3. input tokens without a count from the model are an **estimate**: the prompt's characters
@@ -56,6 +57,12 @@ _SPACED_DELTA: dict[Endpoint, bytes] = {
     Endpoint.CHAT: b'ontent": "',
     Endpoint.COMPLETIONS: b'"text": "',
 }
+# A delta marker with nothing after it (chat's opening role delta, ``"content":""``): no token.
+_EMPTY_DELTA: dict[Endpoint, tuple[bytes, bytes]] = {
+    Endpoint.CHAT: (b'ontent":""', b'ontent": ""'),
+    Endpoint.COMPLETIONS: (b'"text":""', b'"text": ""'),
+}
+_NO_EMPTY_DELTA: tuple[bytes, bytes] = (b"\0", b"\0")
 # An event that may carry a usage block (prompt_tokens, output_tokens, ...).
 _USAGE = b'_tokens"'
 
@@ -129,8 +136,11 @@ class UsageMeter:
         kept: list[bytes] = []
         delta = _DELTA.get(self.endpoint, b"\0")
         spaced = _SPACED_DELTA.get(self.endpoint, b"\0")
+        empty, spaced_empty = _EMPTY_DELTA.get(self.endpoint, _NO_EMPTY_DELTA)
         for event in events:
-            if delta in event or spaced in event:
+            # A marker with text after it: "content":"" beside "reasoning_content":"..." is one.
+            markers = event.count(delta) + event.count(spaced)
+            if markers > event.count(empty) + event.count(spaced_empty):
                 self.deltas += 1
             elif _USAGE in event:
                 usage_chunk = False
@@ -200,7 +210,7 @@ class MeteredSplitter(SSESplitter):
     too, for an aliased model). Per read: one ``bytes.count`` of the endpoint's delta marker;
     a read whose every event is a content delta is counted and passed on as it is."""
 
-    __slots__ = ("_delta", "_meter", "_rename")
+    __slots__ = ("_delta", "_empty", "_meter", "_rename")
 
     def __init__(
         self,
@@ -213,6 +223,7 @@ class MeteredSplitter(SSESplitter):
         meter.answered = True
         self._meter = meter
         self._delta = _DELTA.get(meter.endpoint, b"\0")
+        self._empty = _EMPTY_DELTA.get(meter.endpoint, _NO_EMPTY_DELTA)[0]
         self._rename = rename
 
     def feed(self, chunk: bytes) -> list[bytes]:
@@ -220,7 +231,7 @@ class MeteredSplitter(SSESplitter):
         if events:
             whole = events[0] if len(events) == 1 else b"".join(events)
             counted = whole.count(self._delta)
-            if counted == len(events):
+            if counted == len(events) and self._empty not in whole:
                 self._meter.deltas += counted
             else:
                 events = self._meter.events(events)

@@ -67,6 +67,28 @@ def test_a_read_of_deltas_only_is_passed_on_as_it_is_and_renamed_when_aliased() 
     assert all(b'"model":"public"' in event for event in events)
 
 
+@pytest.mark.parametrize("spaced", [False, True])
+def test_an_empty_content_is_no_token_unless_beside_text(spaced: bool) -> None:
+    """vLLM's and the local model's opening delta is ``{"role": "assistant", "content": ""}``;
+    a reasoning model's deltas carry ``"content": ""`` beside ``"reasoning_content"``."""
+    separators = (", ", ": ") if spaced else (",", ":")
+
+    def event(delta: dict[str, str]) -> bytes:
+        payload = {"choices": [{"index": 0, "delta": delta}]}
+        return b"data: " + json.dumps(payload, separators=separators).encode() + b"\n\n"
+
+    opening = event({"role": "assistant", "content": ""})
+    thinking = event({"content": "", "reasoning_content": "hm"})
+    counting = meter()
+    splitter = MeteredSplitter(1 << 20, counting)
+    splitter.feed(opening)  # alone in its read: the fast path
+    assert counting.deltas == 0
+    splitter.feed(opening + thinking + event({"content": "a"}))
+    assert counting.deltas == 2
+    splitter.feed(thinking)
+    assert counting.deltas == 3
+
+
 def test_spaced_json_is_counted_too() -> None:
     counting = meter()
     splitter = MeteredSplitter(1 << 20, counting)
