@@ -211,6 +211,9 @@ class Metered:
         """The relay closed: the tokens in the access line and sluice_key_tokens_total. Of
         an upstream's stream, those for nobody are the events still queued for a client that
         left (the upstream itself is stopped at once)."""
+        facts = self.meter.facts
+        if access.trace is not None and not self.meter.local and facts.output_tokens is not None:
+            access.trace.reported_usage(facts.input_tokens, facts.output_tokens)
         usage = self.usage
         if usage is None:
             return

@@ -275,6 +275,7 @@ class RequestTrace:
         "_local",
         "_local_usage",
         "_operation",
+        "_reported_usage",
         "_stopped",
         "_tracing",
         "ended",
@@ -297,6 +298,8 @@ class RequestTrace:
         # The local model's own counts (prompt, generated), and where its generation stopped
         # for a request that left: (when, the decode step, tokens generated after the leave).
         self._local_usage: tuple[int, int] | None = None
+        # An upstream's usage block that its client was not sent (asked for by a token budget).
+        self._reported_usage: tuple[int | None, int | None] | None = None
         self._stopped: tuple[float, int, int] | None = None
         self.ended = False
         context = server.get_span_context()
@@ -416,6 +419,11 @@ class RequestTrace:
         previous = 0 if self._local_usage is None else self._local_usage[1]
         self._local_usage = (input_tokens, previous + output_tokens)
 
+    def reported_usage(self, input_tokens: int | None, output_tokens: int | None) -> None:
+        """The upstream's own usage block, read by the token budget's meter: the proxy asked
+        for it, so the client was not sent it and the answer's bytes do not hold it."""
+        self._reported_usage = (input_tokens, output_tokens)
+
     # -- the end ------------------------------------------------------------------------------
 
     def _answer(
@@ -437,6 +445,8 @@ class RequestTrace:
             facts = response_facts.ResponseFacts()
         if self._local_usage is not None:
             facts.input_tokens, facts.output_tokens = self._local_usage
+        elif self._reported_usage is not None and facts.output_tokens is None:
+            facts.input_tokens, facts.output_tokens = self._reported_usage
         output = None
         if self._capture and answers is not None:
             output = response_facts.output_messages(answers)

@@ -639,6 +639,31 @@ def _said(response: httpx.Response) -> dict[str, Any]:
     return said
 
 
+async def test_a_budgeted_streams_usage_is_in_its_trace_though_its_client_was_not_sent_it(
+    nursery: trio.Nursery, receiver: Receiver
+) -> None:
+    """A key with a token budget asks the upstream for its usage chunk and keeps it from a
+    client that did not ask: the trace reads it from the meter, not from the bytes sent."""
+    from tests.api.test_auth import bearer, key_table
+
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=5)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            keys=[key_table(tokens_per_minute=10_000)],
+            env=tracing_env(receiver),
+        )
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(proxy.url + CHAT, json=chat_body(), headers=bearer())
+        assert response.status_code == 200
+        assert '"usage"' not in response.text
+        await flush(proxy)
+    _, operation, _ = tree(receiver.of_trace(trace_of(response)))
+    assert operation.attributes["gen_ai.usage.output_tokens"] == 5
+    assert operation.attributes["gen_ai.usage.input_tokens"] > 0
+
+
 @pytest.mark.parametrize("case", list(ENDPOINT_CASES))
 async def test_the_operation_span_names_the_answer(
     nursery: trio.Nursery, receiver: Receiver, case: str
