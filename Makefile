@@ -122,6 +122,9 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --streams 100 --versus-transport httpx --repeat 3 \
 		--markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 100 --versus-tracing --repeat 3 --markdown docs/benchmarks.md
+	# What token budgets cost: every request metered (reserved, counted, settled) vs the same
+	# key without a budget, alternating.
+	$(BIN)/python -m proxy.bench --streams 100 --versus-budget --repeat 5 --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --versus-transport httpx --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --upstream-habit close-after-response \
 		--versus-transport httpx --markdown docs/benchmarks.md

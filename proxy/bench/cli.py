@@ -152,6 +152,13 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
         "second one untraced take the load alternately; ratios are traced over untraced",
     )
     add(
+        "--versus-budget",
+        action="store_true",
+        help="the proxy's key with a token budget too large to refuse anything (every request "
+        "metered) and a second proxy, the same key without one, take the load alternately; "
+        "ratios are budgeted over unbudgeted",
+    )
+    add(
         "--upstream-habit",
         choices=HABITS,
         default=d.upstream_habit,
@@ -211,6 +218,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         transport=args.transport,
         versus_transport=args.versus_transport,
         versus_tracing=args.versus_tracing,
+        versus_budget=args.versus_budget,
         upstream_habit=args.upstream_habit,
         upstream_habit_seconds=args.upstream_habit_seconds,
         progress=not args.quiet,

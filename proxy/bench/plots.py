@@ -173,6 +173,8 @@ def plot_labels(
     a, b = settings.transport, settings.versus_transport
     if settings.versus_tracing:
         a, b = "traced", "untraced"
+    if settings.versus_budget:
+        a, b = "budgeted", "unbudgeted"
     sluice = "Sluice" if a == "auto" and b is None else f"Sluice ({a})"
     labels = {
         "proxy": sluice,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from proxy.bench.settings import BenchSettings
+from proxy.bench.settings import BENCH_BUDGET, BenchSettings
 from proxy.bench.summary import RunData, RunSummary
 from proxy.bench.tracing_ab import TracingTally
 from proxy.bench.tracing_ab import markdown_lines as tracing_lines
@@ -165,6 +165,8 @@ def column_labels(
     a, b = settings.transport, settings.versus_transport
     if settings.versus_tracing:
         a, b = "traced", "untraced"
+    if settings.versus_budget:
+        a, b = "budgeted", "unbudgeted"
     if b is None:
         return labels | ({"proxy": f"proxy ({a})"} if a != "auto" else {})
     labels |= {"proxy": f"proxy ({a})", "versus": f"proxy ({b})", "proxy/versus": f"{a}/{b}"}
@@ -194,6 +196,8 @@ def _title(report: BenchReport, relay: str = "proxy") -> str:
         title += f", {settings.transport} transport"
     if settings.versus_tracing:
         title += ", traced vs untraced"
+    if settings.versus_budget:
+        title += ", token budget vs none"
     if settings.upstream_habit != "none":
         title += ", upstream " + settings.habit_text()
     others = [mode for mode in report.summaries if mode not in ("proxy", "versus")]
@@ -234,6 +238,15 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
             "second Sluice process, identical but for no tracing endpoint, relaying to the same "
             "fake upstream and alternating with it run by run; traced/untraced is "
             f"{labels['proxy']} over {labels['versus']}"
+        )
+    elif "versus" in report.summaries and settings.versus_budget:
+        lines.append(
+            f"- {labels['proxy']}: Sluice whose key (which every request carries) has "
+            f"`tokens_per_minute = {BENCH_BUDGET}`, too large to refuse anything: each request is "
+            "metered (its reservation admitted in the window, its stream counted, settled when "
+            f"it ends); {labels['versus']}: a second Sluice process, the same key without a "
+            "budget, relaying to the same fake upstream and alternating with it run by run; "
+            f"budgeted/unbudgeted is {labels['proxy']} over {labels['versus']}"
         )
     elif "versus" in report.summaries:
         a, b = settings.transport, settings.versus_transport

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -54,6 +55,7 @@ from proxy.bench.procfs import (
 )
 from proxy.bench.report import BenchReport, PeerFacts, column_labels, write_text
 from proxy.bench.settings import (
+    BENCH_BUDGET,
     BenchError,
     BenchSettings,
     CpuLayout,
@@ -82,11 +84,27 @@ BENCH_API_KEY: Final = "sk-bench"
 
 
 def _proxy_config(
-    port: int, upstream: str, settings: BenchSettings, transport: str | None = None
+    port: int,
+    upstream: str,
+    settings: BenchSettings,
+    transport: str | None = None,
+    *,
+    budgeted: bool = False,
 ) -> str:
     """The config of a proxy the bench starts; ``transport``: its ``[upstream] transport``
-    (None: ``settings.transport``; the versus proxy's is ``settings.versus_transport``)."""
-    return (
+    (None: ``settings.transport``; the versus proxy's is ``settings.versus_transport``). With
+    ``--versus-budget`` both have the key every request carries, the ``budgeted`` one with a
+    token budget too large to refuse anything: what metering costs, and nothing else."""
+    keys = ""
+    if settings.versus_budget:
+        keys = (
+            "[[keys]]\n"
+            'name = "bench"\n'
+            f"sha256 = {json.dumps(hashlib.sha256(BENCH_API_KEY.encode()).hexdigest())}\n"
+            + (f"tokens_per_minute = {BENCH_BUDGET}\n" if budgeted else "")
+            + "\n"
+        )
+    return keys + (
         "# Written by proxy.bench for one run.\n"
         "[server]\n"
         'host = "127.0.0.1"\n'
@@ -206,7 +224,7 @@ async def _run_once(
         else {"direct": endpoints.upstream, "versus": endpoints.versus}.get(mode, endpoints.proxy)
     )
     assert address is not None
-    headers = peer.headers if peer is not None else ()
+    headers = peer.headers if peer is not None else _sluice_headers(settings)
     results, requests = _streams(mode, label, settings, address, headers)
     # The relay measured: the proxy, or a peer or the versus proxy in its place (their
     # figures fill the same rows).
@@ -370,7 +388,7 @@ def _schedule(settings: BenchSettings) -> list[Mode]:
     proxy: list[Mode] = ["baseline", "proxy"] if settings.baseline else ["proxy"]
     one: list[Mode] = ["direct"] if settings.direct else []
     one += proxy
-    if settings.versus_transport is not None or settings.versus_tracing:
+    if settings.versus_transport is not None or settings.versus_tracing or settings.versus_budget:
         one.append("versus")
     one += [mode for mode, _ in settings.peer_modes()]
     order: list[Mode] = []
@@ -467,15 +485,21 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     )
 
 
+def _sluice_headers(settings: BenchSettings) -> tuple[tuple[str, str], ...]:
+    """What a request to a Sluice the bench started carries: with --versus-budget, the key."""
+    return (("Authorization", f"Bearer {BENCH_API_KEY}"),) if settings.versus_budget else ()
+
+
 async def _warm_up_each(endpoints: _Endpoints, settings: BenchSettings, nonce: str) -> None:
     """One unmeasured stream through each system the schedule runs the load at."""
     assert endpoints.proxy is not None
-    await _warm_up(endpoints.proxy, settings, f"bench-{nonce}-warmup-proxy")
+    sluice = _sluice_headers(settings)
+    await _warm_up(endpoints.proxy, settings, f"bench-{nonce}-warmup-proxy", sluice)
     if endpoints.tally is not None:
         assert endpoints.receiver is not None
         await endpoints.tally.settle(endpoints.receiver, 1)  # its export is no run's cost
     if endpoints.versus is not None:
-        await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus")
+        await _warm_up(endpoints.versus, settings, f"bench-{nonce}-warmup-versus", sluice)
     for mode, peer in endpoints.peers.items():
         await _warm_up(peer.address, settings, f"bench-{nonce}-warmup-{mode}", peer.headers)
     if settings.direct:
@@ -545,6 +569,14 @@ class _Systems:
                 "versus", settings.transport, upstream_url, untraced_env()
             )
             pids["versus_proxy"] = endpoints.versus_pid
+        elif settings.versus_budget:
+            # The same proxy, its key without a token budget, alternating with the budgeted
+            # one (settings refuse --versus-budget with --target).
+            assert upstream_url is not None
+            endpoints.versus, endpoints.versus_pid = await self._start_proxy(
+                "versus", settings.transport, upstream_url, budgeted=False
+            )
+            pids["versus_proxy"] = endpoints.versus_pid
         pids_given = iter(settings.peer_pids)
         for mode, value in settings.peer_modes():
             if "://" in value:
@@ -587,18 +619,32 @@ class _Systems:
         return upstream, process.pid
 
     async def _start_proxy(
-        self, mode: Mode, transport: str, upstream_url: str, env: dict[str, str] | None = None
+        self,
+        mode: Mode,
+        transport: str,
+        upstream_url: str,
+        env: dict[str, str] | None = None,
+        *,
+        budgeted: bool = True,
     ) -> tuple[tuple[str, int], int]:
         """A Sluice proxy with ``transport`` in front of ``upstream_url`` (``env`` added to
         its environment): its address and PID. ``mode`` names its files and, for "versus",
         its transport (or its being untraced) the errors."""
         settings = self._settings
-        other = "untraced" if settings.versus_tracing else transport
+        other = (
+            "untraced"
+            if settings.versus_tracing
+            else "unbudgeted"
+            if settings.versus_budget
+            else transport
+        )
         name = "proxy" if mode == "proxy" else f"proxy ({other})"
         stem = "proxy" if mode == "proxy" else f"proxy-{mode}"
         address = ("127.0.0.1", free_port("127.0.0.1"))
         config = self._workdir / f"{stem}.toml"
-        write_text(config, _proxy_config(address[1], upstream_url, settings, transport))
+        write_text(
+            config, _proxy_config(address[1], upstream_url, settings, transport, budgeted=budgeted)
+        )
         log = self._workdir / f"{stem}.log"
         argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
         if settings.workers > 1:

@@ -30,6 +30,8 @@ TRANSPORTS: Final = ("auto", "lean", "httpx")
 HABITS: Final = ("none", "close-after-response", "keepalive-timeout", "late-close")
 TIMED_HABITS: Final = ("keepalive-timeout", "late-close")
 DEFAULT_HABIT_SECONDS: Final = 0.05
+# --versus-budget: tokens per minute that no load of the bench comes near (nothing refused).
+BENCH_BUDGET: Final = 10**12
 
 
 class BenchError(Exception):
@@ -100,6 +102,10 @@ class BenchSettings:
     # The proxy traced (every request, exported to a receiver in the bench) and a second one,
     # "versus", the same untraced, alternating: what tracing costs.
     versus_tracing: bool = False
+    # The proxy with a token budget on the key every request carries (each request metered:
+    # reserved, counted, settled) and a second one, "versus", whose key has none, alternating:
+    # what token budgets cost.
+    versus_budget: bool = False
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -205,9 +211,20 @@ class BenchSettings:
                 raise BenchError(
                     f"--versus-transport {versus} is --transport already: name the other one"
                 )
-        if self.versus_tracing and versus is not None:
+        seconds = [
+            flag
+            for flag, on in (
+                ("--versus-transport", versus is not None),
+                ("--versus-tracing", self.versus_tracing),
+                ("--versus-budget", self.versus_budget),
+            )
+            if on
+        ]
+        if len(seconds) > 1:
+            raise BenchError(f"{' and '.join(seconds)} each make the second proxy: one at a time")
+        if self.versus_budget and self.target is not None:
             raise BenchError(
-                "--versus-tracing and --versus-transport both make the second proxy: one at a time"
+                "--versus-budget configures the proxies the bench starts, not --target"
             )
         if self.versus_tracing and self.target is not None:
             raise BenchError(
@@ -288,6 +305,12 @@ class BenchSettings:
             )
         elif self.transport != "auto":
             parts.append(f"Sluice's upstream transport {self.transport}")
+        if self.versus_budget:
+            parts.append(
+                "Sluice with a token budget on the key every request carries (each request "
+                "reserved, counted and settled) vs the same key without one (two proxies, "
+                "alternating)"
+            )
         if self.versus_tracing:
             parts.append(
                 "Sluice traced (OTLP/HTTP to a receiver in the bench, every request sampled) "
@@ -349,6 +372,8 @@ class BenchSettings:
             extra.append(f"versus={self.versus_transport}")
         if self.versus_tracing:
             extra.append("tracing=1")
+        if self.versus_budget:
+            extra.append("budget=1")
         if self.upstream_habit in TIMED_HABITS:
             extra.append(f"habit={self.upstream_habit}@{self.upstream_habit_seconds:g}")
         elif self.upstream_habit != "none":
@@ -392,6 +417,7 @@ _NAME_WORDS: Final[tuple[tuple[str, Callable[[str, str], str]], ...]] = (
     ("transport", lambda v, d: f"{v}-transport"),
     ("versus", lambda v, d: f"vs-{v}"),
     ("tracing", lambda v, d: "traced-vs-untraced"),
+    ("budget", lambda v, d: "budgeted-vs-unbudgeted"),
     ("direct", lambda v, d: "vs-direct"),
     ("peer", lambda v, d: "vs-peer"),
     ("peers", lambda v, d: "vs-" + v.replace(",", "-")),

@@ -1592,3 +1592,35 @@ def test_balance_bench_command_line() -> None:
     assert bench.load_name(settings.key())  # the doc's tests name every section's load
     with pytest.raises(bench.BenchError):
         balance.BalanceSettings(sessions=0)
+
+
+def test_versus_budget_settings_and_configs() -> None:
+    settings = BenchSettings(versus_budget=True)
+    assert settings.key() == BenchSettings().key() + " budget=1"
+    assert settings.slug() == "100-streams-budgeted-vs-unbudgeted"
+    assert "token budget on the key" in settings.describe()
+    with pytest.raises(BenchError, match="one at a time"):
+        BenchSettings(versus_budget=True, versus_tracing=True)
+    with pytest.raises(BenchError, match="not --target"):
+        BenchSettings(versus_budget=True, target="http://127.0.0.1:8000")
+    budgeted = bench_run._proxy_config(1, "http://127.0.0.1:2", settings, budgeted=True)
+    unbudgeted = bench_run._proxy_config(1, "http://127.0.0.1:2", settings, budgeted=False)
+    # The same key on both; only the budget differs.
+    assert budgeted.replace(f"tokens_per_minute = {10**12}\n", "") == unbudgeted
+    assert "[[keys]]" in unbudgeted and "tokens_per_minute" not in unbudgeted
+    assert "[[keys]]" not in bench_run._proxy_config(1, "http://127.0.0.1:2", BenchSettings())
+    assert bench.column_labels(settings)["proxy/versus"] == "budgeted/unbudgeted"
+
+
+async def test_tiny_bench_budgeted_versus_unbudgeted() -> None:
+    """Every request carries the key both proxies know: none is refused (a 401 would be an
+    error), and the budgeted one meters them."""
+    settings = tiny_load(streams=5, tokens=5, drop=0.4, drop_at=2, versus_budget=True, grace=2.0)
+    with trio.fail_after(60):
+        report = await bench.run_bench(settings, command="test")
+    assert list(report.summaries) == ["proxy", "versus"]
+    for mode in ("proxy", "versus"):
+        s = report.summaries[mode]
+        assert s.errors == 0, (mode, s.error_kinds)
+        assert (s.streams, s.completed, s.dropped) == (5, 3, 2)
+    assert bench.all_ratios(report.summaries)["proxy/versus"]["proxy_cpu_us_per_event"]
