@@ -133,11 +133,13 @@ def build_request(
 
 def chat_body(model: str, tag: str, ttft: float, interval: float, tokens: int) -> bytes:
     """A streaming chat request; ``fake`` pins the fake's schedule whatever it was started
-    with, and ``user`` is the tag that matches the request with the fake's record."""
+    with, and ``user`` is the tag that matches the request with the fake's record. The tag is
+    in the message too, for a relay that rewrites the body to its own fields (sglang-router
+    drops ``user`` and ``fake``: the fake then keeps the schedule it was started with)."""
     body = {
         "model": model,
         "stream": True,
-        "messages": [{"role": "user", "content": "Tell me about foxes."}],
+        "messages": [{"role": "user", "content": f"Tell me about foxes. ({tag})"}],
         "user": tag,
         "fake": {"ttft": ttft, "interval": interval, "tokens": tokens},
     }

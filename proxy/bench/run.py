@@ -9,6 +9,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
     from proxy.testing.otlp_receiver import Receiver
 
 RECORDS_POLL: Final = 0.2
+_MESSAGE_TAG: Final = re.compile(r"\(([^()]+)\)$")
 # The key a peer the bench starts is given and every request to it carries (the fake upstream
 # checks none; a gateway that requires one gets it).
 BENCH_API_KEY: Final = "sk-bench"
@@ -137,11 +139,25 @@ async def _fetch_records(address: tuple[str, int], since: int) -> list[dict[str,
 def _by_tag(records: list[dict[str, Any]], tags: set[str]) -> dict[str, dict[str, Any]]:
     out = {}
     for record in records:
-        body = record.get("body")
-        tag = body.get("user") if isinstance(body, dict) else None
-        if isinstance(tag, str) and tag in tags:
+        tag = _tag_of(record.get("body"))
+        if tag is not None and tag in tags:
             out[tag] = record
     return out
+
+
+def _tag_of(body: object) -> str | None:
+    """The bench's tag in a request the fake received: its ``user``, else the end of its
+    last message (client.chat_body writes both)."""
+    if not isinstance(body, dict):
+        return None
+    tag = body.get("user")
+    if isinstance(tag, str):
+        return tag
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        found = _MESSAGE_TAG.search(str(messages[-1].get("content", "")))
+        return found.group(1) if found else None
+    return None
 
 
 async def _collect_records(

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import json
 import math
 import os
 import re
@@ -43,6 +44,7 @@ from proxy.bench import (
 )
 from proxy.bench import children as bench_children
 from proxy.bench import cli as bench_cli
+from proxy.bench import client as bench_client
 from proxy.bench import plots as bench_plots
 from proxy.bench import report as bench_report
 from proxy.bench import run as bench_run
@@ -1624,3 +1626,13 @@ async def test_tiny_bench_budgeted_versus_unbudgeted() -> None:
         assert s.errors == 0, (mode, s.error_kinds)
         assert (s.streams, s.completed, s.dropped) == (5, 3, 2)
     assert bench.all_ratios(report.summaries)["proxy/versus"]["proxy_cpu_us_per_event"]
+
+
+def test_a_request_is_matched_by_its_tag_though_a_relay_dropped_user() -> None:
+    """sglang-router rewrites the body to its own fields: the tag in the message remains."""
+    body = json.loads(bench_client.chat_body("m", "bench-1-proxy0-7", 0.05, 0.02, 5))
+    assert body["user"] == "bench-1-proxy0-7"
+    rewritten = {"model": "m", "messages": body["messages"], "stream": True}
+    records = [{"id": 0, "body": body}, {"id": 1, "body": rewritten}, {"id": 2, "body": {}}]
+    assert bench_run._by_tag(records[1:], {"bench-1-proxy0-7"}) == {"bench-1-proxy0-7": records[1]}
+    assert bench_run._by_tag(records[:1], {"bench-1-proxy0-7"})["bench-1-proxy0-7"] == records[0]
