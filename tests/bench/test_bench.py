@@ -1636,3 +1636,22 @@ def test_a_request_is_matched_by_its_tag_though_a_relay_dropped_user() -> None:
     records = [{"id": 0, "body": body}, {"id": 1, "body": rewritten}, {"id": 2, "body": {}}]
     assert bench_run._by_tag(records[1:], {"bench-1-proxy0-7"}) == {"bench-1-proxy0-7": records[1]}
     assert bench_run._by_tag(records[:1], {"bench-1-proxy0-7"})["bench-1-proxy0-7"] == records[0]
+
+
+async def test_the_commit_a_report_names_is_modified_by_code_not_by_the_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Benches run one after another rewrite docs/: that is no change to the code measured."""
+    git = ["git", "-c", "user.email=bench@example.com", "-c", "user.name=bench"]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "report.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    for argv in (["init", "-q"], ["add", "."], ["commit", "-qm", "start"]):
+        subprocess.run([*git, *argv], cwd=tmp_path, check=True)
+    monkeypatch.chdir(tmp_path)
+    head = await bench_children.git_commit()
+    assert head is not None and "modified" not in head
+    (tmp_path / "docs" / "report.json").write_text('{"new": 1}')
+    assert await bench_children.git_commit() == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert await bench_children.git_commit() == f"{head} (working tree modified)"
