@@ -1647,7 +1647,7 @@ async def test_the_commit_a_report_names_is_modified_by_code_not_by_the_reports(
     (tmp_path / "docs" / "report.json").write_text("{}")
     (tmp_path / "code.py").write_text("x = 1\n")
     for argv in (["init", "-q"], ["add", "."], ["commit", "-qm", "start"]):
-        subprocess.run([*git, *argv], cwd=tmp_path, check=True)
+        await trio.run_process([*git, *argv], cwd=tmp_path)
     monkeypatch.chdir(tmp_path)
     head = await bench_children.git_commit()
     assert head is not None and "modified" not in head
