@@ -1229,7 +1229,7 @@ async def test_a_pinned_bench_whose_proxy_fails_gives_every_thread_its_cpus_back
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     before = os.sched_getaffinity(0)
-    monkeypatch.setattr(bench_run, "_proxy_config", lambda *args: "[no_such_section]\n")
+    monkeypatch.setattr(bench_run, "_proxy_config", lambda *args, **kwargs: "[no_such_section]\n")
     with trio.fail_after(40), pytest.raises(bench.ChildExited, match="proxy"):
         await bench.run_bench(tiny_load(streams=2, tokens=2, drop=0, pin=True), command="test")
     assert thread_cpus() == {frozenset(before)}
