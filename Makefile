@@ -105,6 +105,9 @@ test-llamacpp: $(STAMP)
 	  "$$($(BIN)/python -c 'from inference import locate_smollm2_gguf as l; print(l())')"
 
 # Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.
+# The relays the load bench runs beside Sluice (LiteLLM is in the scorecard only: at 1000
+# streams a run of it takes minutes).
+BENCH_PEERS = --peer fastapi --peer nginx --peer envoy --peer vllm-router --peer sglang-router --peer portkey
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m proxy.bench --streams 100 --direct --markdown docs/benchmarks.md
@@ -132,14 +135,9 @@ bench: $(STAMP)
 	# when missing), alternating with Sluice run by run. 100 streams run three times each:
 	# single runs of the unsaturated load vary by ~10%. --workers 2: what using both cores
 	# changes (the peers keep one worker).
-	# LiteLLM is in the scorecard only (at 1000 streams a run of it takes minutes).
-	$(BIN)/python -m proxy.bench --streams 100 --repeat 3 --peer fastapi --peer nginx --peer envoy \
-	  --peer vllm-router \
-	  --peer sglang-router --peer portkey \
+	$(BIN)/python -m proxy.bench --streams 100 --repeat 3 $(BENCH_PEERS) \
 	  --markdown docs/benchmarks.md
-	$(BIN)/python -m proxy.bench --streams 1000 --peer fastapi --peer nginx --peer envoy \
-	  --peer vllm-router \
-	  --peer sglang-router --peer portkey \
+	$(BIN)/python -m proxy.bench --streams 1000 $(BENCH_PEERS) \
 	  --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 100 --peer fastapi --repeat 3 --workers 2 \
 	  --markdown docs/benchmarks.md
@@ -148,9 +146,7 @@ bench: $(STAMP)
 	# each, the fake closing its connection after each answer; 1,500 over 15 s. The figure is
 	# CPU per request.
 	$(BIN)/python -m proxy.bench --streams 1500 --ramp 15 --tokens 3 --drop 0 \
-	  --upstream-habit close-after-response --peer fastapi --peer nginx --peer envoy \
-	  --peer vllm-router \
-	  --peer sglang-router --peer portkey \
+	  --upstream-habit close-after-response $(BENCH_PEERS) \
 	  --markdown docs/benchmarks.md
 	# Two instances in front of four fake replicas with a prefix cache: least_busy vs
 	# upstream_metrics vs prefix_affinity (TTFT and cache-hit rate).

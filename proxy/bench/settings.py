@@ -140,8 +140,7 @@ class BenchSettings:
         assign_roles(self.streams, self.drop, self.slow, self.seed)  # validates the fractions
         if self.direct and self.target is not None and self.upstream is None:
             raise BenchError("--direct with --target needs --upstream (the proxy's upstream)")
-        self._check_peers()
-        peer_urls = [value for _, value in self.peer_modes() if "://" in value]
+        peer_urls = self._check_peers()
         if self.pin:
             if not hasattr(os, "sched_setaffinity"):
                 raise BenchError("--pin needs sched_setaffinity (Linux)")
@@ -157,7 +156,8 @@ class BenchSettings:
         self._check_transports()
         self._check_habit()
 
-    def _check_peers(self) -> None:
+    def _check_peers(self) -> list[str]:
+        """The peers' values checked; returns those that are URLs (peers already running)."""
         names = [value for value in self.peers if "://" not in value]
         urls = [value for value in self.peers if "://" in value]
         if self.peer_pids and len(self.peer_pids) != len(urls):
@@ -177,6 +177,7 @@ class BenchSettings:
             raise BenchError(
                 f"--peer {names[0]} with --target needs --upstream (the proxy's upstream)"
             )
+        return urls
 
     def peer_modes(self) -> list[tuple[Mode, str]]:
         """Each peer's mode and its value (a name, or a URL): ``auto`` runs as ``fastapi``, a

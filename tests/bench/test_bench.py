@@ -642,7 +642,10 @@ def test_two_loads_never_share_plot_names() -> None:
 def make_bench_loads() -> list[list[str]]:
     """The arguments of every ``python -m proxy.bench`` that ``make bench`` runs."""
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    # The Makefile's own plain variables (``NAME = value``), as make expands them in a recipe.
+    variables = dict(re.findall(r"^([A-Z_]+) \??= ?(.*)$", makefile, re.MULTILINE))
     recipe = makefile.split("\nbench:", 1)[1].split("\n", 1)[1]
+    recipe = re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables.get(m[1], m[0]), recipe)
     lines = []
     for line in recipe.replace("\\\n", " ").splitlines():
         if line and not line[0].isspace():
@@ -662,6 +665,8 @@ def test_every_load_make_bench_runs_gets_plot_names_of_its_own(
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     loads = make_bench_loads()
     assert len(loads) >= 11, loads
+    # The peers' list is one Makefile variable, expanded as make does.
+    assert sum("envoy" in argv for argv in loads) == 3, loads
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     settings = [bench.settings_from_args(parser.parse_args(argv)) for argv in loads]
