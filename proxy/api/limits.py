@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -486,51 +487,46 @@ class RedisLimits:
     async def renew(self, lease: RedisLease) -> None:
         """Push ``lease``'s expiry; a failure is counted and logged, and the lease expires
         unless a later renewal gets through."""
-        failure = "timed out"
-        with trio.move_on_after(self.limits.timeout):
-            try:
-                client = await self._connected()
-                await self._renew(
-                    keys=lease.renewed_keys,
-                    args=[lease.id, self.limits.lease_seconds],
-                    client=client,
-                )
-            except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
-                failure = repr(error)
-            else:
-                return
-        self._count("renew", "failed")
-        self._errors.error("renew", failure)
+        args = [lease.id, self.limits.lease_seconds]
+        await self._bounded(
+            "renew", lambda client: self._renew(keys=lease.renewed_keys, args=args, client=client)
+        )
 
     async def settle(self, lease: RedisLease, tokens: int) -> None:
         """Settle the reservation to ``tokens``, shielded and bounded; a failed settlement is
         counted and logged, and the reservation stays charged in full."""
         assert lease.budget is not None
-        failure = "timed out"
-        with trio.CancelScope(shield=True), trio.move_on_after(self.limits.timeout):
-            try:
-                client = await self._connected()
-                await self._settle(keys=list(lease.budget), args=[lease.id, tokens], client=client)
-            except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
-                failure = repr(error)
-            else:
-                return
-        self._count("settle", "failed")
-        self._errors.error("settle", failure)
+        keys, args = list(lease.budget), [lease.id, tokens]
+        await self._bounded(
+            "settle",
+            lambda client: self._settle(keys=keys, args=args, client=client),
+            shield=True,
+        )
 
     async def release(self, lease: RedisLease) -> None:
         """Give the slot back, shielded (the request may be cancelled) and bounded; a failed
         release is counted and logged, and the lease expires on its own."""
-        if lease.key is None:
+        key = lease.key
+        if key is None:
             return
+        await self._bounded("release", lambda client: client.zrem(key, [lease.id]), shield=True)
+
+    async def _bounded(
+        self,
+        operation: str,
+        call: Callable[[Any], Awaitable[object]],
+        *,
+        shield: bool = False,
+    ) -> None:
+        """``call(client)`` within ``[limits] timeout`` (shielded from the caller's cancellation
+        when ``shield``); a failure or a timeout is counted under ``operation`` and logged."""
         failure = "timed out"
-        with trio.CancelScope(shield=True), trio.move_on_after(self.limits.timeout):
+        with trio.CancelScope(shield=shield), trio.move_on_after(self.limits.timeout):
             try:
-                client = await self._connected()
-                await client.zrem(lease.key, [lease.id])
+                await call(await self._connected())
             except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
                 failure = repr(error)
             else:
                 return
-        self._count("release", "failed")
-        self._errors.error("release", failure)
+        self._count(operation, "failed")
+        self._errors.error(operation, failure)
