@@ -9,7 +9,8 @@ from typing import Any
 
 from proxy.api import web
 from proxy.api.errors import register_error_handlers
-from proxy.api.hooks import register_hooks
+from proxy.api.fast_routes import FastRoutes
+from proxy.api.hooks import RequestHooks, register_hooks
 from proxy.api.routes import register_routes
 from proxy.api.state import SluiceState
 from proxy.config import Config
@@ -43,7 +44,10 @@ def create_app(
     async def stop() -> None:
         await state.aclose()
 
+    hooks = RequestHooks(state)
     register_error_handlers(app, state)
-    register_hooks(app, state)
+    register_hooks(app, state, hooks)
     register_routes(app, state)
+    # Served by the fast path when the server runs with it (server.fast_path).
+    app.hot_routes = FastRoutes(hooks)
     return app

@@ -22,9 +22,18 @@ log = logging.getLogger("sluice.app")
 def refused(error: ApiError) -> None:
     """What every refusal does besides answering: the access line's outcome and, for a
     completion request, the requests metric (through the pipeline, in end_request)."""
-    access: AccessRecord | None = getattr(request, "sluice_access", None)
+    note_refusal(getattr(request, "sluice_access", None), error)
+
+
+def note_refusal(access: AccessRecord | None, error: ApiError) -> None:
     if access is not None:
         access.outcome = error.code or "error"
+
+
+def unexpected(error: BaseException) -> ApiError:
+    """What a failure nobody foresaw is answered with, once it is logged."""
+    log.exception("unhandled error", exc_info=error)
+    return internal_error()
 
 
 def register_error_handlers(app: SluiceQuart, state: SluiceState) -> None:
@@ -69,8 +78,7 @@ def register_error_handlers(app: SluiceQuart, state: SluiceState) -> None:
 
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Response:
-        log.exception("unhandled error", exc_info=error)
-        api = internal_error()
+        api = unexpected(error)
         refused(api)
         return json_response(shape().body(api), api.status)
 

@@ -12,15 +12,15 @@ from typing import Any
 
 from quart import Response, request
 
-from proxy.api.pipeline import RequestPipeline
+from proxy.api.pipeline import HeaderLookup, RequestPipeline
 from proxy.api.state import SluiceState
 from proxy.api.ws import serve_websocket
-from proxy.config import Config
+from proxy.config import Config, KeyConfig
 from proxy.ops.logs import AccessRecord
 from proxy.protocol.errors import model_not_found
 from proxy.protocol.openai import Endpoint, models_list
 from proxy.protocol.shapes import endpoint_of
-from proxy.relay.body import JSON_CONTENT_TYPE
+from proxy.relay.body import JSON_CONTENT_TYPE, RelayBody
 from proxy.server.asgi import SluiceQuart
 
 
@@ -53,6 +53,36 @@ def json_response(
     return response
 
 
+def start_relay(
+    pipeline: RequestPipeline,
+    access: AccessRecord,
+    key: KeyConfig | None,
+    raw: bytes,
+    endpoint: Endpoint,
+    path: str,
+    headers: HeaderLookup,
+) -> tuple[RelayBody, str]:
+    """A completion request's relay and its model: the body parsed, then the relay made by the
+    pipeline (not yet entered). Raises the ApiError of a request it refuses, model_not_found
+    for a model not configured included (before anything is labelled with its name)."""
+    content_type = headers.get("Content-Type")
+    parsed = pipeline.parse(
+        raw,
+        endpoint,
+        path=path,
+        content_type="application/json" if content_type is None else content_type,
+        headers=headers,
+    )
+    return pipeline.relay(parsed, access, key), parsed.model
+
+
+def json_response_headers(headers: Mapping[str, str] | None) -> list[tuple[bytes, bytes]]:
+    """The headers of a JSON answer the fast path writes (json_response's, for Quart)."""
+    pairs = [(b"content-type", JSON_CONTENT_TYPE.encode())]
+    pairs.extend((name.lower().encode(), value.encode()) for name, value in (headers or {}).items())
+    return pairs
+
+
 def register_routes(app: SluiceQuart, state: SluiceState) -> None:
     register_completions(app, state)
     register_info(app, state)
@@ -63,20 +93,18 @@ def register_completions(app: SluiceQuart, state: SluiceState) -> None:
     the WebSocket."""
 
     async def completions(endpoint: Endpoint) -> Response:
-        access: AccessRecord = request.sluice_access  # type: ignore[attr-defined]
-        pipeline: RequestPipeline = request.sluice_pipeline  # type: ignore[attr-defined]
         raw = await request.get_data(cache=False)
         assert isinstance(raw, bytes)
-        parsed = pipeline.parse(
+        body, model = start_relay(
+            request.sluice_pipeline,  # type: ignore[attr-defined]
+            request.sluice_access,  # type: ignore[attr-defined]
+            getattr(request, "sluice_key", None),
             raw,
             endpoint,
-            path=request.path,
-            content_type=request.headers.get("Content-Type", "application/json"),
-            headers=request.headers,
+            request.path,
+            request.headers,
         )
-        # Raises model_not_found for a model not configured, before the label below is set.
-        body = pipeline.relay(parsed, access, getattr(request, "sluice_key", None))
-        request.sluice_model = parsed.model  # type: ignore[attr-defined]
+        request.sluice_model = model  # type: ignore[attr-defined]
         response = Response(body)
         # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's own
         # deadlines (upstream total, client stall) bound it instead.

@@ -35,6 +35,7 @@ from proxy.server.connection_server import (
     reset_socket,
     send_chain,
 )
+from proxy.server.fast_path import HotRoutes
 
 log = logging.getLogger("sluice.asgi")
 
@@ -215,6 +216,9 @@ class ServedState(Protocol):
 class SluiceQuart(QuartTrio):
     asgi_http_class = RelayHTTPConnection
     asgi_websocket_class = RelayWebsocketConnection
+    # The routes the fast path serves itself (api/fast_routes.py); None: hypercorn and Quart
+    # serve every request.
+    hot_routes: HotRoutes | None = None
 
     @property
     def served_state(self) -> ServedState:

@@ -118,6 +118,12 @@ class ChunkWriter:
             # Closed or broken: hypercorn's own write finds out and closes its side.
             await self._server.protocol_send(RawData(data=bytes(rest)))
 
+    async def write_raw(self, data: bytes) -> None:
+        """Write what is pending and ``data`` as they are (a head, a known-length body, the
+        last chunk), as :meth:`write` does, stall limit included."""
+        self._pending += data
+        await self.write(b"")
+
     async def _write_all(self, data: memoryview) -> memoryview:
         """Write ``data``, waiting for room; what is left unwritten if the socket is closed
         or broken (empty when all went out)."""

@@ -88,14 +88,15 @@ class ConnectionServer(TCPServer):
     # The socket registered with the loop's hangup watcher while a relay streams.
     _watched: tuple[hangup.HangupWatcher, int] | None = None
 
-    def relay_started(self, on_client_gone: Callable[[], None]) -> None:
+    def relay_started(self, on_client_gone: Callable[[], None]) -> bool:
         """``on_client_gone`` is to be called once the client leaves, as early as that is
-        seen: by the loop's hangup watcher between task steps, or by the read task."""
+        seen: by the loop's hangup watcher between task steps, or by the read task. Whether
+        the hangup watcher watches the socket."""
         self.on_client_gone = on_client_gone
         watcher = hangup.current()
         sock = client_socket(self)
         if watcher is None or sock is None or self._reading_done:
-            return
+            return False
         fd = sock.fileno()
         try:
             watcher.watch(fd, self._client_gone)
@@ -103,8 +104,9 @@ class ConnectionServer(TCPServer):
             # The kernel's epoll limits (max_user_watches: ENOSPC, ENOMEM): the read task still
             # sees the client go, a scheduler turn later. Not worth failing the request over.
             _warn_once(f"client sockets are not watched for hangups: {error}")
-            return
+            return False
         self._watched = (watcher, fd)
+        return True
 
     def relay_ended(self) -> None:
         self.on_client_gone = None
@@ -161,6 +163,29 @@ class ConnectionSet:
 
     def __init__(self) -> None:
         self._servers: weakref.WeakSet[ConnectionServer] = weakref.WeakSet()
+        # The fast path's connections waiting for their next request (fast_path.py), ended
+        # when a graceful shutdown begins, as hypercorn ends its idle ones; and whether it has.
+        self._idle: set[trio.CancelScope] = set()
+        self.closing = False
+
+    def add_idle(self, scope: trio.CancelScope) -> bool:
+        """A connection's wait for its next request, to be cancelled when the shutdown
+        begins; False (nothing to wait for) if it has."""
+        if self.closing:
+            return False
+        self._idle.add(scope)
+        return True
+
+    def discard_idle(self, scope: trio.CancelScope) -> None:
+        self._idle.discard(scope)
+
+    def close_idle(self) -> None:
+        """The graceful shutdown has begun: idle connections close now, busy ones after
+        their answer (``Connection: close``)."""
+        self.closing = True
+        for scope in list(self._idle):
+            scope.cancel()
+        self._idle.clear()
 
     def attach(self, hypercorn_config: Any) -> None:
         """Connections served under ``hypercorn_config`` join this set."""
@@ -262,13 +287,17 @@ def send_chain(send: Any) -> tuple[Any, Any, Any]:
     return stream, protocol, server
 
 
-def install() -> None:
+def install(server_class: type[ConnectionServer] = ConnectionServer) -> None:
+    """hypercorn's trio worker builds ``server_class`` for each connection it accepts."""
+    current = getattr(hypercorn_trio_run, "TCPServer", None)
     if not adapters.usable("connection_server"):
         pass  # logged by the adapter's start-up check
-    elif getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, ConnectionServer):
+    elif current is not TCPServer and not (
+        isinstance(current, type) and issubclass(current, ConnectionServer)
+    ):
         log.warning("hypercorn's connection server is not the expected one; left as it is")
     else:
-        setattr(hypercorn_trio_run, "TCPServer", ConnectionServer)  # noqa: B010
+        setattr(hypercorn_trio_run, "TCPServer", server_class)  # noqa: B010
     if getattr(hypercorn_protocol, "H11Protocol", None) not in (
         H11Protocol,
         FramingCheckedProtocol,

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from proxy.config import Config, check_public_bind
-from proxy.server import adapters, connection_server, hangup, ws_buffer
+from proxy.server import adapters, connection_server, fast_path, hangup, ws_buffer
 from proxy.server.adapters import httpcore_adapter
 from proxy.server.adapters.hypercorn_adapter import HypercornConfig, worker_serve, wrap_app
 from proxy.server.adapters.hypercorn_adapter import Sockets as Sockets
@@ -102,11 +102,13 @@ async def serve(
     hyper = hypercorn_config(config)
     if sockets is None:
         sockets = listen_sockets(hyper, config.relay.stall_timeout)
-    connection_server.install()
+    connection_server.install(fast_path.FastPathServer)
     ws_buffer.install()
     httpcore_adapter.install()
     connections = connection_server.ConnectionSet()
     connections.attach(hyper)
+    if config.server.fast_path and adapters.usable("connection_server"):
+        fast_path.attach(hyper, app.hot_routes)
     served = trio.Event()
 
     async def drop_stuck_connections(deadline: float) -> None:
@@ -134,6 +136,9 @@ async def serve(
                 await shutdown_trigger()
             deadline = trio.current_time() + hyper.graceful_timeout + _DROP_AFTER_GRACE
             nursery.start_soon(drop_stuck_connections, deadline)
+            # The fast path's idle connections close as hypercorn's do (its keep-alive timers
+            # end when the shutdown begins); busy ones after their answer.
+            connections.close_idle()
 
         nursery.start_soon(drop_connections_if_cancelled)
         try:

@@ -43,8 +43,19 @@ from tests.support import (
     connect_client,
     poll_until,
     start_fake,
-    start_proxy,
 )
+from tests.support import (
+    start_proxy as start_any_proxy,
+)
+
+
+async def start_proxy(nursery: trio.Nursery, models: dict[str, Any], **sections: Any) -> Proxy:
+    """A proxy whose requests all go through hypercorn and Quart: these tests are of
+    chunk_writer under hypercorn's own connection handling
+    (the fast path's own are in test_fast_path.py)."""
+    sections["server"] = {"fast_path": False, **sections.get("server", {})}
+    return await start_any_proxy(nursery, models, **sections)
+
 
 CHAT = "/v1/chat/completions"
 # h11 writes the size in lowercase hex with no chunk extensions; anything else is not ours.

@@ -49,8 +49,19 @@ from tests.support import (
     producer_tasks,
     sse_payloads,
     start_fake,
-    start_proxy,
 )
+from tests.support import (
+    start_proxy as start_any_proxy,
+)
+
+
+async def start_proxy(nursery: trio.Nursery, models: dict[str, Any], **sections: Any) -> Proxy:
+    """A proxy whose requests all go through hypercorn and Quart: these tests are of
+    the disconnect hook under hypercorn and quart-trio
+    (the fast path's own are in test_fast_path.py)."""
+    sections["server"] = {"fast_path": False, **sections.get("server", {})}
+    return await start_any_proxy(nursery, models, **sections)
+
 
 CHAT = "/v1/chat/completions"
 
