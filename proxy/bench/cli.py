@@ -159,6 +159,13 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
         "ratios are budgeted over unbudgeted",
     )
     add(
+        "--versus-fast-path",
+        action="store_true",
+        help="the proxy as it serves (plain requests on its fast path) and a second one with "
+        "[server] fast_path = false (every request through hypercorn and Quart) take the load "
+        "alternately; ratios are fast path over framework",
+    )
+    add(
         "--upstream-habit",
         choices=HABITS,
         default=d.upstream_habit,
@@ -219,6 +226,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         versus_transport=args.versus_transport,
         versus_tracing=args.versus_tracing,
         versus_budget=args.versus_budget,
+        versus_fast_path=args.versus_fast_path,
         upstream_habit=args.upstream_habit,
         upstream_habit_seconds=args.upstream_habit_seconds,
         progress=not args.quiet,

@@ -175,6 +175,8 @@ def plot_labels(
         a, b = "traced", "untraced"
     if settings.versus_budget:
         a, b = "budgeted", "unbudgeted"
+    if settings.versus_fast_path:
+        a, b = "fast path", "framework"
     sluice = "Sluice" if a == "auto" and b is None else f"Sluice ({a})"
     labels = {
         "proxy": sluice,

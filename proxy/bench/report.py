@@ -167,6 +167,8 @@ def column_labels(
         a, b = "traced", "untraced"
     if settings.versus_budget:
         a, b = "budgeted", "unbudgeted"
+    if settings.versus_fast_path:
+        a, b = "fast path", "framework"
     if b is None:
         return labels | ({"proxy": f"proxy ({a})"} if a != "auto" else {})
     labels |= {"proxy": f"proxy ({a})", "versus": f"proxy ({b})", "proxy/versus": f"{a}/{b}"}
@@ -198,6 +200,8 @@ def _title(report: BenchReport, relay: str = "proxy") -> str:
         title += ", traced vs untraced"
     if settings.versus_budget:
         title += ", token budget vs none"
+    if settings.versus_fast_path:
+        title += ", fast path vs framework"
     if settings.upstream_habit != "none":
         title += ", upstream " + settings.habit_text()
     others = [mode for mode in report.summaries if mode not in ("proxy", "versus")]
@@ -238,6 +242,15 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
             "second Sluice process, identical but for no tracing endpoint, relaying to the same "
             "fake upstream and alternating with it run by run; traced/untraced is "
             f"{labels['proxy']} over {labels['versus']}"
+        )
+    elif "versus" in report.summaries and settings.versus_fast_path:
+        lines.append(
+            f"- {labels['proxy']}: Sluice as it serves, plain HTTP/1.1 requests to the "
+            "completion endpoints on its fast path (`proxy/server/fast_path.py`); "
+            f"{labels['versus']}: a second Sluice process with `[server] fast_path = false`, "
+            "every request through hypercorn and Quart, relaying to the same fake upstream and "
+            f"alternating with it run by run; fast path/framework is {labels['proxy']} over "
+            f"{labels['versus']}"
         )
     elif "versus" in report.summaries and settings.versus_budget:
         lines.append(

@@ -404,7 +404,12 @@ def _schedule(settings: BenchSettings) -> list[Mode]:
     proxy: list[Mode] = ["baseline", "proxy"] if settings.baseline else ["proxy"]
     one: list[Mode] = ["direct"] if settings.direct else []
     one += proxy
-    if settings.versus_transport is not None or settings.versus_tracing or settings.versus_budget:
+    if (
+        settings.versus_transport is not None
+        or settings.versus_tracing
+        or settings.versus_budget
+        or settings.versus_fast_path
+    ):
         one.append("versus")
     one += [mode for mode, _ in settings.peer_modes()]
     order: list[Mode] = []
@@ -585,6 +590,14 @@ class _Systems:
                 "versus", settings.transport, upstream_url, untraced_env()
             )
             pids["versus_proxy"] = endpoints.versus_pid
+        elif settings.versus_fast_path:
+            # The same proxy with every request through hypercorn and Quart (settings refuse
+            # --versus-fast-path with --target).
+            assert upstream_url is not None
+            endpoints.versus, endpoints.versus_pid = await self._start_proxy(
+                "versus", settings.transport, upstream_url, {"SLUICE_SERVER_FAST_PATH": "false"}
+            )
+            pids["versus_proxy"] = endpoints.versus_pid
         elif settings.versus_budget:
             # The same proxy, its key without a token budget, alternating with the budgeted
             # one (settings refuse --versus-budget with --target).
@@ -652,6 +665,8 @@ class _Systems:
             if settings.versus_tracing
             else "unbudgeted"
             if settings.versus_budget
+            else "framework"
+            if settings.versus_fast_path
             else transport
         )
         name = "proxy" if mode == "proxy" else f"proxy ({other})"

@@ -106,6 +106,10 @@ class BenchSettings:
     # reserved, counted, settled) and a second one, "versus", whose key has none, alternating:
     # what token budgets cost.
     versus_budget: bool = False
+    # The proxy as it serves (plain requests to the completion endpoints on its fast path) and
+    # a second one, "versus", with ``[server] fast_path = false`` (every request through
+    # hypercorn and Quart), alternating: what the fast path saves.
+    versus_fast_path: bool = False
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -218,6 +222,7 @@ class BenchSettings:
                 ("--versus-transport", versus is not None),
                 ("--versus-tracing", self.versus_tracing),
                 ("--versus-budget", self.versus_budget),
+                ("--versus-fast-path", self.versus_fast_path),
             )
             if on
         ]
@@ -226,6 +231,10 @@ class BenchSettings:
         if self.versus_budget and self.target is not None:
             raise BenchError(
                 "--versus-budget configures the proxies the bench starts, not --target"
+            )
+        if self.versus_fast_path and self.target is not None:
+            raise BenchError(
+                "--versus-fast-path configures the proxies the bench starts, not --target"
             )
         if self.versus_tracing and self.target is not None:
             raise BenchError(
@@ -312,6 +321,11 @@ class BenchSettings:
                 "reserved, counted and settled) vs the same key without one (two proxies, "
                 "alternating)"
             )
+        if self.versus_fast_path:
+            parts.append(
+                "Sluice serving plain requests on its fast path vs the same with "
+                "`[server] fast_path = false` (two proxies, alternating)"
+            )
         if self.versus_tracing:
             parts.append(
                 "Sluice traced (OTLP/HTTP to a receiver in the bench, every request sampled) "
@@ -375,6 +389,8 @@ class BenchSettings:
             extra.append("tracing=1")
         if self.versus_budget:
             extra.append("budget=1")
+        if self.versus_fast_path:
+            extra.append("fast_path=1")
         if self.upstream_habit in TIMED_HABITS:
             extra.append(f"habit={self.upstream_habit}@{self.upstream_habit_seconds:g}")
         elif self.upstream_habit != "none":
@@ -419,6 +435,7 @@ _NAME_WORDS: Final[tuple[tuple[str, Callable[[str, str], str]], ...]] = (
     ("versus", lambda v, d: f"vs-{v}"),
     ("tracing", lambda v, d: "traced-vs-untraced"),
     ("budget", lambda v, d: "budgeted-vs-unbudgeted"),
+    ("fast_path", lambda v, d: "fast-path-vs-framework"),
     ("direct", lambda v, d: "vs-direct"),
     ("peer", lambda v, d: "vs-peer"),
     ("peers", lambda v, d: "vs-" + v.replace(",", "-")),

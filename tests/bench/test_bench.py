@@ -1633,6 +1633,42 @@ async def test_tiny_bench_budgeted_versus_unbudgeted() -> None:
     assert bench.all_ratios(report.summaries)["proxy/versus"]["proxy_cpu_us_per_event"]
 
 
+def test_versus_fast_path_settings() -> None:
+    settings = BenchSettings(versus_fast_path=True)
+    assert settings.key() == BenchSettings().key() + " fast_path=1"
+    assert settings.slug() == "100-streams-fast-path-vs-framework"
+    assert "fast path vs the same with `[server] fast_path = false`" in settings.describe()
+    with pytest.raises(BenchError, match="one at a time"):
+        BenchSettings(versus_fast_path=True, versus_budget=True)
+    with pytest.raises(BenchError, match="not --target"):
+        BenchSettings(versus_fast_path=True, target="http://127.0.0.1:8000")
+    assert bench.column_labels(settings)["proxy/versus"] == "fast path/framework"
+
+
+async def test_tiny_bench_fast_path_versus_framework(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both proxies relay the same load without an error; only the second is told to leave
+    every request to hypercorn and Quart."""
+    started: list[dict[str, str] | None] = []
+    start = bench_run._Systems._start_proxy
+
+    async def recording(
+        self: Any, mode: str, transport: str, url: str, env: Any = None, **kw: Any
+    ) -> Any:
+        started.append(env)
+        return await start(self, mode, transport, url, env, **kw)
+
+    monkeypatch.setattr(bench_run._Systems, "_start_proxy", recording)
+    settings = tiny_load(streams=5, tokens=5, drop=0.4, drop_at=2, versus_fast_path=True, grace=2.0)
+    with trio.fail_after(60):
+        report = await bench.run_bench(settings, command="test")
+    assert list(report.summaries) == ["proxy", "versus"]
+    for mode in ("proxy", "versus"):
+        s = report.summaries[mode]
+        assert s.errors == 0, (mode, s.error_kinds)
+        assert (s.streams, s.completed, s.dropped) == (5, 3, 2)
+    assert started == [None, {"SLUICE_SERVER_FAST_PATH": "false"}]
+
+
 def test_a_request_is_matched_by_its_tag_though_a_relay_dropped_user() -> None:
     """sglang-router rewrites the body to its own fields: the tag in the message remains."""
     body = json.loads(bench_client.chat_body("m", "bench-1-proxy0-7", 0.05, 0.02, 5))
