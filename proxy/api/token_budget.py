@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 from proxy.config import KeyConfig
 from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.errors import RATE_LIMIT, ApiError
-from proxy.protocol.openai import CompletionRequest
-from proxy.protocol.rewrite import rewrite_body
+from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.rewrite import edited_body, rewrite_body
 from proxy.protocol.token_usage import (
     CURRENT_METER,
     DEFAULT_RESERVED_OUTPUT,
@@ -51,6 +51,8 @@ DAY = 86_400.0
 LIMIT_HEADER = "x-ratelimit-limit-tokens"
 REMAINING_HEADER = "x-ratelimit-remaining-tokens"
 RESET_HEADER = "x-ratelimit-reset-tokens"
+# Endpoints whose parsed request holds nothing beyond the body (no ``detail`` form).
+_BODY_ONLY = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
 
 class Charge:
@@ -253,14 +255,19 @@ def metered_request(
         edits.update(usage)
     if edits:
         raw = rewrite_body(request, edits)
-        # Parsed again, so that every view of the body (a local model's sampling reads the
-        # endpoint's parsed form) sees the edits.
-        edited = parse_api_request(
-            raw, request.endpoint, path=request.path, content_type=request.content_type
-        )
-        request = dataclasses.replace(
-            edited, include_usage=request.include_usage, session=request.session
-        )
+        if request.endpoint in _BODY_ONLY:
+            # Their parsed form is the body itself (model and stream, which no edit touches):
+            # the edited copy is what parsing the new bytes again would give.
+            request = dataclasses.replace(request, body=edited_body(request.body, edits), raw=raw)
+        else:
+            # Parsed again, so that every view of the body (a local model's sampling reads
+            # the endpoint's parsed form) sees the edits.
+            edited = parse_api_request(
+                raw, request.endpoint, path=request.path, content_type=request.content_type
+            )
+            request = dataclasses.replace(
+                edited, include_usage=request.include_usage, session=request.session
+            )
     asked = requested_output(request)
     output = asked if asked is not None else (key.max_tokens_cap or default_output)
     if not generates(request.endpoint):
