@@ -54,9 +54,9 @@ class ServerConfig:
     # no CORS headers at all, so browsers on other origins cannot read the responses.
     cors_origins: tuple[str, ...] = ()
     # Plain HTTP/1.1 requests to the completion endpoints served by Sluice's own connection
-    # loop (proxy/server/fast_path.py) instead of hypercorn's and Quart's per-request
-    # machinery: the same pipeline, hooks and answers, for about half the CPU of a short
-    # request. Anything else on the connection still goes to hypercorn and Quart.
+    # loop (proxy/server/fast_path.py) instead of the HTTP server's and the web framework's
+    # per-request machinery: the same pipeline, hooks and answers, for about half the CPU of
+    # a short request. Anything else on the connection still goes to the framework of record.
     fast_path: bool = True
 
 

@@ -4,9 +4,9 @@ serve itself, and the bytes of its responses' heads.
 The fast path (``proxy/server/fast_path.py``) serves only requests whose framing leaves nothing
 to interpret: HTTP/1.1, an origin-form target, well-formed header lines, one Content-Length of
 digits, no Transfer-Encoding, no Expect, no Upgrade, a Host. Every other request, including
-every malformed one, is left to hypercorn and h11 exactly as they would have read it, so their
-protections (the framing and size checks, 100-continue, chunked request bodies, their own
-400s) stay the only ones that ever judge an unusual request. That is the point of the strict
+every malformed one, is left to the HTTP server of record (and h11) exactly as they would have
+read it, so their protections (the framing and size checks, 100-continue, chunked request
+bodies, their own 400s) stay the only ones that ever judge an unusual request. That is the point of the strict
 subset: a request the fast path takes is one that h11 would have read the same way.
 """
 
@@ -16,8 +16,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-# hypercorn's own bound on a request head (h11_max_incomplete_size): a head still unfinished
-# at this size is handed to hypercorn, which answers it as it always has.
+# The HTTP server's own bound on a request head (h11_max_incomplete_size): a head still
+# unfinished at this size is handed to that server, which answers it as it always has.
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
 
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -26,7 +26,7 @@ _DIGITS = re.compile(rb"[0-9]{1,19}")
 _ORIGIN_FORM = re.compile(rb"/[!-~]*")
 # Control characters other than horizontal tab are never valid in a field value; obs-text
 # (bytes over 0x7f) is legal but h11 and the fast path's latin-1 reading could disagree on
-# it, so such a request is hypercorn's.
+# it, so such a request is the server of record's.
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f-\xff]")
 _WHITESPACE = b" \t"
 _LINE_BREAKING = re.compile(rb"[\x00\r\n]")
@@ -51,14 +51,15 @@ class RequestHead:
 def end_of_head(buffer: bytes | bytearray) -> int:
     """The offset just after the blank line that ends a request head, or -1 before it has
     come. Only CRLF line ends: a bare-LF head is not plain, and -1 here leaves it to grow
-    past the bound and be handed to hypercorn, which reads it as it always has."""
+    past the bound and be handed to the server of record, which reads it as it always has."""
     end = buffer.find(b"\r\n\r\n")
     return -1 if end < 0 else end + 4
 
 
 def parse_plain_request_head(head: bytes) -> RequestHead | None:
     """``head`` (up to and including its blank line) as a :class:`RequestHead`, or None when
-    it is anything but the plain shape; None means "hypercorn's", never "refused"."""
+    it is anything but the plain shape; None means "the server of record's", never
+    "refused"."""
     lines = head[:-4].split(b"\r\n")
     request_line = lines[0].split(b" ")
     if len(request_line) != 3 or request_line[2] != b"HTTP/1.1":
