@@ -6,8 +6,9 @@ to interpret: HTTP/1.1, an origin-form target, well-formed header lines, one Con
 digits, no Transfer-Encoding, no Expect, no Upgrade, a Host. Every other request, including
 every malformed one, is left to the HTTP server of record (and h11) exactly as they would have
 read it, so their protections (the framing and size checks, 100-continue, chunked request
-bodies, their own 400s) stay the only ones that ever judge an unusual request. That is the point of the strict
-subset: a request the fast path takes is one that h11 would have read the same way.
+bodies, their own 400s) stay the only ones that ever judge an unusual request. That is the
+point of the strict subset: a request the fast path takes is one that h11 would have read the
+same way.
 """
 
 from __future__ import annotations

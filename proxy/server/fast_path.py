@@ -184,7 +184,7 @@ class FastPathServer(ConnectionServer):
                 and served < self.config.keep_alive_max_requests
             )
             request = PlainRequest(head, Headers(head.headers), body, client)
-            if not await self._answer(routes.respond(request), sock, keep_alive):
+            if not await self._answer(routes.respond(request), sock, keep_alive, connections):
                 return None
             if not keep_alive or connections.closing:
                 return None
@@ -234,13 +234,15 @@ class FastPathServer(ConnectionServer):
             return head, buffer[end:wanted], buffer[wanted:]
         return None, b"", buffer
 
-    async def _answer(self, response: PlainResponse, sock: Any, keep_alive: bool) -> bool:
+    async def _answer(
+        self, response: PlainResponse, sock: Any, keep_alive: bool, connections: ConnectionSet
+    ) -> bool:
         """Write ``response``; whether the connection may serve another request."""
         extra = self.config.response_headers("h11")
         if not keep_alive:
             extra.append((b"connection", b"close"))
         if isinstance(response.body, RelayBody):
-            return await self._relay(response, response.body, sock, extra)
+            return await self._relay(response, response.body, sock, extra, connections)
         headers = [
             *response.headers,
             (b"content-length", str(len(response.body)).encode()),
@@ -261,6 +263,7 @@ class FastPathServer(ConnectionServer):
         body: RelayBody,
         sock: Any,
         extra: list[tuple[bytes, bytes]],
+        connections: ConnectionSet,
     ) -> bool:
         """Run the relay and write its answer, as asgi's RelayHTTPConnection does for
         hypercorn: the body is entered first (its producer decides the status), then the
@@ -282,6 +285,10 @@ class FastPathServer(ConnectionServer):
             if framed:
                 headers.append((b"transfer-encoding", b"chunked"))
             headers += extra
+            if connections.closing and (b"connection", b"close") not in extra:
+                # A graceful shutdown began while the upstream was deciding the head: this
+                # answer is the connection's last, and says so.
+                headers.append((b"connection", b"close"))
             return encode_response_head(body.status, reason_phrase(body.status), headers)
 
         def start_stream() -> ChunkWriter | None:
