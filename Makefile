@@ -148,6 +148,10 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --streams 1500 --ramp 15 --tokens 3 --drop 0 \
 	  --upstream-habit close-after-response $(BENCH_PEERS) \
 	  --markdown docs/benchmarks.md
+	# The same short requests with and without the fast path (proxy/server/fast_path.py).
+	$(BIN)/python -m proxy.bench --streams 1500 --ramp 15 --tokens 3 --drop 0 \
+	  --upstream-habit close-after-response --versus-fast-path --repeat 2 \
+	  --markdown docs/benchmarks.md
 	# Two instances in front of four fake replicas with a prefix cache: least_busy vs
 	# upstream_metrics vs prefix_affinity (TTFT and cache-hit rate).
 	$(BIN)/python -m proxy.bench --replicas 4 --instances 2 --sessions 48 --markdown docs/benchmarks.md
