@@ -162,8 +162,8 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
         "--versus-fast-path",
         action="store_true",
         help="the proxy as it serves (plain requests on its fast path) and a second one with "
-        "[server] fast_path = false (every request through hypercorn and Quart) take the load "
-        "alternately; ratios are fast path over framework",
+        "[server] fast_path = false (every request through the HTTP server and framework of "
+        "record) take the load alternately; ratios are fast path over framework",
     )
     add(
         "--upstream-habit",

@@ -248,7 +248,8 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
             f"- {labels['proxy']}: Sluice as it serves, plain HTTP/1.1 requests to the "
             "completion endpoints on its fast path (`proxy/server/fast_path.py`); "
             f"{labels['versus']}: a second Sluice process with `[server] fast_path = false`, "
-            "every request through hypercorn and Quart, relaying to the same fake upstream and "
+            "every request through the HTTP server and framework of record, relaying to the "
+            "same fake upstream and "
             f"alternating with it run by run; fast path/framework is {labels['proxy']} over "
             f"{labels['versus']}"
         )

@@ -591,8 +591,8 @@ class _Systems:
             )
             pids["versus_proxy"] = endpoints.versus_pid
         elif settings.versus_fast_path:
-            # The same proxy with every request through hypercorn and Quart (settings refuse
-            # --versus-fast-path with --target).
+            # The same proxy with every request through the HTTP server and framework of
+            # record (settings refuse --versus-fast-path with --target).
             assert upstream_url is not None
             endpoints.versus, endpoints.versus_pid = await self._start_proxy(
                 "versus", settings.transport, upstream_url, {"SLUICE_SERVER_FAST_PATH": "false"}

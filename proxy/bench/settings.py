@@ -108,7 +108,7 @@ class BenchSettings:
     versus_budget: bool = False
     # The proxy as it serves (plain requests to the completion endpoints on its fast path) and
     # a second one, "versus", with ``[server] fast_path = false`` (every request through
-    # hypercorn and Quart), alternating: what the fast path saves.
+    # the HTTP server and framework of record), alternating: what the fast path saves.
     versus_fast_path: bool = False
 
     def __post_init__(self) -> None:
