@@ -88,15 +88,14 @@ class ConnectionServer(TCPServer):
     # The socket registered with the loop's hangup watcher while a relay streams.
     _watched: tuple[hangup.HangupWatcher, int] | None = None
 
-    def relay_started(self, on_client_gone: Callable[[], None]) -> bool:
+    def relay_started(self, on_client_gone: Callable[[], None]) -> None:
         """``on_client_gone`` is to be called once the client leaves, as early as that is
-        seen: by the loop's hangup watcher between task steps, or by the read task. Whether
-        the hangup watcher watches the socket."""
+        seen: by the loop's hangup watcher between task steps, or by the read task."""
         self.on_client_gone = on_client_gone
         watcher = hangup.current()
         sock = client_socket(self)
         if watcher is None or sock is None or self._reading_done:
-            return False
+            return
         fd = sock.fileno()
         try:
             watcher.watch(fd, self._client_gone)
@@ -104,9 +103,8 @@ class ConnectionServer(TCPServer):
             # The kernel's epoll limits (max_user_watches: ENOSPC, ENOMEM): the read task still
             # sees the client go, a scheduler turn later. Not worth failing the request over.
             _warn_once(f"client sockets are not watched for hangups: {error}")
-            return False
+            return
         self._watched = (watcher, fd)
-        return True
 
     def relay_ended(self) -> None:
         self.on_client_gone = None

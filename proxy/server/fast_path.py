@@ -24,9 +24,9 @@ What hypercorn does per connection and this keeps:
   graceful shutdown; its ``date`` and ``server`` headers;
 * a request whose head or body is slow to arrive (slowloris) or too big is hypercorn's, which has
   the bounds and the answers for both;
-* a client that leaves mid-answer: the loop's hangup watcher (or, without one, a task waiting for
-  the socket's EOF) runs the relay's disconnect hook and cancels the request, as hypercorn's read
-  task and quart-trio's message task do;
+* a client that leaves mid-answer: whichever hears it first, the loop's hangup watcher or a task
+  waiting for the socket's EOF, runs the relay's disconnect hook and cancels the request, as
+  hypercorn's read task and quart-trio's message task do;
 * a client that stops reading: every write is bounded by the relay's stall limit, then the
   connection is reset.
 """
