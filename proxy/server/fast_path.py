@@ -336,6 +336,7 @@ class FastPathServer(ConnectionServer):
         head_bytes: Callable[[], bytes],
         framed: Callable[[], bool],
     ) -> None:
+        ended = False
         async with body:
             writer = body.writer
             if not isinstance(writer, ChunkWriter):
@@ -346,14 +347,21 @@ class FastPathServer(ConnectionServer):
             try:
                 if framed():
                     await body.write_through(writer)
-                    if not body.client_gone and not body.stalled:
-                        await writer.write_raw(_LAST_CHUNK)
+                    ended = not body.client_gone and not body.stalled
                 else:
                     async for chunk in body:
                         await writer.write_raw(chunk)
                     await writer.write_raw(b"")
             except ClientStalled:
                 body.stall()
+        if ended:
+            # After the body has closed, as hypercorn writes it after the app returns: what
+            # the request held (a key's concurrent-stream lease) is released before the client
+            # can see its answer end, so its next request never finds it still held.
+            try:
+                await writer.write_raw(_LAST_CHUNK)
+            except ClientStalled:
+                reset_socket(sock)
 
 
 # A known answer (an error, a refusal) is small: a client that takes none of it in this long is

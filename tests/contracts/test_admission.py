@@ -192,6 +192,41 @@ async def test_requests_per_minute_gives_429_with_retry_after(
         assert value(samples, "sluice_requests_total", model="fake-model", status="429") == 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_one_stream_key_can_ask_back_to_back(
+    nursery: trio.Nursery, client: httpx.AsyncClient, stream: bool
+) -> None:
+    """An agent with a one-stream key that sends its next request as soon as the last answer
+    ended is never refused: the hold is released before the client can see the answer end."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.0, interval=0.0, tokens=3)
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url]}, keys=[key_table(max_concurrent_streams=1)]
+        )
+        for _ in range(30):
+            answer = await client.post(
+                proxy.url + CHAT, json=chat_body(stream=stream), headers=bearer()
+            )
+            assert answer.status_code == 200, answer.text
+            assert proxy.state.keys.streams("alice") == 0
+
+
+async def test_a_one_stream_key_can_ask_back_to_back_on_a_raw_connection(
+    nursery: trio.Nursery,
+) -> None:
+    """The same, checked the moment a stream's last chunk arrives."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.0, interval=0.0, tokens=3)
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url]}, keys=[key_table(max_concurrent_streams=1)]
+        )
+        for _ in range(10):
+            raw = await RawClient.post(proxy, CHAT, chat_body(), headers=bearer())
+            await raw.read_until(b"0\r\n\r\n")
+            assert proxy.state.keys.streams("alice") == 0
+            await raw.stream.aclose()
+
+
 async def test_concurrent_streams_are_held_until_the_client_leaves(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
