@@ -212,6 +212,20 @@ class ResponseReader:
             self._state = _UNTIL_CLOSE
 
     def _read_chunked(self, buffer: bytes) -> bytes:
+        if self._state == _CHUNK_SIZE:
+            # A streaming upstream's usual read: exactly one whole chunk, "<hex>CRLF<data>CRLF"
+            # (one event each), answered here without the state machine's rounds. Anything
+            # else (extensions, bare LF, a split or a second chunk, the last chunk) falls
+            # through to the general reader below, which judges it as before.
+            line_end = buffer.find(b"\r\n", 0, 18)
+            if line_end > 0 and _HEX.fullmatch(buffer, 0, line_end):
+                data_end = line_end + 2 + int(buffer[:line_end], 16)
+                if (
+                    data_end > line_end + 2
+                    and len(buffer) == data_end + 2
+                    and buffer.endswith(b"\r\n")
+                ):
+                    return buffer[line_end + 2 : data_end]
         body: list[bytes] = []
         position = 0
         size = len(buffer)

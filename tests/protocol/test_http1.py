@@ -154,6 +154,61 @@ def test_chunk_crlf_split_between_feeds() -> None:
     assert state(reader) == (True, True)
 
 
+# A streaming upstream's reads: one whole chunk each (the reader's shortcut), and the shapes
+# beside it that the shortcut must leave to the general reader.
+STREAM_READS = [
+    (b"5\r\nhello\r\n", b"hello"),
+    (b"A\r\n0123456789\r\n", b"0123456789"),
+    (b"0003\r\nabc\r\n", b"abc"),
+    (b"3;ext=1\r\nabc\r\n", b"abc"),
+    (b"3\nabc\n", b"abc"),
+    (b"3 \r\nabc\r\n", b"abc"),
+    (b"2\r\nab\r\n2\r\ncd\r\n", b"abcd"),
+    # Data that holds CRLFs and looks like chunk framing itself.
+    (b"6\r\n1\r\nx\r\n\r\n", b"1\r\nx\r\n"),
+    (b"%x\r\n%b\r\n" % (300, b"e" * 300), b"e" * 300),
+]
+
+
+@pytest.mark.parametrize(("frame", "data"), STREAM_READS)
+def test_a_read_of_whole_chunks(frame: bytes, data: bytes) -> None:
+    reader = ResponseReader()
+    assert reader.feed(CHUNKED) == b""
+    assert [reader.feed(frame) for _ in range(3)] == [data] * 3
+    assert not reader.complete
+    assert reader.feed(b"0\r\n\r\n") == b""
+    assert state(reader) == (True, True)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"3\r\nabcd\r\n",  # data longer than its size: no CRLF where one must be
+        b"3\r\nabc\r\r",
+        b"g\r\nabc\r\n",
+        b"-3\r\nabc\r\n",
+        b"+3\r\nabc\r\n",
+        b"0x3\r\nabc\r\n",
+        b"11111111111111111\r\n" + b"a" * 5,  # 17 hex digits
+    ],
+)
+def test_a_read_that_only_looks_like_a_chunk(frame: bytes) -> None:
+    reader = ResponseReader()
+    reader.feed(CHUNKED)
+    with pytest.raises(ProtocolError):
+        reader.feed(frame)
+        reader.feed(b"0\r\n\r\n")
+
+
+def test_whole_chunk_reads_then_a_split_one() -> None:
+    reader = ResponseReader()
+    assert reader.feed(CHUNKED + b"2\r\nab\r\n") == b"ab"
+    assert reader.feed(b"2\r\ncd\r\n3\r\ne") == b"cde"
+    assert reader.feed(b"fg\r\n") == b"fg"
+    assert reader.feed(b"1\r\nh\r\n0\r\n\r\n") == b"h"
+    assert state(reader) == (True, True)
+
+
 @pytest.mark.parametrize("connection", [b"", b"Connection: keep-alive"])
 def test_body_without_length_ends_at_close(connection: bytes) -> None:
     reader = ResponseReader()
