@@ -16,6 +16,7 @@ import itertools
 import json
 import shutil
 import subprocess
+from functools import partial
 
 import httpx
 import pytest
@@ -36,8 +37,10 @@ from proxy.protocol.sse import (
 from tests.support import (
     DEADLINE,
     Proxy,
+    RawClient,
     chat_body,
     connect_client,
+    read_request_head,
     start_fake,
     start_proxy,
     stream_text,
@@ -218,6 +221,60 @@ async def test_stream_delivers_each_event_as_it_is_produced(
         token_times = [when for when, payload in arrivals[1:4]]
         gaps = [later - earlier for earlier, later in itertools.pairwise(token_times)]
         assert all(gap > 0.05 for gap in gaps), gaps
+
+
+def _token(text: str) -> bytes:
+    delta = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return data_event(delta)
+
+
+async def _serve_a_burst(task_status: trio.TaskStatus[str]) -> None:
+    """An upstream whose answer has three token events in one chunk (one send), between an
+    opening event and [DONE] sent on their own."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        if await read_request_head(stream) is None:
+            return
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        for piece in (_token(""), _token("a") + _token("b") + _token("c"), DONE_EVENT):
+            await stream.send_all(b"%x\r\n%b\r\n" % (len(piece), piece))
+            await trio.sleep(0.05)
+        await stream.send_all(b"0\r\n\r\n")
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+        task_status.started(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+
+def _chunks(body: bytes) -> list[bytes]:
+    """The chunks of a chunked body, up to its last one."""
+    chunks = []
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        length = int(size, 16)
+        if not length:
+            return chunks
+        chunks.append(body[:length])
+        body = body[length + 2 :]
+
+
+async def test_events_that_arrive_together_go_out_in_one_write(nursery: trio.Nursery) -> None:
+    """What one upstream read brought is written at once, not event by event: the same bytes,
+    in order, in one chunk (fewer sends on a loaded loop); what came apart stays apart."""
+    with trio.fail_after(DEADLINE):
+        url = await nursery.start(_serve_a_burst)
+        proxy = await start_proxy(nursery, {"burst": [url]})
+        client = await RawClient.post(proxy, CHAT, chat_body("burst"))
+        await client.read_until(b"0\r\n\r\n")
+        head, _, body = client.received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert _chunks(body) == [_token(""), _token("a") + _token("b") + _token("c"), DONE_EVENT]
+        await client.stream.aclose()
+        await proxy.state.tracker.wait_idle()
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")

@@ -296,10 +296,13 @@ class UpstreamExchange:
                 check_event(event)
                 if ends_stream(event):
                     saw_done = True
-                if not sink.offer(event):
-                    # Waiting on the client now: the upstream is not the one being idle.
-                    read_scope.deadline = math.inf
-                    await sink.send(event)
+            # The events one read brought go out in one write (the same bytes, fewer sends):
+            # a loaded loop reads several per socket, and nothing waits for a later read.
+            out = events[0] if len(events) == 1 else b"".join(events)
+            if not sink.offer(out):
+                # Waiting on the client now: the upstream is not the one being idle.
+                read_scope.deadline = math.inf
+                await sink.send(out)
             # Outside [now + idle_timeout, now + idle_timeout + slack]: still the first-token
             # deadline, inf after waiting on the client, or due for its move.
             now = trio.current_time()
