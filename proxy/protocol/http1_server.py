@@ -51,10 +51,17 @@ class RequestHead:
 
 def end_of_head(buffer: bytes | bytearray) -> int:
     """The offset just after the blank line that ends a request head, or -1 before it has
-    come. Only CRLF line ends: a bare-LF head is not plain, and -1 here leaves it to grow
-    past the bound and be handed to the server of record, which reads it as it always has."""
+    come. Only CRLF line ends: a bare-LF head is not plain, and -1 here (once
+    :func:`head_has_ended`) hands it to the server of record, which reads it as it always
+    has."""
     end = buffer.find(b"\r\n\r\n")
     return -1 if end < 0 else end + 4
+
+
+def head_has_ended(buffer: bytes | bytearray) -> bool:
+    """Whether a blank line has come, with any line ends (CRLF, bare LF, or a mix): the head
+    is whole, as :func:`end_of_head` reads it or as the server of record does."""
+    return b"\n\n" in buffer or b"\n\r\n" in buffer
 
 
 def parse_plain_request_head(head: bytes) -> RequestHead | None:

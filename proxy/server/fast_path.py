@@ -18,12 +18,15 @@ hypercorn and h11 still judges every request that is not plainly well-formed.
 
 What hypercorn does per connection and this keeps:
 
-* the keep-alive timer (``keep_alive_timeout``) between requests and before the first, and the
-  end of idle connections when the server begins its graceful shutdown (:class:`ConnectionSet`);
-* ``Connection: close`` when the client asks for it, at ``keep_alive_max_requests``, and during a
-  graceful shutdown; its ``date`` and ``server`` headers;
-* a request whose head or body is slow to arrive (slowloris) or too big is hypercorn's, which has
-  the bounds and the answers for both;
+* the keep-alive timer (``keep_alive_timeout``) between requests and before the first, running
+  until a whole head has come, as hypercorn's does (so a slow head is closed at the same moment),
+  and the end of idle connections when the server begins its graceful shutdown
+  (:class:`ConnectionSet`);
+* ``Connection: close`` when the client asks for it, at ``keep_alive_max_requests`` (counting the
+  requests of both, across a hand-off), and during a graceful shutdown; its ``date`` and
+  ``server`` headers;
+* a request whose body is slow to arrive or whose head or body is too big is hypercorn's, which
+  has the bounds and the answers for both;
 * a client that leaves mid-answer: whichever hears it first, the loop's hangup watcher or a task
   waiting for the socket's EOF, runs the relay's disconnect hook and cancels the request, as
   hypercorn's read task and quart-trio's message task do;
@@ -46,10 +49,12 @@ from proxy.protocol.http1_server import (
     RequestHead,
     encode_response_head,
     end_of_head,
+    head_has_ended,
     parse_plain_request_head,
 )
 from proxy.relay.body import ClientStalled, RelayBody
-from proxy.server.adapters.hypercorn_adapter import MAX_RECV, Event, RawData
+from proxy.server import adapters
+from proxy.server.adapters.hypercorn_adapter import MAX_RECV, Event, H11Protocol, RawData
 from proxy.server.chunk_writer import ChunkWriter
 from proxy.server.connection_server import (
     ConnectionServer,
@@ -60,8 +65,8 @@ from proxy.server.connection_server import (
 
 log = logging.getLogger("sluice.fast_path")
 
-# A request whose head and body have not all come this long after its first bytes is handed to
-# hypercorn, whose bounds and answers (Quart's 408 for a body too slow) then apply.
+# A request whose body has not all come this long after its head is handed to hypercorn, whose
+# bounds and answers (Quart's 408 for a body too slow) then apply.
 PROMPT_REQUEST_SECONDS = 1.0
 _LAST_CHUNK = b"0\r\n\r\n"
 
@@ -128,6 +133,9 @@ class FastPathServer(ConnectionServer):
     _serving_fast = False
     # Bytes read by the fast path that hypercorn is to read first, after a hand-off.
     _replay = b""
+    # Requests the fast path served on the connection before a hand-off (hypercorn goes on
+    # counting from there towards keep_alive_max_requests).
+    _served = 0
 
     async def run(self) -> None:
         routes: HotRoutes | None = getattr(self.config, "sluice_hot_routes", None)
@@ -151,6 +159,10 @@ class FastPathServer(ConnectionServer):
         await super().run()
 
     async def _read_data(self) -> None:
+        if self._served and adapters.usable("request_count"):
+            h11 = getattr(self.protocol, "protocol", None)
+            if isinstance(h11, H11Protocol):
+                h11.keep_alive_requests += self._served
         if self._replay:
             replay, self._replay = self._replay, b""
             await self.protocol.handle(RawData(replay))
@@ -170,14 +182,14 @@ class FastPathServer(ConnectionServer):
         served = 0
         client = _peer_host(sock)
         while True:
-            if not buffer:
-                buffer = await self._wait_idle(sock, connections)
+            if not head_has_ended(buffer):
+                buffer = await self._wait_for_head(sock, connections, buffer)
                 if not buffer:
                     return None
             head, body, buffer = await self._read_request(sock, buffer, routes)
             if head is None:
                 return buffer  # hypercorn's, with everything read of it
-            served += 1
+            served = self._served = served + 1
             keep_alive = (
                 head.keep_alive
                 and not connections.closing
@@ -189,43 +201,45 @@ class FastPathServer(ConnectionServer):
             if not keep_alive or connections.closing:
                 return None
 
-    async def _wait_idle(self, sock: Any, connections: ConnectionSet) -> bytes:
-        """The first bytes of the next request; b"" when the client closes, the keep-alive
-        timer runs out, or a graceful shutdown begins while the connection is idle."""
+    async def _wait_for_head(self, sock: Any, connections: ConnectionSet, buffer: bytes) -> bytes:
+        """``buffer`` and what follows it up to a whole head at least, or to the bound of one
+        (then hypercorn's to refuse), or to a close that cut one short (hypercorn's to answer).
+        b"" when the client closes before a byte of it, the keep-alive timer runs out first, or
+        a graceful shutdown begins: the timer stops only once a whole head has come, as
+        hypercorn's does, so a slowloris head is closed when hypercorn would close it."""
         with trio.move_on_after(self.config.keep_alive_timeout) as idle:
             if not connections.add_idle(idle):
                 return b""
             try:
-                data: bytes = await sock.recv(MAX_RECV)
+                while not head_has_ended(buffer) and len(buffer) < MAX_REQUEST_HEAD_BYTES:
+                    data: bytes = await sock.recv(MAX_RECV)
+                    if not data:
+                        break
+                    buffer += data
             finally:
                 connections.discard_idle(idle)
-            return data
+            return buffer
         return b""
 
     async def _read_request(
         self, sock: Any, buffer: bytes, routes: HotRoutes
     ) -> tuple[RequestHead | None, bytes, bytes]:
-        """The request that ``buffer`` begins, read whole: its head, its body and the bytes
-        after it. Or (None, b"", every byte read) when it is hypercorn's: not plain, not a hot
-        route, too big, slow to come, or cut short."""
+        """The request whose head ``buffer`` holds, read whole: its head, its body and the
+        bytes after it. Or (None, b"", every byte read) when it is hypercorn's: a head too
+        big, cut short or not in CRLF lines, not plain, not a hot route, or a body too big,
+        slow to come or cut short."""
+        end = end_of_head(buffer)
+        if end < 0:
+            return None, b"", buffer
+        head = parse_plain_request_head(buffer[:end])
+        if (
+            head is None
+            or head.content_length > routes.max_body_bytes
+            or not routes.serves(head.method, head.path)
+        ):
+            return None, b"", buffer
+        wanted = end + head.content_length
         with trio.move_on_after(PROMPT_REQUEST_SECONDS):
-            end = end_of_head(buffer)
-            while end < 0:
-                if len(buffer) >= MAX_REQUEST_HEAD_BYTES:
-                    return None, b"", buffer
-                data = await sock.recv(MAX_RECV)
-                if not data:
-                    return None, b"", buffer
-                buffer += data
-                end = end_of_head(buffer)
-            head = parse_plain_request_head(buffer[:end])
-            if (
-                head is None
-                or head.content_length > routes.max_body_bytes
-                or not routes.serves(head.method, head.path)
-            ):
-                return None, b"", buffer
-            wanted = end + head.content_length
             while len(buffer) < wanted:
                 data = await sock.recv(max(MAX_RECV, wanted - len(buffer)))
                 if not data:
@@ -338,8 +352,10 @@ class FastPathServer(ConnectionServer):
     ) -> None:
         ended = False
         async with body:
-            writer = body.writer
-            if not isinstance(writer, ChunkWriter):
+            started = body.writer
+            if isinstance(started, ChunkWriter):
+                writer = started
+            else:
                 writer = ChunkWriter(self, sock, body.stall_timeout)
                 writer._pending = head_bytes()
             # Inside the body: a stall raised out of it would reach the nursery's exit (and

@@ -8,6 +8,7 @@ import pytest
 from proxy.protocol.http1_server import (
     encode_response_head,
     end_of_head,
+    head_has_ended,
     parse_plain_request_head,
 )
 
@@ -101,8 +102,26 @@ def test_anything_but_the_plain_shape_is_hypercorns(head: bytes) -> None:
 def test_the_end_of_a_head_is_its_crlf_blank_line_only() -> None:
     assert end_of_head(PLAIN + b"{}") == len(PLAIN)
     assert end_of_head(PLAIN[:-2]) == -1
-    # A bare-LF head never ends here: it grows past the bound and goes to hypercorn.
+    # A bare-LF head never ends here: it is whole (below), and goes to hypercorn.
     assert end_of_head(b"POST / HTTP/1.1\nHost: a\n\n") == -1
+
+
+@pytest.mark.parametrize(
+    ("head", "ended"),
+    [
+        (PLAIN, True),
+        (PLAIN[:-1], False),
+        (PLAIN[:-2], False),
+        (b"POST / HTTP/1.1\nHost: a\n\n", True),
+        (b"POST / HTTP/1.1\r\nHost: a\n\r\n", True),
+        (b"POST / HTTP/1.1\r\nHost: a\r\n\n", True),
+        (b"POST / HTTP/1.1\r\nHost: a\r\n", False),
+        (b"POST / HTTP/1.1\r\n\r", False),
+        (b"", False),
+    ],
+)
+def test_a_head_has_ended_at_a_blank_line_of_any_line_ends(head: bytes, ended: bool) -> None:
+    assert head_has_ended(head) is ended
 
 
 def test_a_response_head_ends_in_its_blank_line() -> None:

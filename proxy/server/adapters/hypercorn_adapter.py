@@ -10,6 +10,10 @@ back without them:
   holds the process until it reads.
 * ``chunk_writer``: writing a stream's chunks straight to the socket. Without it: every chunk
   through ASGI ``send`` (correct, slower; the stall limit is the relay's guard).
+* ``request_count``: telling hypercorn's HTTP/1.1 protocol how many requests the fast path
+  served on a connection before handing it over (``ProtocolWrapper.protocol``,
+  ``H11Protocol.keep_alive_requests``, both set in their ``__init__``). Without it: hypercorn
+  counts that connection's requests from 0, so ``keep_alive_max_requests`` allows more on it.
 * ``ws_buffer``: the WebSocket message buffer that stops keeping a message once it is over the
   size limit (``ws_buffer.py``). Without it: hypercorn's, which keeps all of a too-big message
   while the client goes on sending it (measured: 8 messages of 64 MiB, +510 MB).
@@ -19,6 +23,8 @@ back without them:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from proxy.server.adapters.base import Adapter, Internal, StartupError
 
@@ -61,6 +67,18 @@ __all__ = [
     "wrap_app",
 ]
 
+
+def _sets_in_init(owner: type, attribute: str) -> Callable[[], bool]:
+    """A check that ``owner.__init__`` assigns ``self.<attribute>`` (an instance attribute,
+    which the class itself does not have)."""
+
+    def check() -> bool:
+        code = getattr(getattr(owner, "__init__", None), "__code__", None)
+        return code is not None and attribute in code.co_names
+
+    return check
+
+
 HYPERCORN = Adapter(
     "hypercorn",
     floor="0.17",
@@ -86,6 +104,16 @@ HYPERCORN = Adapter(
         Internal("hypercorn.protocol.http_stream.ASGIHTTPState.RESPONSE", "chunk_writer"),
         Internal("hypercorn.config.Config.response_headers", "chunk_writer"),
         Internal("hypercorn.utils.build_and_validate_headers", "chunk_writer"),
+        Internal(
+            "hypercorn.protocol.ProtocolWrapper.__init__",
+            "request_count",
+            check=_sets_in_init(hypercorn_protocol.ProtocolWrapper, "protocol"),
+        ),
+        Internal(
+            "hypercorn.protocol.h11.H11Protocol.__init__",
+            "request_count",
+            check=_sets_in_init(H11Protocol, "keep_alive_requests"),
+        ),
         Internal("hypercorn.protocol.ws_stream.WebsocketBuffer.extend", "ws_buffer"),
         Internal("hypercorn.protocol.ws_stream.WebsocketBuffer.clear", "ws_buffer"),
         Internal("hypercorn.protocol.ws_stream.FrameTooLargeError", "ws_buffer"),
@@ -95,6 +123,8 @@ HYPERCORN = Adapter(
         "is seen a scheduler turn later, no hangup watcher, and connections stuck in a write "
         "at the graceful deadline are not dropped",
         "chunk_writer": "streamed chunks go through hypercorn's ASGI send (slower)",
+        "request_count": "after the fast path hands a connection to hypercorn, hypercorn "
+        "counts its requests from 0 (keep_alive_max_requests then allows more on it)",
         "ws_buffer": "a WebSocket message over the size limit is refused (1009), but the rest "
         "of it is buffered while the client goes on sending it",
     },
