@@ -133,8 +133,8 @@ class FastPathServer(ConnectionServer):
     _serving_fast = False
     # Bytes read by the fast path that hypercorn is to read first, after a hand-off.
     _replay = b""
-    # Requests the fast path served on the connection before a hand-off (hypercorn goes on
-    # counting from there towards keep_alive_max_requests).
+    # Requests the fast path served on the connection, towards keep_alive_max_requests
+    # (after a hand-off, hypercorn goes on counting from there).
     _served = 0
 
     async def run(self) -> None:
@@ -179,7 +179,6 @@ class FastPathServer(ConnectionServer):
         """Serve plain requests to the hot routes; the bytes to hand to hypercorn at the first
         other request, or None once the connection is done (and to be closed)."""
         buffer = b""
-        served = 0
         client = _peer_host(sock)
         while True:
             if not head_has_ended(buffer):
@@ -189,11 +188,11 @@ class FastPathServer(ConnectionServer):
             head, body, buffer = await self._read_request(sock, buffer, routes)
             if head is None:
                 return buffer  # hypercorn's, with everything read of it
-            served = self._served = served + 1
+            self._served += 1
             keep_alive = (
                 head.keep_alive
                 and not connections.closing
-                and served < self.config.keep_alive_max_requests
+                and self._served < self.config.keep_alive_max_requests
             )
             request = PlainRequest(head, Headers(head.headers), body, client)
             if not await self._answer(routes.respond(request), sock, keep_alive, connections):
@@ -377,7 +376,7 @@ class FastPathServer(ConnectionServer):
             try:
                 await writer.write_raw(_LAST_CHUNK)
             except ClientStalled:
-                reset_socket(sock)
+                body.stall()
 
 
 # A known answer (an error, a refusal) is small: a client that takes none of it in this long is

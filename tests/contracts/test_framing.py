@@ -45,6 +45,7 @@ from tests.support import (
     start_proxy,
     stream_text,
 )
+from tests.testing.test_fake_upstream import split_chunked
 
 CHAT = "/v1/chat/completions"
 
@@ -250,18 +251,6 @@ async def _serve_a_burst(task_status: trio.TaskStatus[str]) -> None:
         task_status.started(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
 
 
-def _chunks(body: bytes) -> list[bytes]:
-    """The chunks of a chunked body, up to its last one."""
-    chunks = []
-    while True:
-        size, _, body = body.partition(b"\r\n")
-        length = int(size, 16)
-        if not length:
-            return chunks
-        chunks.append(body[:length])
-        body = body[length + 2 :]
-
-
 async def test_events_that_arrive_together_go_out_in_one_write(nursery: trio.Nursery) -> None:
     """What one upstream read brought is written at once, not event by event: the same bytes,
     in order, in one chunk (fewer sends on a loaded loop); what came apart stays apart."""
@@ -270,9 +259,9 @@ async def test_events_that_arrive_together_go_out_in_one_write(nursery: trio.Nur
         proxy = await start_proxy(nursery, {"burst": [url]})
         client = await RawClient.post(proxy, CHAT, chat_body("burst"))
         await client.read_until(b"0\r\n\r\n")
-        head, _, body = client.received.partition(b"\r\n\r\n")
+        head, chunks, _ = split_chunked(client.received)
         assert head.startswith(b"HTTP/1.1 200")
-        assert _chunks(body) == [_token(""), _token("a") + _token("b") + _token("c"), DONE_EVENT]
+        assert chunks == [_token(""), _token("a") + _token("b") + _token("c"), DONE_EVENT]
         await client.stream.aclose()
         await proxy.state.tracker.wait_idle()
 
