@@ -8,6 +8,7 @@ transport, the same way. A pass-through request is parsed only as far as routing
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from werkzeug.http import parse_options_header
@@ -36,8 +37,12 @@ def parse_api_request(
     path: str = "",
     content_type: str = "application/json",
     max_bytes: int = UNLIMITED,
+    message: bool = False,
 ) -> CompletionRequest:
-    """Validate a request to ``endpoint``; a 400 :class:`ApiError` if it is not valid."""
+    """Validate a request to ``endpoint``; a 400 :class:`ApiError` if it is not valid.
+    ``message``: a WebSocket's chat message (:func:`socket_chat_request`)."""
+    if message:
+        return socket_chat_request(raw, max_bytes)
     if endpoint is Endpoint.PASSTHROUGH:
         return passthrough_request(raw, path, content_type, max_bytes)
     body = parse_json_object(raw, max_bytes)
@@ -54,6 +59,17 @@ def parse_api_request(
     return CompletionRequest(
         endpoint, messages.model, messages.stream, False, body, raw, detail=messages
     )
+
+
+def socket_chat_request(raw: bytes, max_bytes: int = UNLIMITED) -> CompletionRequest:
+    """A chat request sent as a WebSocket message: the body of ``POST /v1/chat/completions``,
+    with a ``type`` of its own (dropped), always streamed, and with the usage in its last
+    chunk unless it says otherwise (the socket's ``done`` message carries it)."""
+    body = parse_json_object(raw, max_bytes, "Message")
+    body.pop("type", None)
+    body["stream"] = True
+    body.setdefault("stream_options", {"include_usage": True})
+    return completion_request(body, json.dumps(body).encode(), Endpoint.CHAT)
 
 
 def passthrough_request(

@@ -24,9 +24,11 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_CHUNK_LINE_BYTES = 4096
 MAX_TRAILER_BYTES = 16 * 1024
 
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# A token (RFC 9110 5.6.2: a method, a header name) and a decimal length: the server side
+# (http1_server.py) reads requests with the same two.
+TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
-_DIGITS = re.compile(rb"[0-9]{1,19}")
+DIGITS = re.compile(rb"[0-9]{1,19}")
 _STATUS = re.compile(rb"[1-9][0-9][0-9]")
 # Control characters other than horizontal tab are never valid in a field value.
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
@@ -48,10 +50,10 @@ def encode_request(
     every header, ``host`` and ``content-length`` included."""
     lines = [method + b" " + target + b" HTTP/1.1"]
     for name, value in headers:
-        if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
+        if not TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
             raise LocalProtocolError(f"invalid request header {name!r}: {value!r}")
         lines.append(name + b": " + value)
-    if not _TOKEN.fullmatch(method) or b" " in target or _BAD_VALUE.search(target):
+    if not TOKEN.fullmatch(method) or b" " in target or _BAD_VALUE.search(target):
         raise LocalProtocolError(f"invalid request line {method!r} {target!r}")
     lines.append(b"")
     lines.append(body)
@@ -201,7 +203,7 @@ class ResponseReader:
             self._state = _CHUNK_SIZE
         elif lengths:
             (length,) = lengths if len(lengths) == 1 else (b"",)
-            if not _DIGITS.fullmatch(length):
+            if not DIGITS.fullmatch(length):
                 raise ProtocolError(f"invalid content-length {b', '.join(sorted(lengths))!r}")
             self._remaining = int(length)
             self._state = _LENGTH
@@ -320,7 +322,7 @@ def _parse_head(data: bytes) -> ResponseHead:
         if line[:1] in (b" ", b"\t"):
             raise ProtocolError("obsolete line folding in a response header")
         name, colon, value = line.partition(b":")
-        if not colon or not _TOKEN.fullmatch(name):
+        if not colon or not TOKEN.fullmatch(name):
             raise ProtocolError(f"invalid response header line {line[:80]!r}")
         value = value.strip(_WHITESPACE)
         if _BAD_VALUE.search(value):

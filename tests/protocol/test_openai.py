@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.errors import ApiError, bad_request, internal_error, model_not_found
 from proxy.protocol.openai import Endpoint, models_list, parse_completion_request
 
@@ -186,3 +187,31 @@ def test_models_list() -> None:
     assert [model["id"] for model in listing["data"]] == ["a", "b/c"]
     assert all(model["object"] == "model" for model in listing["data"])
     json.dumps(listing)
+
+
+def test_a_websocket_message_is_a_streamed_chat_request_with_its_usage() -> None:
+    """A chat message sent on the WebSocket: its own ``type`` dropped, always streamed, the
+    usage asked for unless it says otherwise; parsed as every request is, with the same 400s."""
+    request = parse_api_request(
+        b'{"type": "chat", "model": "m", "messages": [{"role": "user", "content": "hi"}]}',
+        Endpoint.CHAT,
+        message=True,
+    )
+    assert (request.endpoint, request.model, request.stream) == (Endpoint.CHAT, "m", True)
+    assert request.body == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    assert json.loads(request.raw) == request.body
+    chosen = parse_api_request(
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+        b'"stream": false, "stream_options": {"include_usage": false}}',
+        Endpoint.CHAT,
+        message=True,
+    )
+    assert chosen.stream and chosen.body["stream_options"] == {"include_usage": False}
+    with pytest.raises(ApiError) as refused:
+        parse_api_request(b"[1]", Endpoint.CHAT, message=True)
+    assert refused.value.status == 400 and "Message" in refused.value.message
