@@ -3,7 +3,7 @@ float32 safetensors, for servers that cannot read GGUF themselves (vLLM).
 
     python -m inference.convert OUT_DIR [--gguf PATH] [--dtype float32] [--if-stale]
 
-Why float32 by default (issue 21): transformers dequantizes SmolLM2's Q4_1 GGUF on reading, and
+Why float32 by default: transformers dequantizes SmolLM2's Q4_1 GGUF on reading, and
 Sluice's local backend computes on those weights in float32. A bfloat16 copy rounds every weight
 once more, and a 135M model's greedy answer does not survive it: against the GGUF read in
 float32, the bf16 copy's logits differed by up to 0.28 (computed in float32) and 1.56 (computed

@@ -94,8 +94,8 @@ class UpstreamRequestConfig:
     max_queue: int = 256
     queue_timeout: float = 30.0
     # How requests travel. "lean": Sluice's own HTTP/1.1 client (http:// and https://, no
-    # proxy), the measured fast path. "httpx": the design card's client, for proxies and
-    # HTTP/2. "auto": lean for plain http:// with no proxy, httpx for everything else.
+    # proxy), the cheapest per event. "httpx": httpx, for what lean does not do (proxies,
+    # HTTP/2). "auto": lean for plain http:// with no proxy, httpx for everything else.
     transport: str = "auto"
     # TLS. ca_file: a PEM bundle trusted instead of the default (certifi, or SSL_CERT_FILE /
     # SSL_CERT_DIR when set); client_cert (+ client_key when not in the same file): mTLS.

@@ -243,8 +243,8 @@ def metered_request(
 ) -> tuple[CompletionRequest, Metered | None]:
     """``request`` as it goes to its backend for a key with a token budget or cap, and its
     :class:`Metered`: held to ``max_tokens_cap``, and (upstream) asked for its usage block.
-    Through the hardening issue's body rewrite (protocol.rewrite): one re-serialisation per
-    request, none per event."""
+    Through protocol.rewrite's edits of the body: one re-serialisation per request, none per
+    event."""
     if not key.token_budgeted or not meters(request.endpoint):
         return request, None
     edits = cap_edits(request, key.max_tokens_cap)

@@ -13,8 +13,8 @@ found costs that buy this proxy nothing, each removed here and measured (docs/be
   yet, fails with EAGAIN before it waits. :class:`PlainTransport` waits for readability and
   reads once, and uses a deadline only when the caller asked for a timeout.
 * h11 and httpcore's layers cost ~10 us of pure Python per relayed chunk and ~0.5 ms per
-  request (the head and the body also went out in two writes). The protocol is now
-  proxy/http1.py, sans-IO: one write per request, ``bytes.find`` over each read.
+  request (and they write a request's head and body in two writes). The protocol is
+  proxy/protocol/http1.py, sans-IO: one write per request, ``bytes.find`` over each read.
 
 Request concurrency is bounded before this pool (``UpstreamReplica.slots``), so nothing ever
 waits in here: a request with no idle connection gets a new one. Errors are httpx's exception

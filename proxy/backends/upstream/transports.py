@@ -3,9 +3,9 @@
 Two transports keep the same contracts (the relay's lifetime, backpressure, the deadlines):
 
 * ``lean``: :class:`~proxy.backends.upstream.pool.KeepAlivePool`, Sluice's own HTTP/1.1
-  client, the measured fast path for plain in-cluster HTTP (it speaks TLS too).
-* ``httpx``: :class:`~proxy.backends.upstream.httpx_pool.HttpxPool`, the design card's client,
-  for what the lean one does not do: HTTP proxies (CONNECT for https) and HTTP/2.
+  client, the cheapest per event, for plain in-cluster HTTP (it speaks TLS too).
+* ``httpx``: :class:`~proxy.backends.upstream.httpx_pool.HttpxPool`, over httpx, for what the
+  lean one does not do: HTTP proxies (CONNECT for https) and HTTP/2.
 
 ``auto`` picks lean for plain ``http://`` without a proxy, httpx for everything else. The
 choice, the TLS context and the proxy are made once per replica (:class:`ConnectionSettings`),
