@@ -1,5 +1,5 @@
 """The per-process state every request shares, and its start-up: the backends, their
-background work, the local models' loading, and a reload's swap of the config's generation."""
+background work, the local models' loading, and a reload's swap of the served config."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from proxy.api.auth import KeyRing
-from proxy.api.generation import Generation
-from proxy.api.generation import check_no_fake_upstream as check_no_fake_upstream
-from proxy.api.generation import resolve_api_keys as resolve_api_keys
 from proxy.api.pipeline import RequestPipeline
 from proxy.api.reload import RELOAD_OUTCOMES, ConfigReloader
+from proxy.api.served_config import ServedConfig
+from proxy.api.served_config import check_no_fake_upstream as check_no_fake_upstream
+from proxy.api.served_config import resolve_api_keys as resolve_api_keys
 from proxy.backends.base import Backend
 from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.replica import UpstreamReplica
@@ -64,11 +64,11 @@ class SluiceState:
         # Where the models' "fake:" upstream listens: the fake upstream is tooling, started
         # beside the app by whoever starts the app (`sluice serve` with [fake_upstream]).
         self.fake_upstream_url = fake_upstream_url
-        # The config's keys, upstreams and pipeline (api/generation.py): replaced whole by a
+        # The config's keys, upstreams and pipeline (api/served_config.py): replaced whole by a
         # reload, in one assignment; the previous ones retire once their relays end.
-        self.current = self.generation(config)
-        self.retiring: set[Generation] = set()
-        # The app's nursery, once serving: a reload starts its generation's work there.
+        self.current = self.build_served(config)
+        self.retiring: set[ServedConfig] = set()
+        # The app's nursery, once serving: a reload starts its served config's work there.
         self.nursery: trio.Nursery | None = None
         # Re-reads the config file on SIGHUP (api/reload.py), with what it said at start.
         self.reloader = ConfigReloader(config, env)
@@ -82,9 +82,9 @@ class SluiceState:
         self.load_error: BaseException | None = None
         self.failed = trio.Event()
 
-    def generation(self, config: Config, previous: Generation | None = None) -> Generation:
+    def build_served(self, config: Config, previous: ServedConfig | None = None) -> ServedConfig:
         """The serving objects of ``config`` (not started): at start-up, and at each reload."""
-        return Generation(
+        return ServedConfig(
             config,
             self.env,
             self.metrics,
@@ -95,7 +95,7 @@ class SluiceState:
             previous,
         )
 
-    # What the current generation serves with: each request reads these once (the pipeline
+    # What the current served config serves with: each request reads these once (the pipeline
     # at its start), so that a reload never mixes two configs within one request.
     @property
     def config(self) -> Config:
@@ -167,10 +167,10 @@ class SluiceState:
         local = LocalBackend(model, self.local_models[model.name], self.metrics)
         await nursery.start(local.run)
         self.local_backends[model.name] = local
-        # Every generation serves it; a reload's next one copies local_backends.
+        # Every served config serves it; a reload's next one copies local_backends.
         self.current.backends[model.name] = local
-        for generation in self.retiring:
-            generation.backends[model.name] = local
+        for served in self.retiring:
+            served.backends[model.name] = local
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start serving (the app's before_serving): the backends, then their background work
@@ -187,29 +187,29 @@ class SluiceState:
             # "loading", requests to the model get 503 model_loading with Retry-After).
             nursery.start_soon(self.load_local_models, nursery)
 
-    async def serve_generation(self, generation: Generation) -> None:
-        """Serve ``generation`` from now on: its work started in the app's nursery, then one
+    async def serve_config(self, served: ServedConfig) -> None:
+        """Serve the config ``served`` from now on: its work started in the app's nursery, then one
         assignment, which the next request reads; the previous one retires in the
         background once its relays have ended."""
         assert self.nursery is not None, "serving starts before a reload"
         try:
-            await self.nursery.start(generation.run)
+            await self.nursery.start(served.run)
         except BaseException:
             with trio.CancelScope(shield=True) as cleanup:  # the pools it had opened
                 cleanup.deadline = trio.current_time() + _CLEANUP_SECONDS
-                await generation.aclose()
+                await served.aclose()
             raise
         # A local model that finished loading while this one started.
-        generation.backends.update(self.local_backends)
-        previous, self.current = self.current, generation
+        served.backends.update(self.local_backends)
+        previous, self.current = self.current, served
         self.retiring.add(previous)
         self.nursery.start_soon(self._retire, previous)
 
-    async def _retire(self, generation: Generation) -> None:
+    async def _retire(self, served: ServedConfig) -> None:
         try:
-            await generation.retire()
+            await served.retire()
         finally:
-            self.retiring.discard(generation)
+            self.retiring.discard(served)
 
     async def reload_config(self) -> str:
         """Read the config file again and serve what of it applies (api/reload.py); a file
@@ -222,8 +222,8 @@ class SluiceState:
         async with self._reloading:  # one at a time: each builds on the one before
             try:
                 plan = self.reloader.read(self.config)
-                generation = self.generation(plan.config, previous=self.current)
-                await self.serve_generation(generation)
+                served = self.build_served(plan.config, previous=self.current)
+                await self.serve_config(served)
             except ConfigError as error:
                 refused: Exception | None = error
             except Exception as error:  # a reload must not stop the server
@@ -250,8 +250,8 @@ class SluiceState:
         return outcome
 
     async def aclose(self) -> None:
-        for generation in (self.current, *self.retiring):
-            await generation.aclose()
+        for served in (self.current, *self.retiring):
+            await served.aclose()
         if self.tracing is not None:
             # Flushes what is queued, bounded by the exporter's timeout: in a thread, so that a
             # collector that is down delays no other task's shutdown.

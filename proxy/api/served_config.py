@@ -1,10 +1,10 @@
-"""One config's serving objects: its client keys and their limits' counters, its upstream
+"""One config as it is served: its client keys and their limits' counters, its upstream
 replicas and backends, its catalog of upstream models, and the request pipeline over them.
 
-Built at start-up and again at each reload (api/reload.py): a request keeps the generation it
+Built at start-up and again at each reload (api/reload.py): a request keeps the served config it
 began on (its pipeline), so a reload never changes the settings of a request in flight, and an
-old generation's pools close only once its last relay has. The local models are not a
-generation's: they are loaded once per process, and every generation serves the same ones.
+old one's pools close only once its last relay has. The local models are not a served config's:
+they are loaded once per process, and every served config serves the same ones.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from proxy.relay.body import RelayTracker
 
 log = logging.getLogger("sluice.app")
 
-# A retiring generation looks again this often for relays that ended without closing (a
+# A retiring served config looks again this often for relays that ended without closing (a
 # response dropped before its body was entered leaves nothing to notify).
 _RETIRE_POLL_SECONDS = 1.0
-# Closing a retired generation's pools never holds up the process longer than this.
+# Closing a retired served config's pools never holds up the process longer than this.
 _CLOSE_SECONDS = 5.0
 
 
@@ -66,7 +66,7 @@ def check_no_fake_upstream(config: Config) -> None:
             )
 
 
-class Generation:
+class ServedConfig:
     """What one config serves with, beside the process's shared parts (metrics, relay
     tracker, local models). Raises :class:`ConfigError` for what only serving checks (an
     upstream key's variable unset, a ``fake:`` upstream with no fake)."""
@@ -80,7 +80,7 @@ class Generation:
         local_backends: Mapping[str, Backend],
         loading: Mapping[str, str],
         fake_upstream_url: str | None = None,
-        previous: Generation | None = None,
+        previous: ServedConfig | None = None,
     ) -> None:
         self.config = config
         # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
@@ -212,7 +212,7 @@ class Generation:
             )
 
     async def retire(self) -> None:
-        """Once a newer generation serves: wait for the relays begun on this one to end (each
+        """Once a newer served config serves: wait for the relays begun on this one to end (each
         holds its backend, replica and pool, and its key's lease), then stop its background
         work and close its pools; at once when cancelled (the server stops)."""
         relays = self.pipeline.relays
@@ -226,7 +226,7 @@ class Generation:
                 await self.aclose()
 
     async def aclose(self) -> None:
-        """Close its pools (once: shutdown may close a generation that is retiring)."""
+        """Close its pools (once: shutdown may close one that is retiring)."""
         if self._closed:
             return
         self._closed = True
