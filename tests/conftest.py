@@ -12,13 +12,21 @@ import pytest
 from proxy.ops.logs import ACCESS_LOGGER
 from tests import processes
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
-from tests.support import client, close_raw_clients, fake, proxy, quiet_collector
+from tests.support import (
+    client,
+    close_raw_clients,
+    each_server_path,
+    fake,
+    proxy,
+    quiet_collector,
+)
 
 _SUBREAPER = pytest.StashKey[bool]()
 
 __all__ = [
     "client",
     "close_raw_clients",
+    "each_server_path",
     "fake",
     "proxy",
     "quiet_collector",

@@ -37,6 +37,26 @@ from tests import processes
 DEADLINE = 15
 
 
+class ServerPath:
+    """Which server reads a test proxy's plain requests when the test does not say: the fast
+    path (the default, as in production), or hypercorn and Quart for every request. The whole
+    suite runs on hypercorn's with ``SLUICE_TEST_FAST_PATH=0``; a module that must hold on
+    both uses :func:`each_server_path`."""
+
+    fast_path = os.environ.get("SLUICE_TEST_FAST_PATH", "1") != "0"
+
+
+@pytest.fixture(params=[True, False], ids=["fast-path", "hypercorn"])
+def each_server_path(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The test runs twice: its proxies with the fast path, then without."""
+    saved = ServerPath.fast_path
+    ServerPath.fast_path = request.param
+    try:
+        yield request.param
+    finally:
+        ServerPath.fast_path = saved
+
+
 @dataclass
 class Fake:
     upstream: FakeUpstream
@@ -94,6 +114,7 @@ async def start_proxy(
     if keys is not None:
         data["keys"] = [dict(table) for table in keys]
     data.setdefault("server", {})["port"] = 0
+    data["server"].setdefault("fast_path", ServerPath.fast_path)
     # No spare upstream connections unless a test asks: most tests count the upstream's
     # connections exactly (tests/backends/upstream/test_preconnect.py covers the default).
     data.setdefault("upstream", {}).setdefault("preconnect", 0)

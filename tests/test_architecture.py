@@ -335,3 +335,113 @@ def test_the_checks_above_see_what_they_guard(tmp_path: Path) -> None:
     assert long_functions(sample) == [("long", MAX_RUNTIME_FUNCTION_LINES + 1)]
     assert is_tooling("proxy.testing.fake_upstream") and is_tooling("proxy.bench")
     assert not is_tooling("proxy.server.run") and not is_tooling("proxy.benchmarks")
+
+
+def called_names(path: Path) -> list[tuple[str, int]]:
+    """(name, line) of every call in ``path``: ``f(...)`` gives "f", ``x.y.f(...)`` gives "f"."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name):
+                found.append((func.id, node.lineno))
+            elif isinstance(func, ast.Attribute):
+                found.append((func.attr, node.lineno))
+    return found
+
+
+def callers_of(name: str, under: tuple[str, ...] = ("proxy",)) -> set[str]:
+    """The runtime modules (under the given packages) that call ``name``."""
+    return {
+        module
+        for module, path in proxy_modules().items()
+        if module.startswith(under)
+        and not is_tooling(module)
+        and any(called == name for called, _ in called_names(path))
+    }
+
+
+def test_one_responder_is_the_only_way_in() -> None:
+    """Every entry (the fast path, Quart's API routes, the WebSocket) asks the one responder,
+    and the pipeline's steps are taken there alone, in the order written there once."""
+    assert callers_of("respond") == {
+        "proxy.server.fast_path",
+        "proxy.api.routes",
+        "proxy.api.ws",
+    }
+    # The steps that make or refuse a request: nowhere but the responder.
+    for step in ("relay", "parse", "authenticate"):
+        assert callers_of(step, ("proxy.api", "proxy.server")) == {"proxy.api.responder"}, step
+    # The responder is one class, and the fast path knows it only as the server's interface.
+    assert "class Responder" in (PROXY / "api" / "responder.py").read_text()
+    assert "proxy.api" not in (PROXY / "server" / "fast_path.py").read_text()
+
+
+def test_one_writer_is_the_only_way_out() -> None:
+    """Every answer, on either server, is written by server/writer.py: the servers only call
+    it; the head is made by one function; a relay's body is written in one place."""
+    assert callers_of("write_answer") == {"proxy.server.asgi", "proxy.server.fast_path"}
+    # The header block of every response Sluice writes (a refusal of bad framing included).
+    assert callers_of("header_block") == {
+        "proxy.server.writer",
+        "proxy.server.connection_server",
+    }
+    assert callers_of("write_through") == {"proxy.server.writer"}
+    assert callers_of("attach", ("proxy.server",)) == {"proxy.server.writer"}
+
+
+def test_the_server_gets_sluices_objects_explicitly() -> None:
+    """Nothing rides on hypercorn's Config as an extra attribute, read back with getattr."""
+    server = PROXY / "server"
+    found = sorted(
+        str(path.relative_to(ROOT))
+        for path in server.rglob("*.py")
+        if "sluice_" in path.read_text()
+    )
+    assert found == []
+
+
+def foreign_private_reads(path: Path) -> list[str]:
+    """``x._name`` in ``path`` where ``x`` is not self, cls or super(), and ``_name`` is not
+    an attribute the module gives its own objects (``self._name = ...`` or a class body's)."""
+    tree = ast.parse(path.read_text(), str(path))
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                targets = item.targets if isinstance(item, ast.Assign) else []
+                if isinstance(item, ast.AnnAssign):
+                    targets = [item.target]
+                own.update(t.id for t in targets if isinstance(t, ast.Name))
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    own.add(item.name)
+    wrong = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") or node.attr in own:
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "super":
+            continue
+        wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return wrong
+
+
+def test_no_module_at_the_seam_reaches_into_anothers_private_fields() -> None:
+    """The relay, the server and the api layer use each other's public interfaces; only the
+    adapters touch a library's internals (each checked at start-up)."""
+    seam = [PROXY / "relay", PROXY / "server", PROXY / "api"]
+    found = [
+        line
+        for folder in seam
+        for path in sorted(folder.rglob("*.py"))
+        if "adapters" not in path.parts
+        for line in foreign_private_reads(path)
+    ]
+    assert found == []

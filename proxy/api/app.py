@@ -9,8 +9,8 @@ from typing import Any
 
 from proxy.api import web
 from proxy.api.errors import register_error_handlers
-from proxy.api.fast_routes import FastRoutes
-from proxy.api.hooks import RequestHooks, register_hooks
+from proxy.api.hooks import register_hooks
+from proxy.api.responder import Responder
 from proxy.api.routes import register_routes
 from proxy.api.state import SluiceState
 from proxy.config import Config
@@ -44,10 +44,12 @@ def create_app(
     async def stop() -> None:
         await state.aclose()
 
-    hooks = RequestHooks(state)
-    register_error_handlers(app, state)
-    register_hooks(app, state, hooks)
-    register_routes(app, state)
-    # Served by the fast path when the server runs with it (server.fast_path).
-    app.hot_routes = FastRoutes(hooks)
+    # The one way in: Quart's API routes, the WebSocket and the fast path all call it.
+    responder = Responder(state)
+    app.responder = responder
+    register_error_handlers(
+        app, config.server.max_body_bytes, responder.passthrough, responder.endpoint_of
+    )
+    register_hooks(app, responder)
+    register_routes(app, state, responder)
     return app

@@ -2,8 +2,8 @@
 embeddings, pass-through), over every transport, goes through it, and every cross-cutting
 contract is applied here and nowhere else.
 
-A transport (HTTP, WebSocket) brings its own parsing of the wire and its own event shapes; what
-it asks of the pipeline, in order:
+A transport (HTTP, WebSocket) brings its own parsing of the wire and its own event shapes; the
+one responder (``responder.py``) asks the pipeline, in order:
 
 1. :meth:`RequestPipeline.begin`: the request id and its access record (the access line).
 2. :meth:`RequestPipeline.authenticate`: the client's key, in any of its credential forms
@@ -26,7 +26,6 @@ import uuid
 import weakref
 from collections.abc import Mapping
 from functools import partial
-from typing import Protocol
 
 import trio
 
@@ -43,14 +42,9 @@ from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.shapes import error_shape
 from proxy.protocol.token_usage import DEFAULT_RESERVED_OUTPUT
 from proxy.relay.body import Producer, RelayBody, RelayTracker
+from proxy.server.call import HeaderLookup
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-class HeaderLookup(Protocol):
-    """A request's headers, looked up by name (case-insensitively, as Quart's are)."""
-
-    def get(self, key: str, /) -> str | None: ...
 
 
 class RequestPipeline:
@@ -77,7 +71,7 @@ class RequestPipeline:
         # Local models still loading, and their stage: requests for them get a 503 meanwhile.
         self.loading: Mapping[str, str] = loading if loading is not None else {}
         # The relays begun through this pipeline and not yet closed: a reload retires this
-        # pipeline's backends once it is empty (api/generation.py).
+        # pipeline's backends once it is empty (api/served_config.py).
         self.relays: weakref.WeakSet[RelayBody] = weakref.WeakSet()
 
     @staticmethod
@@ -132,13 +126,17 @@ class RequestPipeline:
         path: str = "",
         content_type: str = "application/json",
         headers: HeaderLookup | None = None,
+        message: bool = False,
     ) -> CompletionRequest:
+        """The request's body, validated (within ``max_body_bytes``); with ``headers``, its
+        conversation key too. ``message``: a WebSocket's chat message."""
         request = parse_api_request(
             raw,
             endpoint,
             path=path,
             content_type=content_type,
             max_bytes=self.config.server.max_body_bytes,
+            message=message,
         )
         if endpoint is Endpoint.PASSTHROUGH:
             request = self._route_passthrough(request)

@@ -1,148 +1,83 @@
-"""The app's routes: each parses what it is sent, hands it to the pipeline (or reads the
-state), and shapes the answer. The completion endpoints, the models' pass-through paths,
-/v1/models, /metrics, the WebSocket /v1/ws, /readyz and /healthz."""
+"""The app's routes. The API's (the completion endpoints, the models' pass-through paths, the
+WebSocket) hand what they read to the one responder (responder.py); the others read the state:
+/v1/models, /metrics, /readyz and /healthz."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any
 
-from quart import Response, request
+from quart import Response, request, websocket
+from werkzeug.datastructures import Headers
+from werkzeug.exceptions import HTTPException
 
-from proxy.api.pipeline import HeaderLookup, RequestPipeline
+from proxy.api.errors import http_error
+from proxy.api.responder import WS_PATH, Responder
 from proxy.api.state import SluiceState
 from proxy.api.ws import serve_websocket
-from proxy.config import Config, KeyConfig
-from proxy.ops.logs import AccessRecord
 from proxy.protocol.errors import model_not_found
-from proxy.protocol.openai import Endpoint, models_list
-from proxy.protocol.shapes import endpoint_of
+from proxy.protocol.openai import NATIVE_ENDPOINTS, models_list
 from proxy.relay.body import JSON_CONTENT_TYPE, RelayBody
 from proxy.server.asgi import SluiceQuart
+from proxy.server.call import Answer, Call
 
 
-def passthrough_paths(config: Config) -> frozenset[str]:
-    """Every path that the pipeline serves besides the native endpoints: the models'
-    pass-through paths."""
-    return frozenset(
-        path for model in config.models if model.backend == "upstream" for path in model.passthrough
-    )
+def json_response(payload: bytes, status: int) -> Response:
+    return Response(payload, status=status, content_type=JSON_CONTENT_TYPE)
 
 
-def endpoint_finder(passthrough: frozenset[str]) -> Callable[[], Endpoint | None]:
-    """The endpoint the current request speaks (None off the API), for its error shape and
-    its metric's label."""
-
-    def endpoint_here() -> Endpoint | None:
-        if request.path in passthrough:
-            return Endpoint.PASSTHROUGH
-        return endpoint_of(request.path)
-
-    return endpoint_here
-
-
-def json_response(
-    payload: bytes, status: int, headers: Mapping[str, str] | None = None
-) -> Response:
-    response = Response(payload, status=status, content_type=JSON_CONTENT_TYPE)
-    for name, value in (headers or {}).items():
-        response.headers[name] = value
-    return response
-
-
-def start_relay(
-    pipeline: RequestPipeline,
-    access: AccessRecord,
-    key: KeyConfig | None,
-    raw: bytes,
-    endpoint: Endpoint,
-    path: str,
-    headers: HeaderLookup,
-) -> tuple[RelayBody, str]:
-    """A completion request's relay and its model: the body parsed, then the relay made by the
-    pipeline (not yet entered). Raises the ApiError of a request it refuses, model_not_found
-    for a model not configured included (before anything is labelled with its name)."""
-    content_type = headers.get("Content-Type")
-    parsed = pipeline.parse(
-        raw,
-        endpoint,
-        path=path,
-        content_type="application/json" if content_type is None else content_type,
-        headers=headers,
-    )
-    return pipeline.relay(parsed, access, key), parsed.model
-
-
-def json_response_headers(headers: Mapping[str, str] | None) -> list[tuple[bytes, bytes]]:
-    """The headers of a JSON answer the fast path writes (json_response's, for Quart)."""
-    pairs = [(b"content-type", JSON_CONTENT_TYPE.encode())]
-    pairs.extend((name.lower().encode(), value.encode()) for name, value in (headers or {}).items())
-    return pairs
-
-
-def register_routes(app: SluiceQuart, state: SluiceState) -> None:
-    register_completions(app, state)
+def register_routes(app: SluiceQuart, state: SluiceState, responder: Responder) -> None:
+    register_api(app, responder)
     register_info(app, state)
 
 
-def register_completions(app: SluiceQuart, state: SluiceState) -> None:
-    """The endpoints served through the pipeline: the native ones, the pass-through paths and
-    the WebSocket."""
-
-    async def completions(endpoint: Endpoint) -> Response:
+async def _read_body(responder: Responder) -> bytes:
+    """The current request's body, within the server's bound; what Quart raises while reading
+    it (a body too big, or too slow to come) as the API's error."""
+    try:
         raw = await request.get_data(cache=False)
-        assert isinstance(raw, bytes)
-        body, model = start_relay(
-            request.sluice_pipeline,  # type: ignore[attr-defined]
-            request.sluice_access,  # type: ignore[attr-defined]
-            getattr(request, "sluice_key", None),
-            raw,
-            endpoint,
-            request.path,
-            request.headers,
-        )
-        request.sluice_model = model  # type: ignore[attr-defined]
-        response = Response(body)
-        # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's own
-        # deadlines (upstream total, client stall) bound it instead.
+    except HTTPException as error:
+        raise http_error(error, responder.max_body_bytes, responder.passthrough) from None
+    assert isinstance(raw, bytes)
+    return raw
+
+
+def quart_response(answer: Answer) -> Response:
+    # Headers given whole, so that Quart adds no content type of its own.
+    response = Response(answer.body, status=answer.status, headers=Headers(answer.headers))
+    if isinstance(answer.body, RelayBody):
+        # Quart's RESPONSE_TIMEOUT (60 s) would silently truncate a long stream; the relay's
+        # own deadlines (upstream total, client stall) bound it instead.
         response.timeout = None
-        return response
+    return response
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await completions(Endpoint.CHAT)
 
-    @app.post("/v1/completions")
-    async def text_completions() -> Response:
-        return await completions(Endpoint.COMPLETIONS)
+def register_api(app: SluiceQuart, responder: Responder) -> None:
+    """The API's routes, all answered by the responder: the native endpoints, the
+    pass-through paths and the WebSocket."""
 
-    @app.post("/v1/responses")
-    async def responses() -> Response:
-        return await completions(Endpoint.RESPONSES)
-
-    @app.post("/v1/messages")
-    async def messages() -> Response:
-        return await completions(Endpoint.MESSAGES)
-
-    @app.post("/v1/embeddings")
-    async def embeddings() -> Response:
-        return await completions(Endpoint.EMBEDDINGS)
-
-    for path in sorted(passthrough_paths(state.config)):
-        # One route per configured path: anything else is the app's 404, in OpenAI's shape.
-        app.add_url_rule(
-            path,
-            f"passthrough {path}",
-            partial(completions, Endpoint.PASSTHROUGH),
-            methods=["POST"],
+    async def answer() -> Response:
+        headers = request.headers
+        call = Call(
+            request.method,
+            request.path,
+            headers,
+            request.remote_addr or "-",
+            read_body=lambda: _read_body(responder),
+            request_id=headers.get("X-Request-ID"),
         )
+        return quart_response(await responder.respond(call))
 
-    @app.websocket("/v1/ws")
+    for endpoint in NATIVE_ENDPOINTS:
+        app.add_url_rule(endpoint.value, f"api {endpoint.value}", answer, methods=["POST"])
+    for path in sorted(responder.passthrough):
+        # One route per configured path: anything else is the app's 404, in OpenAI's shape.
+        app.add_url_rule(path, f"passthrough {path}", answer, methods=["POST"])
+
+    @app.websocket(WS_PATH)
     async def chat_websocket() -> None:
-        await serve_websocket(lambda: state.pipeline)
+        await serve_websocket(responder, websocket)
 
 
 def register_info(app: SluiceQuart, state: SluiceState) -> None:

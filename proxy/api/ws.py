@@ -8,12 +8,13 @@ whatever runs. Bad input, a refusal (401 at the handshake, 429 from the key's li
 failure gets ``{"type": "error", "error": {...}, "status": N}`` with the codes HTTP uses, and
 the socket stays usable. One generation at a time per socket.
 
-This module is the transport only: its parsing of messages and its event shapes. Each
-generation is a :class:`~proxy.relay.RelayBody` from the pipeline, exactly as an HTTP request's
-(limits, metrics, access line, drain tracking, the relay's lifetime), iterated here into
-WebSocket messages. Every write to the client goes through one :class:`StallGuard`: a reader
-that takes nothing for ``stall_timeout`` is cut off and its connection dropped, since the
-server's writes cannot be cancelled.
+This module is the transport only: its reading of messages and its event shapes. Each message
+is answered by the one responder (``responder.py``), as an HTTP request is: authenticated with
+the handshake's credentials, parsed by the pipeline (``parse``, as a WebSocket message), and
+relayed by a :class:`~proxy.relay.RelayBody` (limits, metrics, access line, drain tracking, the
+relay's lifetime), iterated here into WebSocket messages. Every write to the client goes
+through one :class:`StallGuard`: a reader that takes nothing for ``stall_timeout`` is cut off
+and its connection dropped, since the server's writes cannot be cancelled.
 
 The loop that reads the client's messages never waits on a write. When a write fails (the
 client reset the connection, or the stall guard dropped it), the server hands the app its
@@ -31,26 +32,22 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import trio
 from quart import websocket
 
-from proxy.api.pipeline import HeaderLookup, RequestPipeline
-from proxy.config import KeyConfig
+from proxy.api.responder import WS_METHOD, WS_PATH, Responder
 from proxy.ops.logs import AccessRecord
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError, internal_error
-from proxy.protocol.json_body import parse_json_object
-from proxy.protocol.openai import Endpoint, completion_request
 from proxy.protocol.sse import SSESplitter, is_done
-from proxy.relay.body import RelayBody
+from proxy.relay.body import DETACHED, RelayBody
 from proxy.relay.stall import StallGuard
-from proxy.server.asgi import ClientConnection, client_connection
+from proxy.server.asgi import WebSocketConnection, websocket_connection
+from proxy.server.call import Answer, Call, HeaderLookup
 
 log = logging.getLogger("sluice.ws")
 
-WS_PATH = "/v1/ws"
 # The close code after a refused handshake (no valid key): an application code, like 401.
 UNAUTHORIZED_CLOSE = 4401
 # Replies to messages sent while a generation runs, waiting to be written: a client that sends
@@ -162,31 +159,35 @@ def upstream_error_payload(body: bytes) -> Any:
 
 
 class WebSocketSession:
-    """One client socket: its key, its writes (all under one stall guard), and the generation
-    running on it, if any."""
+    """One client socket: its handshake's headers (each message is a request with them), its
+    writes (all under one stall guard), and the generation running on it, if any."""
 
     def __init__(
         self,
-        pipeline: RequestPipeline,
-        connection: ClientConnection,
-        key: KeyConfig | None,
+        responder: Responder,
+        connection: WebSocketConnection,
+        headers: HeaderLookup,
         client: str,
-        current: Callable[[], RequestPipeline] | None = None,
+        stall_timeout: float,
     ) -> None:
-        # The handshake's pipeline; each message takes the current one (a reload meanwhile
-        # applies from the next message on), with its key found again there by name.
-        self.pipeline = pipeline
-        self.current = current or (lambda: pipeline)
-        self.headers: HeaderLookup = {}
+        self.responder = responder
+        # The handshake's: its credentials authenticate every message (in the pipeline a
+        # reload last installed), its traceparent is the parent of every message's span, and
+        # a model routed by a session header reads it from here.
+        self.headers = headers
         self.connection = connection
-        self.key = key
         self.client = client
-        self.guard = StallGuard(pipeline.config.relay.stall_timeout, self._stalled)
+        self.guard = StallGuard(stall_timeout, self._stalled)
         self.running: RelayBody | None = None
         self.scope: trio.CancelScope | None = None
         # The scope of everything the session runs (its nursery's), cancelled after a stall.
         self.session_scope: trio.CancelScope | None = None
         self._notices, self._pending_notices = trio.open_memory_channel[str](NOTICE_BACKLOG)
+
+    def call(self, raw: bytes) -> Call:
+        """A message, as the request it is. No request id of the client's: the handshake's
+        would name every message alike."""
+        return Call(WS_METHOD, WS_PATH, self.headers, self.client, body=raw)
 
     def _stalled(self) -> None:
         log.warning("websocket client took nothing for %.1fs; dropped", self.guard.stall_timeout)
@@ -212,16 +213,17 @@ class WebSocketSession:
         async for text in self._pending_notices:
             await self.send(text)
 
-    def begin(self) -> AccessRecord:
-        # The handshake's traceparent is the parent of every message's span.
-        access = self.pipeline.begin("WS", WS_PATH, self.client, None, self.headers)
-        access.key = None if self.key is None else self.key.name
-        return access
-
-    async def refuse(self, access: AccessRecord, error: ApiError) -> None:
-        # Before a relay: the model is unknown or not yet read, so the metric's label is "-".
-        self.pipeline.refused(access, error.status, error.code or "error", "-")
-        await self.send(error_message(access.request_id, error, trace_id_of(access)))
+    def busy(self) -> None:
+        """A message sent while a generation runs: a request of its own, refused."""
+        error = ApiError(
+            409,
+            'A generation is already running on this socket; send {"type": "cancel"} first '
+            'or wait for "done".',
+            code="request_in_progress",
+        )
+        access = self.responder.refuse(self.call(b""), error).access
+        assert access is not None
+        self.notify(error_message(access.request_id, error, trace_id_of(access)))
 
     def cancel(self) -> None:
         """The client's ``{"type": "cancel"}``: the upstream is shut down now, as for a
@@ -232,13 +234,18 @@ class WebSocketSession:
             self.scope.cancel()
 
     async def generate(self, raw: bytes, *, task_status: trio.TaskStatus[None]) -> None:
-        access = self.begin()
         scope = self.scope = trio.CancelScope()
         task_status.started()
+        access: AccessRecord | None = None
         try:
             with scope:
+                # The one responder, as for HTTP: authenticated, parsed and relayed (or
+                # refused) by the same pipeline. A message carries its body: no wait here.
+                answer = await self.responder.respond(self.call(raw))
+                access = answer.access
+                assert access is not None
                 try:
-                    await self._generate(raw, access)
+                    await self._write(answer, access)
                 except Exception:
                     # The boundary of one request, as for HTTP: a bug is this request's error
                     # message, never a closed socket. trio.Cancelled passes through.
@@ -246,37 +253,24 @@ class WebSocketSession:
                     await self.send(
                         error_message(access.request_id, internal_error(), trace_id_of(access))
                     )
-            if scope.cancelled_caught and not self.guard.stalled:
+            if scope.cancelled_caught and not self.guard.stalled and access is not None:
                 await self.send(message("cancelled", access.request_id))
         finally:
             self.scope = None
             self.running = None
 
-    async def _generate(self, raw: bytes, access: AccessRecord) -> None:
-        pipeline = self.current()
-        try:
-            if pipeline is not self.pipeline:
-                self.key = pipeline.keys.reidentify(self.key)
-                self.pipeline = pipeline
-            body = parse_json_object(raw, pipeline.config.server.max_body_bytes, "Message")
-            body.pop("type", None)
-            body["stream"] = True
-            body.setdefault("stream_options", {"include_usage": True})
-            request = completion_request(body, json.dumps(body).encode(), Endpoint.CHAT)
-            request = pipeline.with_session(request, self.headers)
-            # An unknown model is refused here too (model_not_found), labelled "-".
-            relay = pipeline.relay(request, access, self.key)
-        except ApiError as error:
-            await self.refuse(access, error)
+    async def _write(self, answer: Answer, access: AccessRecord) -> None:
+        relay = answer.body
+        if not isinstance(relay, RelayBody):
+            assert answer.error is not None  # a refusal, before any relay
+            await self.send(error_message(access.request_id, answer.error, trace_id_of(access)))
             return
         self.running = relay
-        translator = Translator(
-            access.request_id, pipeline.config.relay.max_event_bytes, trace_id_of(access)
-        )
+        translator = Translator(access.request_id, self.max_event_bytes, trace_id_of(access))
         error_body = b""
         unrelayable: ApiError | None = None
         remove_hook = self.connection.on_client_gone(relay.client_disconnected)
-        relay.abort_connection = self.connection.abort
+        relay.attach(self.connection)
         try:
             async with relay:
                 async for chunk in relay:
@@ -293,6 +287,7 @@ class WebSocketSession:
                         await self.send(text)
         finally:
             remove_hook()
+            relay.attach(DETACHED)
         if relay.stalled or self.guard.stalled:
             return
         if unrelayable is not None:
@@ -312,54 +307,43 @@ class WebSocketSession:
                     )
                 )
 
+    @property
+    def max_event_bytes(self) -> int:
+        return self.responder.state.pipeline.config.relay.max_event_bytes
 
-async def serve_websocket(current: Callable[[], RequestPipeline]) -> None:
-    """The handler of one WebSocket connection; ``current`` is the pipeline a reload last
-    installed."""
-    pipeline = current()
-    connection = client_connection(websocket.scope)
-    client = websocket.remote_addr or "-"
-    handshake = pipeline.begin("WS", WS_PATH, client, None)
-    try:
-        key = pipeline.authenticate(websocket.headers, handshake)
-    except ApiError as error:
-        pipeline.refused(handshake, error.status, error.code or "error", "-")
-        await websocket.accept()
-        session = WebSocketSession(pipeline, connection, None, client)
+
+async def serve_websocket(responder: Responder, socket: Any) -> None:
+    """The handler of one WebSocket connection (``socket``: Quart's ``websocket``)."""
+    connection = websocket_connection(socket.scope)
+    client = socket.remote_addr or "-"
+    headers = socket.headers
+    stall_timeout = responder.state.pipeline.config.relay.stall_timeout
+    session = WebSocketSession(responder, connection, headers, client, stall_timeout)
+    handshake, refusal = responder.authenticate_session(Call(WS_METHOD, WS_PATH, headers, client))
+    if refusal is not None:
+        await socket.accept()
         async with trio.open_nursery() as nursery:
             session.session_scope = nursery.cancel_scope
             nursery.start_soon(session.guard.watch)
             # Read (and dropped) while the refusal is written, as a session's reader does.
             nursery.start_soon(_discard_messages)
-            await session.send(error_message(handshake.request_id, error))
-            await session.guard.write(websocket.close, UNAUTHORIZED_CLOSE)
+            await session.send(error_message(handshake.request_id, refusal))
+            await session.guard.write(socket.close, UNAUTHORIZED_CLOSE)
             nursery.cancel_scope.cancel()
         return
-    await websocket.accept()
-    session = WebSocketSession(pipeline, connection, key, client, current)
-    # The handshake's headers: a model routed by a session header reads it from there.
-    session.headers = websocket.headers
+    await socket.accept()
     async with trio.open_nursery() as nursery:
         session.session_scope = nursery.cancel_scope
         nursery.start_soon(session.guard.watch)
         nursery.start_soon(session.write_notices)
         while not session.guard.stalled:
-            received = await websocket.receive()
+            received = await socket.receive()
             raw = received.encode() if isinstance(received, str) else received
             if session.scope is not None and _is_cancel(raw):
                 session.cancel()
                 continue
             if session.scope is not None:
-                busy = ApiError(
-                    409,
-                    "A generation is already running on this socket; send "
-                    '{"type": "cancel"} first or wait for "done".',
-                    code="request_in_progress",
-                )
-                # A request of its own, refused: its own id, access line and span.
-                refused = session.begin()
-                session.pipeline.refused(refused, busy.status, busy.code or "error", "-")
-                session.notify(error_message(refused.request_id, busy, trace_id_of(refused)))
+                session.busy()
                 continue
             if _is_cancel(raw):
                 continue  # nothing to cancel

@@ -47,7 +47,6 @@ from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
 from proxy.protocol.shapes import ErrorShape
 from proxy.protocol.sse import FIRST_TOKEN
 from proxy.relay.accounting import RelayAccount
-from proxy.relay.stall import StallGuard
 from proxy.relay.state import Phase, RelayEvent, RelayState, step
 
 log = logging.getLogger("sluice.relay")
@@ -197,6 +196,42 @@ class DirectWriter(Protocol):
         ...
 
 
+class ClientConnection(Protocol):
+    """The client's connection, as the server that carries a relayed answer offers it to the
+    body (``RelayBody.attach``): the body's only view of the server."""
+
+    def gone_at(self) -> float | None:
+        """When the server saw the client leave; None while it has not."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the connection: after a stall, the body's writer is stuck in a write the
+        client will not take."""
+        ...
+
+    def start_stream(self, status: int, headers: Mapping[str, str]) -> DirectWriter | None:
+        """Called by set_head, in the producer's task, for a streamed 200 head: a writer with
+        that head pending in it, to leave with the first event in one write; None where the
+        server cannot (the body's task then sends the head)."""
+        ...
+
+
+class _Detached:
+    """No server: a body not (or no longer) writing to a client."""
+
+    def gone_at(self) -> float | None:
+        return None
+
+    def abort(self) -> None:
+        pass
+
+    def start_stream(self, status: int, headers: Mapping[str, str]) -> DirectWriter | None:
+        return None
+
+
+DETACHED: ClientConnection = _Detached()
+
+
 class RelayTracker:
     """Live relays and lifetime counters: what the tests and metrics look at."""
 
@@ -312,16 +347,12 @@ class RelayBody(ResponseBody):
         # does next.
         self.content_length: int | None = None
         self._handed = 0
-        self._guard: StallGuard | None = None
         self._nursery_manager: Any = None
         self._nursery: trio.Nursery | None = None
         self.model = model
         self.backend = backend
-        # When the HTTP layer saw the client disconnect (set by asgi.RelayHTTPConnection).
-        self.disconnected_at: Callable[[], float | None] = lambda: None
-        # Drops the client's connection (set by asgi.RelayHTTPConnection): after a stall the
-        # body's writer is stuck in a write the client will not take.
-        self.abort_connection: Callable[[], None] = lambda: None
+        # The client's connection, as the server writing this answer offers it (attach).
+        self.connection: ClientConnection = DETACHED
         # Registered by the producer (RelaySink.on_close); run when the body closes.
         self.close_callbacks: list[Callable[[], None]] = []
         # Registered by the producer (RelaySink.on_disconnect); run by client_disconnected.
@@ -345,10 +376,11 @@ class RelayBody(ResponseBody):
         # the cheapest test there is.
         self._writer: DirectWriter | None = None
         self.direct_ok = False
-        # Set by the HTTP layer (asgi.py) before the body starts: called by set_head, in the
-        # producer's task, for a streamed 200 head; a writer with the head pending in it (or
-        # None: the body task sends the head). See set_head.
-        self.start_stream: Callable[[], DirectWriter | None] | None = None
+
+    def attach(self, connection: ClientConnection) -> None:
+        """The connection this answer is written to, given by the server's writer before the
+        body is entered (and DETACHED once it is done, so that neither keeps the other)."""
+        self.connection = connection
 
     # -- the lifecycle ----------------------------------------------------------------------
 
@@ -392,12 +424,12 @@ class RelayBody(ResponseBody):
             self.content_length = content_length
         if headers:
             self.headers.update(headers)
-        if self._sse and self.streaming and self.start_stream is not None:
+        if self._sse and self.streaming:
             # The head is started here rather than by the body's task once it wakes: the
             # producer's first offer (next, in this same step) then writes the head and the
             # first event in one write, and the time to first token saves a scheduler round
             # trip. Nothing is queued yet, so the producer may write directly (see offer).
-            self._writer = self.start_stream()
+            self._writer = self.connection.start_stream(status, self.headers)
             if self._writer is not None and not self.send_channel.statistics().current_buffer_used:
                 self.direct_ok = True
 
@@ -491,11 +523,9 @@ class RelayBody(ResponseBody):
         finally:
             self._receive_channel.close()
             if self.cancelled:
-                started = account.gone_at or self.disconnected_at() or exit_started
+                started = account.gone_at or self.connection.gone_at() or exit_started
                 account.cancel_seconds = trio.current_time() - started
             self.disconnect_callbacks.clear()
-            # The guard refers back to this body (its on_stall): a cycle for the cyclic GC.
-            self._guard = None
             for callback in self.close_callbacks:
                 callback()
             if self.tracker is not None:
@@ -520,7 +550,7 @@ class RelayBody(ResponseBody):
             status=self.final_status,
             started=account.started_at,
             ttft=account.ttft,
-            gone_at=account.gone_at or self.disconnected_at(),
+            gone_at=account.gone_at or self.connection.gone_at(),
             cancel_seconds=account.cancel_seconds,
             delivered=account.events_out,
             undelivered=account.undelivered,
@@ -561,16 +591,6 @@ class RelayBody(ResponseBody):
         self._fire(RelayEvent.ABANDON)
         if self.error is None:
             self.error = error
-
-    def guard(self) -> StallGuard:
-        """The stall limit for writes the server layer cannot bound itself (shielded, with no
-        deadline): a write still running after ``stall_timeout`` drops the connection. Its
-        watchdog runs in this body's nursery, so only inside ``async with body``."""
-        if self._guard is None:
-            assert self._nursery is not None, "guard() is for a body that has been entered"
-            self._guard = StallGuard(self.stall_timeout, self.stall)
-            self._nursery.start_soon(self._guard.watch, name=f"relay stall guard {self}")
-        return self._guard
 
     @property
     def final_status(self) -> int:
@@ -652,7 +672,7 @@ class RelayBody(ResponseBody):
             return
         self.stalled = True
         log.warning("client stalled for %.1fs; cancelled %s", self.stall_timeout, self)
-        self.abort_connection()
+        self.connection.abort()
 
     async def write_through(self, writer: DirectWriter) -> None:
         """Send the body with ``writer``, letting the producer write a chunk straight to the

@@ -10,9 +10,13 @@ A :class:`HangupWatcher` keeps its own epoll set of the client sockets whose rel
 streaming, interested only in the peer's FIN (``EPOLLRDHUP``) and in resets (``EPOLLHUP``,
 ``EPOLLERR``), and polls it (one ``epoll_wait`` that does not wait) at most once per
 ``interval``: after trio's own waits for I/O and, while the loop is saturated, between task
-steps. A hangup runs that socket's callback (the relay's disconnect hook, which shuts the
-upstream connection) at once; the read task still reads the EOF in its turn, and the
-cancellation follows as before. All of it on the trio thread, so the callbacks need no locks.
+steps. A task also waits on that epoll set itself, so that a hangup wakes an idle loop: a
+client that pipelined a byte after its request and then left while its relay waited for a
+first token was otherwise heard only when something else woke the loop (seconds, measured),
+since nothing reads a socket whose reader is paused behind the answer in progress. A hangup
+runs that socket's callback (the relay's disconnect hook, which shuts the upstream
+connection) at once; the read task still reads the EOF in its turn, and the cancellation
+follows as before. All of it on the trio thread, so the callbacks need no locks.
 
 Measured at 1000 streams (``python -m proxy.bench --streams 1000``, five runs each way):
 cancel propagation p50 4.1 -> 0.76 ms, p99 10-20 -> 2-3.2 ms, for ~4% more CPU per event
@@ -20,14 +24,15 @@ cancel propagation p50 4.1 -> 0.76 ms, p99 10-20 -> 2-3.2 ms, for ~4% more CPU p
 8-10 ms. At 100 streams: no difference in CPU per event or TTFT (four A/B rounds).
 
 A client's half-close (``shutdown(SHUT_WR)``, a FIN while it still reads) counts as leaving,
-as hypercorn's EOF always did when its read task got to it; the difference is a client that
-pipelined a second request and then half-closed: its reader was paused behind the first
-response, so that response used to complete, and now it is cut off at once. Such clients are
-rare (browsers and SDKs neither pipeline nor half-close), and one that cannot be told apart
-from a client that has gone is treated as gone: the upstream's work is what this protects.
+as hypercorn's EOF does when its read task gets to it, and so does a client that pipelined a
+second request and then half-closed, though its reader is paused behind the first response:
+such clients are rare (browsers and SDKs neither pipeline nor half-close), and one that cannot
+be told apart from a client that has gone is treated as gone, since the upstream's work is what
+this protects.
 
-Linux only (epoll); elsewhere :func:`watching` yields None and the read task's turn is the
-earliest word, as before.
+Each server has its own watcher (:func:`watching`, for as long as it serves). Linux only
+(epoll); elsewhere :func:`watching` yields None and the read task's turn is the earliest word,
+as before.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from __future__ import annotations
 import logging
 import select
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
 
 import trio
 
@@ -128,6 +133,13 @@ class HangupWatcher(trio.abc.Instrument):
             self._next_poll = now + self._interval
             self.poll()
 
+    async def wake_for_hangups(self) -> None:
+        """Wait on the watcher's own epoll set (readable once a watched socket hangs up: pending
+        data alone does not count), and poll it: a hangup wakes the loop, idle or not."""
+        while True:
+            await trio.lowlevel.wait_readable(self._epoll.fileno())
+            self.poll()
+
     def poll(self) -> None:
         """Run the callbacks of the sockets hung up since the last poll."""
         for fd, _ in self._epoll.poll(0):
@@ -165,49 +177,29 @@ class _StepPoller(trio.abc.Instrument):
         self._watcher.step()
 
 
-class _Shared:
-    def __init__(self, watcher: HangupWatcher) -> None:
-        self.watcher = watcher
-        self.users = 0
-
-
-_loop_watcher: trio.lowlevel.RunVar[_Shared | None] = trio.lowlevel.RunVar(
-    "sluice_hangup_watcher", default=None
-)
-
-
 def available() -> bool:
     from proxy.server import adapters
 
     return bool(_HANGUP) and hasattr(select, "epoll") and adapters.usable("hangup")
 
 
-@contextmanager
-def watching(
-    interval: float = DEFAULT_INTERVAL, busy_batch: float = DEFAULT_INTERVAL
-) -> Iterator[HangupWatcher | None]:
-    """The running loop's watcher, for the duration: the first user in a loop makes it and
-    adds it as an instrument, the last one removes and closes it (several servers may share a
-    loop, as in the tests). None where epoll is missing."""
+@asynccontextmanager
+async def watching(
+    interval: float | None = None, busy_batch: float | None = None
+) -> AsyncIterator[HangupWatcher | None]:
+    """A server's watcher, for the duration: added to the running loop as an instrument, with
+    its task waiting for hangups in a nursery of its own, and removed and closed at the end.
+    None where epoll is missing. Both bounds default to DEFAULT_INTERVAL, read now."""
     if not available():
         yield None
         return
-    shared = _loop_watcher.get()
-    if shared is None:
-        shared = _Shared(HangupWatcher(interval, busy_batch))
-        trio.lowlevel.add_instrument(shared.watcher)
-        _loop_watcher.set(shared)
-    shared.users += 1
+    interval = DEFAULT_INTERVAL if interval is None else interval
+    watcher = HangupWatcher(interval, DEFAULT_INTERVAL if busy_batch is None else busy_batch)
+    trio.lowlevel.add_instrument(watcher)
     try:
-        yield shared.watcher
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watcher.wake_for_hangups, name="hangup watcher")
+            yield watcher
+            nursery.cancel_scope.cancel()
     finally:
-        shared.users -= 1
-        if shared.users == 0:
-            _loop_watcher.set(None)
-            shared.watcher.remove()
-
-
-def current() -> HangupWatcher | None:
-    """The running loop's watcher, if a server is serving in it."""
-    shared = _loop_watcher.get()
-    return None if shared is None else shared.watcher
+        watcher.remove()

@@ -13,7 +13,7 @@ import trio
 from proxy.config import Config, check_public_bind
 from proxy.server import adapters, connection_server, fast_path, hangup, ws_buffer
 from proxy.server.adapters import httpcore_adapter
-from proxy.server.adapters.hypercorn_adapter import HypercornConfig, worker_serve, wrap_app
+from proxy.server.adapters.hypercorn_adapter import HypercornConfig, worker_serve
 from proxy.server.adapters.hypercorn_adapter import Sockets as Sockets
 from proxy.server.asgi import SluiceQuart
 
@@ -62,7 +62,7 @@ def bind(config: Config) -> Sockets:
     """The listening sockets for ``config`` (bound before a model loads, and before the
     workers start: they share them). An OSError says why not (its errno: in use...)."""
     try:
-        return listen_sockets(hypercorn_config(config), config.relay.stall_timeout)
+        return listen_sockets(hypercorn_config(config))
     except OSError as caught:
         error = caught
     # hypercorn's create_sockets drops the socket whose bind failed without closing it, and
@@ -75,10 +75,11 @@ def bind(config: Config) -> Sockets:
     raise error
 
 
-def listen_sockets(hyper: HypercornConfig, stall_timeout: float) -> Sockets:
+def listen_sockets(hyper: HypercornConfig) -> Sockets:
     # No TCP_USER_TIMEOUT here: on a zero window Linux applies it even to a client that is
     # still reading, slowly (measured: reads of 4 KiB every 0.45 s were reset after the
-    # timeout). A stalled client's own connection is closed by the relay instead (asgi.py).
+    # timeout). A stalled client's connection is dropped by the stall limit on every write
+    # instead (server/writer.py).
     sockets = hyper.create_sockets()
     for sock in sockets.insecure_sockets:
         sock.listen(hyper.backlog)
@@ -101,14 +102,11 @@ async def serve(
     adapters.check_all()
     hyper = hypercorn_config(config)
     if sockets is None:
-        sockets = listen_sockets(hyper, config.relay.stall_timeout)
+        sockets = listen_sockets(hyper)
     connection_server.install(fast_path.FastPathServer)
     ws_buffer.install()
     httpcore_adapter.install()
     connections = connection_server.ConnectionSet()
-    connections.attach(hyper)
-    if config.server.fast_path and adapters.usable("connection_server"):
-        fast_path.attach(hyper, app.hot_routes)
     served = trio.Event()
 
     async def drop_stuck_connections(deadline: float) -> None:
@@ -136,15 +134,21 @@ async def serve(
                 await shutdown_trigger()
             deadline = trio.current_time() + hyper.graceful_timeout + _DROP_AFTER_GRACE
             nursery.start_soon(drop_stuck_connections, deadline)
-            # The fast path's idle connections close as hypercorn's do (its keep-alive timers
-            # end when the shutdown begins); busy ones after their answer.
-            connections.close_idle()
+            # Both servers' idle connections close now; busy ones after their answer, which
+            # says so.
+            connections.drain()
 
         nursery.start_soon(drop_connections_if_cancelled)
         try:
-            with hangup.watching():
+            async with hangup.watching() as watcher:
+                seam = connection_server.Seam(
+                    connections,
+                    config.relay.stall_timeout,
+                    responder=app.responder if config.server.fast_path else None,
+                    hangup=watcher,
+                )
                 await worker_serve(
-                    wrap_app(app, hyper.wsgi_max_body_size, "asgi"),
+                    connection_server.SeamApp(app, seam),
                     hyper,
                     sockets=sockets,
                     shutdown_trigger=shutdown,

@@ -27,6 +27,9 @@ from tests.support import (
     wait_until_steady,
 )
 
+# At the server seam: each contract holds whichever server reads the request.
+pytestmark = pytest.mark.usefixtures("each_server_path")
+
 CHAT = "/v1/chat/completions"
 
 
@@ -109,26 +112,17 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cut_off(nursery: trio.Nur
 
 @pytest.fixture
 def small_proxy_sndbuf(monkeypatch: pytest.MonkeyPatch) -> None:
-    from proxy.server import chunk_writer
-    from proxy.server.asgi import transport_socket
+    """A 4 KiB send buffer on the proxy's side of each client connection it answers, set as
+    the writer takes the socket (both servers write through a ChunkWriter)."""
+    from proxy.server.chunk_writer import ChunkWriter
 
-    original_attach = chunk_writer.attach
-    original_start = chunk_writer.start_response
+    original_init = ChunkWriter.__init__
 
-    def small_sndbuf(send: Any) -> None:
-        transport_socket(send).setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    def init(self: ChunkWriter, server: Any, sock: Any, stall_timeout: float) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        original_init(self, server, sock, stall_timeout)
 
-    def attach(send: Any, headers: Any, stall_timeout: float) -> Any:
-        small_sndbuf(send)
-        return original_attach(send, headers, stall_timeout)
-
-    def start_response(send: Any, status: int, headers: Any, stall_timeout: float) -> Any:
-        # The fast path's way in (the head leaves with the first event): attach is not called.
-        small_sndbuf(send)
-        return original_start(send, status, headers, stall_timeout)
-
-    monkeypatch.setattr(chunk_writer, "attach", attach)
-    monkeypatch.setattr(chunk_writer, "start_response", start_response)
+    monkeypatch.setattr(ChunkWriter, "__init__", init)
 
 
 async def test_a_client_that_stalls_after_the_last_token_is_cut_off(

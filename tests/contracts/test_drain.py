@@ -14,9 +14,13 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.support import chat_body, sse_payloads, start_fake, start_sluice, stop
+
+# At the server seam: each contract holds whichever server reads the request.
+pytestmark = pytest.mark.usefixtures("each_server_path")
 
 CHAT = "/v1/chat/completions"
 

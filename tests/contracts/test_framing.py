@@ -47,6 +47,9 @@ from tests.support import (
 )
 from tests.testing.test_fake_upstream import split_chunked
 
+# At the server seam: each contract holds whichever server reads the request.
+pytestmark = pytest.mark.usefixtures("each_server_path")
+
 CHAT = "/v1/chat/completions"
 
 # Line text: any Unicode (multi-byte UTF-8 included) except line breaks and lone surrogates.

@@ -32,6 +32,9 @@ from tests.support import (
     start_proxy,
 )
 
+# At the server seam: each contract holds whichever server reads the request.
+pytestmark = pytest.mark.usefixtures("each_server_path")
+
 CHAT = "/v1/chat/completions"
 # The contract says "within a few milliseconds"; 50 ms leaves room for a loaded CI machine.
 # The benchmark measures the real figure.

@@ -1,17 +1,26 @@
 """RelayBody.set_head starting a streamed response in the producer's task (start_stream).
 
-The HTTP layer (asgi.py) gives the body a ``start_stream`` that makes the response head and
-returns a writer holding it; set_head calls it for a streamed 200 so that the producer's first
-offer, in the same scheduler step, writes the head and the first event together. Here the
-writer is a recording stand-in: what matters is who called what, when, and in which order.
+The server's writer attaches the body to its client connection, whose ``start_stream`` makes
+the response head and returns a writer holding it; set_head calls it for a streamed 200 so that
+the producer's first offer, in the same scheduler step, writes the head and the first event
+together. Here the connection and the writer are recording stand-ins: what matters is who
+called what, when, and in which order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import trio
 import trio.testing
 
-from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, RelayBody, RelaySink
+from proxy.relay.body import (
+    JSON_CONTENT_TYPE,
+    SSE_CONTENT_TYPE,
+    DirectWriter,
+    RelayBody,
+    RelaySink,
+)
 
 EVENT = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
 
@@ -35,6 +44,24 @@ class RecordingWriter:
 
     async def wait_for_room(self) -> None:
         await trio.lowlevel.checkpoint()
+
+
+class Connection:
+    """A client connection (relay.ClientConnection) whose start_stream is ``start``."""
+
+    def __init__(self, start: Callable[[], DirectWriter | None]) -> None:
+        self._start = start
+        self.heads: list[tuple[int, Mapping[str, str]]] = []
+
+    def gone_at(self) -> float | None:
+        return None
+
+    def abort(self) -> None:
+        pass
+
+    def start_stream(self, status: int, headers: Mapping[str, str]) -> DirectWriter | None:
+        self.heads.append((status, headers))
+        return self._start()
 
 
 def body_for(produce: object, *, streaming: bool = True) -> RelayBody:
@@ -69,7 +96,8 @@ async def test_a_streamed_head_is_started_by_the_producer_and_its_first_event_wr
         calls.append((body.status, body.headers["Content-Type"], trio.lowlevel.current_task().name))
         return writer
 
-    body.start_stream = start_stream
+    connection = Connection(start_stream)
+    body.attach(connection)
     async with body:
         # By the time the body's task sees the head, the first event is already out.
         assert body.writer is writer
@@ -79,6 +107,8 @@ async def test_a_streamed_head_is_started_by_the_producer_and_its_first_event_wr
     assert first_offer == [True]
     ((status, content_type, task),) = calls
     assert (status, content_type) == (200, SSE_CONTENT_TYPE)
+    # The head it was given is the body's own.
+    assert connection.heads == [(200, body.headers)]
     assert task.startswith("relay producer")
     assert writer.direct[0][1].startswith("relay producer")
     # The second event, a second later: written directly too (the body idled on an empty
@@ -109,7 +139,7 @@ async def test_no_stream_is_started_for_errors_whole_bodies_or_non_streaming_req
         def start_stream(calls: list[int] = calls) -> None:
             calls.append(1)
 
-        body.start_stream = start_stream
+        body.attach(Connection(start_stream))
         async with body:
             chunks = [chunk async for chunk in body]
         assert calls == [], (streaming, status, content_type)
@@ -120,7 +150,7 @@ async def test_no_stream_is_started_for_errors_whole_bodies_or_non_streaming_req
 async def test_a_declined_start_leaves_the_first_event_to_the_channel(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    # start_stream returns None where the fast path does not apply (TLS, HTTP/1.0...): the
+    # start_stream returns None where the server frames bodies itself (HTTP/2...): the
     # body's task then sends the head itself, and the first event must wait for it.
     calls: list[int] = []
 
@@ -133,7 +163,7 @@ async def test_a_declined_start_leaves_the_first_event_to_the_channel(
     def start_stream() -> None:
         calls.append(1)
 
-    body.start_stream = start_stream
+    body.attach(Connection(start_stream))
     async with body:
         assert body.writer is None
         assert body.buffered() == 1  # queued, not written

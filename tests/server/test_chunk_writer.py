@@ -1,8 +1,10 @@
-"""chunk_writer: body frames written straight to hypercorn's socket, byte-exact and in order.
+"""The writer under hypercorn (asgi.H11Wire over chunk_writer): answers written straight to
+hypercorn's socket, byte-exact and in order.
 
-The fast path bypasses h11 for the body, so every test here checks the bytes on the wire
-against h11's own framing (or parses them as strictly as a client must), and checks that
-hypercorn's view of the connection stayed true afterwards (the next request on it works).
+A chunked body's frames bypass h11, and every head and known-length body is framed by h11 but
+written by Sluice, so every test here checks the bytes on the wire against h11's own framing
+(or parses them as strictly as a client must), and checks that hypercorn's view of the
+connection stayed true afterwards (the next request on it works).
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import RawData
 from hypercorn.protocol.http_stream import HTTPStream
-from hypercorn.trio.tcp_server import TCPServer
 
-from proxy.server import chunk_writer
+from proxy.server import asgi, chunk_writer
 from proxy.server import run as proxy_server
 from proxy.server.asgi import transport_socket
 from proxy.server.chunk_writer import ChunkWriter, chunk_frame
+from proxy.server.connection_server import ConnectionServer
 from proxy.testing.fake_upstream import token_text
 from tests.support import (
     DEADLINE,
@@ -86,13 +88,13 @@ def test_chunk_frame_matches_h11(size: int) -> None:
 
 @dataclass
 class Observed:
-    """What the fast path did, seen from outside proxy code."""
+    """What the writer did under hypercorn, seen from outside proxy code."""
 
-    # The writer per relayed response (start_response's, else attach()'s): a ChunkWriter,
-    # or None (ASGI send used).
-    attached: list[ChunkWriter | None] = field(default_factory=list)
-    # What start_response returned, per relayed response: a ChunkWriter holding the head
-    # (the fast path), or None (the head went through ASGI).
+    # The wire of each answer, in order: "h11" (written straight to the socket, framed by
+    # hypercorn's h11 connection) or "asgi" (through hypercorn's ASGI send).
+    wires: list[str] = field(default_factory=list)
+    # What H11Wire.chunked_writer returned per chunked answer: the ChunkWriter holding its
+    # head, to leave with the first event.
     started: list[ChunkWriter | None] = field(default_factory=list)
     # write_nowait()'s results: True (all written), None (partial), False (nothing).
     direct: list[bool | None] = field(default_factory=list)
@@ -104,40 +106,37 @@ class Observed:
     # Set by a test: SO_SNDBUF for the proxy's side of the client connection, so that a
     # client that stops reading fills it after a few KiB instead of autotuned megabytes.
     server_sndbuf: int | None = None
+    # Set by a test: the answers (numbered from 0, in order) written through ASGI instead, as
+    # where the socket-level wire does not apply: hypercorn then makes their heads.
+    through_asgi: set[int] = field(default_factory=set)
 
 
 @pytest.fixture
 def observed(monkeypatch: pytest.MonkeyPatch) -> Observed:
     seen = Observed()
-    original_attach = chunk_writer.attach
+    original_wire_for = asgi.wire_for
 
-    def attach(
-        send: Any, headers: list[tuple[bytes, bytes]], stall_timeout: float
-    ) -> ChunkWriter | None:
+    def wire_for(send: Any, method: str) -> Any:
         if seen.server_sndbuf is not None:
             sock = transport_socket(send)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, seen.server_sndbuf)
-        writer = original_attach(send, headers, stall_timeout)
-        seen.attached.append(writer)
-        return writer
+        if len(seen.wires) in seen.through_asgi:
+            wire: Any = asgi.ASGIWire(send, method)
+        else:
+            wire = original_wire_for(send, method)
+        seen.wires.append("h11" if isinstance(wire, asgi.H11Wire) else "asgi")
+        return wire
 
-    original_start = chunk_writer.start_response
+    # asgi.py finds it through the module, so this is the one it gets.
+    monkeypatch.setattr(asgi, "wire_for", wire_for)
+    original_chunked_writer = asgi.H11Wire.chunked_writer
 
-    def start_response(
-        send: Any, status: int, headers: list[tuple[bytes, bytes]], stall_timeout: float
-    ) -> ChunkWriter | None:
-        if seen.server_sndbuf is not None:
-            sock = transport_socket(send)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, seen.server_sndbuf)
-        writer = original_start(send, status, headers, stall_timeout)
+    def chunked_writer(self: asgi.H11Wire, status: int, headers: list[tuple[bytes, bytes]]) -> Any:
+        writer = original_chunked_writer(self, status, headers)
         seen.started.append(writer)
-        if writer is not None:  # else asgi.py sends the head through ASGI, then attach()es
-            seen.attached.append(writer)
         return writer
 
-    # asgi.py calls both through the module, so these are the ones it gets.
-    monkeypatch.setattr(chunk_writer, "attach", attach)
-    monkeypatch.setattr(chunk_writer, "start_response", start_response)
+    monkeypatch.setattr(asgi.H11Wire, "chunked_writer", chunked_writer)
     original_write_nowait = ChunkWriter.write_nowait
 
     def write_nowait(self: ChunkWriter, chunk: bytes) -> bool | None:
@@ -160,7 +159,7 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> Observed:
             if body and not message.get("more_body", False):
                 seen.response_ended.set()
 
-    # Bound per request, after this patch: attach still finds the HTTPStream as __self__.
+    # Bound per request, after this patch: send_chain still finds the HTTPStream as __self__.
     monkeypatch.setattr(HTTPStream, "app_send", app_send)
     return seen
 
@@ -343,12 +342,12 @@ async def test_stream_is_framed_exactly_and_the_connection_stays_usable(
         await read_stream(conn, 7)
         assert conn.unread() == b""
         assert len(fake.recorder.records) == 2
-        # Both bodies took the fast path: start_response gave a writer, and no body bytes went
-        # through hypercorn's ASGI send (only the empty end-of-body message did).
+        # Both bodies were written straight to the socket: each head was held in a writer,
+        # and no body bytes went through hypercorn's ASGI send (only the empty end-of-body
+        # message did).
+        assert observed.wires == ["h11", "h11"]
         assert len(observed.started) == 2
-        assert observed.started == observed.attached
-        assert len(observed.attached) == 2
-        assert all(isinstance(writer, ChunkWriter) for writer in observed.attached)
+        assert all(isinstance(writer, ChunkWriter) for writer in observed.started)
         assert observed.asgi_body_sends == 0
 
 
@@ -376,15 +375,15 @@ async def test_http10_client_gets_a_close_delimited_body_through_asgi(
         with trio.fail_after(2):
             await observed.response_ended.wait()
         assert await conn.whatever_follows(0.05) == b""
-        # The head too went through hypercorn: start_response declined an HTTP/1.0 peer (a
+        # The head too went through hypercorn: no socket-level wire for an HTTP/1.0 peer (a
         # head it made would say chunked, which this client cannot read).
-        assert observed.started and all(writer is None for writer in observed.started)
-        assert observed.attached == [None]
+        assert observed.wires == ["asgi"]
+        assert observed.started == []
         assert observed.direct == []
         assert observed.asgi_body_sends > 0
 
 
-async def test_non_streamed_json_keeps_its_content_length_and_asgi_send(
+async def test_non_streamed_json_keeps_its_content_length_framed_by_h11(
     nursery: trio.Nursery, observed: Observed
 ) -> None:
     with trio.fail_after(DEADLINE):
@@ -398,12 +397,12 @@ async def test_non_streamed_json_keeps_its_content_length_and_asgi_send(
         body = await conn.take(int(headers[b"content-length"]))
         answer = json.loads(body)
         assert answer["choices"][0]["message"]["content"] == "The quick brown fox jumps "
-        # A Content-Length body is not chunked: start_response declined it, so hypercorn sent
-        # the head (and h11 counts the body's bytes against it).
-        assert all(writer is None for writer in observed.started)
-        assert observed.attached == [None]
+        # A Content-Length body is not chunked: no writer held its head; h11 made the head
+        # and framed the body (counting its bytes against the length), Sluice wrote them.
+        assert observed.wires == ["h11"]
+        assert observed.started == []
         assert observed.direct == []
-        assert observed.asgi_body_sends == 1
+        assert observed.asgi_body_sends == 0
         # Content-Length framing ended the response exactly: the connection serves on.
         await conn.post(chat_body(fake={"tokens": 3}))
         await read_stream(conn, 3)
@@ -427,7 +426,7 @@ async def test_producer_writes_directly_while_the_client_keeps_up(
         conn = await Conn.open(proxy)
         await conn.post(chat_body())
         await read_stream(conn, tokens)
-        (writer,) = observed.attached
+        (writer,) = observed.started
         assert writer is not None
         if forced_partial:
             # Direct writes that went out in part left tails that the body flushed first;
@@ -474,7 +473,7 @@ async def test_a_client_that_stops_reading_still_gets_every_frame_in_order(
         frames = await read_stream(conn, tokens)
         assert conn.unread() == b""
         assert len(frames) > 1
-        (writer,) = observed.attached
+        (writer,) = observed.started
         assert writer is not None
         # Before the buffers filled, the producer wrote (all or part of) events directly:
         # that path fed the backlog, and handed over to the channel when the socket was full.
@@ -532,9 +531,9 @@ async def test_the_tail_of_a_partial_direct_write_goes_out_before_the_next_event
 
 @dataclass
 class Wire:
-    """Every write on the proxy's client connections, as it left: the fast path's own
-    (``os.write`` in chunk_writer: the bytes the kernel took) and hypercorn's (its RawData
-    sends, the head of any response that went through ASGI included)."""
+    """Every write on the proxy's client connections, as it left: Sluice's own (``os.write``
+    in chunk_writer: the bytes the kernel took) and hypercorn's (its RawData sends, through
+    the connection server; the head of any response that went through ASGI included)."""
 
     direct: list[bytes] = field(default_factory=list)
     through_hypercorn: list[bytes] = field(default_factory=list)
@@ -552,15 +551,15 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
     # chunk_writer writes only through os.write; the fake upstream is not hypercorn's, so
     # nothing of it shows in either list.
     monkeypatch.setattr(chunk_writer, "os", SimpleNamespace(write=write))
-    original_protocol_send = TCPServer.protocol_send
+    original_protocol_send = ConnectionServer.protocol_send
 
-    async def protocol_send(self: TCPServer, event: Any) -> None:
+    async def protocol_send(self: ConnectionServer, event: Any) -> None:
         if isinstance(event, RawData):
             seen.through_hypercorn.append(bytes(event.data))
         await original_protocol_send(self, event)
 
-    # Sluice's ConnectionServer reaches this through super(), at call time.
-    monkeypatch.setattr(TCPServer, "protocol_send", protocol_send)
+    # The fast path's server reaches this through super(), at call time.
+    monkeypatch.setattr(ConnectionServer, "protocol_send", protocol_send)
     return seen
 
 
@@ -585,28 +584,6 @@ async def closed_with_nothing_more(conn: Conn) -> None:
     with trio.fail_after(5):
         assert not await conn._fill(1), conn.unread()[:300]
     assert conn.unread() == b""
-
-
-def decline_start_response(monkeypatch: pytest.MonkeyPatch, which: set[int]) -> None:
-    """start_response (observed's, when that fixture came first) answers None for the
-    relayed responses numbered in ``which`` (from 0, in the order of their requests), as
-    where the fast path does not apply: asgi.py then sends their heads through hypercorn, and
-    attach()es for the body. Keyed by the request's HTTPStream (the ASGI send's __self__),
-    however many times asgi.py asks for one response."""
-    original = chunk_writer.start_response
-    streams: list[Any] = []
-
-    def start_response(
-        send: Any, status: int, headers: list[tuple[bytes, bytes]], stall_timeout: float
-    ) -> ChunkWriter | None:
-        stream = send.__self__
-        if not any(seen is stream for seen in streams):
-            streams.append(stream)
-        if next(i for i, seen in enumerate(streams) if seen is stream) in which:
-            return None
-        return original(send, status, headers, stall_timeout)
-
-    monkeypatch.setattr(chunk_writer, "start_response", start_response)
 
 
 def limit_keep_alive(monkeypatch: pytest.MonkeyPatch, requests: int) -> None:
@@ -652,8 +629,8 @@ async def test_the_head_is_the_one_hypercorn_sends(
     nursery: trio.Nursery, observed: Observed, wire: Wire, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The first response's head goes through ASGI (hypercorn's H11Protocol), the second's is
-    # start_response's: on the same connection, so the same h11 connection and config.
-    decline_start_response(monkeypatch, {0})
+    # the writer's: on the same connection, so the same h11 connection and config.
+    observed.through_asgi = {0}
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=3)
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
@@ -664,14 +641,12 @@ async def test_the_head_is_the_one_hypercorn_sends(
             heads.append(head_lines(await conn.until(b"\r\n\r\n")))
             check_events(b"".join(await conn.chunked_body()), 3)
         assert conn.unread() == b""
-        # The test did what it says: hypercorn sent the first head, the fast path the second.
+        # The test did what it says: hypercorn sent the first head, the writer the second.
         assert [data[:9] for data in wire.through_hypercorn if data.startswith(b"HTTP/")] == [
             b"HTTP/1.1 "
         ]
-        # (start_response was not asked for the first: decline_start_response answered.)
+        assert observed.wires == ["asgi", "h11"]
         assert len(observed.started) == 1 and observed.started[0] is not None
-        assert observed.attached[1] is observed.started[0]
-        assert observed.attached[0] is not None  # the first body took the fast path too
         assert [data[:13] for data in wire.direct if data.startswith(b"HTTP/")] == [
             b"HTTP/1.1 200 "
         ]
@@ -717,8 +692,8 @@ async def test_streams_one_after_another_on_one_connection(
             await conn.post(chat_body(fake={"tokens": tokens}))
             await read_stream(conn, tokens)
         assert conn.unread() == b""
-        # Each head was the fast path's, each with its first event: h11 and hypercorn's stream
-        # state moved by start_response were right for the next request each time.
+        # Each head was the writer's, each with its first event: h11 and hypercorn's stream
+        # state moved by the wire were right for the next request each time.
         assert len(observed.started) == 3 and None not in observed.started
         heads = [data for data in wire.direct if data.startswith(b"HTTP/")]
         assert len(heads) == 3
@@ -755,7 +730,7 @@ async def test_the_last_request_allowed_on_a_connection_gets_connection_close(
     limit_keep_alive(monkeypatch, 3)
     if last_head == "asgi":
         # The reference: the same request with the head made by hypercorn itself.
-        decline_start_response(monkeypatch, {2})
+        observed.through_asgi = {2}
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=3)
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
@@ -776,10 +751,9 @@ async def test_the_last_request_allowed_on_a_connection_gets_connection_close(
         await closed_with_nothing_more(conn)
         heads = [data for data in wire.direct if data.startswith(b"HTTP/")]
         assert len(heads) == (3 if last_head == "fast" else 2)
-        # (A declined start_response is not recorded: decline_start_response answered it.)
+        assert observed.wires == ["h11", "h11", "h11" if last_head == "fast" else "asgi"]
         assert len(observed.started) == (3 if last_head == "fast" else 2)
         assert None not in observed.started
-        assert len(observed.attached) == 3 and None not in observed.attached
 
 
 async def test_a_client_asking_to_close_gets_connection_close_and_a_closed_connection(
@@ -854,7 +828,7 @@ async def test_a_stream_of_only_done_gets_its_head_before_the_terminator(
         assert wire.through_hypercorn == [b"0\r\n\r\n", b"0\r\n\r\n"]
 
 
-async def test_an_upstream_that_ends_before_any_event_gets_an_error_through_asgi(
+async def test_an_upstream_that_ends_before_any_event_gets_an_error_with_its_length(
     nursery: trio.Nursery, observed: Observed, wire: Wire
 ) -> None:
     with trio.fail_after(DEADLINE):
@@ -870,12 +844,14 @@ async def test_an_upstream_that_ends_before_any_event_gets_an_error_through_asgi
         error = json.loads(await conn.take(int(headers[b"content-length"])))
         assert error["error"]["code"] == "upstream_protocol_error"
         assert requests  # it did ask the upstream
-        # start_response declined the Content-Length body (if asked at all); the head went
-        # through hypercorn, and the fast path wrote nothing at all.
-        assert all(writer is None for writer in observed.started)
-        assert observed.attached == [None]
-        assert wire.direct == []
-        assert wire.through_hypercorn[0].startswith(b"HTTP/1.1 502 ")
+        # A Content-Length body: no writer held its head; h11 framed the head and the body,
+        # which the writer wrote (its last byte once the relay had closed), and hypercorn
+        # wrote nothing of it (h11's end of a Content-Length body is no bytes at all).
+        assert observed.wires == ["h11"]
+        assert observed.started == []
+        assert wire.direct[0].startswith(b"HTTP/1.1 502 ")
+        assert b"".join(wire.direct) == bytes(conn.buffer[: conn.pos])
+        assert b"".join(wire.through_hypercorn) == b""
         # The connection serves on (Content-Length framing ended that response exactly).
         assert b"connection" not in headers
 

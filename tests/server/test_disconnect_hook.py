@@ -321,7 +321,7 @@ async def test_the_hangup_is_acted_on_before_the_request_is_cancelled(
     if watcher and not hangup.available():
         pytest.skip("no epoll here")
     if not watcher:
-        monkeypatch.setattr(hangup, "current", lambda: None)
+        monkeypatch.setattr(hangup, "available", lambda: False)
     seen_in: list[str] = []
     original = RelayBody.client_disconnected
 
@@ -336,9 +336,10 @@ async def test_the_hangup_is_acted_on_before_the_request_is_cancelled(
         original(self)
 
     monkeypatch.setattr(RelayBody, "client_disconnected", client_disconnected)
-    # The serving loop's watcher, made here to poll after every wait for I/O: on a loop this
-    # idle it otherwise polls once a millisecond, and the read task may come first.
-    with trio.fail_after(DEADLINE), hangup.watching(interval=0):
+    # The server's watcher polls after every wait for I/O: on a loop this idle it otherwise
+    # polls once a millisecond, and the read task may come first.
+    monkeypatch.setattr(hangup, "DEFAULT_INTERVAL", 0)
+    with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         raw = await RawClient.post(
             proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.02, "tokens": 1000})

@@ -1,7 +1,8 @@
 """The fast path (proxy/server/fast_path.py) and its hand-off to hypercorn, over real sockets.
 
 Every contract test already runs over the fast path; these prove what is its own: that it is
-the layer that answers plain requests to the hot routes (``FastRoutes.respond`` is counted),
+the layer that reads plain requests to the API and hands them to the one responder (each Call it
+makes is counted),
 that its answers are the ones hypercorn and Quart give (a second proxy with ``fast_path =
 false`` answers the same bytes), that every request that is not plain, and everything after it
 on the connection, is hypercorn's, and that it keeps hypercorn's connection handling:
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +22,9 @@ import pytest
 import trio
 
 from proxy.api.auth import hash_key
-from proxy.api.fast_routes import FastRoutes
-from proxy.server import adapters
-from proxy.server.adapters.hypercorn_adapter import H11Protocol, HypercornConfig
-from proxy.server.fast_path import PlainRequest, PlainResponse
+from proxy.server import fast_path
+from proxy.server.adapters.hypercorn_adapter import HypercornConfig
+from proxy.server.call import Call
 from proxy.server.run import serve
 from tests.contracts.test_lifetime import assert_request_gone
 from tests.support import (
@@ -51,13 +50,14 @@ SECRET = "sk-fast-path-test"
 def served_fast(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The paths of the requests the fast path answered, in order."""
     paths: list[str] = []
-    respond = FastRoutes.respond
+    make = fast_path.Call
 
-    def counting(self: FastRoutes, request: PlainRequest) -> PlainResponse:
-        paths.append(request.head.path)
-        return respond(self, request)
+    def counting(*args: Any, **kwargs: Any) -> Call:
+        call = make(*args, **kwargs)
+        paths.append(call.path)
+        return call
 
-    monkeypatch.setattr(FastRoutes, "respond", counting)
+    monkeypatch.setattr(fast_path, "Call", counting)
     return paths
 
 
@@ -542,48 +542,6 @@ async def test_keep_alive_max_requests_counts_every_request_of_the_connection(
         assert (await read_answer(raw)).header("connection") == "close"
         assert await closed(raw)
         assert len(served_fast) == (2 if second == "fast path's" else 1)
-
-
-async def test_without_the_request_count_internal_hypercorn_counts_from_zero(
-    nursery: trio.Nursery,
-    fake: Fake,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    served_fast: list[str],
-) -> None:
-    """The fallback: a hypercorn whose HTTP/1.1 protocol keeps its count elsewhere serves on,
-    counting the handed-over connection's requests from 0, and says so at start-up."""
-    monkeypatch.setattr(HypercornConfig, "keep_alive_max_requests", 2)
-    monkeypatch.setattr(
-        H11Protocol, "__init__", _init_without_count(H11Protocol.__init__), raising=True
-    )
-    adapters.reset()
-    try:
-        with caplog.at_level(logging.WARNING, logger="sluice.adapters"), trio.fail_after(DEADLINE):
-            proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
-            assert not adapters.usable("request_count")
-            raw = await connect(proxy)
-            await raw.stream.send_all(post(proxy, chat_body()))
-            assert (await read_answer(raw)).header("connection") is None
-            # hypercorn's first request on the connection: its count says 1 of 2.
-            await raw.stream.send_all(get(proxy))
-            assert (await read_answer(raw)).header("connection") is None
-            await raw.stream.send_all(get(proxy))
-            assert (await read_answer(raw)).header("connection") == "close"
-            assert served_fast == [CHAT]
-    finally:
-        adapters.reset()
-    assert any("counts its requests from 0" in record.getMessage() for record in caplog.records)
-
-
-def _init_without_count(init: Any) -> Any:
-    """H11Protocol.__init__ as a hypercorn would have it that sets no keep_alive_requests of
-    its own (a wrapper whose code names no such attribute; the count still works)."""
-
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-
-    return wrapped
 
 
 async def test_an_unfinished_head_is_closed_when_hypercorn_would_close_it(

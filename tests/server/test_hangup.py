@@ -5,7 +5,8 @@ without waiting for the connection's read task to be scheduled.
 The HangupWatcher unit tests need no trio loop: ``poll()`` is called by hand, on socketpairs
 (a close is visible to the peer before ``close()`` returns) and on TCP pairs over 127.0.0.1
 port 0 where TCP is the point (a FIN, a FIN behind unread bytes, a half-close, a reset). Then
-the watcher inside trio: installed by ``watching()``, polling after each wait for I/O, and,
+the watcher inside trio: installed by ``watching()`` (one per server), polling after each wait
+for I/O and whenever a watched socket hangs up (its own task waits on its epoll set), and,
 while the loop is saturated, between task steps. Last, through a real proxy: the client's
 socket is watched exactly while its stream is relayed.
 """
@@ -19,7 +20,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from traceback import walk_stack
 
 import h2.exceptions
@@ -314,81 +315,97 @@ async def quiet(watcher: HangupWatcher) -> None:
         await trio.lowlevel.checkpoint()
 
 
-async def test_watching_installs_one_shared_watcher_and_removes_it() -> None:
+@pytest.fixture
+def served_watchers(monkeypatch: pytest.MonkeyPatch) -> list[HangupWatcher]:
+    """The watcher of every server started from now on (each server has its own), in order."""
+    made: list[HangupWatcher] = []
+    original = hangup.watching
+
+    @contextlib.asynccontextmanager
+    async def recording(
+        interval: float | None = None, busy_batch: float | None = None
+    ) -> AsyncIterator[HangupWatcher | None]:
+        async with original(interval, busy_batch) as watcher:
+            if watcher is not None:
+                made.append(watcher)
+            yield watcher
+
+    monkeypatch.setattr(hangup, "watching", recording)
+    return made
+
+
+async def test_watching_installs_a_watcher_and_removes_it() -> None:
     with trio.fail_after(DEADLINE):
-        assert hangup.current() is None
-        with hangup.watching() as outer:
-            assert outer is not None
-            assert hangup.current() is outer
-            io_waits = HookCounter(outer, "after_io_wait")
-            with hangup.watching() as inner:
-                assert inner is outer  # one per loop, whoever asks
-            assert hangup.current() is outer  # the other user is still serving
+        async with hangup.watching() as watcher:
+            assert watcher is not None
+            io_waits = HookCounter(watcher, "after_io_wait")
+            async with hangup.watching() as other:
+                assert other is not None and other is not watcher  # one per server
+            assert other._epoll.closed and not watcher._epoll.closed
             await trio.lowlevel.checkpoint()
             assert io_waits.calls > 0  # installed: the loop calls it
-        assert hangup.current() is None
-        # Out of the loop and closed: no hook runs any more, the next user makes a new one.
+        # Out of the loop and closed: no hook runs any more.
         seen = io_waits.calls
         for _ in range(3):
             await trio.lowlevel.checkpoint()
         assert io_waits.calls == seen
-        assert outer._epoll.closed
-        with hangup.watching() as again:
-            assert again is not None and again is not outer
-        assert hangup.current() is None
+        assert watcher._epoll.closed
 
 
-async def test_two_servers_share_the_watcher_until_the_last_leaves() -> None:
-    # Two servers in one loop (as in the tests) stop in any order, not only nested.
-    watchers: list[HangupWatcher | None] = []
-    entered = [trio.Event(), trio.Event()]
-    leave = [trio.Event(), trio.Event()]
-    left = [trio.Event(), trio.Event()]
-
-    async def server(i: int) -> None:
-        with hangup.watching() as watcher:
-            watchers.append(watcher)
-            entered[i].set()
-            await leave[i].wait()
-        left[i].set()
-
+async def test_a_hangup_wakes_an_idle_loop(sockets: list[socket.socket]) -> None:
+    # Nothing else runs or waits for I/O: without the watcher's own task waiting on its epoll
+    # set, the close would be seen when something next woke the loop (here: a minute).
     with trio.fail_after(DEADLINE):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server, 0)
-            await entered[0].wait()
-            nursery.start_soon(server, 1)
-            await entered[1].wait()
-            assert watchers[0] is not None and watchers[0] is watchers[1]
-            shared = watchers[0]
-            leave[0].set()  # the first in leaves first
-            await left[0].wait()
-            assert hangup.current() is shared
-            assert not shared._epoll.closed
-            leave[1].set()
-            await left[1].wait()
-            assert hangup.current() is None
-            assert shared._epoll.closed
+        async with hangup.watching() as watcher:
+            assert watcher is not None
+            watched, peer = unix_pair(sockets)
+            heard = trio.Event()
+            watcher.watch(watched.fileno(), heard.set)
+            await quiet(watcher)
+            closed_at = trio.current_time()
+            peer.close()
+            with trio.move_on_after(60):
+                await heard.wait()
+            assert heard.is_set()
+            assert trio.current_time() - closed_at < 0.5
+            assert watcher.watched == 0
+
+
+async def test_unread_data_does_not_wake_the_watchers_task(sockets: list[socket.socket]) -> None:
+    # A pipelined byte is not a hangup: the task waits on, and the close after it is heard.
+    with trio.fail_after(DEADLINE):
+        async with hangup.watching() as watcher:
+            assert watcher is not None
+            watched, peer = unix_pair(sockets)
+            hook = Hook()
+            watcher.watch(watched.fileno(), hook)
+            peer.send(b"x")
+            await trio.sleep(0.05)
+            assert hook.calls == 0 and watcher.watched == 1
+            peer.close()
+            await poll_until(lambda: hook.calls == 1)
 
 
 async def test_a_hangup_is_acted_on_after_the_next_io_wait(sockets: list[socket.socket]) -> None:
     # Nobody reads the socket: the watcher's poll after trio's wait for I/O sees the close,
     # before any task runs in the next batch (polling after every wait: interval 0).
-    with trio.fail_after(DEADLINE), hangup.watching(interval=0) as watcher:
-        assert watcher is not None
-        watched, peer = unix_pair(sockets)
-        hook = Hook()
-        watcher.watch(watched.fileno(), hook)
-        await quiet(watcher)
-        await trio.lowlevel.checkpoint()
-        assert hook.calls == 0
-        peer.close()
-        await trio.lowlevel.checkpoint()  # to the next batch, through one wait for I/O
-        assert hook.calls == 1
-        assert "HangupWatcher.after_io_wait" in hook.callers[0]
-        assert watcher.watched == 0
-        for _ in range(3):
+    with trio.fail_after(DEADLINE):
+        async with hangup.watching(interval=0) as watcher:
+            assert watcher is not None
+            watched, peer = unix_pair(sockets)
+            hook = Hook()
+            watcher.watch(watched.fileno(), hook)
+            await quiet(watcher)
             await trio.lowlevel.checkpoint()
-        assert hook.calls == 1
+            assert hook.calls == 0
+            peer.close()
+            await trio.lowlevel.checkpoint()  # to the next batch, through one wait for I/O
+            assert hook.calls == 1
+            assert "HangupWatcher.after_io_wait" in hook.callers[0]
+            assert watcher.watched == 0
+            for _ in range(3):
+                await trio.lowlevel.checkpoint()
+            assert hook.calls == 1
 
 
 # 30 tasks of 2 ms each: every scheduler batch lasts at least 60 ms, a saturated loop in
@@ -457,42 +474,43 @@ async def saturate_then_close(
 async def test_a_hangup_is_seen_between_task_steps_on_a_saturated_loop(
     sockets: list[socket.socket],
 ) -> None:
-    with trio.fail_after(DEADLINE), hangup.watching() as watcher:
-        assert watcher is not None
-        watched, peer = unix_pair(sockets)
-        hook = Hook()
-        fired: list[tuple[float, int]] = []
-        seen = Saturation()
+    with trio.fail_after(DEADLINE):
+        async with hangup.watching() as watcher:
+            assert watcher is not None
+            watched, peer = unix_pair(sockets)
+            hook = Hook()
+            fired: list[tuple[float, int]] = []
+            seen = Saturation()
 
-        def on_hangup() -> None:
-            fired.append((time.perf_counter(), seen.steps))
-            hook()
+            def on_hangup() -> None:
+                fired.append((time.perf_counter(), seen.steps))
+                hook()
 
-        watcher.watch(watched.fileno(), on_hangup)
-        await quiet(watcher)
-        await saturate_then_close(watcher, peer, hook, seen, wait_for_stepper=True)
-        ((fired_at, fired_after),) = fired
-        assert seen.batch_seconds >= HOGS * HOG_STEP  # saturated, as meant
-        # The long batches put the per-step hook in; with it, the close was seen before the
-        # next task step, in mid-batch, not after the rest of the batch.
-        assert seen.stepping_at_close
-        assert "HangupWatcher.step" in hook.callers[0]
-        assert fired_after == seen.closed_after  # not one more hog step in between
-        assert fired_at - seen.closed_at < STEP_BOUND, fired_at - seen.closed_at
-        # The hogs gone, short batches take the per-step hook out again.
-        await quiet(watcher)
-        steps = HookCounter(watcher, "step")
-        # A preempted batch on a loaded machine puts the hook back in for STEPPING_HOLD: try
-        # for several of those before calling it stuck.
-        give_up = time.perf_counter() + 20 * hangup.STEPPING_HOLD
-        while True:
-            before = steps.calls
-            await trio.lowlevel.checkpoint()
-            # A whole batch with no step call: the hook is out.
-            if not watcher._stepping and steps.calls == before:
-                break
-            if time.perf_counter() > give_up:
-                pytest.fail("the per-step hook stayed in on a quiet loop")
+            watcher.watch(watched.fileno(), on_hangup)
+            await quiet(watcher)
+            await saturate_then_close(watcher, peer, hook, seen, wait_for_stepper=True)
+            ((fired_at, fired_after),) = fired
+            assert seen.batch_seconds >= HOGS * HOG_STEP  # saturated, as meant
+            # The long batches put the per-step hook in; with it, the close was seen before the
+            # next task step, in mid-batch, not after the rest of the batch.
+            assert seen.stepping_at_close
+            assert "HangupWatcher.step" in hook.callers[0]
+            assert fired_after == seen.closed_after  # not one more hog step in between
+            assert fired_at - seen.closed_at < STEP_BOUND, fired_at - seen.closed_at
+            # The hogs gone, short batches take the per-step hook out again.
+            await quiet(watcher)
+            steps = HookCounter(watcher, "step")
+            # A preempted batch on a loaded machine puts the hook back in for STEPPING_HOLD: try
+            # for several of those before calling it stuck.
+            give_up = time.perf_counter() + 20 * hangup.STEPPING_HOLD
+            while True:
+                before = steps.calls
+                await trio.lowlevel.checkpoint()
+                # A whole batch with no step call: the hook is out.
+                if not watcher._stepping and steps.calls == before:
+                    break
+                if time.perf_counter() > give_up:
+                    pytest.fail("the per-step hook stayed in on a quiet loop")
 
 
 async def test_without_the_per_step_hook_a_hangup_waits_for_the_batch(
@@ -501,25 +519,26 @@ async def test_without_the_per_step_hook_a_hangup_waits_for_the_batch(
     # The contrast that gives the test above its meaning: with a busy threshold no batch
     # reaches, the per-step hook never goes in, and the same close is only seen after the
     # batch's remaining hogs have run (about half of them).
-    with trio.fail_after(DEADLINE), hangup.watching(interval=0, busy_batch=3600) as watcher:
-        assert watcher is not None
-        watched, peer = unix_pair(sockets)
-        seen = Saturation()
-        fired: list[int] = []
-        hook = Hook()
+    with trio.fail_after(DEADLINE):
+        async with hangup.watching(interval=0, busy_batch=3600) as watcher:
+            assert watcher is not None
+            watched, peer = unix_pair(sockets)
+            seen = Saturation()
+            fired: list[int] = []
+            hook = Hook()
 
-        def on_hangup() -> None:
-            fired.append(seen.steps)
-            hook()
+            def on_hangup() -> None:
+                fired.append(seen.steps)
+                hook()
 
-        watcher.watch(watched.fileno(), on_hangup)
-        await quiet(watcher)
-        await saturate_then_close(watcher, peer, hook, seen, wait_for_stepper=False)
-        assert not seen.stepping_at_close
-        assert "HangupWatcher.after_io_wait" in hook.callers[0]
-        (fired_after,) = fired
-        # The rest of the batch (every hog steps once a batch) ran first.
-        assert fired_after == seen.closed_after + (HOGS - HOGS // 2)
+            watcher.watch(watched.fileno(), on_hangup)
+            await quiet(watcher)
+            await saturate_then_close(watcher, peer, hook, seen, wait_for_stepper=False)
+            assert not seen.stepping_at_close
+            assert "HangupWatcher.after_io_wait" in hook.callers[0]
+            (fired_after,) = fired
+            # The rest of the batch (every hog steps once a batch) ran first.
+            assert fired_after == seen.closed_after + (HOGS - HOGS // 2)
 
 
 # ------------------------------------------------------------------- through a real proxy
@@ -545,15 +564,14 @@ def watched_connection(watcher: HangupWatcher) -> tuple[int, ConnectionServer]:
 
 
 async def test_a_relayed_stream_watches_its_client_until_it_ends(
-    nursery: trio.Nursery, fake: Fake
+    nursery: trio.Nursery, fake: Fake, served_watchers: list[HangupWatcher]
 ) -> None:
     # Streams of 0.2 s, looked at a few tokens in: the proxy, the fake upstream and this test
     # share one loop, so a loaded machine slows all three alike.
     body = chat_body(fake={"ttft": 0, "interval": 0.005, "tokens": 40})
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
-        watcher = hangup.current()
-        assert watcher is not None  # serve() installed it
+        (watcher,) = served_watchers  # serve() installed it
         assert watcher.watched == 0
         raw = await RawClient.post(proxy, CHAT, body)
         # Two requests on one keep-alive connection: the same socket is watched again for the
@@ -577,12 +595,11 @@ async def test_a_relayed_stream_watches_its_client_until_it_ends(
 
 
 async def test_a_client_leaving_mid_stream_leaves_nothing_watched(
-    nursery: trio.Nursery, fake: Fake
+    nursery: trio.Nursery, fake: Fake, served_watchers: list[HangupWatcher]
 ) -> None:
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
-        watcher = hangup.current()
-        assert watcher is not None
+        (watcher,) = served_watchers
         raw = await RawClient.post(
             proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.02, "tokens": 1000})
         )
@@ -600,21 +617,22 @@ async def test_a_client_leaving_mid_stream_leaves_nothing_watched(
 
 async def test_long_batches_with_nothing_watched_leave_the_per_step_hook_out() -> None:
     # The hook costs every task step a call; with no client to watch there is nothing to gain.
-    with trio.fail_after(DEADLINE), hangup.watching() as watcher:
-        assert watcher is not None
-        await quiet(watcher)
+    with trio.fail_after(DEADLINE):
+        async with hangup.watching() as watcher:
+            assert watcher is not None
+            await quiet(watcher)
 
-        async def hog() -> None:
-            end = time.perf_counter() + 3 * HOG_STEP
-            while time.perf_counter() < end:
-                pass
-            await trio.lowlevel.checkpoint()
+            async def hog() -> None:
+                end = time.perf_counter() + 3 * HOG_STEP
+                while time.perf_counter() < end:
+                    pass
+                await trio.lowlevel.checkpoint()
 
-        for _ in range(3):
-            async with trio.open_nursery() as nursery:
-                for _ in range(5):
-                    nursery.start_soon(hog)
-            assert not watcher._stepping
+            for _ in range(3):
+                async with trio.open_nursery() as nursery:
+                    for _ in range(5):
+                        nursery.start_soon(hog)
+                assert not watcher._stepping
 
 
 async def test_a_watch_the_kernel_refuses_leaves_the_request_to_the_read_task(
@@ -622,13 +640,13 @@ async def test_a_watch_the_kernel_refuses_leaves_the_request_to_the_read_task(
     fake: Fake,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    served_watchers: list[HangupWatcher],
 ) -> None:
     # epoll's limits (max_user_watches) must not fail a request: it streams, unwatched, and
     # the read task still sees its client go.
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
-        watcher = hangup.current()
-        assert watcher is not None
+        (watcher,) = served_watchers
 
         def refuse(fd: int, on_hangup: Callable[[], None]) -> None:
             raise OSError(28, "No space left on device")
@@ -649,7 +667,7 @@ async def test_a_watch_the_kernel_refuses_leaves_the_request_to_the_read_task(
 
 
 async def test_http2_streams_are_not_watched_and_still_end_with_their_client(
-    nursery: trio.Nursery, fake: Fake
+    nursery: trio.Nursery, fake: Fake, served_watchers: list[HangupWatcher]
 ) -> None:
     # HTTP/2 multiplexes streams on one connection, whose server keeps a single disconnect
     # hook: a short stream ending would have taken a long one's hook and watch with it. So
@@ -659,8 +677,7 @@ async def test_http2_streams_are_not_watched_and_still_end_with_their_client(
     versions: list[str] = []
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
-        watcher = hangup.current()
-        assert watcher is not None
+        (watcher,) = served_watchers
         client = httpx.AsyncClient(http1=False, http2=True, timeout=DEADLINE, trust_env=False)
         long_started = trio.Event()
 

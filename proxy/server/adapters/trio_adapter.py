@@ -2,7 +2,8 @@
 
 * ``hangup``: the hangup watcher is a trio instrument (``add_instrument`` /
   ``remove_instrument``, ``before_io_wait`` / ``after_io_wait`` / ``before_task_step``) over
-  its own epoll set. Without it: no watcher; a client's FIN is seen by its read task.
+  its own epoll set, which a task waits on (``lowlevel.wait_readable``). Without it: no
+  watcher; a client's FIN is seen by its read task.
 * required: ``CancelScope.cancel(reason)`` (trio 0.31+: says who cancelled a relay) and
   ``lowlevel.wait_writable`` / ``current_clock``, which the relay and chunk writer use.
 """
@@ -30,11 +31,11 @@ TRIO = Adapter(
         Internal("trio.CancelScope.cancel", check=cancel_takes_a_reason),
         Internal("trio.lowlevel.wait_writable"),
         Internal("trio.lowlevel.current_clock"),
-        Internal("trio.lowlevel.RunVar"),
         Internal("trio.lowlevel.add_instrument", "hangup"),
         Internal("trio.lowlevel.remove_instrument", "hangup"),
         Internal("trio.abc.Instrument.before_task_step", "hangup"),
         Internal("trio.abc.Instrument.after_io_wait", "hangup"),
+        Internal("trio.lowlevel.wait_readable", "hangup"),
     ],
     fallbacks={
         "hangup": "no hangup watcher: a client's FIN is seen when its read task runs",
