@@ -1,5 +1,5 @@
-"""HTTP/1.1 as the server of the hot routes, sans-IO: which request heads the fast path may
-serve itself, and the bytes of its responses' heads.
+"""HTTP/1.1 as Sluice's own server, sans-IO: which request heads the fast path may serve
+itself, which bytes are never a request, and the head of every answer, on either server.
 
 The fast path (``proxy/server/fast_path.py``) serves only requests whose framing leaves nothing
 to interpret: HTTP/1.1, an origin-form target, well-formed header lines, one Content-Length of

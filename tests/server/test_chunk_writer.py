@@ -705,7 +705,7 @@ async def test_pipelined_streams_each_get_their_own_head(
     nursery: trio.Nursery, observed: Observed
 ) -> None:
     """Both requests in one packet: hypercorn holds the second (h11 PAUSED) until the first
-    response is complete, then starts it; start_response must find the new cycle."""
+    response is complete, then starts it; the writer must find the new cycle."""
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0.01, interval=0.002, tokens=4)
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
@@ -1031,7 +1031,7 @@ async def test_a_closed_socket_is_never_written_even_when_its_number_is_reused()
                 assert (bytes(one), bytes(two)) == (b"marker one", b"marker two")
 
 
-# A head as start_response leaves it pending: what the first write must carry before any frame.
+# A head as the wire leaves it held: what the first write must carry before any frame.
 HEAD = (
     b"HTTP/1.1 200 \r\ncontent-type: text/event-stream\r\ndate: Sun, 29 Nov 2026 21:00:00 GMT\r\n"
     b"server: hypercorn-h11\r\nTransfer-Encoding: chunked\r\n\r\n"

@@ -437,8 +437,8 @@ NOT_PLAIN: dict[str, tuple[Callable[[Proxy], bytes], int | None]] = {
     "head over 64 KiB": (with_head(f"X-Big: {'y' * 70000}\r\n"), 431),
     "obs-fold": (with_head("X-Folded: one\r\n two\r\n"), None),
     "no Host": (replace(b"Host:", b"X-Host:"), 400),
-    "GET to a hot route": (lambda proxy: get(proxy, CHAT), 405),
-    "not a hot route": (lambda proxy: post(proxy, b"{}", path="/v1/models"), 405),
+    "GET to an API route": (lambda proxy: get(proxy, CHAT), 405),
+    "not an API route": (lambda proxy: post(proxy, b"{}", path="/v1/models"), 405),
     "Upgrade": (with_head("Connection: upgrade\r\nUpgrade: h2c\r\n"), None),
     "absolute-form target": (replace(CHAT.encode(), b"http://localhost" + CHAT.encode()), None),
     "bare LF line ends": (
