@@ -1,9 +1,10 @@
 """Each peer's own folder under ``.peers/`` (gitignored), installed when missing: a venv per
 PyPI wheel, an npm prefix for Portkey, Debian's nginx-light through apt-get where the bench
-runs as root. A folder counts as installed once its install finished: a mark file names the
-pinned package, so a changed pin installs again. Installing runs subprocesses synchronously:
-it happens before the bench's trio run. What cannot be installed stops the bench with one
-line naming the package and why."""
+runs as root; the trio floor runs from this project's own venv and needs nothing. A folder
+counts as installed once its install finished: a mark file names the pinned package, so a
+changed pin installs again. Installing runs subprocesses synchronously: it happens before the
+bench's trio run. What cannot be installed stops the bench with one line naming the package
+and why."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ SYSTEM_SBIN: Final = "/usr/sbin:/sbin"
 # A pip or npm install downloads and unpacks; apt-get updates its lists first.
 INSTALL_TIMEOUT: Final = 1800.0
 
+# Peers that run from this project's own venv and files: nothing to install.
+RUN_FROM_HERE: Final = frozenset({"trio-floor"})
 # What pip installs into each peer's venv.
 _WHEELS: Final[dict[str, tuple[str, ...]]] = {
     "fastapi": FASTAPI_PINS,
@@ -45,6 +48,8 @@ def installed(name: str, root: Path = PEERS_ROOT) -> bool:
     """Whether ``name`` is ready to start from ``root``, as pinned (nothing is installed)."""
     if name == "nginx":
         return nginx_binary() is not None
+    if name in RUN_FROM_HERE:
+        return True
     mark = peer_dir(name, root) / MARK
     try:
         return mark.read_text().strip() == spec(name).package

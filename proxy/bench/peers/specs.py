@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
+import trio
+
 from proxy.bench.settings import BenchError
 
 PEER_NAMES: Final = (
+    "trio-floor",
     "fastapi",
     "litellm",
     "envoy",
@@ -78,6 +81,20 @@ class PeerSpec:
 
 SPECS: Final[Mapping[str, PeerSpec]] = MappingProxyType(
     {
+        "trio-floor": PeerSpec(
+            name="trio-floor",
+            package=f"trio=={trio.__version__} (this venv's), proxy/bench/peers/trio_floor.py",
+            version=trio.__version__,
+            title="trio floor (bare relay)",
+            how=(
+                "raw sockets on trio, one task per connection, keep-alive both ways, and no "
+                "contracts: no auth, JSON, access log, metrics or stall limit; a client that "
+                "leaves is noticed only when a write to it fails (an event or two later), so "
+                "its cancel figures are that habit's, not a lifetime contract's"
+            ),
+            websocket=False,
+            not_served=_frozen({"ws": "no WebSocket: it relays plain HTTP/1.1 requests"}),
+        ),
         "fastapi": PeerSpec(
             name="fastapi",
             package=", ".join(FASTAPI_PINS),

@@ -10,6 +10,7 @@ import os
 import pwd
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -99,6 +100,11 @@ def _launch(
     model: str,
 ) -> _Launch:
     bin_dir = folder / "bin"
+    if name == "trio-floor":
+        # A script, not ``-m``: its process imports trio and nothing of ``proxy``.
+        argv = [sys.executable, str(HERE / "trio_floor.py"), "--host", address[0]]
+        argv += ["--port", str(address[1]), "--upstream", fake_url]
+        return _Launch(argv, "/health")
     if name == "fastapi":
         argv = [str(bin_dir / "uvicorn"), "fastapi_gateway:app", "--app-dir", str(HERE)]
         argv += ["--host", address[0], "--port", str(address[1]), "--loop", "uvloop"]
