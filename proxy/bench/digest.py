@@ -7,9 +7,12 @@ alternating with Sluice in front of the same fake upstream).
   other load), one column per load, with its ratio to the trio floor (``--peer trio-floor``)
   measured in the same load. ``--markdown FILE`` writes this table as its own section.
 * **Against another Sluice** (``--peer sluice@REF`` in the loads): this tree's Sluice over
-  REF's, run by run (the i-th run of each, side by side in the alternating schedule) and the
-  median of those ratios, against ``--limit``; ``--check`` makes a median over it the exit
-  status.
+  REF's and the median of the ratios, against ``--limit``; ``--check`` makes a median over it
+  the exit status. From one report of a load, its runs' ratios (the i-th run of each, side by
+  side in the alternating schedule); from several reports of the same load (``make
+  bench-ab`` runs each load three times), each report's pooled ratio: every bench run starts
+  its own processes, and on this machine a process can run some percent slower or faster than
+  another of the same code for its whole life, which runs within one bench cannot average out.
 
 Only CPU figures: on a machine whose speed drifts within the hour, the ratio of two relays'
 CPU measured in one run is what holds."""
@@ -105,32 +108,50 @@ def _cpu(value: float) -> str:
     return f"{value / 1000:.2f} ms" if value >= 1000 else f"{value:.1f} µs"
 
 
+def _same_load(load: Load) -> str:
+    return json.dumps(load.settings, sort_keys=True)
+
+
+def group_loads(loads: Sequence[Load]) -> list[list[Load]]:
+    """The reports of each load (the same settings), in the order the loads first come."""
+    groups: dict[str, list[Load]] = {}
+    for load in loads:
+        groups.setdefault(_same_load(load), []).append(load)
+    return list(groups.values())
+
+
+def _median_value(group: Sequence[Load], mode: str) -> float | None:
+    return percentile([v for load in group if (v := load.value(mode)) is not None], 50)
+
+
 def floor_table(loads: Sequence[Load]) -> tuple[list[str], list[list[str]]]:
     """Rows: Sluice, the floor, then every other system in the order the loads name them;
-    a column per load: the figure, and "Nx floor" where the floor ran in that load."""
+    a column per load (several reports of one load: the median of their figures): the
+    figure, and "Nx floor" where the floor ran in that load."""
     modes: list[str] = ["proxy", FLOOR]
-    for load in loads:
-        modes += [mode for mode in load.report["runs"] if mode not in modes]
     names: dict[str, str] = {}
     for load in loads:
+        modes += [mode for mode in load.report["runs"] if mode not in modes]
         for mode in load.report["runs"]:
             names.setdefault(mode, load.label(mode))
-    header = ["system", *(load.title for load in loads)]
+    groups = group_loads(loads)
+    header = ["system", *(group[0].title for group in groups)]
     rows = []
     for mode in modes:
         if mode not in names or mode == "direct":
             continue
         row = [names[mode]]
-        for load in loads:
-            value, floor = load.value(mode), load.value(FLOOR)
+        for group in groups:
+            value, floor = _median_value(group, mode), _median_value(group, FLOOR)
             if value is None:
                 row.append("—")
                 continue
             cell = _cpu(value)
             if floor and mode != FLOOR:
                 cell += f" ({value / floor:.2f}x floor)"
-            if load.errors(mode):
-                cell += f", {load.errors(mode)} errors"
+            errors = sum(load.errors(mode) for load in group)
+            if errors:
+                cell += f", {errors} errors"
             row.append(cell)
         rows.append(row)
     return header, rows
@@ -138,49 +159,63 @@ def floor_table(loads: Sequence[Load]) -> tuple[list[str], list[list[str]]]:
 
 @dataclass(frozen=True)
 class Versus:
-    """This tree's Sluice over another one, in one load."""
+    """This tree's Sluice over another one in one load: from one report, its runs' ratios
+    (run by run); from several reports of the same load, each report's pooled ratio (each
+    bench run with processes of its own)."""
 
-    load: Load
+    loads: list[Load]
     mode: str
-    rounds: list[float]
-    pooled: float | None
+
+    @property
+    def load(self) -> Load:
+        return self.loads[0]
+
+    @property
+    def rounds(self) -> list[float]:
+        if len(self.loads) == 1:
+            by_figure = self.load.report.get("round_ratios", {}).get(f"proxy/{self.mode}", {})
+            return [float(r) for r in by_figure.get(self.load.figure, [])]
+        pooled = [(load.value("proxy"), load.value(self.mode)) for load in self.loads]
+        return [mine / theirs for mine, theirs in pooled if mine is not None and theirs]
 
     @property
     def median(self) -> float | None:
         return percentile(self.rounds, 50)
 
+    def value(self, mode: str) -> float | None:
+        """The figure's median over the reports."""
+        return percentile([v for load in self.loads if (v := load.value(mode)) is not None], 50)
+
 
 def versus_sluice(loads: Sequence[Load]) -> list[Versus]:
-    out = []
+    """Every load with another Sluice in it, its reports grouped by their settings."""
+    groups: dict[tuple[str, str], list[Load]] = {}
     for load in loads:
         for mode in load.report["runs"]:
-            if not mode.startswith(SLUICE_PEER):
-                continue
-            by_figure = load.report.get("round_ratios", {}).get(f"proxy/{mode}", {})
-            mine, theirs = load.value("proxy"), load.value(mode)
-            pooled = mine / theirs if mine is not None and theirs else None
-            out.append(Versus(load, mode, list(by_figure.get(load.figure, [])), pooled))
-    return out
+            if mode.startswith(SLUICE_PEER):
+                groups.setdefault((_same_load(load), mode), []).append(load)
+    return [Versus(group, mode) for (_, mode), group in groups.items()]
 
 
 def versus_table(
     versus: Sequence[Versus], limit: float
 ) -> tuple[list[str], list[list[str]], list[Versus]]:
     """The table, and the comparisons whose median is over ``limit`` (or unknown)."""
-    header = ["load", "Sluice", "the other", "ratio, run by run", "median", f"≤ {limit:.2f}x"]
+    header = ["load", "Sluice", "the other", "ratios", "median", f"≤ {limit:.2f}x"]
     rows, over = [], []
     for v in versus:
-        mine, theirs = v.load.value("proxy"), v.load.value(v.mode)
+        mine, theirs = v.value("proxy"), v.value(v.mode)
         median = v.median
         ok = median is not None and median <= limit
         if not ok:
             over.append(v)
+        each = "run by run" if len(v.loads) == 1 else f"one per bench run, {len(v.loads)} runs"
         rows.append(
             [
                 v.load.title,
                 _cpu(mine) if mine is not None else "—",
                 f"{v.load.label(v.mode)}: {_cpu(theirs)}" if theirs is not None else "—",
-                ", ".join(f"{r:.2f}x" for r in v.rounds) or "—",
+                (", ".join(f"{r:.2f}x" for r in v.rounds) or "—") + f" ({each})",
                 f"{median:.2f}x" if median is not None else "—",
                 "yes" if ok else "no",
             ]

@@ -248,22 +248,45 @@ def test_make_bench_feeds_the_digest_the_three_loads_it_ran() -> None:
     assert "--markdown" in summary
 
 
-def test_make_bench_ab_alternates_the_three_loads_with_ref_three_times() -> None:
+def test_make_bench_ab_runs_the_three_loads_with_ref_in_rounds_of_their_own() -> None:
     lines = recipe("bench-ab")
-    loads = [arguments(line, "proxy.bench") for line in lines if " -m proxy.bench " in line]
+    text = " ".join(lines)
+    loads = [shlex.split(argv) for argv in re.findall(r"-m proxy\.bench ([^;&|]*)", text)]
     assert len(loads) == 3
     for argv in loads:
         assert argv[argv.index("--peer") + 1] == "sluice@main"  # REF ?= main
-        assert argv[argv.index("--repeat") + 1] == "3"
+        # Each bench run balanced: A, B, B, A.
+        assert argv[argv.index("--repeat") + 1] == "2"
+        assert argv[argv.index("--json") + 1].endswith("-$$round.json")
     tokens = sorted(
         int(argv[argv.index("--tokens") + 1]) if "--tokens" in argv else 50 for argv in loads
     )
     assert tokens == [3, 50, 1000]
+    assert "for round in $$(seq 3)" in text
     (summary,) = [arguments(line, "proxy.bench.digest") for line in lines if "bench.digest" in line]
-    assert "--check" in summary
+    assert "--check" in summary and summary[0] == "/tmp/sluice-bench-ab/*.json"
     assert summary[summary.index("--limit") + 1] == "1.10"
-    written = {argv[argv.index("--json") + 1] for argv in loads}
-    assert written == {word for word in summary if word.endswith(".json")}
+    assert lines[0] == "rm -rf /tmp/sluice-bench-ab"  # no report of another REF
+
+
+def test_several_reports_of_one_load_give_one_ratio_each(tmp_path: Path) -> None:
+    """make bench-ab's rounds: each bench run's pooled ratio, the median of those."""
+    settings = BenchSettings(streams=100, repeat=2, peers=("sluice@c2f1a75",))
+    paths = []
+    for i, mine in enumerate((0.24, 0.2, 0.21)):
+        made = report(settings, {"proxy": [mine] * 2, "sluice-c2f1a75": [0.2] * 2})
+        paths.append(tmp_path / f"100-streams-{i}.json")
+        paths[-1].write_text(json.dumps(made.to_json()))
+    (versus,) = digest.versus_sluice(digest.read_loads([str(p) for p in paths]))
+    assert [round(r, 2) for r in versus.rounds] == [1.2, 1.0, 1.05]
+    assert versus.median == pytest.approx(1.05)
+    _, rows, over = digest.versus_table([versus], 1.10)
+    assert rows[0][3] == "1.20x, 1.00x, 1.05x (one per bench run, 3 runs)"
+    assert rows[0][1] == "2.10 ms" and over == []
+    # The floor table: one column for the load, the median of its reports.
+    header, table = digest.floor_table(digest.read_loads([str(p) for p in paths]))
+    assert header == ["system", "CPU per event, 100 streams x 50 tokens"]
+    assert table == [["Sluice", "2.10 ms"], ["sluice-c2f1a75", "2.00 ms"]]
 
 
 def test_digest_tolerates_a_report_without_rounds(tmp_path: Path) -> None:
