@@ -8,7 +8,7 @@ CONFIG ?= conf/local.toml
 # `make run PORT=9000`: the port to serve on (else the config's [server] port).
 PORT ?=
 
-.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
+.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench bench-ab scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -105,9 +105,16 @@ test-llamacpp: $(STAMP)
 	  "$$($(BIN)/python -c 'from inference import locate_smollm2_gguf as l; print(l())')"
 
 # Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.
-# The relays the load bench runs beside Sluice (LiteLLM is in the scorecard only: at 1000
-# streams a run of it takes minutes).
-BENCH_PEERS = --peer fastapi --peer nginx --peer envoy --peer vllm-router --peer sglang-router --peer portkey
+# The relays the load bench runs beside Sluice, the trio floor first (a bare trio relay on raw
+# sockets with no contracts: what trio itself costs, proxy/bench/peers/trio_floor.py).
+# LiteLLM runs the short requests and 100 streams only (LITELLM; about 3 and 1.5 minutes with
+# it): at 1000 streams one worker of it ran into the bench's 120 s timeout with 287 streams
+# unfinished.
+BENCH_PEERS = --peer trio-floor --peer fastapi --peer nginx --peer envoy --peer vllm-router --peer sglang-router --peer portkey
+LITELLM = --peer litellm
+# Where the loads of the summary table (CPU per short request, per event at 100 streams and
+# on long streams, beside the floor) write their reports for python -m proxy.bench.digest.
+BENCH_OUT ?= /tmp/sluice-bench
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m proxy.bench --streams 100 --direct --markdown docs/benchmarks.md
@@ -135,8 +142,8 @@ bench: $(STAMP)
 	# when missing), alternating with Sluice run by run. 100 streams run three times each:
 	# single runs of the unsaturated load vary by ~10%. --workers 2: what using both cores
 	# changes (the peers keep one worker).
-	$(BIN)/python -m proxy.bench --streams 100 --repeat 3 $(BENCH_PEERS) \
-	  --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 100 --repeat 3 $(BENCH_PEERS) $(LITELLM) \
+	  --json $(BENCH_OUT)/100-streams.json --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 $(BENCH_PEERS) \
 	  --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 100 --peer fastapi --repeat 3 --workers 2 \
@@ -146,8 +153,16 @@ bench: $(STAMP)
 	# each, the fake closing its connection after each answer; 1,500 over 15 s. The figure is
 	# CPU per request.
 	$(BIN)/python -m proxy.bench --streams 1500 --ramp 15 --tokens 3 --drop 0 \
-	  --upstream-habit close-after-response $(BENCH_PEERS) \
+	  --upstream-habit close-after-response $(BENCH_PEERS) $(LITELLM) \
+	  --json $(BENCH_OUT)/short-requests.json --markdown docs/benchmarks.md
+	# Long streams, 200 x 1000 tokens: CPU per event when requests are rare, beside the floor
+	# and nginx (the C reference).
+	$(BIN)/python -m proxy.bench --streams 200 --ramp 2 --tokens 1000 --drop 0 \
+	  --peer trio-floor --peer nginx --json $(BENCH_OUT)/long-streams.json \
 	  --markdown docs/benchmarks.md
+	# The three loads' CPU figures in one table, each system over the floor.
+	$(BIN)/python -m proxy.bench.digest $(BENCH_OUT)/short-requests.json \
+	  $(BENCH_OUT)/100-streams.json $(BENCH_OUT)/long-streams.json --markdown docs/benchmarks.md
 	# The same short requests with and without the fast path (proxy/server/fast_path.py).
 	$(BIN)/python -m proxy.bench --streams 1500 --ramp 15 --tokens 3 --drop 0 \
 	  --upstream-habit close-after-response --versus-fast-path --repeat 2 \
@@ -159,6 +174,28 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench.local --markdown docs/benchmarks.md
 	# What happens when a client leaves (docs/cancellation.md, linked from docs/benchmarks.md).
 	$(MAKE) scorecard
+
+# This tree's Sluice against another's: make bench-ab REF=c2f1a75 (a git revision, whose tree
+# --peer sluice@REF extracts under .peers/sluice-REF, or a checkout's path). Three rounds; in
+# each, the three loads (short requests, 100 streams, 200 x 1000 tokens), each a bench run of
+# its own that starts both Sluices afresh in front of one fake and alternates them (A, B, B, A).
+# The table: this tree's CPU (per request, per event) over REF's, one ratio per bench run, and
+# the median of the three against AB_LIMIT (exit 1 if one is over). About 10 minutes here.
+REF ?= main
+AB_LIMIT ?= 1.10
+AB_ROUNDS ?= 3
+AB_OUT ?= /tmp/sluice-bench-ab
+AB = $(BIN)/python -m proxy.bench --peer sluice@$(REF) --repeat 2 --quiet
+bench-ab: $(STAMP)
+	rm -rf $(AB_OUT)
+	for round in $$(seq $(AB_ROUNDS)); do \
+	  $(AB) --streams 1500 --ramp 15 --tokens 3 --drop 0 --upstream-habit close-after-response \
+	    --json $(AB_OUT)/short-requests-$$round.json && \
+	  $(AB) --streams 100 --json $(AB_OUT)/100-streams-$$round.json && \
+	  $(AB) --streams 200 --ramp 2 --tokens 1000 --drop 0 --json $(AB_OUT)/long-streams-$$round.json \
+	  || exit 1; \
+	done
+	$(BIN)/python -m proxy.bench.digest $(AB_OUT)/*.json --limit $(AB_LIMIT) --check
 
 # The cancellation scorecard (proxy/bench/matrix/): every cell N = 5, one JSON report per
 # system in docs/ (each says the commit it was measured at), then docs/cancellation.md and its

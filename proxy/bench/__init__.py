@@ -17,12 +17,16 @@ With ``--direct`` the identical load also runs straight at the fake upstream, an
 is printed for proxy, direct and proxy/direct. With ``--baseline`` the same load also runs
 through the same proxy with the slow readers reading at full speed (proxy/baseline): the
 proxy's memory with and without clients that stop reading. With ``--peer NAME`` (once per
-system: ``fastapi``, the project's FastAPI + httpx gateway, ``envoy``, ``nginx``,
-``vllm-router``, ``sglang-router``, ``portkey``, ``litellm``; ``proxy.bench.peers`` installs
-each under ``.peers/NAME`` and starts it in front of the same fake upstream), or ``--peer URL
---peer-pid PID`` for one already running, the same load also runs through each, alternating
-with Sluice, and every figure is printed for each and proxy/NAME: above all CPU per relayed
-event, the figure that survives a noisy machine, and CPU per request. ``--plots DIR`` (on by default
+system: ``trio-floor``, a bare trio relay with no contracts, the floor of the stack,
+``fastapi``, the project's FastAPI + httpx gateway, ``envoy``, ``nginx``, ``vllm-router``,
+``sglang-router``, ``portkey``, ``litellm``; ``proxy.bench.peers`` installs each under
+``.peers/NAME`` and starts it in front of the same fake upstream), ``--peer sluice@REF``
+(another Sluice, from a git revision's tree or a checkout, with the proxy's own config: an
+A/B), or ``--peer URL --peer-pid PID`` for one already running, the same load also runs
+through each, alternating with Sluice, and every figure is printed for each and proxy/NAME:
+above all CPU per relayed event, the figure that survives a noisy machine, and CPU per
+request; with ``--repeat`` the CPU ratios also run by run, with their median.
+``--plots DIR`` (on by default
 next to ``--markdown``) draws with matplotlib the latency CDFs, p50 and p99 marked, and each
 relay's RSS as growth over its run's start (and per stream), in files named by the load's
 settings that differ from the defaults (``bench-100-streams-vs-direct-latency.png``), so
@@ -63,7 +67,9 @@ The modules, by role (this package re-exports what the other tools and the tests
 * ``plots``: the matplotlib figures;
 * ``children``: the processes the bench starts and stops, and a stoppable ``trio.run``;
 * ``run``: the systems under test started, and the load run against each;
-* ``cli``: the command line.
+* ``cli``: the command line;
+* ``digest``: one table across several loads' ``--json`` reports (each system beside the
+  floor; this Sluice over another, run by run).
 """
 
 from __future__ import annotations
@@ -162,6 +168,7 @@ from proxy.bench.summary import (
     merge_runs,
     percentile,
     pooled_rss,
+    round_figures,
     rss_stats,
     summarize,
     upstream_held,
@@ -237,6 +244,7 @@ __all__ = [
     "process_rss",
     "ratios",
     "relative_link",
+    "round_figures",
     "rss_figure",
     "rss_growth",
     "rss_series",

@@ -107,11 +107,12 @@ async def supervise(
     log_path: Path,
     *,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
     task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Own one child for as long as this task lives: a child that exits on its own is an
     error (it fails the bench at once instead of as a pile of refused connections). ``env``
-    is added to this process's environment."""
+    is added to this process's environment; ``cwd``: where it starts (None: here)."""
     log = _open_log(log_path)
     try:
         process = await trio.lowlevel.open_process(
@@ -122,6 +123,7 @@ async def supervise(
             # Its own session: Ctrl-C reaches the bench only, which then stops children in order.
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=cwd,
         )
     finally:
         log.close()  # the child has its own copy of the descriptor

@@ -24,6 +24,7 @@ from proxy.bench.report import (
     format_table,
     markdown_section,
     relative_link,
+    round_lines,
     upsert_section,
     write_text,
 )
@@ -109,8 +110,10 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
         metavar="NAME_OR_URL",
         help="also run the load through another gateway, alternating with the proxy; repeat "
         f"it to run several side by side. A name ({', '.join(PEER_NAMES)}; auto is fastapi) "
-        "is installed under .peers/ when missing and started in front of the same fake; a URL "
-        "(anything with ://) is one already running (with --upstream, the fake it relays to)",
+        "is installed under .peers/ when missing and started in front of the same fake; "
+        "sluice@REF is another Sluice with the proxy's config, from the tree of git revision "
+        "REF (extracted under .peers/) or from the checkout at path REF; a URL (anything "
+        "with ://) is one already running (with --upstream, the fake it relays to)",
     )
     add(
         "--peer-pid",
@@ -270,6 +273,8 @@ async def run_from_args(args: argparse.Namespace) -> None:
     errors = _errors_line(report.summaries, labels)
     if errors:
         print(errors)
+    for line in round_lines(report, labels):
+        print(line)
     # Small local files, written once at the end: a blocking write is fine here.
     if args.json is not None:
         write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from proxy.bench.settings import BENCH_BUDGET, BenchSettings
-from proxy.bench.summary import RunData, RunSummary
+from proxy.bench.summary import ROUND_FIGURES, RunData, RunSummary, percentile
 from proxy.bench.tracing_ab import TracingTally
 from proxy.bench.tracing_ab import markdown_lines as tracing_lines
 
@@ -81,6 +81,55 @@ def ratios(proxy: RunSummary, direct: RunSummary) -> dict[str, float | None]:
             continue
         out[name] = a / b if b else None
     return out
+
+
+def round_ratios(
+    rounds: Mapping[str, Sequence[Mapping[str, float | None]]],
+) -> dict[str, dict[str, list[float]]]:
+    """The proxy over every other mode, run by run: ``{"proxy/nginx": {"proxy_cpu_us_per_event":
+    [r1, r2, r3]}}``. The i-th run of one mode is paired with the i-th of the proxy, which the
+    alternating schedule runs beside it; a pair missing a figure is left out."""
+    if "proxy" not in rounds:
+        return {}
+    out: dict[str, dict[str, list[float]]] = {}
+    for ref, theirs in rounds.items():
+        if ref == "proxy":
+            continue
+        by_figure = {}
+        for name in ROUND_FIGURES:
+            values = []
+            for mine, other in zip(rounds["proxy"], theirs, strict=False):
+                a, b = mine.get(name), other.get(name)
+                if a is not None and b:
+                    values.append(a / b)
+            if values:
+                by_figure[name] = values
+        if by_figure:
+            out[f"proxy/{ref}"] = by_figure
+    return out
+
+
+def round_lines(report: BenchReport, labels: Mapping[str, str] | None = None) -> list[str]:
+    """One line per ratio and figure, where some mode ran more than once: each run's ratio,
+    then their median (the figure that a machine's drift moves least)."""
+    if not any(len(runs) > 1 for runs in report.rounds.values()):
+        return []
+    labels = labels or {}
+    figures = {name: label for name, label, _ in FIGURES}
+    lines = []
+    for ratio, by_figure in round_ratios(report.rounds).items():
+        shown: list[str] = []
+        for name, values in by_figure.items():
+            each = ", ".join(f"{value:.2f}x" for value in values)
+            if each in shown:
+                continue  # per request as per event: every system relayed the same events
+            shown.append(each)
+            figure = figures[name]
+            median = percentile(values, 50)
+            lines.append(
+                f"{labels.get(ratio, ratio)}, {figure}, run by run: {each} (median {median:.2f}x)"
+            )
+    return lines
 
 
 def _fmt(value: float | int | None, spec: str) -> str:
@@ -305,6 +354,9 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
     errors = _errors_line(report.summaries, labels)
     if errors:
         lines += ["", errors]
+    rounds = round_lines(report, labels)
+    if rounds:
+        lines += ["", *(f"- {line}" for line in rounds)]
     if plots:
         lines.append("")
         lines += [f"![{alt}]({link})" for alt, link in plots]
@@ -369,6 +421,8 @@ class BenchReport:
     tracing: TracingTally | None = None
     # Each peer's mode: what the bench started there (None: a peer given by URL).
     peers: dict[str, PeerFacts | None] = field(default_factory=dict)
+    # Each mode's CPU figures run by run, in the order they ran (summary.round_figures).
+    rounds: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -398,6 +452,8 @@ class BenchReport:
         }
         if "proxy/versus" in rates:
             out["ratios_versus"] = rates["proxy/versus"]
+        out["rounds"] = self.rounds
+        out["round_ratios"] = round_ratios(self.rounds)
         if self.tracing is not None:
             out["tracing"] = self.tracing.to_json()
         # What the columns are called in the table (the transports, with --versus-transport).

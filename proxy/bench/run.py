@@ -42,7 +42,14 @@ from proxy.bench.client import (
     http_get,
     run_stream,
 )
-from proxy.bench.peers import PeerSpec, ensure_installed, peer_version, start_peer
+from proxy.bench.peers import (
+    PeerSpec,
+    ensure_installed,
+    peer_dir,
+    peer_version,
+    spec,
+    start_peer,
+)
 from proxy.bench.procfs import (
     RssTrace,
     _raise_fd_limit,
@@ -64,8 +71,9 @@ from proxy.bench.settings import (
     _address,
     assign_roles,
     cpu_layout,
+    is_sluice_ref,
 )
-from proxy.bench.summary import RunData, RunSummary, merge_runs, summarize
+from proxy.bench.summary import RunData, RunSummary, merge_runs, round_figures, summarize
 from proxy.bench.tracing_ab import (
     TracingTally,
     collector,
@@ -433,11 +441,11 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     pids: dict[str, int] = {}
     # Before anything starts: a peer that is not installed and cannot be is a plain error,
     # not a half-run bench (installing one takes minutes, once).
-    peer_names = [value for _, value in settings.peer_modes() if "://" not in value]
-    versions: dict[str, str] = {}
-    for name in peer_names:
-        await trio.to_thread.run_sync(ensure_installed, name)
-        versions[name] = await trio.to_thread.run_sync(peer_version, name)
+    versions: dict[Mode, str] = {}
+    for mode, name in settings.peer_modes():
+        if "://" not in name:
+            await trio.to_thread.run_sync(ensure_installed, name)
+            versions[mode] = await trio.to_thread.run_sync(peer_version, name)
     layout = cpu_layout(os.sched_getaffinity(0), settings.workers) if settings.pin else None
     placed: dict[str, list[int]] = {}
     own_cpus = os.sched_getaffinity(0) if layout is not None else None
@@ -485,6 +493,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
     modes = settings.modes()
     pooled: dict[str, RunData] = {mode: merge_runs(runs[mode]) for mode in modes if mode in runs}
     summaries: dict[str, RunSummary] = {mode: summarize(run) for mode, run in pooled.items()}
+    rounds = {mode: [round_figures(run) for run in runs[mode]] for mode in pooled}
     return BenchReport(
         settings=settings,
         summaries=summaries,
@@ -503,6 +512,7 @@ async def run_bench(settings: BenchSettings, *, command: str = "") -> BenchRepor
             else PeerFacts(p.spec.title, p.spec.package, p.spec.how, versions.get(mode, ""))
             for mode, p in endpoints_peers.items()
         },
+        rounds=rounds,
     )
 
 
@@ -614,6 +624,15 @@ class _Systems:
                 endpoints.peers[mode] = _Peer(address, next(pids_given, None))
                 continue
             assert upstream_url is not None  # settings refuse a named peer without one
+            if is_sluice_ref(value):
+                # Another Sluice: started as the proxy is, from its own tree.
+                address, pid = await self._start_proxy(
+                    mode, settings.transport, upstream_url, tree=peer_dir(value)
+                )
+                pids[mode] = pid
+                facts = spec(value)
+                endpoints.peers[mode] = _Peer(address, pid, _sluice_headers(settings), facts)
+                continue
             started = await start_peer(
                 self._nursery,
                 value,
@@ -655,13 +674,19 @@ class _Systems:
         env: dict[str, str] | None = None,
         *,
         budgeted: bool = True,
+        tree: Path | None = None,
     ) -> tuple[tuple[str, int], int]:
         """A Sluice proxy with ``transport`` in front of ``upstream_url`` (``env`` added to
         its environment): its address and PID. ``mode`` names its files and, for "versus",
-        its transport (or its being untraced) the errors."""
+        its transport (or its being untraced) the errors. ``tree``: another Sluice's files
+        (``--peer sluice@REF``), which it starts in and imports ``proxy`` from."""
         settings = self._settings
+        if tree is not None:
+            env = {**(env or {}), "PYTHONPATH": str(tree)}
         other = (
-            "untraced"
+            mode
+            if tree is not None
+            else "untraced"
             if settings.versus_tracing
             else "unbudgeted"
             if settings.versus_budget
@@ -681,6 +706,6 @@ class _Systems:
         if settings.workers > 1:
             argv += ["--workers", str(settings.workers)]
         argv = pinned_argv(argv, self._proxy_cpus)
-        process = await self._nursery.start(partial(supervise, env=env), name, argv, log)
+        process = await self._nursery.start(partial(supervise, env=env, cwd=tree), name, argv, log)
         await wait_ready(name, address, "/healthz", log)
         return address, process.pid

@@ -24,6 +24,9 @@ FIXED_MODES: Final[tuple[Mode, ...]] = ("proxy", "versus", "direct", "baseline")
 # A --peer that is a name: the project's FastAPI peer by another name.
 PEER_AUTO: Final = "auto"
 PEER_AUTO_NAME: Final = "fastapi"
+# A --peer that runs another Sluice: ``sluice@REF``, REF a git revision of this repository
+# (its tree extracted under .peers/) or the path of a checkout. Its mode: ``sluice-REF``.
+SLUICE_REF: Final = "sluice@"
 # Sluice's upstream transports (``[upstream] transport``), as proxy.config knows them.
 TRANSPORTS: Final = ("auto", "lean", "httpx")
 # The fake upstream's connection habits (its flag of the same name, "none": no flag).
@@ -36,6 +39,22 @@ BENCH_BUDGET: Final = 10**12
 
 class BenchError(Exception):
     """The bench could not run (bad settings, a child that failed to start or died)."""
+
+
+def is_sluice_ref(value: str) -> bool:
+    """Whether a --peer value is another Sluice (``sluice@REF``)."""
+    return value.startswith(SLUICE_REF)
+
+
+def sluice_ref_mode(value: str) -> Mode:
+    """The mode of ``sluice@REF``: ``sluice-`` and REF's last path part, in the characters a
+    load's key and a file name keep (``sluice@c2f1a75`` runs as ``sluice-c2f1a75``,
+    ``sluice@/work/ab-main`` as ``sluice-ab-main``)."""
+    ref = value[len(SLUICE_REF) :].rstrip("/")
+    last = ref.rsplit("/", 1)[-1]
+    if not last:
+        raise BenchError(f"--peer {value}: name a git revision or a checkout after sluice@")
+    return "sluice-" + "".join(c if c.isalnum() or c in "._-" else "-" for c in last)
 
 
 def assign_roles(streams: int, drop: float, slow: float, seed: int) -> list[Role]:
@@ -185,13 +204,15 @@ class BenchSettings:
 
     def peer_modes(self) -> list[tuple[Mode, str]]:
         """Each peer's mode and its value (a name, or a URL): ``auto`` runs as ``fastapi``, a
-        URL as ``peer``, ``peer2``..."""
+        URL as ``peer``, ``peer2``..., ``sluice@REF`` as ``sluice-REF``."""
         out: list[tuple[Mode, str]] = []
         urls = 0
         for value in self.peers:
             if "://" in value:
                 urls += 1
                 out.append(("peer" if urls == 1 else f"peer{urls}", value))
+            elif is_sluice_ref(value):
+                out.append((sluice_ref_mode(value), value))
             else:
                 name = PEER_AUTO_NAME if value == PEER_AUTO else value
                 out.append((name, name))

@@ -9,7 +9,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from proxy.bench.client import StreamResult, classify
 from proxy.bench.procfs import RssTrace
@@ -181,6 +181,19 @@ class RunSummary:
 
 def _per_event_us(cpu_s: float | None, events: int) -> float | None:
     return None if cpu_s is None or not events else cpu_s * 1e6 / events
+
+
+# The figures kept run by run as well as pooled: what alternating runs compare pair by pair.
+ROUND_FIGURES: Final = ("proxy_cpu_us_per_event", "proxy_cpu_us_per_request")
+
+
+def round_figures(run: RunData) -> dict[str, float | None]:
+    """One run's CPU per event and per request (before pooling: one of its repeats)."""
+    events = sum(result.events for result in run.results)
+    return {
+        "proxy_cpu_us_per_event": _per_event_us(run.proxy_cpu_s, events),
+        "proxy_cpu_us_per_request": _per_event_us(run.proxy_cpu_s, len(run.results)),
+    }
 
 
 @dataclass

@@ -195,6 +195,10 @@ def test_one_system_at_a_time(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         matrix.main(["--matrix", "--peer", "nosuch"])
     assert "nosuch" in str(exited.value) and "envoy" in str(exited.value)
+    # Another Sluice takes the proxy's config, which only the load bench writes.
+    with pytest.raises(SystemExit) as exited:
+        matrix.main(["--matrix", "--peer", "sluice@c2f1a75"])
+    assert "load bench only" in str(exited.value)
 
 
 def test_a_peer_url_is_a_target() -> None:

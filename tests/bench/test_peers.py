@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,7 @@ from proxy.bench.peers import (
     start_peer,
 )
 from proxy.bench.peers import install as peers_install
+from proxy.bench.peers import start as peers_start
 from proxy.bench.peers.configs import (
     envoy_argv,
     envoy_config,
@@ -59,6 +61,23 @@ def test_every_peer_has_its_facts() -> None:
     assert spec("litellm").package == "litellm[proxy]==1.108.7"
     assert spec("portkey").package == "@portkey-ai/gateway@1.15.2"
     assert "chat" not in spec("sglang-router").not_served
+    assert spec("trio-floor").version == trio.__version__
+
+
+def test_the_trio_floor_installs_nothing_and_runs_its_own_script(tmp_path: Path) -> None:
+    assert installed("trio-floor", tmp_path)
+    assert ensure_installed("trio-floor", tmp_path, out=io.StringIO()) == tmp_path / "trio-floor"
+    assert list(tmp_path.iterdir()) == []
+    launch = peers_start._launch(
+        "trio-floor", tmp_path, LISTEN, FAKE, tmp_path, api_key="k", model="m"
+    )
+    script = Path(launch.argv[1])
+    assert launch.argv[0] == sys.executable
+    assert script.name == "trio_floor.py" and script.is_file()
+    assert launch.argv[launch.argv.index("--upstream") + 1] == FAKE
+    assert launch.argv[launch.argv.index("--port") + 1] == "9100"
+    # Its report says why its cancel figures are no contract's.
+    assert "noticed only when a write to it fails" in spec("trio-floor").how
 
 
 def test_an_unknown_peer_names_the_choices() -> None:

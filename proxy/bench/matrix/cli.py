@@ -18,7 +18,7 @@ from proxy.bench.matrix.cells import (
     MatrixSettings,
 )
 from proxy.bench.peers import PEER_NAMES, spec
-from proxy.bench.settings import PEER_AUTO, PEER_AUTO_NAME, BenchError
+from proxy.bench.settings import PEER_AUTO, PEER_AUTO_NAME, BenchError, is_sluice_ref
 
 # An axis's values: plain names, or the phases (whose names are their values).
 Choice = TypeVar("Choice", bound=str)
@@ -138,6 +138,8 @@ def settings_from_args(args: argparse.Namespace, command: str = "") -> MatrixSet
     peer = PEER_AUTO_NAME if peer == PEER_AUTO else peer
     if peer:
         spec(peer)  # an unknown name: its error, now
+        if is_sluice_ref(peer):
+            raise BenchError(f"--peer {peer}: another Sluice runs in the load bench only")
     endpoints = args.endpoints
     if args.local:
         # The local model's cells are chat's (the other endpoints share its engine path).

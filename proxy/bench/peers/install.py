@@ -1,9 +1,10 @@
 """Each peer's own folder under ``.peers/`` (gitignored), installed when missing: a venv per
 PyPI wheel, an npm prefix for Portkey, Debian's nginx-light through apt-get where the bench
-runs as root. A folder counts as installed once its install finished: a mark file names the
-pinned package, so a changed pin installs again. Installing runs subprocesses synchronously:
-it happens before the bench's trio run. What cannot be installed stops the bench with one
-line naming the package and why."""
+runs as root, another Sluice's tree from git (``sluice_ref``); the trio floor runs from this
+project's own venv and needs nothing. A folder counts as installed once its install finished:
+a mark file names the pinned package (or commit), so a changed pin installs again. Installing
+runs subprocesses synchronously: it happens before the bench's trio run. What cannot be
+installed stops the bench with one line naming the package and why."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import sys
 from pathlib import Path
 from typing import IO, Final
 
+from proxy.bench.peers import sluice_ref
 from proxy.bench.peers.specs import FASTAPI_PINS, NGINX_PACKAGE, PORTKEY_VERSION, spec
-from proxy.bench.settings import BenchError
+from proxy.bench.settings import BenchError, is_sluice_ref
 
 PEERS_ROOT: Final = Path(__file__).resolve().parents[3] / ".peers"
 # Written last by an install that finished: its content is the pinned package.
@@ -26,6 +28,8 @@ SYSTEM_SBIN: Final = "/usr/sbin:/sbin"
 # A pip or npm install downloads and unpacks; apt-get updates its lists first.
 INSTALL_TIMEOUT: Final = 1800.0
 
+# Peers that run from this project's own venv and files: nothing to install.
+RUN_FROM_HERE: Final = frozenset({"trio-floor"})
 # What pip installs into each peer's venv.
 _WHEELS: Final[dict[str, tuple[str, ...]]] = {
     "fastapi": FASTAPI_PINS,
@@ -38,6 +42,8 @@ _WHEELS: Final[dict[str, tuple[str, ...]]] = {
 
 def peer_dir(name: str, root: Path = PEERS_ROOT) -> Path:
     spec(name)  # an unknown name: the error that names the choices
+    if is_sluice_ref(name):
+        return sluice_ref.tree(name, root)
     return root / name
 
 
@@ -45,6 +51,10 @@ def installed(name: str, root: Path = PEERS_ROOT) -> bool:
     """Whether ``name`` is ready to start from ``root``, as pinned (nothing is installed)."""
     if name == "nginx":
         return nginx_binary() is not None
+    if name in RUN_FROM_HERE:
+        return True
+    if is_sluice_ref(name):
+        return sluice_ref.installed(name, root)
     mark = peer_dir(name, root) / MARK
     try:
         return mark.read_text().strip() == spec(name).package
@@ -64,6 +74,8 @@ def ensure_installed(name: str, root: Path = PEERS_ROOT, *, out: IO[str] = sys.s
         return folder
     package = spec(name).package
     print(f"installing {package} for --peer {name} into {folder} ...", file=out, flush=True)
+    if is_sluice_ref(name):
+        return sluice_ref.install(name, root)
     folder.mkdir(parents=True, exist_ok=True)
     log = root / f"{name}-install.log"
     if name == "nginx":

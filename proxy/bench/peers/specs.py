@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
-from proxy.bench.settings import BenchError
+import trio
+
+from proxy.bench.settings import SLUICE_REF, BenchError, is_sluice_ref, sluice_ref_mode
 
 PEER_NAMES: Final = (
+    "trio-floor",
     "fastapi",
     "litellm",
     "envoy",
@@ -78,6 +81,20 @@ class PeerSpec:
 
 SPECS: Final[Mapping[str, PeerSpec]] = MappingProxyType(
     {
+        "trio-floor": PeerSpec(
+            name="trio-floor",
+            package=f"trio=={trio.__version__} (this venv's), proxy/bench/peers/trio_floor.py",
+            version=trio.__version__,
+            title="trio floor (bare relay)",
+            how=(
+                "raw sockets on trio, one task per connection, keep-alive both ways, and no "
+                "contracts: no auth, JSON, access log, metrics or stall limit; a client that "
+                "leaves is noticed only when a write to it fails (an event or two later), so "
+                "its cancel figures are that habit's, not a lifetime contract's"
+            ),
+            websocket=False,
+            not_served=_frozen({"ws": "no WebSocket: it relays plain HTTP/1.1 requests"}),
+        ),
         "fastapi": PeerSpec(
             name="fastapi",
             package=", ".join(FASTAPI_PINS),
@@ -185,8 +202,32 @@ SPECS: Final[Mapping[str, PeerSpec]] = MappingProxyType(
 
 
 def spec(name: str) -> PeerSpec:
-    """The peer called ``name``; BenchError naming the choices for any other name."""
+    """The peer called ``name`` (or ``sluice@REF``); BenchError naming the choices for any
+    other name."""
+    if is_sluice_ref(name):
+        return sluice_ref_spec(name)
     try:
         return SPECS[name]
     except KeyError:
-        raise BenchError(f"no peer {name!r}: choose one of {', '.join(PEER_NAMES)}") from None
+        raise BenchError(
+            f"no peer {name!r}: choose one of {', '.join(PEER_NAMES)}, or {SLUICE_REF}REF "
+            "(another Sluice: a git revision, or a checkout's path)"
+        ) from None
+
+
+def sluice_ref_spec(name: str) -> PeerSpec:
+    """Another Sluice, ``sluice@REF``: what the reports say of it (its commit is its version,
+    read when it is installed: ``peer_version``)."""
+    sluice_ref_mode(name)  # no REF: its error, now
+    ref = name[len(SLUICE_REF) :]
+    return PeerSpec(
+        name=name,
+        package=f"Sluice at {ref}",
+        version=ref,
+        title=f"Sluice at {ref}",
+        how=(
+            "`python -m proxy.cli serve` from that tree with the bench's Python, the same "
+            "config as the proxy (transport, pool, workers)"
+        ),
+        websocket=True,
+    )

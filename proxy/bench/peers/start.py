@@ -10,6 +10,7 @@ import os
 import pwd
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ from proxy.bench.children import (
     supervise,
     wait_ready,
 )
-from proxy.bench.peers import configs
+from proxy.bench.peers import configs, sluice_ref
 from proxy.bench.peers.install import (
     PEERS_ROOT,
     PORTKEY_SERVER,
@@ -34,7 +35,7 @@ from proxy.bench.peers.install import (
 )
 from proxy.bench.peers.specs import PeerSpec, spec
 from proxy.bench.report import write_text
-from proxy.bench.settings import BenchError
+from proxy.bench.settings import BenchError, is_sluice_ref
 
 HERE: Final = Path(__file__).resolve().parent
 PORTKEY_SHIM: Final = HERE / "portkey_shim.mjs"
@@ -99,6 +100,14 @@ def _launch(
     model: str,
 ) -> _Launch:
     bin_dir = folder / "bin"
+    if is_sluice_ref(name):
+        # Its config is the proxy's own, which only the load bench writes (proxy.bench.run).
+        raise BenchError(f"--peer {name} runs in the load bench (python -m proxy.bench) only")
+    if name == "trio-floor":
+        # A script, not ``-m``: its process imports trio and nothing of ``proxy``.
+        argv = [sys.executable, str(HERE / "trio_floor.py"), "--host", address[0]]
+        argv += ["--port", str(address[1]), "--upstream", fake_url]
+        return _Launch(argv, "/health")
     if name == "fastapi":
         argv = [str(bin_dir / "uvicorn"), "fastapi_gateway:app", "--app-dir", str(HERE)]
         argv += ["--host", address[0], "--port", str(address[1]), "--loop", "uvloop"]
@@ -159,7 +168,10 @@ def _router_launch(name: str, bin_dir: Path, address: tuple[str, int], fake_url:
 
 
 def peer_version(name: str, root: Path = PEERS_ROOT) -> str:
-    """The version the installed peer reports (nginx: Debian's build), else its pinned one."""
+    """The version the installed peer reports (nginx: Debian's build; another Sluice: its
+    commit), else its pinned one."""
+    if is_sluice_ref(name):
+        return sluice_ref.version(name, root)
     if name != "nginx":
         return spec(name).version
     nginx = nginx_binary()
