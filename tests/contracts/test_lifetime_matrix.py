@@ -46,6 +46,14 @@ Testing policy
   moment of the disconnect (anywhere in the stream, or after it) and the transport and backend
   at random, and checks the same invariants.
 
+* **A pipelined byte, on both server paths** (``_pipelined_byte_matrix``): the same phases,
+  transports and backends, each on the fast path and on hypercorn (``[server] fast_path =
+  false``), with a client that sends one more byte (the start of a next request) once its
+  request is in its phase, lets the proxy take it in, and then leaves. Such a byte ends the
+  fast path's wait for the socket's EOF and pauses hypercorn's reader behind the first answer,
+  so the FIN is seen only when something else wakes the loop: the bounds above must hold all
+  the same. The fast subset: SSE on the lean transport, on both paths; the rest is ``slow``.
+
 * **Traces.** Every case runs with tracing on (only the standard ``OTEL_EXPORTER_OTLP_*``
   variables), exporting to a real OTLP/HTTP receiver in this process. Each request a case sends
   carries a ``traceparent`` with a fresh trace id; once the invariants above hold, the spans
@@ -64,11 +72,14 @@ Testing policy
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import logging
 import os
 import re
 import socket
+import struct
+import termios
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -78,6 +89,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -247,6 +259,31 @@ def _matrix() -> list[Any]:
     return cases
 
 
+def _pipelined_byte_matrix() -> list[Any]:
+    """The chat matrix again, with a pipelined byte before the client leaves, on both server
+    paths (fast path: True); the fast subset is SSE on the lean transport."""
+    cases = []
+    for fast_path in (True, False):
+        server = "fast_path" if fast_path else "hypercorn"
+        for phase in PHASES:
+            for backend in BACKENDS:
+                if (phase, backend) in NOT_APPLICABLE:
+                    continue
+                for transport in TRANSPORTS:
+                    fast = transport == "sse" and backend == "upstream"
+                    cases.append(
+                        pytest.param(
+                            fast_path,
+                            phase,
+                            transport,
+                            backend,
+                            marks=() if fast else (pytest.mark.slow,),
+                            id=f"{server}-{backend}-{transport}-{phase}",
+                        )
+                    )
+    return cases
+
+
 # -- tracing ---------------------------------------------------------------------------------
 
 
@@ -372,6 +409,8 @@ class Rig:
     # Which endpoint the upstream drivers' requests go to (ENDPOINT_PATHS).
     endpoint: str = "chat"
     traced: Traced | None = None
+    # Whether each request's client sends one more byte before it leaves (PipeliningClient).
+    pipelined_byte: bool = False
     # Each request sent since the baseline: its trace id and backend.
     sent: dict[RawClient, tuple[str, str]] = field(default_factory=dict)
 
@@ -417,7 +456,8 @@ class Rig:
             backend = self.upstream
         body = self.body(backend, transport, endpoint, **options)
         trace_id, traceparent = new_traceparent()
-        raw = await RawClient.post(
+        client = PipeliningClient if self.pipelined_byte else RawClient
+        raw = await client.post(
             self.proxy, self.path(backend, endpoint), body, headers={"traceparent": traceparent}
         )
         self.sent[raw] = (trace_id, backend)
@@ -460,8 +500,53 @@ class Rig:
         self.records = len(self.fake.recorder.records)
 
 
+def unacknowledged(stream: trio.SocketStream) -> int:
+    """Bytes ``stream`` has sent that its peer's kernel has not acknowledged yet."""
+    (count,) = struct.unpack("i", fcntl.ioctl(stream.socket.fileno(), termios.TIOCOUTQ, b"\0" * 4))
+    return int(count)
+
+
+async def taken_in(stream: trio.SocketStream) -> None:
+    """Once what ``stream`` sent is in the proxy's socket (acknowledged: a loaded machine may
+    deliver loopback segments late), and the proxy has run on it (its read, or its watch for
+    EOF, woken and done) and waits again, as every task does."""
+    await poll_until(lambda: unacknowledged(stream) == 0)
+    await trio.testing.wait_all_tasks_blocked()
+
+
+async def send_pipelined_byte(stream: trio.SocketStream) -> None:
+    """One byte after the request (the start of a next one), taken in by the proxy: a FIN that
+    comes after it is then seen only if the proxy watches past it."""
+    await stream.send_all(b"P")
+    await taken_in(stream)
+
+
+def leave_at_once(raw: RawClient) -> float:
+    """Close ``raw``'s socket with no checkpoint after it; the time of the close. A client in
+    another process wakes nothing in the proxy's loop when it leaves; this one's ``aclose``
+    would (its checkpoint runs a scheduler round, and the hangup watcher's poll with it, right
+    after the FIN), and so hide a departure that nothing else would notice. The caller's next
+    await should be the one wait for what it expects."""
+    raw.stream.socket.close()
+    return trio.current_time()
+
+
+class PipeliningClient(RawClient):
+    """A client that, when it leaves, first sends one byte after its request and lets the proxy
+    take it in (:func:`send_pipelined_byte`), then closes (:func:`leave_at_once`)."""
+
+    async def close(self) -> float:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await send_pipelined_byte(self.stream)
+        return leave_at_once(self)
+
+
 async def start_rig(
-    nursery: trio.Nursery, loaded: Any, traced: Traced | None, **more_models: Any
+    nursery: trio.Nursery,
+    loaded: Any,
+    traced: Traced | None,
+    server: dict[str, Any] | None = None,
+    **more_models: Any,
 ) -> Rig:
     fake = await start_fake(nursery, ttft=0.02, interval=0.01, tokens=5)
     slow = slowed(loaded)
@@ -486,6 +571,7 @@ async def start_rig(
         env=None if traced is None else traced.env,
         local_models={"tiny": slow},
         upstream={"max_connections": 1},
+        server=server or {},
     )
     rig = Rig(proxy, fake, slow.model, traced=traced)
     await rig.warm_up()
@@ -848,6 +934,31 @@ async def test_disconnect_leaves_nothing_behind_on_every_endpoint(
     await leave_and_check(nursery, tiny_loaded_model, traced, endpoint, phase, transport, backend)
 
 
+@pytest.mark.parametrize(("fast_path", "phase", "transport", "backend"), _pipelined_byte_matrix())
+async def test_disconnect_after_a_pipelined_byte_leaves_nothing_behind(
+    fast_path: bool,
+    phase: Phase,
+    transport: str,
+    backend: str,
+    nursery: trio.Nursery,
+    tiny_loaded_model: Any,
+    traced: Traced,
+) -> None:
+    """The client sends a byte after its request, then leaves: on either server path, in every
+    phase, the same bounds and nothing left behind."""
+    await leave_and_check(
+        nursery,
+        tiny_loaded_model,
+        traced,
+        "chat",
+        phase,
+        transport,
+        backend,
+        server={"fast_path": fast_path},
+        pipelined_byte=True,
+    )
+
+
 async def leave_and_check(
     nursery: trio.Nursery,
     loaded: Any,
@@ -856,6 +967,9 @@ async def leave_and_check(
     phase: Phase,
     transport: str,
     backend: str,
+    *,
+    server: dict[str, Any] | None = None,
+    pipelined_byte: bool = False,
 ) -> None:
     with unreachable_port() as (listener, filler), trio.fail_after(DEADLINE):
         port = listener.getsockname()[1]
@@ -868,9 +982,12 @@ async def leave_and_check(
             nursery,
             loaded,
             traced,
+            server,
             unreachable=unreachable,
             **{"unreachable-httpx": {**unreachable, "transport": "httpx"}},
         )
+        # After the warm-up, whose requests end as always.
+        rig.pipelined_byte = pipelined_byte
         if backend in UPSTREAM_BACKENDS:
             rig.upstream = backend
             rig.endpoint = endpoint
