@@ -269,6 +269,10 @@ class RawClient:
                 raise EOFError(f"connection closed; received {self.received[-300:]!r}")
             self.received += data
 
+    async def ready_to_leave(self) -> None:
+        """What the client does just before it leaves (nothing; a client that pipelines a
+        byte first sends it), so that a test counts from the moment of the close itself."""
+
     async def close(self) -> float:
         """Leave abruptly; returns the time at which the connection was closed."""
         await self.stream.aclose()

@@ -535,9 +535,16 @@ class PipeliningClient(RawClient):
     """A client that, when it leaves, first sends one byte after its request and lets the proxy
     take it in (:func:`send_pipelined_byte`), then closes (:func:`leave_at_once`)."""
 
+    _sent = False
+
+    async def ready_to_leave(self) -> None:
+        if not self._sent:
+            self._sent = True
+            with contextlib.suppress(trio.BrokenResourceError):
+                await send_pipelined_byte(self.stream)
+
     async def close(self) -> float:
-        with contextlib.suppress(trio.BrokenResourceError):
-            await send_pipelined_byte(self.stream)
+        await self.ready_to_leave()
         return leave_at_once(self)
 
 
@@ -840,6 +847,8 @@ async def local_queued(rig: Rig, transport: str) -> Left:
     await rig.local.admission.wait_queued(0)
     await rig.proxy.state.tracker.wait_until(lambda tracker: len(tracker.active) == 1)
     assert trio.current_time() - closed_at < CANCEL_BOUND
+    # The steps counted from the moment the holder leaves (after anything it sends first).
+    await holder.ready_to_leave()
     steps = rig.model.steps
     closed_at = await holder.close()
     await assert_local_stopped(rig, closed_at, STEP, steps)
@@ -851,6 +860,7 @@ async def local_first_token(rig: Rig, transport: str) -> Left:
     prefills = rig.model.prefills
     raw = await rig.post("local", transport, max_tokens=50)
     await poll_until(lambda: rig.model.prefills > prefills)  # the worker is in the prefill
+    await raw.ready_to_leave()
     steps = rig.model.steps
     closed_at = await raw.close()
     # The prefill runs to its end (a model step cannot be interrupted), then nothing more.
@@ -866,6 +876,7 @@ async def local_mid_stream(rig: Rig, transport: str) -> Left:
         await raw.read_until(b'"content":"', count=4)
     else:
         await poll_until(lambda: rig.model.steps >= steps + 4)
+    await raw.ready_to_leave()
     steps = rig.model.steps
     closed_at = await raw.close()
     await assert_local_stopped(rig, closed_at, STEP, steps)
