@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol, cast
 import h11
 import trio
 
+from proxy.protocol.connection_state import ConnectionState
 from proxy.relay.body import DirectWriter, RelayBody
 from proxy.server import adapters
 from proxy.server.adapters.hypercorn_adapter import (
@@ -78,7 +79,7 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         nursery.cancel_scope.cancel()
 
     async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
-        wire = self.wire = wire_for(send, self.scope.get("method", "GET"))
+        wire = self.wire = wire_for(send, self.scope)
         body = getattr(response, "response", None)
         headers = [(name, value) for name, value in response.headers.items()]
         if isinstance(body, RelayBody):
@@ -161,12 +162,15 @@ def _chain_of(send: Any) -> _Chain | None:
     return _Chain(stream, protocol, server, transport.socket, connection)
 
 
-def wire_for(send: Any, method: str) -> H11Wire | ASGIWire:
-    """The wire of an answer sent through hypercorn's ASGI ``send``."""
+def wire_for(send: Any, scope: Any) -> H11Wire | ASGIWire:
+    """The wire of an answer sent through hypercorn's ASGI ``send`` for ``scope``'s request."""
+    method = scope.get("method", "GET")
     chain = _chain_of(send)
-    if chain is None:
-        return ASGIWire(send, method)
-    return H11Wire(send, chain, method)
+    if chain is not None:
+        return H11Wire(send, chain, method)
+    _, _, server = send_chain(send)
+    state = server.connection_state if isinstance(server, ConnectionServer) else None
+    return ASGIWire(send, state, http2=scope.get("http_version") == "2")
 
 
 def _stall_timeout(server: Any) -> float:
@@ -274,15 +278,19 @@ class ASGIWire(_GoneWatch):
     """Any answer over ASGI ``send`` alone: the server frames it, and its connection server
     bounds its writes."""
 
-    __slots__ = ("_send",)
+    __slots__ = ("_http2", "_send", "_state")
 
-    def __init__(self, send: Any, method: str) -> None:
+    def __init__(self, send: Any, state: ConnectionState | None, *, http2: bool) -> None:
         super().__init__()
         self._send = send
+        # The connection's state, on an HTTP/1.x connection of Sluice's connection server.
+        self._state = None if http2 else state
+        self._http2 = http2
 
     @property
     def last_answer(self) -> bool:
-        return False  # the server decides its connection's closing itself
+        # HTTP/2 streams share their connection, whose closing is the server's alone.
+        return self._state is not None and self._state.last_answer
 
     def server_headers(self) -> list[tuple[bytes, bytes]]:
         return []  # the server adds its own
@@ -304,9 +312,10 @@ class ASGIWire(_GoneWatch):
         return None
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes) -> None:
-        # The server frames the body (HTTP/2 forbids the HTTP/1.1 framing headers).
-        kept = [pair for pair in headers if pair[0].lower() not in _SERVER_FRAMED]
-        start = {"type": "http.response.start", "status": status, "headers": kept}
+        if self._http2:
+            # HTTP/2 forbids HTTP/1.1's framing and connection headers: its server frames.
+            headers = [pair for pair in headers if pair[0].lower() not in _HTTP1_ONLY]
+        start = {"type": "http.response.start", "status": status, "headers": headers}
         await self._send(cast(Any, start))
         if first:
             await self.send(first)
@@ -320,7 +329,7 @@ class ASGIWire(_GoneWatch):
         await self._send(cast(Any, {"type": "http.response.body", "body": b"", "more_body": False}))
 
 
-_SERVER_FRAMED = frozenset({b"transfer-encoding", b"connection"})
+_HTTP1_ONLY = frozenset({b"transfer-encoding", b"connection"})
 
 
 _CONNECTION_KEY = "sluice.connection"

@@ -116,14 +116,14 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> Observed:
     seen = Observed()
     original_wire_for = asgi.wire_for
 
-    def wire_for(send: Any, method: str) -> Any:
+    def wire_for(send: Any, scope: Any) -> Any:
         if seen.server_sndbuf is not None:
             sock = transport_socket(send)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, seen.server_sndbuf)
         if len(seen.wires) in seen.through_asgi:
-            wire: Any = asgi.ASGIWire(send, method)
+            wire: Any = asgi.ASGIWire(send, None, http2=False)
         else:
-            wire = original_wire_for(send, method)
+            wire = original_wire_for(send, scope)
         seen.wires.append("h11" if isinstance(wire, asgi.H11Wire) else "asgi")
         return wire
 
