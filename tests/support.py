@@ -40,10 +40,11 @@ DEADLINE = 15
 class ServerPath:
     """Which server reads a test proxy's plain requests when the test does not say: the fast
     path (the default, as in production), or hypercorn and Quart for every request. The whole
-    suite runs on hypercorn's with ``SLUICE_TEST_FAST_PATH=0``; a module that must hold on
-    both uses :func:`each_server_path`."""
+    suite runs on hypercorn's with ``TEST_FAST_PATH=0`` (not under ``SLUICE_``: a server the
+    tests start would read it as a config key); a module that must hold on both uses
+    :func:`each_server_path`."""
 
-    fast_path = os.environ.get("SLUICE_TEST_FAST_PATH", "1") != "0"
+    fast_path = os.environ.get("TEST_FAST_PATH", "1") != "0"
 
 
 @pytest.fixture(params=[True, False], ids=["fast-path", "hypercorn"])

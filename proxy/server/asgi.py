@@ -62,6 +62,8 @@ log = logging.getLogger("sluice.asgi")
 class RelayHTTPConnection(TrioASGIHTTPConnection):
     # The way out of the answer being written (or written): set by _send_response.
     wire: H11Wire | ASGIWire | None = None
+    # When the client left, if that was before an answer's wire existed to hear it.
+    gone_early: float | None = None
 
     async def handle_messages(  # type: ignore[override]
         self, nursery: trio.Nursery, request: Any, receive: ASGIReceiveCallable
@@ -70,7 +72,11 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
         # upstream is shut down in this step), and says whether there is anything to cancel.
         await ASGIHTTPConnection.handle_messages(self, request, receive)
         wire = self.wire
-        if wire is not None and not wire.client_left():
+        if wire is None:
+            # No answer begun: the cancellation finds its relay (if one is about to start)
+            # with the moment the client left, for its metrics and its trace.
+            self.gone_early = trio.current_time()
+        elif not wire.client_left():
             # The answer had ended (hypercorn sends http.disconnect from inside the last send,
             # then shuts the socket down or arms its idle timer) or was whole: cancelling here
             # would cancel that work at its first checkpoint. The response's task ends the
@@ -80,6 +86,8 @@ class RelayHTTPConnection(TrioASGIHTTPConnection):
 
     async def _send_response(self, send: ASGISendCallable, response: Any) -> None:
         wire = self.wire = wire_for(send, self.scope)
+        if self.gone_early is not None:
+            wire.left_at(self.gone_early)
         body = getattr(response, "response", None)
         headers = [(name, value) for name, value in response.headers.items()]
         if isinstance(body, RelayBody):
@@ -116,6 +124,10 @@ class _GoneWatch:
 
     def gone_at(self) -> float | None:
         return self._gone_at
+
+    def left_at(self, when: float) -> None:
+        """The client left at ``when``, before this wire existed."""
+        self._gone_at = when
 
     def client_left(self) -> bool:
         """The server saw the client go; whether the request is to be cancelled."""
