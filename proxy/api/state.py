@@ -13,7 +13,7 @@ import trio
 from proxy.api.auth import KeyRing
 from proxy.api.pipeline import RequestPipeline
 from proxy.api.reload import RELOAD_OUTCOMES, ConfigReloader
-from proxy.api.served_config import ServedConfig
+from proxy.api.served_config import ServedConfig, scheduling_settings
 from proxy.api.served_config import check_no_fake_upstream as check_no_fake_upstream
 from proxy.api.served_config import resolve_api_keys as resolve_api_keys
 from proxy.backends.base import Backend
@@ -23,6 +23,7 @@ from proxy.config import Config, ConfigError, LocalModel
 from proxy.ops import tracing
 from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
+from proxy.relay.admission import Scheduling
 from proxy.relay.body import RelayTracker
 from proxy.server.asgi import SluiceQuart
 
@@ -64,6 +65,9 @@ class SluiceState:
         # Where the models' "fake:" upstream listens: the fake upstream is tooling, started
         # beside the app by whoever starts the app (`sluice serve` with [fake_upstream]).
         self.fake_upstream_url = fake_upstream_url
+        # The queues of the upstreams (their rooms and order), and each key's service: the
+        # process's, kept across reloads.
+        self.scheduling = Scheduling(scheduling_settings(config))
         # The config's keys, upstreams and pipeline (api/served_config.py): replaced whole by a
         # reload, in one assignment; the previous ones retire once their relays end.
         self.current = self.build_served(config)
@@ -84,6 +88,8 @@ class SluiceState:
 
     def build_served(self, config: Config, previous: ServedConfig | None = None) -> ServedConfig:
         """The serving objects of ``config`` (not started): at start-up, and at each reload."""
+        for local in self.local_backends.values():
+            local.configure(scheduling_settings(config))
         return ServedConfig(
             config,
             self.env,
@@ -93,6 +99,7 @@ class SluiceState:
             self.loading,
             self.fake_upstream_url,
             previous,
+            self.scheduling,
         )
 
     # What the current served config serves with: each request reads these once (the pipeline
@@ -164,7 +171,9 @@ class SluiceState:
         until the server stops."""
         from proxy.backends.local import LocalBackend
 
-        local = LocalBackend(model, self.local_models[model.name], self.metrics)
+        local = LocalBackend(
+            model, self.local_models[model.name], self.metrics, scheduling_settings(self.config)
+        )
         await nursery.start(local.run)
         self.local_backends[model.name] = local
         # Every served config serves it; a reload's next one copies local_backends.

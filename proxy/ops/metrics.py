@@ -262,12 +262,28 @@ class Metrics:
     queue_wait = MetricSpec(
         Histogram,
         "sluice_queue_wait_seconds",
-        "Time a request waited for a local model's slot or an upstream connection slot, "
-        "observed when it left the queue, "
-        "by outcome: admitted, queue_timeout (503), cancelled (the client left), or "
+        "Time a request waited in Sluice's queue for a local model's slot or an upstream "
+        "replica's, observed when it left the queue, by model, key ('-': none), band, and "
+        "outcome: admitted, queue_timeout (503), deadline (503 deadline_unmeetable: it could "
+        "not start before its client stops waiting), cancelled (the client left), or "
         "queue_full (429 at once, 0 s).",
-        ["model", "outcome"],
+        ["model", "outcome", "key", "band"],
         _QUEUE_BUCKETS,
+    )
+    dispatches = MetricSpec(
+        Counter,
+        "sluice_dispatches",
+        "Requests dispatched from Sluice's queue to a slot, by model and band: how the bands "
+        "share the upstream.",
+        ["model", "band"],
+    )
+    key_service = MetricSpec(
+        Gauge,
+        "sluice_key_service",
+        "Each key's virtual counter in the fair scheduler ('-': requests with no key): the "
+        "service it has received, input tokens x w_in plus output tokens x w_out, over its "
+        "weight. The backlogged key with the smallest goes next.",
+        ["key", "backend"],
     )
     local_steps = MetricSpec(
         BucketHistogram,
@@ -338,6 +354,14 @@ class Metrics:
         "Local models: bytes of KV held by the prefix cache now (at most prefix_cache_bytes).",
         ["model"],
     )
+
+    def left_queue(self, model: str, ticket: Any, seconds: float, outcome: str) -> None:
+        """A request left Sluice's queue (``ticket``: proxy.protocol.scheduling.Ticket)."""
+        key = ticket.tenant or "-"
+        band = str(ticket.band)
+        self.queue_wait.labels(model, outcome, key, band).observe(seconds)
+        if outcome == "admitted":
+            self.dispatches.labels(model, band).inc()
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

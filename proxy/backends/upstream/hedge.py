@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from proxy.backends.upstream.retry import Attempt, Choose, RetryPolicy, log_retry
+from proxy.backends.upstream.retry import Attempt, RetryPolicy, log_retry
 from proxy.backends.upstream.routing import ReplicaLoad
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
@@ -33,13 +33,11 @@ class Hedge:
         attempt: Attempt,
         policy: RetryPolicy,
         hedge_after: float,
-        choose: Choose,
         no_replica: Callable[[], ApiError],
     ) -> None:
         self._attempt = attempt
         self._max_attempts = policy.max_attempts
         self._hedge_after = hedge_after
-        self._choose = choose
         self._no_replica = no_replica
 
     async def __call__(
@@ -47,20 +45,24 @@ class Hedge:
     ) -> None:
         max_attempts = self._max_attempts
         race = _Race(sink)
+        # The replicas the attempts went to (each appended as it is dispatched), and the
+        # attempts launched: a hedge waiting in the queue has tried nothing yet.
         tried: list[ReplicaLoad] = []
+        launched = 0
         outcomes_send, outcomes = trio.open_memory_channel[ApiError | None](max_attempts)
         final_error: ApiError | None = None
         async with trio.open_nursery() as nursery:
             running = 0
 
             def launch() -> bool:
-                nonlocal running
-                load = self._choose(tried, key)
-                if load is None:
+                nonlocal running, launched
+                if launched >= max_attempts or not self._attempt.candidates(tried):
                     return False
-                tried.append(load)
+                launched += 1
                 running += 1
-                nursery.start_soon(self._enter, load, request, request_id, race, outcomes_send)
+                nursery.start_soon(
+                    self._enter, tried, key, request, request_id, race, outcomes_send
+                )
                 return True
 
             if not launch():
@@ -77,15 +79,15 @@ class Hedge:
                         final_error = outcome
                     elif running:
                         pass  # the other attempt is still in the race
-                    elif len(tried) < max_attempts and launch():
-                        log_retry(request_id, tried[-2], outcome)
+                    elif launch():
+                        log_retry(request_id, tried[-1], outcome)
                     else:
                         final_error = outcome
                     continue
                 # No first token within hedge_after: hedge, once.
                 hedge_at = math.inf
-                if len(tried) < max_attempts and launch():
-                    log.info("request %s: hedging on %s", request_id, tried[-1].url)
+                if launch():
+                    log.info("request %s: hedging (attempt %d)", request_id, launched)
             if final_error is not None:
                 nursery.cancel_scope.cancel()
         if final_error is not None:
@@ -93,7 +95,8 @@ class Hedge:
 
     async def _enter(
         self,
-        load: ReplicaLoad,
+        tried: list[ReplicaLoad],
+        key: bytes,
         request: CompletionRequest,
         request_id: str,
         race: _Race,
@@ -103,7 +106,7 @@ class Hedge:
             entrant = race.enter(scope)
             outcome: ApiError | None = None
             try:
-                await self._attempt(load, request, request_id, entrant)
+                await self._attempt(tried, key, request, request_id, entrant)
             except ApiError as error:
                 outcome = error
             # Capacity max_attempts: never blocks. A loser was cancelled and reports nothing.
