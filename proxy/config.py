@@ -402,6 +402,9 @@ class SchedulingConfig:
     # A request that has waited this long goes before every band, oldest first, so that a
     # less urgent band is never starved (0: no guard).
     starvation_seconds: float = 60.0
+    # With [limits] backend = "redis": how often each instance shares its keys' counters with
+    # the others (a key flooding one instance is behind on all, this stale at most).
+    share_seconds: float = 1.0
 
 
 LIMITS_BACKENDS = ("memory", "redis")

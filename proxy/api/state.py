@@ -16,6 +16,7 @@ from proxy.api.reload import RELOAD_OUTCOMES, ConfigReloader
 from proxy.api.served_config import ServedConfig, scheduling_settings
 from proxy.api.served_config import check_no_fake_upstream as check_no_fake_upstream
 from proxy.api.served_config import resolve_api_keys as resolve_api_keys
+from proxy.api.shared_service import SharedService
 from proxy.backends.base import Backend
 from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.replica import UpstreamReplica
@@ -185,6 +186,15 @@ class SluiceState:
         """Start serving (the app's before_serving): the backends, then their background work
         in ``nursery`` (the app's), which runs until the server stops."""
         self.nursery = nursery
+        if self.config.limits.backend == "redis":
+            # The keys' counters shared with the other instances, through the current
+            # config's store (nothing to share while a reloaded config counts in memory).
+            shared = SharedService(
+                self.scheduling.upstream.queue,
+                lambda: self.current.keys.shared,
+                interval=self.config.scheduling.share_seconds,
+            )
+            nursery.start_soon(shared.run, name="sluice scheduler counters (Redis)")
         # The shared limits' Redis client and the upstreams' work live in the app's nursery.
         await nursery.start(self.current.run)
         for model in self.config.models:

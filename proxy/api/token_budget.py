@@ -213,15 +213,25 @@ class Metered:
         an upstream's stream, those for nobody are the events still queued for a client that
         left (the upstream itself is stopped at once)."""
         facts = self.meter.facts
-        if access.trace is not None and not self.meter.local and facts.output_tokens is not None:
-            access.trace.reported_usage(facts.input_tokens, facts.output_tokens)
         usage = self.usage
+        trace = access.trace
+        if trace is not None and not self.meter.local:
+            if facts.output_tokens is not None:
+                trace.reported_usage(facts.input_tokens, facts.output_tokens)
+            elif usage is not None:
+                # No usage block from the upstream: Sluice's own count (its deltas, the
+                # prompt's estimate), so that every trace says what the request used.
+                trace.reported_usage(usage.input, usage.output)
         if usage is None:
             return
         for_nobody = usage.for_nobody
         if not self.meter.local and body.cancelled:
             for_nobody = min(usage.output, body.account.undelivered)
         access.tokens = (usage.input, usage.output, for_nobody, usage.estimated)
+        if for_nobody:
+            metrics.tokens_for_nobody.labels(access.key or "-", self.model, waste_cause(body)).inc(
+                for_nobody
+            )
         if self.key is None:
             return  # no budget to show it against
         counter = metrics.key_tokens
@@ -233,6 +243,17 @@ class Metered:
         ):
             if tokens:
                 counter.labels(name, self.model, kind).inc(tokens)
+
+
+def waste_cause(body: RelayBody) -> str:
+    """Why tokens of ``body``'s request went to nobody (sluice_tokens_for_nobody's cause)."""
+    if body.stalled:
+        return "stall"
+    if body.deadline_passed:
+        return "deadline"
+    if body.client_gone:
+        return "client_left"
+    return "shutdown"
 
 
 def metered_request(

@@ -275,7 +275,8 @@ class LocalBackend:
 
     def _left_queue(self, ticket: Ticket, seconds: float, outcome: str) -> None:
         if self.metrics is not None:
-            self.metrics.left_queue(self.model.name, ticket, seconds, outcome)
+            service = self.admission.dispatcher.queue.counters.get(ticket.tenant, 0.0)
+            self.metrics.left_queue(self.model.name, ticket, seconds, outcome, "local", service)
 
     def _prepare(
         self, request: CompletionRequest

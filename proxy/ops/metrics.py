@@ -270,6 +270,16 @@ class Metrics:
         ["model", "outcome", "key", "band"],
         _QUEUE_BUCKETS,
     )
+    tokens_for_nobody = MetricSpec(
+        Counter,
+        "sluice_tokens_for_nobody",
+        "Tokens made for nobody, by key ('-': none), model and cause: client_left (output "
+        "made for a client that had gone), deadline (a request stopped at its deadline), "
+        "stall (a client cut off for not reading), hedge_loser (the prompt a hedge's losing "
+        "attempt had the upstream read), shutdown (a stream cut by the graceful deadline), "
+        "budget (none: a token budget refuses at admission, before any token).",
+        ["key", "model", "cause"],
+    )
     dispatches = MetricSpec(
         Counter,
         "sluice_dispatches",
@@ -355,13 +365,17 @@ class Metrics:
         ["model"],
     )
 
-    def left_queue(self, model: str, ticket: Any, seconds: float, outcome: str) -> None:
-        """A request left Sluice's queue (``ticket``: proxy.protocol.scheduling.Ticket)."""
+    def left_queue(
+        self, model: str, ticket: Any, seconds: float, outcome: str, backend: str, service: float
+    ) -> None:
+        """A request left Sluice's queue (``ticket``: proxy.protocol.scheduling.Ticket), its
+        key's counter then at ``service``."""
         key = ticket.tenant or "-"
         band = str(ticket.band)
         self.queue_wait.labels(model, outcome, key, band).observe(seconds)
         if outcome == "admitted":
             self.dispatches.labels(model, band).inc()
+            self.key_service.labels(key, backend).set(service)
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

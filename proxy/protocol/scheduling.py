@@ -214,8 +214,8 @@ class FairQueue:
 
     def ahead_of(self, ticket: Ticket) -> int:
         """How many waiting tickets go before ``ticket`` in this order, as things stand: those
-        of more urgent bands, those of its band whose tenant's counter is smaller, and its own
-        tenant's older ones (FIFO: every older ticket). An estimate: counters move as requests
+        of more urgent bands, those of its band whose tenant's counter is smaller (or equal,
+        with an older ticket), and its own tenant's older ones (FIFO: every older ticket). An estimate: counters move as requests
         are served, and the guard may promote an old one."""
         if self.settings.policy == "fifo":
             return sum(1 for other in self.waiting() if other.seq < ticket.seq)
@@ -228,7 +228,7 @@ class FairQueue:
                 elif band == ticket.band:
                     if tenant == ticket.tenant:
                         ahead += sum(1 for other in waiting if other.seq < ticket.seq)
-                    elif self.counters.get(tenant, 0.0) < mine:
+                    elif (self.counters.get(tenant, 0.0), waiting[0].seq) < (mine, ticket.seq):
                         ahead += len(waiting)
         return ahead
 
@@ -292,3 +292,39 @@ def vtc_bound(w_in: float, longest_input: int, w_out: float, batch_tokens: int) 
     ``2 * max(w_in * L_in, w_out * M)``, with ``L_in`` the longest input and ``M`` the most
     tokens one batch holds (Sheng et al., OSDI 2024)."""
     return 2 * max(w_in * longest_input, w_out * batch_tokens)
+
+
+class SharedCounters:
+    """The keys' counters shared between instances (through a store, such as Redis): the
+    arithmetic, sans-IO. Each sync sends what this instance added to each key's counter since
+    the last one (:meth:`outgoing`); the store adds it to its own and answers every key's
+    total, which becomes the counter here, plus what was added here meanwhile
+    (:meth:`incoming`). A key flooding one instance is behind on every other, as of the last
+    sync: the counters are stale by at most one sync's interval."""
+
+    def __init__(self, queue: FairQueue) -> None:
+        self._queue = queue
+        # Each key's counter as the store last said it, and what was sent since.
+        self._base: dict[str, float] = {}
+        self._sent: dict[str, float] = {}
+
+    def outgoing(self) -> dict[str, float]:
+        """Each key's increment since the last sync that the store took (a sync that failed
+        sends its increments again, with the later ones)."""
+        base = self._base
+        self._sent = {
+            key: value - base.get(key, 0.0)
+            for key, value in self._queue.counters.items()
+            if value != base.get(key, 0.0)
+        }
+        return self._sent
+
+    def incoming(self, shared: Mapping[str, float]) -> None:
+        """The store's totals after it took :meth:`outgoing`'s increments."""
+        counters = self._queue.counters
+        base, sent = self._base, self._sent
+        for key, total in shared.items():
+            since = counters.get(key, 0.0) - base.get(key, 0.0) - sent.get(key, 0.0)
+            counters[key] = total + since
+            base[key] = total
+        self._sent = {}

@@ -97,7 +97,13 @@ class UpstreamBackend:
             self._choose,
         )
         self._attempts: Retry | Hedge = (
-            Hedge(attempt, retry_policy, model.hedge_after, self._no_healthy_replica)
+            Hedge(
+                attempt,
+                retry_policy,
+                model.hedge_after,
+                self._no_healthy_replica,
+                on_loser=self._hedge_lost,
+            )
             if model.hedge_after > 0
             else Retry(attempt, retry_policy, len(self._loads), self._no_healthy_replica)
         )
@@ -173,9 +179,17 @@ class UpstreamBackend:
         if self._metrics is not None:
             self._metrics.upstream_errors.labels(self.model.name, error.code or "error").inc()
 
+    def _hedge_lost(self, request: CompletionRequest) -> None:
+        if self._metrics is not None:
+            schedule = request.schedule
+            self._metrics.tokens_for_nobody.labels(
+                schedule.tenant or "-", self.model.name, "hedge_loser"
+            ).inc(schedule.input_tokens)
+
     def _left_queue(self, ticket: Ticket, seconds: float, outcome: str) -> None:
         if self._metrics is not None:
-            self._metrics.left_queue(self.model.name, ticket, seconds, outcome)
+            service = self.admission.dispatcher.queue.counters.get(ticket.tenant, 0.0)
+            self._metrics.left_queue(self.model.name, ticket, seconds, outcome, "upstream", service)
 
     def _no_healthy_replica(self) -> ApiError:
         now = trio.current_time()

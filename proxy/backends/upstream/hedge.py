@@ -34,7 +34,11 @@ class Hedge:
         policy: RetryPolicy,
         hedge_after: float,
         no_replica: Callable[[], ApiError],
+        on_loser: Callable[[CompletionRequest], None] | None = None,
     ) -> None:
+        # Told of each attempt that lost the race after reaching its upstream (its prompt
+        # read for nobody).
+        self._on_loser = on_loser
         self._attempt = attempt
         self._max_attempts = policy.max_attempts
         self._hedge_after = hedge_after
@@ -111,6 +115,8 @@ class Hedge:
                 outcome = error
             # Capacity max_attempts: never blocks. A loser was cancelled and reports nothing.
             outcomes.send_nowait(outcome)
+        if scope.cancelled_caught and entrant.lost and entrant.reached and self._on_loser:
+            self._on_loser(request)
 
 
 class _Race:
@@ -141,6 +147,8 @@ class _Entrant:
     def __init__(self, race: _Race, scope: trio.CancelScope) -> None:
         self.race = race
         self.scope = scope
+        # Whether its attempt got past Sluice's queue to its upstream.
+        self.reached = False
 
     @property
     def started(self) -> bool:
@@ -157,6 +165,8 @@ class _Entrant:
         return winner is not None and winner is not self
 
     def set_phase(self, phase: Phase) -> None:
+        if phase is Phase.CONNECTING:
+            self.reached = True
         # Until a winner is known, the entrants' phases are the request's.
         if self.race.winner is None:
             self.race.sink.set_phase(phase)
