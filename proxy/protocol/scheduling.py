@@ -71,7 +71,8 @@ class Schedule:
             self.band,
             self.weight,
             self.input_tokens,
-            first_byte_by=self.first_byte_by,
+            # A request that cannot start before either deadline is of no use to its client.
+            first_byte_by=min(self.first_byte_by, self.done_by),
             report=self.report,
         )
 
@@ -89,7 +90,7 @@ class Ticket:
     # The request's input tokens (estimated), charged when it is dispatched.
     input_tokens: int = 0
     arrived: float = 0.0
-    # When its first byte must be out at the latest (the SDK's read timeout): inf for none.
+    # When it must have started at the latest (the earlier of its two deadlines): inf for none.
     first_byte_by: float = math.inf
     # Its place in arrival order, given by the queue.
     seq: int = field(default=0)

@@ -77,7 +77,10 @@ class RelaySink:
     def set_phase(self, phase: Phase) -> None:
         """Where the producer is now: QUEUED, CONNECTING, HEAD or FIRST_TOKEN (the relay
         itself sets MID_STREAM and AFTER_LAST); reported with cancellations."""
-        self._body.account.phase = phase
+        body = self._body
+        body.account.phase = phase
+        if phase is not Phase.QUEUED:
+            body.dispatched()
 
     @property
     def started(self) -> bool:
@@ -475,13 +478,24 @@ class RelayBody(ResponseBody):
         finally:
             self.send_channel.close()
 
+    def dispatched(self) -> None:
+        """The request has left the queue (its first attempt is at work): its deadlines are
+        this body's to keep from now on. While it waits, the queue keeps them itself and
+        refuses it in its own words (503 deadline_unmeetable): two timers at one instant would
+        hand the cancellation to this, the outer scope, and the refusal would be lost."""
+        scope = self._deadline_scope
+        if scope is not None and scope.deadline == math.inf and not self.head_ready.is_set():
+            scope.deadline = min(self._first_byte_by, self._done_by)
+
     async def _produce_within_deadlines(self) -> None:
         first, done = self._first_byte_by, self._done_by
         if first == math.inf and done == math.inf:
             await self._produce(RelaySink(self))
             return
-        with trio.CancelScope(deadline=min(first, done)) as scope:
+        with trio.CancelScope() as scope:
             self._deadline_scope = scope
+            if self.account.phase is not Phase.QUEUED:
+                self.dispatched()
             await self._produce(RelaySink(self))
         self._deadline_scope = None
         if scope.cancelled_caught:
