@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
         # A bench of its own (proxy/bench/fairness/), loaded only when asked for.
         from proxy.bench.fairness import main as fairness_main
 
-        fairness_main(argv, prog)
+        fairness_main(argv, prog, command_line(argv, prog))
         return
     parser = argparse.ArgumentParser(
         prog=prog,

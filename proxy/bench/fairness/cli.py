@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from proxy.bench.children import run_stoppable
-from proxy.bench.cli import command_line
 from proxy.bench.fairness.report import FairnessReport, check_lines, make_report, markdown
 from proxy.bench.fairness.run import run_fairness_bench
 from proxy.bench.fairness.settings import FairnessSettings
@@ -106,11 +105,14 @@ async def run_from_args(args: argparse.Namespace, command: str) -> FairnessRepor
     return report
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
+def main(
+    argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench", command: str = ""
+) -> None:
+    """The command; ``command``: how it was invoked, for the report (the load bench's
+    ``main``, which hands ``--fairness`` over, says)."""
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    command = command_line(argv, prog)
     try:
         report = run_stoppable(run_from_args, args, command)
     except BenchError as error:

@@ -354,6 +354,7 @@ def check_lines(report: FairnessReport) -> list[str]:
         d = report.policies[policy].deadline
         lines.append(
             f"Deadlines, {policy}: {d.started_late} started after their deadline, "
+            f"{d.expired_queued} expired in the queue with 504 (not 503 deadline_unmeetable), "
             f"{sum(d.other.values())} ended otherwise, {d.close_unseen} cancelled unseen "
             f"upstream, close p99 {_ms(d.close_p99_s, '.1f')} ms <= "
             f"{CANCEL_TARGET_S * 1000:g} ms: " + _verdict(d.passed)
@@ -377,6 +378,10 @@ def deadline_table(report: FairnessReport) -> list[str]:
     row(
         "cancelled at the deadline while running (of which in-band, after the head)",
         lambda d: f"{d.cancelled} ({d.cancelled_in_band})",
+    )
+    row(
+        "never reached the upstream, yet 504 deadline_exceeded (its deadline passed while queued)",
+        lambda d: d.expired_queued,
     )
     row("ended otherwise", lambda d: _errors(d.other))
     row("reached the upstream", lambda d: d.reached_upstream)

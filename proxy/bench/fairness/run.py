@@ -292,6 +292,7 @@ class FairnessRun:
     commit: str | None = None
     date: str = ""
     seconds: float = 0.0
+    pids: dict[str, int] = field(default_factory=dict)  # the children (gone once it returns)
 
 
 async def run_fairness_bench(settings: FairnessSettings, *, command: str = "") -> FairnessRun:
@@ -299,18 +300,23 @@ async def run_fairness_bench(settings: FairnessSettings, *, command: str = "") -
     _raise_fd_limit(4096)
     started = time.monotonic()
     phases: list[Phase] = []
+    pids: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="sluice-fairness-") as tmp:
         workdir = Path(tmp)
         async with trio.open_nursery() as nursery:
             fake = ("127.0.0.1", free_port("127.0.0.1"))
             log = workdir / "fake-upstream.log"
-            await nursery.start(supervise, "fake upstream", fake_argv(fake[1], settings), log)
+            process = await nursery.start(
+                supervise, "fake upstream", fake_argv(fake[1], settings), log
+            )
+            pids["fake_upstream"] = process.pid
             await wait_ready("fake upstream", fake, "/health", log)
             proxies = {}
             for policy in POLICIES:
                 proxies[policy] = await _start_proxy(
                     nursery, workdir, policy, f"http://{fake[0]}:{fake[1]}", settings
                 )
+                pids[f"proxy_{policy}"] = proxies[policy].pid
             bench = _Bench(settings, fake, proxies)
             for policy in POLICIES:
                 # One unmeasured request each: first-request costs are no phase's.
@@ -326,6 +332,7 @@ async def run_fairness_bench(settings: FairnessSettings, *, command: str = "") -
         commit=await git_commit(),
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         seconds=time.monotonic() - started,
+        pids=pids,
     )
 
 

@@ -341,6 +341,9 @@ class DeadlineFigures:
     refused_at_once: int  # of those, answered within REFUSED_AT_ONCE_S of the send
     cancelled: int  # 504 deadline_exceeded, or deadline_exceeded in-band after the head
     cancelled_in_band: int
+    # Never reached the upstream, yet answered 504 deadline_exceeded (its deadline passed
+    # while it waited in the queue) rather than refused with 503 deadline_unmeetable.
+    expired_queued: int
     other: dict[str, int]  # any other outcome, by kind
     reached_upstream: int
     started_late: int  # the fake received it after its client's deadline
@@ -361,6 +364,7 @@ class DeadlineFigures:
         p99 = self.close_p99_s
         return (
             self.started_late == 0
+            and self.expired_queued == 0
             and not self.other
             and self.close_unseen == 0
             and (p99 is None or p99 <= CANCEL_TARGET_S)
@@ -372,13 +376,14 @@ REFUSED_AT_ONCE_S: Final = 0.05
 
 
 def outcome(request: Request) -> str:
-    """What became of a deadline-bearing request: served, refused, cancelled, or otherwise."""
+    """What became of a deadline-bearing request: served, refused, cancelled (while running),
+    expired (while queued), or otherwise."""
     if request.error is not None:
         return request.error
     if request.status == 503 and request.error_code == "deadline_unmeetable":
         return "refused"
     if request.error_code == "deadline_exceeded" and request.status in (200, 504):
-        return "cancelled"
+        return "cancelled" if request.upstream_received is not None else "expired"
     if request.ok:
         return "served"
     return f"HTTP {request.status} {request.error_code or ''}".strip()
@@ -388,7 +393,7 @@ def deadline_figures(requests: Sequence[Request]) -> DeadlineFigures:
     outcomes = [outcome(r) for r in requests]
     other: dict[str, int] = {}
     for kind in outcomes:
-        if kind not in ("served", "refused", "cancelled"):
+        if kind not in ("served", "refused", "cancelled", "expired"):
             other[kind] = other.get(kind, 0) + 1
     margins, closes = [], []
     late = unseen = 0
@@ -399,7 +404,7 @@ def deadline_figures(requests: Sequence[Request]) -> DeadlineFigures:
         if request.upstream_received is not None:
             margins.append(deadline - request.upstream_received)
             late += request.upstream_received > deadline
-        if kind == "cancelled" and request.upstream_received is not None:
+        if kind == "cancelled":
             if request.upstream_closed is None:
                 unseen += 1
             else:
@@ -420,6 +425,7 @@ def deadline_figures(requests: Sequence[Request]) -> DeadlineFigures:
             kind == "cancelled" and r.status == 200
             for r, kind in zip(requests, outcomes, strict=True)
         ),
+        expired_queued=outcomes.count("expired"),
         other=other,
         reached_upstream=sum(r.upstream_received is not None for r in requests),
         started_late=late,
