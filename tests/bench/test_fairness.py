@@ -131,6 +131,28 @@ def test_key_figures_ttft_backlog_and_tokens_served_meanwhile() -> None:
     assert stats.throughput([]) is None
 
 
+def test_what_went_first_while_a_key_waited_and_the_least_wait_possible() -> None:
+    requests = [
+        # A's two running answers end at 1.0 and 1.5; a third of A's is dispatched at 1.0.
+        req("A", sent=0.0, upstream_received=0.0, upstream_finished=1.0),
+        req("A", sent=0.0, upstream_received=0.0, upstream_finished=1.5),
+        req("A", sent=0.2, upstream_received=1.0, upstream_closed=2.0),
+        # B waits from 0.5 to 1.5: A's third went first, at 1.0.
+        req("B", sent=0.5, upstream_received=1.5, upstream_finished=1.6),
+        # B's second found a slot free.
+        req("B", sent=3.0, upstream_received=3.001, upstream_finished=3.1),
+    ]
+    assert stats.dispatched_while_waiting(requests, "B", "A") == 1
+    assert stats.dispatched_while_waiting(requests, "A", "B") == 0
+    # B's first could have had the slot freed at 1.0 (0.5 after its send); its second waited
+    # for nothing.
+    assert stats.least_waits(requests, "B") == pytest.approx([0.5, 0.0])
+    figures = stats.key_figures(requests, "B", "A")
+    assert figures.passed_by == 1
+    assert figures.wait_p99_s == pytest.approx(0.99 * 1.0 + 0.01 * 0.001, abs=0.01)
+    assert figures.least_wait_p50_s == pytest.approx(0.25)
+
+
 def test_a_keys_running_time_is_the_median_from_arrival_to_last_byte() -> None:
     requests = [
         req("A", upstream_received=0.0, upstream_finished=1.0),

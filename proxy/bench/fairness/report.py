@@ -129,7 +129,7 @@ def policy_figures(run: FairnessRun, policy: str, bound: Bound) -> PolicyFigures
     measured = running_seconds(flood, FLOODER)
     a_duration = measured if measured is not None else run.settings.flood_duration
     base = {key: key_figures(baselines, key) for key in INTERACTIVE}
-    keyed = {key: key_figures(flood, key) for key in KEYS}
+    keyed = {key: key_figures(flood, key, "" if key == FLOODER else FLOODER) for key in KEYS}
     checks = [
         TtftCheck(key, keyed[key].ttft_p99_s, base[key].ttft_p99_s, a_duration, run.settings.slots)
         for key in INTERACTIVE
@@ -266,6 +266,23 @@ def flood_table(report: FairnessReport) -> list[str]:
             f"{key} with no flood: TTFT p50 / p99 (ms)",
             f"{_ms(a.ttft_p50_s)} / {_ms(a.ttft_p99_s)}",
             f"{_ms(b.ttft_p50_s)} / {_ms(b.ttft_p99_s)}",
+        )
+    for key in INTERACTIVE:
+        a, b = fifo.flood[key], fair.flood[key]
+        row(
+            f"{key}: wait in Sluice's queue p50 / p99 (ms)",
+            f"{_ms(a.wait_p50_s)} / {_ms(a.wait_p99_s)}",
+            f"{_ms(b.wait_p50_s)} / {_ms(b.wait_p99_s)}",
+        )
+        row(
+            f"{key}: from the send to the next slot free upstream, p50 / p99 (ms)",
+            f"{_ms(a.least_wait_p50_s)} / {_ms(a.least_wait_p99_s)}",
+            f"{_ms(b.least_wait_p50_s)} / {_ms(b.least_wait_p99_s)}",
+        )
+        row(
+            f"{key}: A's requests that went upstream while one of {key}'s waited",
+            f"{a.passed_by:,}",
+            f"{b.passed_by:,}",
         )
     for key in KEYS:
         a, b = fifo.flood[key], fair.flood[key]

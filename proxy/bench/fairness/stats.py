@@ -255,12 +255,29 @@ class KeyFigures:
     tokens: int
     backlogged_s: float
     tokens_backlogged: int
+    # Its wait in Sluice's queue (send to the upstream's receipt), and the least wait any
+    # order that preempts nothing could give it (next_slot_end).
+    wait_p50_s: float | None = None
+    wait_p99_s: float | None = None
+    least_wait_p50_s: float | None = None
+    least_wait_p99_s: float | None = None
+    # Requests of another key (the flooder's) that reached the upstream while one of this
+    # key's waited: slots given to them first.
+    passed_by: int = 0
 
 
-def key_figures(requests: Sequence[Request], key: str) -> KeyFigures:
+def key_figures(requests: Sequence[Request], key: str, passed_by: str = "") -> KeyFigures:
+    """``key``'s figures in a phase's ``requests``; ``passed_by``: the key whose requests
+    going first while one of ``key``'s waited are counted."""
     mine = [r for r in requests if r.key == key]
     ttfts = [t for t in (r.ttft_s for r in mine) if t is not None]
     windows = backlogged(mine, key)
+    waits = [
+        r.upstream_received - r.sent
+        for r in mine
+        if r.sent is not None and r.upstream_received is not None
+    ]
+    least = least_waits(requests, key)
     return KeyFigures(
         key=key,
         requests=len(mine),
@@ -270,7 +287,51 @@ def key_figures(requests: Sequence[Request], key: str) -> KeyFigures:
         tokens=sum(r.tokens_seen for r in mine),
         backlogged_s=total_seconds(windows),
         tokens_backlogged=sum(tokens_in(r.arrivals, windows) for r in mine),
+        wait_p50_s=percentile(waits, 50),
+        wait_p99_s=percentile(waits, 99),
+        least_wait_p50_s=percentile(least, 50),
+        least_wait_p99_s=percentile(least, 99),
+        passed_by=dispatched_while_waiting(requests, key, passed_by) if passed_by else 0,
     )
+
+
+def dispatched_while_waiting(requests: Sequence[Request], key: str, other: str) -> int:
+    """How many of ``other``'s requests reached the upstream while one of ``key``'s waited
+    for it (each counted once per request of ``key`` it went before)."""
+    starts = sorted(
+        r.upstream_received for r in requests if r.key == other and r.upstream_received is not None
+    )
+    total = 0
+    for r in requests:
+        left = r.left_queue
+        if r.key == key and r.sent is not None and left is not None:
+            total += max(0, bisect_left(starts, left) - bisect_right(starts, r.sent))
+    return total
+
+
+# A request that reached the upstream this soon after its send found a slot free.
+SLOT_FREE_S: Final = 0.005
+
+
+def least_waits(requests: Sequence[Request], key: str) -> list[float]:
+    """For each of ``key``'s requests that reached the upstream: 0 when it found a slot free
+    (it got there within SLOT_FREE_S), else the time from its send to the first end of any
+    answer upstream after it, when a slot next freed: no order that preempts nothing could
+    have started it sooner."""
+    ends = sorted(
+        end for r in requests if (end := r.upstream_finished or r.upstream_closed) is not None
+    )
+    out = []
+    for r in requests:
+        if r.key != key or r.sent is None or r.upstream_received is None:
+            continue
+        if r.upstream_received - r.sent <= SLOT_FREE_S:
+            out.append(0.0)
+            continue
+        i = bisect_right(ends, r.sent)
+        if i < len(ends):
+            out.append(min(ends[i], r.upstream_received) - r.sent)
+    return out
 
 
 def throughput(requests: Sequence[Request]) -> float | None:
