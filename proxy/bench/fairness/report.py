@@ -206,6 +206,19 @@ class FairnessReport:
             "bound": asdict(self.bound) | {"value": self.bound.value},
             "cpu_ratio": self.cpu_ratio,
             "cpu_rounds": self.cpu_rounds(),
+            "phases": [
+                {
+                    "name": p.name,
+                    "policy": p.policy,
+                    "round": p.round,
+                    "seconds": p.seconds,
+                    "proxy_cpu_s": p.proxy_cpu_s,
+                    "events": p.events,
+                    "cpu_us_per_event": p.cpu_us_per_event,
+                    "queue_outcomes": p.queue_outcomes,
+                }
+                for p in run.phases
+            ],
             "policies": {
                 name: asdict(figures)
                 | {
@@ -361,6 +374,13 @@ def check_lines(report: FairnessReport) -> list[str]:
                 f"{pair.bound:,.0f} over {pair.seconds:.1f} s backlogged together: "
                 + _verdict(pair.within)
             )
+    for policy in POLICIES:
+        figures = report.policies[policy]
+        passed = sum(figures.flood[key].passed_by for key in INTERACTIVE)
+        lines.append(
+            f"Order, {policy}: {passed} of A's requests went upstream while one of B's or C's "
+            "waited (0: each took the next slot to free): " + _verdict(passed == 0)
+        )
     ratio = report.cpu_ratio
     rounds = ", ".join(_num(r, ".3f") for r in report.cpu_rounds())
     lines.append(

@@ -32,15 +32,17 @@ class FairnessSettings:
     slots: int = 4  # S: the fake's max_running, and Sluice's max_connections for it
     rate: float = 1.0  # B's requests per second, and C's
     flood_factor: float = 8.0  # A's rate over B's
-    flood_seconds: float = 30.0  # how long requests arrive in a flood phase
-    baseline_seconds: float = 10.0  # how long B's and C's arrive with no flood
+    flood_seconds: float = 20.0  # how long requests arrive in a flood phase
+    baseline_seconds: float = 8.0  # how long B's and C's arrive with no flood
     ttft: float = 0.05
     interval: float = 0.0025  # the fake's seconds per token
     flood_tokens: int = 300  # A's answers
     short_tokens: int = 16  # B's and C's answers
     deadline_requests: int = 24  # B's requests with a read timeout behind A's backlog
     running_requests: int = 16  # C's requests cancelled at their deadline while running
-    repeat: int = 1  # rounds, each every phase through both policies (then reversed)
+    # Rounds, each every phase through both policies, the order reversed in every other:
+    # two cancel a drift of the machine's speed that is linear over the run.
+    repeat: int = 2
     timeout: float = 120.0  # seconds a phase may run after its last request is sent
     model: str = "fake-model"
     progress: bool = True
