@@ -295,9 +295,18 @@ def key_figures(requests: Sequence[Request], key: str, passed_by: str = "") -> K
     )
 
 
+# A request that reached the upstream this soon after its send found a slot free. Also how
+# long after a send a request of another key may reach the upstream and still have been
+# dispatched before this one was queued: the send to Sluice's queue (parsing, the key) and
+# a dispatch to the fake's receipt (a pooled connection's write) take about a millisecond
+# each here.
+SLOT_FREE_S: Final = 0.005
+
+
 def dispatched_while_waiting(requests: Sequence[Request], key: str, other: str) -> int:
     """How many of ``other``'s requests reached the upstream while one of ``key``'s waited
-    for it (each counted once per request of ``key`` it went before)."""
+    for it (each counted once per request of ``key`` it went before), those within
+    SLOT_FREE_S of its send excepted (dispatched, as likely as not, before it was queued)."""
     starts = sorted(
         r.upstream_received for r in requests if r.key == other and r.upstream_received is not None
     )
@@ -305,12 +314,9 @@ def dispatched_while_waiting(requests: Sequence[Request], key: str, other: str) 
     for r in requests:
         left = r.left_queue
         if r.key == key and r.sent is not None and left is not None:
-            total += max(0, bisect_left(starts, left) - bisect_right(starts, r.sent))
+            after = bisect_right(starts, r.sent + SLOT_FREE_S)
+            total += max(0, bisect_left(starts, left) - after)
     return total
-
-
-# A request that reached the upstream this soon after its send found a slot free.
-SLOT_FREE_S: Final = 0.005
 
 
 def least_waits(requests: Sequence[Request], key: str) -> list[float]:
