@@ -267,8 +267,8 @@ async def _progress(label: str, requests: list[Request]) -> None:
             f"[{label}] {time.monotonic() - started:5.1f} s  sent {sent}/{len(requests)}  "
             f"ended {ended}"
         )
-        print("\r" + line if tty else line, end="\n" if final or not tty else "",
-              file=sys.stderr, flush=True)  # fmt: skip
+        end = "\n" if final or not tty else ""
+        print("\r" + line if tty else line, end=end, file=sys.stderr, flush=True)
 
     try:
         while True:
