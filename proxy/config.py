@@ -91,8 +91,9 @@ class UpstreamRequestConfig:
     # holds to, so that requests past it wait in Sluice's queue (where the choice between them
     # can be fair) rather than in the engine's (first come, first served). Keep it at or
     # below the engine's own limit (vLLM's max_num_seqs: 256 on most GPUs, 128 on CPU), or
-    # Sluice's queue is never used. Every model on one replica must say the same.
-    max_connections: int = 64
+    # Sluice's queue is never used. The default is the lowest of those, so that it holds in
+    # front of an engine left at its defaults. Every model on one replica must say the same.
+    max_connections: int = 128
     # A model's requests waiting in Sluice's queue for a slot on one of its replicas: more
     # get 429 queue_full at once; one that waits longer than queue_timeout gets 503.
     # (A local model's own queue uses the same two keys, with its own defaults.)
@@ -407,6 +408,7 @@ class SchedulingConfig:
     share_seconds: float = 1.0
 
 
+SCHEDULING_POLICIES = ("fair", "fifo")
 LIMITS_BACKENDS = ("memory", "redis")
 LIMITS_ON_ERROR = ("deny", "allow")
 
@@ -539,10 +541,10 @@ def _validate(config: Config) -> None:
     )
     _check_request_settings("[upstream]", upstream)
     _check_limits(config.limits)
+    _check_scheduling(config.scheduling)
     _check_tracing(config.tracing)
     _check_positive(
         "[upstream]",
-        max_connections=upstream.max_connections,
         keepalive_expiry=upstream.keepalive_expiry,
         failure_threshold=upstream.failure_threshold,
         ejection_seconds=upstream.ejection_seconds,
@@ -684,10 +686,31 @@ def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None
         idle_timeout=settings.idle_timeout,
         total_timeout=settings.total_timeout,
         max_attempts=settings.max_attempts,
+        max_connections=settings.max_connections,
     )
-    _check_not_negative(where, hedge_after=settings.hedge_after)
+    _check_not_negative(
+        where, hedge_after=settings.hedge_after, max_upstream_waiting=settings.max_upstream_waiting
+    )
     _check_connection_settings(where, settings)
     _check_balance(where, settings)
+
+
+def _check_scheduling(scheduling: SchedulingConfig) -> None:
+    if scheduling.policy not in SCHEDULING_POLICIES:
+        raise ConfigError(
+            f"'policy' in [scheduling] must be one of {', '.join(SCHEDULING_POLICIES)}, "
+            f"not {scheduling.policy!r}"
+        )
+    _check_not_negative(
+        "[scheduling]",
+        w_in=scheduling.w_in,
+        w_out=scheduling.w_out,
+        starvation_seconds=scheduling.starvation_seconds,
+    )
+    if scheduling.w_in == scheduling.w_out == 0:
+        # No token would count: every key's service would stay 0, and fair would be FIFO.
+        raise ConfigError("'w_in' and 'w_out' in [scheduling] cannot both be 0")
+    _check_positive("[scheduling]", share_seconds=scheduling.share_seconds)
 
 
 def _check_tracing(tracing: TracingConfig) -> None:

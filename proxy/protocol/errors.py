@@ -75,6 +75,10 @@ def deadline_exceeded(*, before_first_byte: bool) -> ApiError:
         f"The request was stopped at {which}; its work was cancelled.",
         type=SERVER_ERROR,
         code="deadline_exceeded",
+        # Past its own total deadline the same request would ask for the same work and be cut
+        # again: the SDKs are told not to retry it. Past the read timeout the SDK would have
+        # given up and retried by itself anyway, so its own rule stands.
+        headers=None if before_first_byte else {"x-should-retry": "false"},
     )
 
 

@@ -332,7 +332,9 @@ class Admission:
             "requests ahead of it would take longer; retry later, or with a longer timeout.",
             type=SERVER_ERROR,
             code="deadline_unmeetable",
-            headers={"Retry-After": str(self.retry_after(rooms))},
+            # Worth a retry once the queue ahead has moved on: the SDKs wait Retry-After (up to
+            # 60 s) before they send it again, with a fresh read timeout.
+            headers={"Retry-After": str(self.retry_after(rooms)), "x-should-retry": "true"},
         )
 
     def _left(self, ticket: Ticket, seconds: float, outcome: str) -> None:
