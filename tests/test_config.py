@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from proxy.api.auth import hash_key
+from proxy.api.served_config import replica_capacities
 from proxy.config import (
     Config,
     ConfigError,
@@ -21,8 +23,6 @@ from proxy.config import (
     config_from_mapping,
     load_config,
 )
-from proxy.api.auth import hash_key
-from proxy.api.served_config import replica_capacities
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MODEL = {"upstreams": ["http://127.0.0.1:8001"]}

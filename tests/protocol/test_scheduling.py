@@ -12,8 +12,8 @@ import pytest
 from proxy.protocol.scheduling import (
     LEAST_URGENT_BAND,
     FairQueue,
-    SharedCounters,
     SchedulingSettings,
+    SharedCounters,
     Ticket,
     expected_wait,
     positive_seconds,
@@ -208,9 +208,7 @@ def test_two_backlogged_tenants_stay_within_the_vtc_bound() -> None:
         for step in range(400):
             # a sends 8 requests for each of b's: both stay backlogged.
             for tenant in ["a"] * 8 + ["b"]:
-                queue.add(
-                    Ticket(tenant, input_tokens=rng.randint(1, longest_input), arrived=step)
-                )
+                queue.add(Ticket(tenant, input_tokens=rng.randint(1, longest_input), arrived=step))
             chosen = queue.next(float(step))
             assert chosen is not None
             queue.dispatched(chosen)
