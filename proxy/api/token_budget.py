@@ -227,6 +227,10 @@ class Metered:
         for_nobody = usage.for_nobody
         if not self.meter.local and body.cancelled:
             for_nobody = min(usage.output, body.account.undelivered)
+        elif body.cut_in_prefill:
+            # Cut at its deadline before a first byte: what was made for nobody is the prompt
+            # the engine read (as for a hedge's loser).
+            for_nobody = usage.input
         access.tokens = (usage.input, usage.output, for_nobody, usage.estimated)
         if for_nobody:
             metrics.tokens_for_nobody.labels(access.key or "-", self.model, waste_cause(body)).inc(

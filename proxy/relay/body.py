@@ -328,6 +328,9 @@ class RelayBody(ResponseBody):
         self._first_byte_by, self._done_by = deadlines
         self._deadline_scope: trio.CancelScope | None = None
         self.deadline_passed = False
+        # Whether the upstream (or the local model) had the prompt when a deadline cut the
+        # request before its first byte: that prefill was work for nobody.
+        self.cut_in_prefill = False
         # How this endpoint's API says it failed (before the head, and in-band).
         self.errors = errors
         self.endpoint = endpoint
@@ -503,6 +506,10 @@ class RelayBody(ResponseBody):
             # left); the client hears why, in the head or in-band.
             self.deadline_passed = True
             waited_for_first = not self.head_ready.is_set() and first <= done
+            self.cut_in_prefill = not self.head_ready.is_set() and self.account.phase in (
+                Phase.HEAD,
+                Phase.FIRST_TOKEN,
+            )
             raise deadline_exceeded(before_first_byte=waited_for_first)
 
     async def _fail(self, error: ApiError) -> None:
