@@ -133,9 +133,10 @@ class ServedConfig:
             self.keys.carry_over(previous.keys)
         # The process's queues (kept across reloads), and each replica's capacity, one per
         # replica whichever models share it.
+        self._capacities = replica_capacities(config, env, fake_upstream_url)
+        # After every check that may refuse this config: a refused reload changes nothing.
         self.scheduling = scheduling or Scheduling(scheduling_settings(config))
         self.scheduling.configure(scheduling_settings(config))
-        self._capacities = replica_capacities(config, env, fake_upstream_url)
         self.replicas: dict[str, UpstreamReplica] = {}
         # The upstream models' backends (start_backends) and the local ones, shared.
         self.backends: dict[str, Backend] = dict(local_backends)

@@ -89,9 +89,7 @@ class SluiceState:
 
     def build_served(self, config: Config, previous: ServedConfig | None = None) -> ServedConfig:
         """The serving objects of ``config`` (not started): at start-up, and at each reload."""
-        for local in self.local_backends.values():
-            local.configure(scheduling_settings(config))
-        return ServedConfig(
+        served = ServedConfig(
             config,
             self.env,
             self.metrics,
@@ -102,6 +100,10 @@ class SluiceState:
             previous,
             self.scheduling,
         )
+        # Once the config is accepted: a refused reload changes nothing.
+        for local in self.local_backends.values():
+            local.configure(scheduling_settings(config))
+        return served
 
     # What the current served config serves with: each request reads these once (the pipeline
     # at its start), so that a reload never mixes two configs within one request.
