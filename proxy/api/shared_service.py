@@ -23,10 +23,14 @@ import trio
 from proxy.api.limits import RedisLimits
 from proxy.protocol.scheduling import FairQueue, SharedCounters
 
-# KEYS: the hash. ARGV: key, increment, key, increment... Returns every field and its total.
+# KEYS: the hash. ARGV: key, increment, floor, key, increment, floor... (a lift is a floor: the
+# total is raised to it, never added to). Returns every field and its total.
 SYNC_SCRIPT = """
-for i = 1, #ARGV, 2 do
-  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1])
+for i = 1, #ARGV, 3 do
+  local total = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1]))
+  if total < tonumber(ARGV[i + 2]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
+  end
 end
 return redis.call('HGETALL', KEYS[1])
 """
@@ -64,9 +68,11 @@ class SharedService:
         if store is None:
             return False
         outgoing = self._counters.outgoing()
+        floors = self._counters.floors
         args: list[str] = []
-        for key, increment in outgoing.items():
-            args += [key or _NO_KEY, repr(increment)]
+        for key in outgoing.keys() | floors.keys():
+            increment, floor = outgoing.get(key, 0.0), floors.get(key, 0.0)
+            args += [key or _NO_KEY, repr(increment), repr(floor)]
         key = f"{store.limits.key_prefix}scheduling:{self._name}"
         answer: list[object] = []
 
