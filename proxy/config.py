@@ -404,7 +404,8 @@ class SchedulingConfig:
     # less urgent band is never starved (0: no guard).
     starvation_seconds: float = 60.0
     # With [limits] backend = "redis": how often each instance shares its keys' counters with
-    # the others (a key flooding one instance is behind on all, this stale at most).
+    # the others (a key flooding one instance is behind on all; what one instance serves
+    # reaches the others within two of these, one when their syncs fall together).
     share_seconds: float = 1.0
 
 

@@ -192,7 +192,7 @@ class SluiceState:
             # The keys' counters shared with the other instances, through the current
             # config's store (nothing to share while a reloaded config counts in memory).
             shared = SharedService(
-                self.scheduling.upstream.queue,
+                self.scheduling.upstream,
                 lambda: self.current.keys.shared,
                 interval=self.config.scheduling.share_seconds,
             )

@@ -223,10 +223,11 @@ class Metrics:
         Counter,
         "sluice_limits_errors",
         'Calls to the shared limits store ([limits] backend = "redis") that failed or '
-        "timed out, by operation (admit, renew, release, settle) and outcome: for admit, "
-        "what on_error did (denied: 503, allowed: admitted uncounted); for renew and "
+        "timed out, by operation (admit, renew, release, settle, share) and outcome: for "
+        "admit, what on_error did (denied: 503, allowed: admitted uncounted); for renew and "
         "release, failed (the lease expires on its own after lease_seconds); for settle, "
-        "failed (the token reservation stays charged in full).",
+        "failed (the token reservation stays charged in full); for share, failed (the "
+        "scheduler's counters go with the next sync, ordered by this instance's meanwhile).",
         ["operation", "outcome"],
     )
     key_tokens = MetricSpec(

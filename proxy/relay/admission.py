@@ -120,12 +120,17 @@ class Dispatcher:
             )
             running.charged = produced
 
+    def settle(self) -> None:
+        """Charge every running request's output so far to its tenant's counter (before the
+        queue decides, and before the counters are shared)."""
+        for running_ticket, running in self._running.items():
+            self._charge(running_ticket, running)
+
     def dispatch(self, room: Room) -> None:
         """Fill ``room``'s free slots with the requests it can serve, in the queue's order."""
         if not self.queue.size:
             return
-        for running_ticket, running in self._running.items():
-            self._charge(running_ticket, running)
+        self.settle()
         now = trio.current_time()
         while room.free > 0:
             ticket = self.queue.next(now, lambda each: room in self._waiters[each].rooms)
