@@ -299,6 +299,12 @@ class KeyConfig:
 
     def __post_init__(self) -> None:
         where = f"[[keys]] {self.name!r}"
+        if self.name == "-":
+            # The metrics, the access line and the shared scheduler counters name requests
+            # with no key so: a key of that name would be counted as them.
+            raise ConfigError(
+                "'name' in [[keys]] cannot be '-': it stands for requests with no key"
+            )
         if self.tokens_counted not in TOKENS_COUNTED:
             raise ConfigError(
                 f"'tokens_counted' in {where} must be one of {', '.join(TOKENS_COUNTED)}, "

@@ -452,6 +452,7 @@ def test_a_keys_scheduling_settings() -> None:
         ({"weight": float("inf")}, "'weight'"),
         ({"max_request_seconds": -1}, "'max_request_seconds'"),
         ({"priority": 1.5}, "'priority'"),
+        ({"name": "-"}, "cannot be '-'"),
     ):
         with pytest.raises(ConfigError, match=named):
             build({"keys": [{**key, **bad}]})
