@@ -186,17 +186,24 @@ class FairQueue:
                 return starved
         for band in sorted(self._bands):
             chosen: Ticket | None = None
-            chosen_key = (math.inf, math.inf)
+            chosen_key = (math.inf, math.inf, math.inf)
             for tenant, waiting in self._bands[band].items():
                 ticket = _first(waiting, eligible)
                 if ticket is None:
                     continue
-                key = (self.counters.get(tenant, 0.0), ticket.seq)
+                key = self._order(tenant, ticket)
                 if key < chosen_key:
                     chosen, chosen_key = ticket, key
             if chosen is not None:
                 return chosen
         return None
+
+    def _order(self, tenant: str, ticket: Ticket) -> tuple[float, float, float]:
+        """Where ``tenant``'s next ``ticket`` stands: the smallest counter first; on equal
+        counters (a tenant just lifted to the smallest among those waiting) the one actually
+        served less, so that a key returning from idleness takes the next slot rather than
+        waiting behind a flooder's older request; then the older ticket."""
+        return (self.counters.get(tenant, 0.0), self.served.get(tenant, 0.0), ticket.seq)
 
     @staticmethod
     def _oldest(
@@ -223,7 +230,7 @@ class FairQueue:
         estimate: counters move as requests are served, and the guard may promote an old one."""
         if self.settings.policy == "fifo":
             return sum(1 for other in self.waiting() if other.seq < ticket.seq)
-        mine = self.counters.get(ticket.tenant, 0.0)
+        mine = self._order(ticket.tenant, ticket)
         ahead = 0
         for band, tenants in self._bands.items():
             for tenant, waiting in tenants.items():
@@ -232,7 +239,7 @@ class FairQueue:
                 elif band == ticket.band:
                     if tenant == ticket.tenant:
                         ahead += sum(1 for other in waiting if other.seq < ticket.seq)
-                    elif (self.counters.get(tenant, 0.0), waiting[0].seq) < (mine, ticket.seq):
+                    elif self._order(tenant, waiting[0]) < mine:
                         ahead += len(waiting)
         return ahead
 

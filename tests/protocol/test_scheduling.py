@@ -70,6 +70,23 @@ def test_a_key_that_returns_is_lifted_so_being_idle_is_not_banked() -> None:
     assert queue.counters["ahead"] == 900.0
 
 
+def test_a_key_lifted_to_a_flooders_counter_takes_the_next_slot() -> None:
+    """Lifted to the flooder's counter, the returning key ties with it: the one actually
+    served less goes first, not the flooder's older request (which would make an interactive
+    key wait for a second slot to free)."""
+    queue = FairQueue(FAIR)
+    queue.charge("flood", 1.0, input_tokens=500)
+    floods = [ticket("flood") for _ in range(3)]
+    for each in floods:
+        queue.add(each)
+    chat = ticket("chat")
+    queue.add(chat)
+    assert queue.counters["chat"] == queue.counters["flood"]
+    assert queue.ahead_of(chat) == 0
+    assert take(queue) is chat
+    assert [take(queue) for _ in range(3)] == floods
+
+
 def test_with_nobody_waiting_a_returning_key_is_lifted_to_the_last_dispatched() -> None:
     queue = FairQueue(FAIR)
     queue.counters.update({"a": 300.0})

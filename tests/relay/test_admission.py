@@ -55,9 +55,9 @@ async def test_requests_past_the_capacity_wait_and_go_in_the_fair_order(
         await trio.testing.wait_all_tasks_blocked()
         assert admission.waiting == 4
     # The chat arrived last, behind three of the flood's, and is lifted to the flood's
-    # counter (being new is not banked): it goes as soon as the flood has been served more,
-    # the second turn, not the fifth.
-    assert [entry.split("@")[0] for entry in order] == ["flood", "flood", "chat", "flood", "flood"]
+    # counter (being new is not banked); the tie goes to the key served less: it takes the
+    # next slot to free, not the fifth.
+    assert [entry.split("@")[0] for entry in order] == ["flood", "chat", "flood", "flood", "flood"]
     assert admission.waiting == 0 and admission.rooms[0].in_flight == 0
 
 
