@@ -88,9 +88,12 @@ class Hedge:
                     else:
                         final_error = outcome
                     continue
-                # No first token within hedge_after: hedge, once.
+                # No first token within hedge_after: hedge, once. The timer was set before the
+                # wait began, and a winner found during the wait does not move it: a stream that
+                # began in time and is still going must not be hedged (its hedge would take a
+                # slot elsewhere, and a refusal of it would end the stream).
                 hedge_at = math.inf
-                if launch():
+                if race.winner is None and launch():
                     log.info("request %s: hedging (attempt %d)", request_id, launched)
             if final_error is not None:
                 nursery.cancel_scope.cancel()
