@@ -42,8 +42,10 @@ from tests.support import (
     RawClient,
     chat_body,
     poll_until,
+    slowed,
     sse_payloads,
     start_fake,
+    start_local_proxy,
     start_proxy,
 )
 
@@ -100,12 +102,12 @@ async def one_slot_replica(
     return fake, proxy
 
 
-async def hold_the_slot(proxy: Proxy, name: str | None = None, text: str = "holder") -> RawClient:
+async def hold_the_slot(proxy: Proxy, name: str | None = None, *, model: str = MODEL) -> RawClient:
     """A stream that holds the replica's one slot (until :meth:`RawClient.close`)."""
     holder = await RawClient.post(
         proxy,
         CHAT,
-        chat_body(MODEL, messages=said(text), fake=ENDLESS),
+        chat_body(model, messages=said("holder"), fake=ENDLESS),
         headers=bearer(name) if name is not None else None,
     )
     await holder.read_until(b"data: ")
@@ -458,6 +460,111 @@ async def test_a_more_urgent_band_goes_first_and_the_priority_field_reaches_only
     assert bands == [("batch", 5), ("batch", 5), ("urgent", 3)]
 
 
+async def test_a_less_urgent_band_waits_only_until_the_starvation_guard(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot_replica(
+            nursery,
+            keys=[key("urgent", priority=0), key("batch", priority=5)],
+            scheduling={"starvation_seconds": 0.3},
+        )
+        holder = await hold_the_slot(proxy, "urgent")
+        answers: dict[str, int] = {}
+
+        async def ask(name: str) -> None:
+            response = await client.post(
+                proxy.url + CHAT,
+                json=chat_body(MODEL, stream=False, messages=said(name)),
+                headers=bearer(name),
+            )
+            answers[name] = response.status_code
+
+        nursery.start_soon(ask, "batch")
+        await queued(proxy, 1)
+        await trio.sleep(0.3)
+        nursery.start_soon(ask, "urgent")
+        await queued(proxy, 2)
+        await holder.close()
+        await poll_until(lambda: len(answers) == 2)
+        await proxy.state.tracker.wait_idle()
+    assert answers == {"batch": 200, "urgent": 200}
+    # The batch request had waited past the guard: it goes before the more urgent band.
+    assert arrival_order(fake) == ["holder", "batch", "urgent"]
+
+
+async def test_models_on_one_replica_share_its_slots_and_one_fair_order(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(
+            nursery, ttft=0, interval=0.01, tokens=3, max_running=1, models=["a", "b"]
+        )
+        proxy = await start_proxy(
+            nursery,
+            {name: {"upstreams": [fake.url], "max_connections": 1} for name in ("a", "b")},
+            keys=[key("alice"), key("bob")],
+        )
+        holder = await hold_the_slot(proxy, "alice", model="a")
+        answers: dict[str, int] = {}
+
+        async def ask(model: str, name: str, text: str) -> None:
+            response = await client.post(
+                proxy.url + CHAT,
+                json=chat_body(model, stream=False, messages=said(text)),
+                headers=bearer(name),
+            )
+            answers[text] = response.status_code
+
+        nursery.start_soon(ask, "a", "alice", "alice on a")
+        await poll_until(lambda: proxy.state.scheduling.upstream.queue.size == 1)
+        # Model b's request waits for the replica's one slot too, and in the same order.
+        nursery.start_soon(ask, "b", "bob", "bob on b")
+        await poll_until(lambda: proxy.state.scheduling.upstream.queue.size == 2)
+        assert len(fake.recorder.records) == 1
+        await streams_on(proxy.state.scheduling)
+        await holder.close()
+        await poll_until(lambda: len(answers) == 2)
+        await proxy.state.tracker.wait_idle()
+    assert answers == {"alice on a": 200, "bob on b": 200}
+    assert arrival_order(fake) == ["holder", "bob on b", "alice on a"]
+
+
+async def test_a_hedge_that_gets_no_slot_does_not_end_the_running_attempt(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """A hedge is a second chance, not the request: when it cannot get a slot (here it waits
+    past queue_timeout behind a stream that holds the other replica), the attempt already
+    running goes on and answers."""
+    with trio.fail_after(DEADLINE):
+        fakes = [
+            await start_fake(nursery, ttft=0, interval=0.01, tokens=2, max_running=1)
+            for _ in range(2)
+        ]
+        proxy = await start_proxy(
+            nursery,
+            {
+                MODEL: {
+                    "upstreams": [fake.url for fake in fakes],
+                    "max_connections": 1,
+                    "hedge_after": 0.2,
+                    "queue_timeout": 0.3,
+                }
+            },
+        )
+        holder = await hold_the_slot(proxy)
+        response = await client.post(
+            proxy.url + CHAT,
+            json=chat_body(MODEL, stream=False, messages=said("slow"), fake={"ttft": 1.0}),
+        )
+        await holder.close()
+        await proxy.state.tracker.wait_idle()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "The quick "
+    assert sorted(arrival_order(fake) for fake in fakes) == [["holder"], ["slow"]]
+    assert queue_left(proxy, "queue_timeout") == 1  # the hedge, which never started
+
+
 # ---------------------------------------------------------------------------- refusals
 
 
@@ -628,14 +735,15 @@ async def test_a_websocket_request_that_cannot_start_in_time_is_refused_and_the_
 # ---------------------------------------------------------------------------- reload
 
 
-def one_slot_toml(upstream: str, queue_timeout: float) -> str:
+def one_slot_toml(upstream: str, queue_timeout: float, max_connections: int = 1) -> str:
     keys = "".join(
         f'[[keys]]\nname = "{name}"\nsha256 = "{hash_key(SECRETS[name])}"\n'
         for name in ("alice", "bob")
     )
     return (
         f"[server]\nport = 0\n[upstream]\npreconnect = 0\n[models.{MODEL}]\n"
-        f'upstreams = ["{upstream}"]\nmax_connections = 1\nqueue_timeout = {queue_timeout}\n' + keys
+        f'upstreams = ["{upstream}"]\nmax_connections = {max_connections}\n'
+        f"queue_timeout = {queue_timeout}\n" + keys
     )
 
 
@@ -682,3 +790,84 @@ async def test_the_queue_its_slots_and_the_keys_counters_outlive_a_reload(
     assert answers == {"alice 1": 200, "alice 2": 200, "bob": 200}
     # Alice's service so far was not forgotten: bob, the least served, goes first.
     assert arrival_order(fake) == ["holder", "bob", "alice 1", "alice 2"]
+
+
+async def test_a_reload_that_adds_slots_dispatches_the_queue_at_once(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    fake = await start_fake(nursery, ttft=0, interval=0.01, tokens=3, max_running=2)
+    path = tmp_path / "sluice.toml"
+    path.write_text(one_slot_toml(fake.url, 30))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        answered: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answered.append(
+                await client.post(
+                    url + CHAT,
+                    json=chat_body(MODEL, stream=False, messages=said("queued")),
+                    headers=bearer("bob"),
+                )
+            )
+
+        async with client.stream(
+            "POST",
+            url + CHAT,
+            json=chat_body(MODEL, messages=said("holder"), fake=ENDLESS),
+            headers=bearer("alice"),
+        ) as holder:
+            assert holder.status_code == 200
+            nursery.start_soon(ask)
+            await poll_until(lambda: state.scheduling.upstream.queue.size == 1)
+            path.write_text(one_slot_toml(fake.url, 30, max_connections=2))
+            assert await state.reload_config() == "applied"
+            # The engine's second slot is used while the first is still held.
+            await poll_until(lambda: answered)
+            assert answered[0].status_code == 200
+            assert arrival_order(fake) == ["holder", "queued"]
+            assert fake.recorder.records[0].outcome == "pending"
+
+
+# ---------------------------------------------------------------------------- the local model
+
+
+async def test_a_local_models_slots_keep_deadlines_as_an_upstreams_do(
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
+) -> None:
+    step = 0.05
+    loaded = slowed(tiny_loaded_model, step)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=4)
+        backend = proxy.state.local_backends["tiny"]
+        url = proxy.url + CHAT
+        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        await running.read_until(b'"content":"')
+        # Behind a held slot, a wait longer than its deadline: refused at once.
+        refused = await client.post(
+            url, json=chat_body("tiny", max_tokens=2), headers={"x-sluice-deadline": "0.3"}
+        )
+        await running.close()
+        await backend.admission.wait_free()
+        # Running when its deadline comes: it ends in-band, and the model stops within a step.
+        sent = trio.current_time()
+        async with client.stream(
+            "POST",
+            url,
+            json=chat_body("tiny", max_tokens=10_000),
+            headers={"x-sluice-deadline": "0.5"},
+        ) as response:
+            text = (await response.aread()).decode()
+        ended = trio.current_time()
+        await backend.admission.wait_free()
+        freed = trio.current_time()
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "deadline_unmeetable"
+    assert "'tiny'" in refused.json()["error"]["message"]
+    assert response.status_code == 200
+    payloads = sse_payloads(text)
+    assert len(payloads) > 3
+    assert json.loads(payloads[-1])["error"]["code"] == "deadline_exceeded"
+    assert 0.5 <= ended - sent < 0.5 + 0.5
+    assert freed - sent < 0.5 + step + 0.5
+    assert backend.active_generations == 0
