@@ -216,8 +216,8 @@ class FairQueue:
     def ahead_of(self, ticket: Ticket) -> int:
         """How many waiting tickets go before ``ticket`` in this order, as things stand: those
         of more urgent bands, those of its band whose tenant's counter is smaller (or equal,
-        with an older ticket), and its own tenant's older ones (FIFO: every older ticket). An estimate: counters move as requests
-        are served, and the guard may promote an old one."""
+        with an older ticket), and its own tenant's older ones (FIFO: every older ticket). An
+        estimate: counters move as requests are served, and the guard may promote an old one."""
         if self.settings.policy == "fifo":
             return sum(1 for other in self.waiting() if other.seq < ticket.seq)
         mine = self.counters.get(ticket.tenant, 0.0)

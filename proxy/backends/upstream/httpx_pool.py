@@ -12,7 +12,8 @@ What this module guards against, and where:
   ``CONNECTING`` connection, until every request gets ``PoolTimeout``. Nothing waits in here:
   Sluice's queue dispatches at most ``max_connections`` requests to a replica
   (``UpstreamReplica.room``), and httpcore's pool is that large, so a request always gets a
-  connection at once. The pool wait is bounded anyway (by connect_timeout), so a bug would be an error, not a hang.
+  connection at once. The pool wait is bounded anyway (by connect_timeout), so a bug would be
+  an error, not a hang.
 * The keep-alive race: httpcore does not retry a request whose reused connection the server
   closed as it went out. :meth:`HttpxPool.open` does, as the lean pool does; httpx's ``trace``
   extension says whether the connection was opened for the request.
