@@ -86,7 +86,6 @@ async def one_slot_replica(
     *,
     keys: list[dict[str, Any]] | None = None,
     scheduling: dict[str, Any] | None = None,
-    upstream: dict[str, Any] | None = None,
     **model: Any,
 ) -> tuple[Fake, Proxy]:
     """A fake that runs one request at a time, and a Sluice that knows it (``max_connections =
@@ -97,7 +96,6 @@ async def one_slot_replica(
         {MODEL: {"upstreams": [fake.url], "max_connections": 1, **model}},
         keys=keys,
         scheduling=scheduling or {},
-        upstream=upstream or {},
     )
     return fake, proxy
 
@@ -346,7 +344,7 @@ async def test_a_keys_longest_request_counts_its_wait_in_the_queue(
         async with trio.open_nursery() as inner:
             inner.start_soon(talk)
             await queued(proxy, 1)
-            await trio.sleep(0.5 - (trio.current_time() - sent))
+            await trio.sleep_until(sent + 0.5)
             await holder.close()
         ended = trio.current_time()
         await proxy.state.tracker.wait_idle()
