@@ -40,6 +40,7 @@ class Hedge:
         # read for nobody).
         self._on_loser = on_loser
         self._attempt = attempt
+        self._policy = policy
         self._max_attempts = policy.max_attempts
         self._hedge_after = hedge_after
         self._no_replica = no_replica
@@ -78,6 +79,11 @@ class Hedge:
                     running -= 1
                     if outcome is None:
                         break  # the winner streamed to the end
+                    if running and self._policy.refused_by_queue(outcome):
+                        # An attempt that got no slot (a hedge, when every other replica is
+                        # busy): a second chance that did not come, not a failure of the
+                        # request, whose other attempt goes on (and answers, or fails, itself).
+                        continue
                     if race.winner is not None or not outcome.retryable:
                         # Failed mid-stream, or in a way no other replica would fix.
                         final_error = outcome
@@ -88,9 +94,12 @@ class Hedge:
                     else:
                         final_error = outcome
                     continue
-                # No first token within hedge_after: hedge, once.
+                # No first token within hedge_after: hedge, once. The timer was set before the
+                # wait began, and a winner found during the wait does not move it: a stream that
+                # began in time and is still going must not be hedged (its hedge would take a
+                # slot elsewhere, and a refusal of it would end the stream).
                 hedge_at = math.inf
-                if launch():
+                if race.winner is None and launch():
                     log.info("request %s: hedging (attempt %d)", request_id, launched)
             if final_error is not None:
                 nursery.cancel_scope.cancel()

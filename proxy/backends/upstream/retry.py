@@ -51,6 +51,11 @@ class RetryPolicy:
         return error.retryable and not sink.started and not sink.client_gone
 
     @staticmethod
+    def refused_by_queue(error: ApiError) -> bool:
+        """``error`` is Sluice's own queue refusing the attempt: it reached no replica."""
+        return error.code in _QUEUE_REFUSALS
+
+    @staticmethod
     def blames_replica(error: ApiError, sink: Sink) -> bool:
         """``error`` is a failure verdict on its replica: not the proxy's own queue being full
         or too slow, and not a failure seen after the client left (what the cancellation
