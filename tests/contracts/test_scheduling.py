@@ -198,9 +198,8 @@ async def test_an_sdk_timeout_shorter_than_the_queue_is_refused_at_once_and_neve
     assert isinstance(error.body, dict) and f"'{MODEL}'" in error.body["message"]
     assert error.response.json() == {"error": error.body}
     assert int(error.response.headers["retry-after"]) >= 1
-    # Sluice says nothing of retrying: the SDK's own rule for a 503 decides (it retries, after
-    # Retry-After), as for every queue refusal ("retry later").
-    assert "x-should-retry" not in error.response.headers
+    # Worth a retry once the queue has moved on: the SDK is told so, and waits Retry-After.
+    assert error.response.headers["x-should-retry"] == "true"
     # It never reached the upstream: the fake saw the holder alone.
     assert arrival_order(fake) == ["holder"]
 

@@ -19,7 +19,7 @@ import trio
 
 from proxy.backends.upstream.exchange import UpstreamExchange, upstream_error
 from proxy.backends.upstream.hedge import Hedge
-from proxy.backends.upstream.replica import UpstreamReplica, routing_counter
+from proxy.backends.upstream.replica import UpstreamReplica, public_name, routing_counter
 from proxy.backends.upstream.retry import Attempt, Retry, RetryPolicy
 from proxy.backends.upstream.routing import (
     HealthPolicy,
@@ -195,7 +195,7 @@ class UpstreamBackend:
         now = trio.current_time()
         wait = self._router.next_recovery(self._loads, now)
         failures = [
-            f"{load.url} ({load.last_failure})"
+            f"{public_name(self.model.name, self.model.upstreams, load.url)} ({load.last_failure})"
             for load in self._loads
             if load.ejected(now) and load.last_failure
         ]

@@ -134,6 +134,9 @@ class _Race:
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.winner: _Entrant | None = None
+        # The furthest phase an entrant has reached: the request's, which a hedge that
+        # starts over (queued, connecting) does not move back.
+        self.phase = Phase.QUEUED
         self.entrants: list[_Entrant] = []
 
     def enter(self, scope: trio.CancelScope) -> _Entrant:
@@ -176,9 +179,11 @@ class _Entrant:
     def set_phase(self, phase: Phase) -> None:
         if phase is Phase.CONNECTING:
             self.reached = True
-        # Until a winner is known, the entrants' phases are the request's.
-        if self.race.winner is None:
-            self.race.sink.set_phase(phase)
+        # Until a winner is known, the furthest of the entrants' phases is the request's.
+        race = self.race
+        if race.winner is None and _PHASES.index(phase) > _PHASES.index(race.phase):
+            race.phase = phase
+            race.sink.set_phase(phase)
 
     def begin(
         self,
@@ -205,3 +210,7 @@ class _Entrant:
             await self.race.sink.send(chunk)
         else:
             await trio.lowlevel.checkpoint()  # lost: our scope is cancelled, this raises
+
+
+# The phases an attempt passes, in order (the relay itself sets those after them).
+_PHASES = (Phase.QUEUED, Phase.CONNECTING, Phase.HEAD, Phase.FIRST_TOKEN)

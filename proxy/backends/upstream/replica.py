@@ -54,6 +54,15 @@ def routing_counter(metrics: Metrics) -> Counter:
     return counter
 
 
+def public_name(model_name: str, upstreams: list[str] | tuple[str, ...], url: str) -> str:
+    """How a replica is named to clients: by its place in its model's table, never by its
+    address (an internal one, as often as not; the logs and the metrics keep it)."""
+    for place, each in enumerate(upstreams):
+        if each.rstrip("/") == url:
+            return f"model '{model_name}' upstreams[{place}]"
+    return f"an upstream of model '{model_name}'"
+
+
 class UpstreamReplica:
     """One upstream server, as reached with one set of :class:`ConnectionSettings`: its pool
     (the lean KeepAlivePool or the HttpxPool), and its room in Sluice's queue, which bounds

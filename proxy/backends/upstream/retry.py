@@ -204,7 +204,7 @@ class Retry:
                     raise
                 last_error = error
                 load = tried[-1]
-                failures.append(f"{load.url}: {error.message}")
+                failures.append(error.message)  # it names the replica (never by address)
                 if len(tried) < attempts:
                     log_retry(request_id, load, error)
         if last_error is None:
