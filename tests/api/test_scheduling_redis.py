@@ -11,7 +11,6 @@ going away.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,16 +33,6 @@ pytestmark = pytest.mark.skipif(
 
 SETTINGS = SchedulingSettings(policy="fair", w_in=1.0, w_out=2.0, starvation_seconds=0)
 HASH = "sluice:scheduling:upstream"
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class Instance:

@@ -11,7 +11,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,7 +33,7 @@ from proxy.bench.fairness.load import (
 from proxy.bench.fairness.settings import KEYS, POLICIES, FairnessSettings
 from proxy.bench.fairness.stats import Request
 from proxy.bench.procfs import _raise_fd_limit, machine_info, process_cpu_seconds
-from proxy.bench.report import write_text
+from proxy.bench.report import show_progress, write_text
 from proxy.bench.settings import BenchError
 
 PHASES: Final = ("baseline", "flood", "deadline")
@@ -235,7 +235,7 @@ class _Bench:
         last = max((r.at for r in requests), default=0.0)
         async with trio.open_nursery() as nursery:
             if self.settings.progress:
-                nursery.start_soon(_progress, label, requests)
+                nursery.start_soon(show_progress, label, _progress_counts(requests), sys.stderr)
             with trio.move_on_at(t0 + last + self.settings.timeout):
                 async with trio.open_nursery() as clients:
                     for request, raw in zip(requests, data, strict=True):
@@ -255,27 +255,13 @@ class _Bench:
                 await trio.sleep(SETTLE_POLL)
 
 
-async def _progress(label: str, requests: list[Request]) -> None:
-    """A line on stderr every few seconds (rewritten in place on a terminal)."""
-    tty = sys.stderr.isatty()
-    started = time.monotonic()
-
-    def show(final: bool = False) -> None:
+def _progress_counts(requests: list[Request]) -> Callable[[], str]:
+    def counts() -> str:
         sent = sum(r.sent is not None for r in requests)
         ended = sum(r.ended_at is not None for r in requests)
-        line = (
-            f"[{label}] {time.monotonic() - started:5.1f} s  sent {sent}/{len(requests)}  "
-            f"ended {ended}"
-        )
-        end = "\n" if final or not tty else ""
-        print("\r" + line if tty else line, end=end, file=sys.stderr, flush=True)
+        return f"sent {sent}/{len(requests)}  ended {ended}"
 
-    try:
-        while True:
-            await trio.sleep(0.25 if tty else 5.0)
-            show()
-    finally:
-        show(final=True)
+    return counts
 
 
 # --------------------------------------------------------------------------- the bench
