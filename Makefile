@@ -170,6 +170,10 @@ bench: $(STAMP)
 	# Two instances in front of four fake replicas with a prefix cache: least_busy vs
 	# upstream_metrics vs prefix_affinity (TTFT and cache-hit rate).
 	$(BIN)/python -m proxy.bench --replicas 4 --instances 2 --sessions 48 --markdown docs/benchmarks.md
+	# Sharing a saturated upstream (4 slots): key A floods, B and C send short requests;
+	# Sluice with [scheduling] policy fifo and fair alternating in one run, then requests whose
+	# SDK read timeout is shorter than their wait in the queue; two rounds. About 4 minutes.
+	$(BIN)/python -m proxy.bench --fairness --markdown docs/benchmarks.md
 	# The local model: one stream vs model.generate, and 1/2/4/8 streams batched vs one at a time.
 	$(BIN)/python -m proxy.bench.local --markdown docs/benchmarks.md
 	# What happens when a client leaves (docs/cancellation.md, linked from docs/benchmarks.md).

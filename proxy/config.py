@@ -87,9 +87,15 @@ class UpstreamRequestConfig:
     # also goes to another replica; the first to stream wins, the other is cancelled. 0: off.
     hedge_after: float = 0.0
     api_key_env: str = ""
-    # A model's requests waiting for a free connection slot on a replica (every
-    # max_connections in use), per replica: more get 429 queue_full at once; one that waits
-    # longer than queue_timeout gets 503.
+    # Requests in flight on one replica at most: the replica's concurrency, which Sluice
+    # holds to, so that requests past it wait in Sluice's queue (where the choice between them
+    # can be fair) rather than in the engine's (first come, first served). Keep it at or
+    # below the engine's own limit (vLLM's max_num_seqs: 256 on most GPUs, 128 on CPU), or
+    # Sluice's queue is never used. The default is the lowest of those, so that it holds in
+    # front of an engine left at its defaults. Every model on one replica must say the same.
+    max_connections: int = 128
+    # A model's requests waiting in Sluice's queue for a slot on one of its replicas: more
+    # get 429 queue_full at once; one that waits longer than queue_timeout gets 503.
     # (A local model's own queue uses the same two keys, with its own defaults.)
     max_queue: int = 256
     queue_timeout: float = 30.0
@@ -122,6 +128,13 @@ class UpstreamRequestConfig:
     affinity_header: str = ""
     affinity_prefix_bytes: int = 1024
     affinity_max_load: float = 1.5
+    # With balance = "upstream_metrics": a replica whose scraped queue (vLLM's
+    # num_requests_waiting) is over this many has no room, whatever its count in flight.
+    max_upstream_waiting: int = 0
+    # Whether the upstream takes a request's "priority" field (vLLM run with
+    # --scheduling-policy priority): then each request goes with its band in it; otherwise the
+    # field is taken out (vLLM refuses a non-zero one under its default policy).
+    upstream_priority: bool = False
 
 
 TRANSPORTS = ("auto", "lean", "httpx")
@@ -134,7 +147,6 @@ PROXY_DIRECT = "none"
 class UpstreamConfig(UpstreamRequestConfig):
     """The defaults above, plus the settings of each replica's pool and health."""
 
-    max_connections: int = 256
     max_keepalive_connections: int = 64
     # Below uvicorn's 5 s (vLLM's server): an idle connection is let go before its server
     # closes it, which is when the keep-alive race happens (the pool retries that race too).
@@ -275,9 +287,24 @@ class KeyConfig:
     # asks for more or says nothing, in its endpoint's own field (max_tokens,
     # max_completion_tokens, max_output_tokens).
     max_tokens_cap: int = 0
+    # The key's share when the upstream is saturated: its service counts 1/weight as much
+    # (a key of weight 2 gets twice the tokens of a key of weight 1 while both wait).
+    weight: float = 1.0
+    # Its band, as vLLM reads "priority": lower is served first (a band strictly before the
+    # ones after it). A request may ask to be less urgent, never more.
+    priority: int = 0
+    # The longest a request of the key may run, queue included (0: no bound); a client's
+    # x-sluice-deadline may make it shorter.
+    max_request_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"[[keys]] {self.name!r}"
+        if self.name == "-":
+            # The metrics, the access line and the shared scheduler counters name requests
+            # with no key so: a key of that name would be counted as them.
+            raise ConfigError(
+                "'name' in [[keys]] cannot be '-': it stands for requests with no key"
+            )
         if self.tokens_counted not in TOKENS_COUNTED:
             raise ConfigError(
                 f"'tokens_counted' in {where} must be one of {', '.join(TOKENS_COUNTED)}, "
@@ -286,6 +313,10 @@ class KeyConfig:
         for name in ("tokens_per_minute", "tokens_per_day", "max_tokens_cap"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"'{name}' in {where} must be >= 0 (0: none)")
+        if not (self.weight > 0 and math.isfinite(self.weight)):
+            raise ConfigError(f"'weight' in {where} must be a positive number")
+        if self.max_request_seconds < 0:
+            raise ConfigError(f"'max_request_seconds' in {where} must be >= 0 (0: none)")
 
     @property
     def token_budgeted(self) -> bool:
@@ -363,6 +394,28 @@ class TracingConfig:
     capture_content: bool = False
 
 
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """How waiting requests share the upstream (proxy/protocol/scheduling.py): in bands
+    (``[[keys]] priority``), each served fairly between its keys (``[[keys]] weight``)."""
+
+    # "fair": bands, then the key that has received the least service (weighted tokens in and
+    # out) goes next. "fifo": first come, first served (what fair is measured against).
+    policy: str = "fair"
+    # What a token in and a token out count for in a key's service (the paper's 1 and 2: an
+    # output token costs a decode step).
+    w_in: float = 1.0
+    w_out: float = 2.0
+    # A request that has waited this long goes before every band, oldest first, so that a
+    # less urgent band is never starved (0: no guard).
+    starvation_seconds: float = 60.0
+    # With [limits] backend = "redis": how often each instance shares its keys' counters with
+    # the others (a key flooding one instance is behind on all; what one instance serves
+    # reaches the others within two of these, one when their syncs fall together).
+    share_seconds: float = 1.0
+
+
+SCHEDULING_POLICIES = ("fair", "fifo")
 LIMITS_BACKENDS = ("memory", "redis")
 LIMITS_ON_ERROR = ("deny", "allow")
 
@@ -375,6 +428,7 @@ class Config:
     fake_upstream: FakeUpstreamConfig = field(default_factory=FakeUpstreamConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     models: tuple[ModelConfig, ...] = ()
     keys: tuple[KeyConfig, ...] = ()
     source: str = "<defaults>"
@@ -393,6 +447,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "fake_upstream": FakeUpstreamConfig,
     "limits": LimitsConfig,
     "tracing": TracingConfig,
+    "scheduling": SchedulingConfig,
 }
 
 T = TypeVar("T")
@@ -493,10 +548,10 @@ def _validate(config: Config) -> None:
     )
     _check_request_settings("[upstream]", upstream)
     _check_limits(config.limits)
+    _check_scheduling(config.scheduling)
     _check_tracing(config.tracing)
     _check_positive(
         "[upstream]",
-        max_connections=upstream.max_connections,
         keepalive_expiry=upstream.keepalive_expiry,
         failure_threshold=upstream.failure_threshold,
         ejection_seconds=upstream.ejection_seconds,
@@ -638,10 +693,31 @@ def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None
         idle_timeout=settings.idle_timeout,
         total_timeout=settings.total_timeout,
         max_attempts=settings.max_attempts,
+        max_connections=settings.max_connections,
     )
-    _check_not_negative(where, hedge_after=settings.hedge_after)
+    _check_not_negative(
+        where, hedge_after=settings.hedge_after, max_upstream_waiting=settings.max_upstream_waiting
+    )
     _check_connection_settings(where, settings)
     _check_balance(where, settings)
+
+
+def _check_scheduling(scheduling: SchedulingConfig) -> None:
+    if scheduling.policy not in SCHEDULING_POLICIES:
+        raise ConfigError(
+            f"'policy' in [scheduling] must be one of {', '.join(SCHEDULING_POLICIES)}, "
+            f"not {scheduling.policy!r}"
+        )
+    _check_not_negative(
+        "[scheduling]",
+        w_in=scheduling.w_in,
+        w_out=scheduling.w_out,
+        starvation_seconds=scheduling.starvation_seconds,
+    )
+    if scheduling.w_in == scheduling.w_out == 0:
+        # No token would count: every key's service would stay 0, and fair would be FIFO.
+        raise ConfigError("'w_in' and 'w_out' in [scheduling] cannot both be 0")
+    _check_positive("[scheduling]", share_seconds=scheduling.share_seconds)
 
 
 def _check_tracing(tracing: TracingConfig) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from proxy.api.auth import hash_key
+from proxy.api.served_config import replica_capacities
 from proxy.config import (
     Config,
     ConfigError,
@@ -289,6 +291,15 @@ def test_unreadable_files(tmp_path: Path) -> None:
         ({"relay": {"max_event_bytes": 0}}, "'max_event_bytes'"),
         ({"relay": {"max_response_bytes": 0}}, "'max_response_bytes'"),
         ({"upstream": {"max_connections": 0}}, "'max_connections'"),
+        ({"models": {"m": {**MODEL, "max_connections": 0}}}, r"'max_connections' in \[models\.m\]"),
+        ({"models": {"m": {**MODEL, "max_upstream_waiting": -1}}}, "'max_upstream_waiting'"),
+        ({"scheduling": {"policy": "lottery"}}, "'policy' in .scheduling.*fair, fifo"),
+        ({"scheduling": {"w_in": -1}}, "'w_in' in .scheduling"),
+        ({"scheduling": {"w_out": float("nan")}}, "'w_out' in .scheduling"),
+        ({"scheduling": {"w_in": 0, "w_out": 0}}, "cannot both be 0"),
+        ({"scheduling": {"starvation_seconds": -1}}, "'starvation_seconds'"),
+        ({"scheduling": {"share_seconds": 0}}, "'share_seconds'"),
+        ({"scheduling": {"quantum": 1}}, r"unknown key 'quantum' in \[scheduling\]"),
         ({"upstream": {"keepalive_expiry": 0}}, "'keepalive_expiry'"),
         ({"upstream": {"max_keepalive_connections": -1}}, "'max_keepalive_connections'"),
         ({"models": {"m": {**MODEL, "connect_timeout": 0}}}, "'connect_timeout'"),
@@ -393,3 +404,55 @@ def test_upstream_model_is_no_key_of_a_local_model_nor_of_upstream() -> None:
         build({"upstream": {"upstream_model": "y"}})
     with pytest.raises(ConfigError, match="unknown key 'upstream_model'"):
         build({}, SLUICE_UPSTREAM_UPSTREAM_MODEL="y")
+
+
+def test_scheduling_defaults_are_fair_and_each_model_sets_its_replicas_concurrency() -> None:
+    config = build(
+        {
+            "upstream": {"max_connections": 16},
+            "models": {
+                "a": {**MODEL, "max_connections": 4, "upstream_priority": True},
+                "b": {"upstreams": ["http://127.0.0.1:8002"]},
+            },
+        }
+    )
+    assert (config.scheduling.policy, config.scheduling.w_in, config.scheduling.w_out) == (
+        "fair",
+        1.0,
+        2.0,
+    )
+    a, b = config.models
+    assert isinstance(a, UpstreamModel) and isinstance(b, UpstreamModel)
+    assert (a.max_connections, a.upstream_priority) == (4, True)
+    assert (b.max_connections, b.upstream_priority) == (16, False)
+    # Below every engine's own default (vLLM's max_num_seqs: 128 on CPU, 256 on most GPUs),
+    # so that requests past it wait in Sluice's fair queue, not the engine's FIFO one.
+    assert UpstreamConfig().max_connections <= 128
+
+
+def test_models_sharing_a_replica_must_agree_on_its_concurrency() -> None:
+    shared = {"upstreams": ["http://127.0.0.1:8001/v1"]}
+    config = build(
+        {"models": {"a": {**shared, "max_connections": 4}, "b": {**shared, "max_connections": 8}}}
+    )
+    with pytest.raises(ConfigError, match=r"\[models\.b\] and \[models\.a\] share the replica"):
+        replica_capacities(config, {}, None)
+    agreed = build(
+        {"models": {"a": {**shared, "max_connections": 4}, "b": {**shared, "max_connections": 4}}}
+    )
+    assert list(replica_capacities(agreed, {}, None).values()) == [4]
+
+
+def test_a_keys_scheduling_settings() -> None:
+    key = {"name": "batch", "sha256": hash_key("k"), "priority": 5, "weight": 2.5}
+    (batch,) = build({"keys": [{**key, "max_request_seconds": 30}]}).keys
+    assert (batch.priority, batch.weight, batch.max_request_seconds) == (5, 2.5, 30.0)
+    for bad, named in (
+        ({"weight": 0}, "'weight'"),
+        ({"weight": float("inf")}, "'weight'"),
+        ({"max_request_seconds": -1}, "'max_request_seconds'"),
+        ({"priority": 1.5}, "'priority'"),
+        ({"name": "-"}, "cannot be '-'"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            build({"keys": [{**key, **bad}]})

@@ -518,8 +518,18 @@ class RedisLimits:
         *,
         shield: bool = False,
     ) -> None:
+        await self.bounded(operation, call, shield=shield)
+
+    async def bounded(
+        self,
+        operation: str,
+        call: Callable[[Any], Awaitable[object]],
+        *,
+        shield: bool = False,
+    ) -> bool:
         """``call(client)`` within ``[limits] timeout`` (shielded from the caller's cancellation
-        when ``shield``); a failure or a timeout is counted under ``operation`` and logged."""
+        when ``shield``); whether it went through. A failure or a timeout is counted under
+        ``operation`` and logged."""
         failure = "timed out"
         with trio.CancelScope(shield=shield), trio.move_on_after(self.limits.timeout):
             try:
@@ -527,6 +537,7 @@ class RedisLimits:
             except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
                 failure = repr(error)
             else:
-                return
+                return True
         self._count(operation, "failed")
         self._errors.error(operation, failure)
+        return False

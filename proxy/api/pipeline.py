@@ -21,6 +21,7 @@ one responder (``responder.py``) asks the pipeline, in order:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import uuid
 import weakref
@@ -32,15 +33,17 @@ import trio
 from proxy.api.auth import KeyRing, limited_producer
 from proxy.api.token_budget import Metered, metered_producer, metered_request
 from proxy.backends.base import Backend
-from proxy.config import Config, KeyConfig, LocalModel
+from proxy.config import Config, KeyConfig, LocalModel, UpstreamModel
 from proxy.ops import tracing
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.errors import SERVER_ERROR, ApiError, bad_request, model_not_found
 from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.rewrite import REMOVE, with_edits
+from proxy.protocol.scheduling import Schedule, positive_seconds, request_band
 from proxy.protocol.shapes import error_shape
-from proxy.protocol.token_usage import DEFAULT_RESERVED_OUTPUT
+from proxy.protocol.token_usage import DEFAULT_RESERVED_OUTPUT, estimate_input_tokens
 from proxy.relay.body import Producer, RelayBody, RelayTracker
 from proxy.server.call import HeaderLookup
 
@@ -191,30 +194,87 @@ class RequestPipeline:
             raise model_not_found(model)
         return backend
 
+    def schedule(
+        self,
+        request: CompletionRequest,
+        access: AccessRecord,
+        key: KeyConfig | None,
+        headers: HeaderLookup | None,
+    ) -> CompletionRequest:
+        """``request`` with what the scheduler knows of it: its key, band, weight and input,
+        and its deadlines (the SDK's read timeout for its first byte; the earlier of
+        ``x-sluice-deadline`` and the key's ``max_request_seconds`` for its end); with the
+        body's ``priority`` taken out, or set to the band where the upstream takes it."""
+        get = headers.get if headers is not None else (lambda name: None)
+        body = request.body
+        asked = body.get("priority") if isinstance(body, dict) else None
+        band = request_band(0 if key is None else key.priority, asked, get("x-sluice-priority"))
+        now = access.started
+        first_byte = positive_seconds(get("x-stainless-read-timeout")) or positive_seconds(
+            get("x-stainless-timeout")
+        )
+        limits = [positive_seconds(get("x-sluice-deadline"))]
+        if key is not None and key.max_request_seconds > 0:
+            limits.append(key.max_request_seconds)
+        done = min((limit for limit in limits if limit is not None), default=None)
+        deadlines = [d for d in (first_byte, done) if d is not None]
+        access.band = band
+        access.deadline = min(deadlines) if deadlines else None
+        schedule = Schedule(
+            "" if key is None else key.name,
+            band,
+            1.0 if key is None else key.weight,
+            estimate_input_tokens(body) if request.endpoint is not Endpoint.PASSTHROUGH else 0,
+            first_byte_by=math.inf if first_byte is None else now + first_byte,
+            done_by=math.inf if done is None else now + done,
+            report=access.waited,
+        )
+        request = dataclasses.replace(request, schedule=schedule)
+        return self._with_priority(request, band, asked)
+
+    def _with_priority(
+        self, request: CompletionRequest, band: int, asked: object
+    ) -> CompletionRequest:
+        """The body's ``priority`` as the upstream is to see it: out, unless the model says its
+        upstream takes it (vLLM with --scheduling-policy priority), then the band."""
+        model = self.config.model(request.model)
+        takes = isinstance(model, UpstreamModel) and model.upstream_priority
+        if takes and asked != band:
+            return with_edits(request, {"priority": band})
+        if not takes and asked is not None:
+            return with_edits(request, {"priority": REMOVE})
+        return request
+
     def relay(
-        self, request: CompletionRequest, access: AccessRecord, key: KeyConfig | None
+        self,
+        request: CompletionRequest,
+        access: AccessRecord,
+        key: KeyConfig | None,
+        headers: HeaderLookup | None = None,
     ) -> RelayBody:
         """The relay that runs ``request``: enter it (``async with``) and iterate it."""
         backend = self.backend_for(request.model)
+        request = self.schedule(request, access, key, headers)
         local = request.model in self.local_models
-        metered: Metered | None = None
-        if key is not None and key.token_budgeted:
-            model = self.config.model(request.model)
-            default_output = (
-                model.default_max_tokens
-                if isinstance(model, LocalModel)
-                else DEFAULT_RESERVED_OUTPUT
-            )
-            request, metered = metered_request(
-                request, key, upstream=not local, default_output=default_output
-            )
+        model = self.config.model(request.model)
+        default_output = (
+            model.default_max_tokens if isinstance(model, LocalModel) else DEFAULT_RESERVED_OUTPUT
+        )
+        # Every request that generates is metered: its tokens for its access line, its trace
+        # and the scheduler's fair share (an upstream stream asked for its usage block); a
+        # key with a token budget or cap is held to it too.
+        request, metered = metered_request(
+            request, key, upstream=not local, default_output=default_output
+        )
         produce: Producer = partial(backend.produce, request, access.request_id)
         if key is not None and self.keys.limited(key):
             # Admitted inside the relay, so that its 429 is counted like any relayed status
             # and the concurrency it holds is released when the body closes.
-            produce = limited_producer(self.keys, key, produce, metered)
+            budgeted = metered if metered is not None and metered.key is not None else None
+            produce = limited_producer(self.keys, key, produce, budgeted)
+            if metered is not None and budgeted is None:
+                produce = metered_producer(produce, metered)
         elif metered is not None:
-            # A cap and no budget: counted for the accounting, nothing to admit against.
             produce = metered_producer(produce, metered)
         trace = access.trace
         if trace is not None:
@@ -227,8 +287,10 @@ class RequestPipeline:
             )
             produce = trace.run(produce)
         relay = self.config.relay
+        schedule = request.schedule
         body = RelayBody(
             produce,
+            deadlines=(schedule.first_byte_by, schedule.done_by),
             streaming=request.stream,
             channel_capacity=relay.channel_capacity,
             stall_timeout=relay.stall_timeout,

@@ -100,7 +100,7 @@ class Responder:
                 headers=call.headers,
                 message=websocket,
             )
-            body = pipeline.relay(request, access, key)
+            body = pipeline.relay(request, access, key, call.headers)
         except ApiError as error:
             refusal = error
         except Exception as error:  # noqa: BLE001 - the boundary of one request: its 500

@@ -26,6 +26,8 @@ from proxy.backends.upstream.scrape import check_replicas, report_reachability
 from proxy.backends.upstream.transports import ConnectionSettings
 from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
 from proxy.ops.metrics import Metrics
+from proxy.protocol.scheduling import SchedulingSettings
+from proxy.relay.admission import Scheduling
 from proxy.relay.body import RelayTracker
 
 log = logging.getLogger("sluice.app")
@@ -66,6 +68,37 @@ def check_no_fake_upstream(config: Config) -> None:
             )
 
 
+def scheduling_settings(config: Config) -> SchedulingSettings:
+    table = config.scheduling
+    return SchedulingSettings(table.policy, table.w_in, table.w_out, table.starvation_seconds)
+
+
+def replica_capacities(
+    config: Config, env: Mapping[str, str], fake_upstream_url: str | None
+) -> dict[str, int]:
+    """Each replica's slots (by its name), from the max_connections of the models it serves;
+    a ConfigError when two of them disagree (a replica's concurrency is the engine's, one
+    number)."""
+    capacities: dict[str, tuple[int, str]] = {}
+    for model in config.models:
+        if model.backend == "local":
+            continue
+        for url in model.upstreams:
+            if url == FAKE_UPSTREAM_URL:
+                if fake_upstream_url is None:
+                    continue  # check_no_fake_upstream says why
+                url = fake_upstream_url
+            name = UpstreamReplica.key(url, ConnectionSettings.resolve(url, model, env))
+            known = capacities.setdefault(name, (model.max_connections, model.name))
+            if known[0] != model.max_connections:
+                raise ConfigError(
+                    f"[models.{model.name}] and [models.{known[1]}] share the replica {url} "
+                    f"but set max_connections = {model.max_connections} and {known[0]}: a "
+                    "replica's concurrency is one number (its engine's), set it alike"
+                )
+    return {name: capacity for name, (capacity, _) in capacities.items()}
+
+
 class ServedConfig:
     """What one config serves with, beside the process's shared parts (metrics, relay
     tracker, local models). Raises :class:`ConfigError` for what only serving checks (an
@@ -81,6 +114,7 @@ class ServedConfig:
         loading: Mapping[str, str],
         fake_upstream_url: str | None = None,
         previous: ServedConfig | None = None,
+        scheduling: Scheduling | None = None,
     ) -> None:
         self.config = config
         # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
@@ -97,6 +131,12 @@ class ServedConfig:
         self.keys = KeyRing(config.keys, config.limits, metrics)
         if previous is not None:
             self.keys.carry_over(previous.keys)
+        # The process's queues (kept across reloads), and each replica's capacity, one per
+        # replica whichever models share it.
+        self._capacities = replica_capacities(config, env, fake_upstream_url)
+        # After every check that may refuse this config: a refused reload changes nothing.
+        self.scheduling = scheduling or Scheduling(scheduling_settings(config))
+        self.scheduling.configure(scheduling_settings(config))
         self.replicas: dict[str, UpstreamReplica] = {}
         # The upstream models' backends (start_backends) and the local ones, shared.
         self.backends: dict[str, Backend] = dict(local_backends)
@@ -152,7 +192,11 @@ class ServedConfig:
                             model.name,
                         )
                     self.replicas[name] = UpstreamReplica(
-                        url, upstream, connection, socket_options=socket_options
+                        url,
+                        upstream,
+                        connection,
+                        socket_options=socket_options,
+                        room=self.scheduling.room(name, self._capacities[name]),
                     )
                     log.info("upstream %s via %s", url, connection.label)
                 replica = self.replicas[name]
@@ -164,6 +208,7 @@ class ServedConfig:
                 model,
                 replicas,
                 self.config.relay,
+                dispatcher=self.scheduling.upstream,
                 api_key=self.api_keys.get(model.name),
                 policy=self.health_policy,
                 metrics=self.metrics,

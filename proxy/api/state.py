@@ -13,9 +13,10 @@ import trio
 from proxy.api.auth import KeyRing
 from proxy.api.pipeline import RequestPipeline
 from proxy.api.reload import RELOAD_OUTCOMES, ConfigReloader
-from proxy.api.served_config import ServedConfig
+from proxy.api.served_config import ServedConfig, scheduling_settings
 from proxy.api.served_config import check_no_fake_upstream as check_no_fake_upstream
 from proxy.api.served_config import resolve_api_keys as resolve_api_keys
+from proxy.api.shared_service import SharedService
 from proxy.backends.base import Backend
 from proxy.backends.upstream.catalog import ModelCatalog
 from proxy.backends.upstream.replica import UpstreamReplica
@@ -23,6 +24,7 @@ from proxy.config import Config, ConfigError, LocalModel
 from proxy.ops import tracing
 from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
+from proxy.relay.admission import Scheduling
 from proxy.relay.body import RelayTracker
 from proxy.server.asgi import SluiceQuart
 
@@ -64,6 +66,9 @@ class SluiceState:
         # Where the models' "fake:" upstream listens: the fake upstream is tooling, started
         # beside the app by whoever starts the app (`sluice serve` with [fake_upstream]).
         self.fake_upstream_url = fake_upstream_url
+        # The queues of the upstreams (their rooms and order), and each key's service: the
+        # process's, kept across reloads.
+        self.scheduling = Scheduling(scheduling_settings(config))
         # The config's keys, upstreams and pipeline (api/served_config.py): replaced whole by a
         # reload, in one assignment; the previous ones retire once their relays end.
         self.current = self.build_served(config)
@@ -84,7 +89,7 @@ class SluiceState:
 
     def build_served(self, config: Config, previous: ServedConfig | None = None) -> ServedConfig:
         """The serving objects of ``config`` (not started): at start-up, and at each reload."""
-        return ServedConfig(
+        served = ServedConfig(
             config,
             self.env,
             self.metrics,
@@ -93,7 +98,12 @@ class SluiceState:
             self.loading,
             self.fake_upstream_url,
             previous,
+            self.scheduling,
         )
+        # Once the config is accepted: a refused reload changes nothing.
+        for local in self.local_backends.values():
+            local.configure(scheduling_settings(config))
+        return served
 
     # What the current served config serves with: each request reads these once (the pipeline
     # at its start), so that a reload never mixes two configs within one request.
@@ -164,7 +174,9 @@ class SluiceState:
         until the server stops."""
         from proxy.backends.local import LocalBackend
 
-        local = LocalBackend(model, self.local_models[model.name], self.metrics)
+        local = LocalBackend(
+            model, self.local_models[model.name], self.metrics, scheduling_settings(self.config)
+        )
         await nursery.start(local.run)
         self.local_backends[model.name] = local
         # Every served config serves it; a reload's next one copies local_backends.
@@ -176,6 +188,15 @@ class SluiceState:
         """Start serving (the app's before_serving): the backends, then their background work
         in ``nursery`` (the app's), which runs until the server stops."""
         self.nursery = nursery
+        if self.config.limits.backend == "redis":
+            # The keys' counters shared with the other instances, through the current
+            # config's store (nothing to share while a reloaded config counts in memory).
+            shared = SharedService(
+                self.scheduling.upstream,
+                lambda: self.current.keys.shared,
+                interval=self.config.scheduling.share_seconds,
+            )
+            nursery.start_soon(shared.run, name="sluice scheduler counters (Redis)")
         # The shared limits' Redis client and the upstreams' work live in the app's nursery.
         await nursery.start(self.current.run)
         for model in self.config.models:

@@ -16,17 +16,15 @@ of a client that kills what serves it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proxy.config import KeyConfig
-from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.errors import RATE_LIMIT, ApiError
-from proxy.protocol.openai import CompletionRequest, Endpoint
-from proxy.protocol.rewrite import edited_body, rewrite_body
+from proxy.protocol.openai import CompletionRequest
+from proxy.protocol.rewrite import with_edits
 from proxy.protocol.token_usage import (
     CURRENT_METER,
     DEFAULT_RESERVED_OUTPUT,
@@ -51,8 +49,6 @@ DAY = 86_400.0
 LIMIT_HEADER = "x-ratelimit-limit-tokens"
 REMAINING_HEADER = "x-ratelimit-remaining-tokens"
 RESET_HEADER = "x-ratelimit-reset-tokens"
-# Endpoints whose parsed request holds nothing beyond the body (no ``detail`` form).
-_BODY_ONLY = (Endpoint.CHAT, Endpoint.COMPLETIONS)
 
 
 class Charge:
@@ -190,9 +186,12 @@ def reset_text(seconds: float) -> str:
 
 @dataclass
 class Metered:
-    """One metered request: its meter, what it reserved, and (once it ended) what it used."""
+    """One metered request (every request that generates: its tokens are counted for its
+    access line, its trace, and the scheduler's fair share): its meter, what it reserved
+    (a key with a token budget), and (once it ended) what it used."""
 
-    key: KeyConfig
+    # Its key, when the key has a token budget or cap (the budget is charged); else None.
+    key: KeyConfig | None
     model: str
     meter: UsageMeter
     reserved_output: int
@@ -207,22 +206,38 @@ class Metered:
     def ended(self, *, client_left: bool, failed: str | None) -> None:
         """The producer ended: what it used, and what the key is charged for it."""
         self.usage = self.meter.usage(self.reserved_output, client_left=client_left, failed=failed)
-        self.charged = self.usage.charge(self.key.tokens_counted)
+        self.charged = self.usage.charge("total" if self.key is None else self.key.tokens_counted)
 
     def closed(self, body: RelayBody, access: AccessRecord, metrics: Metrics) -> None:
         """The relay closed: the tokens in the access line and sluice_key_tokens_total. Of
         an upstream's stream, those for nobody are the events still queued for a client that
         left (the upstream itself is stopped at once)."""
         facts = self.meter.facts
-        if access.trace is not None and not self.meter.local and facts.output_tokens is not None:
-            access.trace.reported_usage(facts.input_tokens, facts.output_tokens)
         usage = self.usage
+        trace = access.trace
+        if trace is not None and not self.meter.local:
+            if facts.output_tokens is not None:
+                trace.reported_usage(facts.input_tokens, facts.output_tokens)
+            elif usage is not None:
+                # No usage block from the upstream: Sluice's own count (its deltas, the
+                # prompt's estimate), so that every trace says what the request used.
+                trace.reported_usage(usage.input, usage.output)
         if usage is None:
             return
         for_nobody = usage.for_nobody
         if not self.meter.local and body.cancelled:
             for_nobody = min(usage.output, body.account.undelivered)
+        elif body.cut_in_prefill:
+            # Cut at its deadline before a first byte: what was made for nobody is the prompt
+            # the engine read (as for a hedge's loser).
+            for_nobody = usage.input
         access.tokens = (usage.input, usage.output, for_nobody, usage.estimated)
+        if for_nobody:
+            metrics.tokens_for_nobody.labels(access.key or "-", self.model, waste_cause(body)).inc(
+                for_nobody
+            )
+        if self.key is None:
+            return  # no budget to show it against
         counter = metrics.key_tokens
         name = self.key.name
         for kind, tokens in (
@@ -234,42 +249,42 @@ class Metered:
                 counter.labels(name, self.model, kind).inc(tokens)
 
 
+def waste_cause(body: RelayBody) -> str:
+    """Why tokens of ``body``'s request went to nobody (sluice_tokens_for_nobody's cause)."""
+    if body.stalled:
+        return "stall"
+    if body.deadline_passed:
+        return "deadline"
+    if body.client_gone:
+        return "client_left"
+    return "shutdown"
+
+
 def metered_request(
     request: CompletionRequest,
-    key: KeyConfig,
+    key: KeyConfig | None,
     *,
     upstream: bool,
     default_output: int = DEFAULT_RESERVED_OUTPUT,
 ) -> tuple[CompletionRequest, Metered | None]:
-    """``request`` as it goes to its backend for a key with a token budget or cap, and its
-    :class:`Metered`: held to ``max_tokens_cap``, and (upstream) asked for its usage block.
-    Through protocol.rewrite's edits of the body: one re-serialisation per request, none per
-    event."""
-    if not key.token_budgeted or not meters(request.endpoint):
+    """``request`` as it goes to its backend, and its :class:`Metered` (None: a pass-through,
+    whose format is not Sluice's to read): for a key with a token budget or cap, held to
+    ``max_tokens_cap``; upstream, a stream asked for its usage block (left out of what the
+    client gets, unless it asked for it too). Through protocol.rewrite's edits of the body:
+    one re-serialisation per request, none per event."""
+    if not meters(request.endpoint):
         return request, None
-    edits = cap_edits(request, key.max_tokens_cap)
+    budgeted = key if key is not None and key.token_budgeted else None
+    edits = cap_edits(request, 0 if budgeted is None else budgeted.max_tokens_cap)
     strip = False
     if upstream:
         usage = usage_edits(request)
         strip = bool(usage)
         edits.update(usage)
-    if edits:
-        raw = rewrite_body(request, edits)
-        if request.endpoint in _BODY_ONLY:
-            # Their parsed form is the body itself (model and stream, which no edit touches):
-            # the edited copy is what parsing the new bytes again would give.
-            request = dataclasses.replace(request, body=edited_body(request.body, edits), raw=raw)
-        else:
-            # Parsed again, so that every view of the body (a local model's sampling reads
-            # the endpoint's parsed form) sees the edits.
-            edited = parse_api_request(
-                raw, request.endpoint, path=request.path, content_type=request.content_type
-            )
-            request = dataclasses.replace(
-                edited, include_usage=request.include_usage, session=request.session
-            )
+    request = with_edits(request, edits)
     asked = requested_output(request)
-    output = asked if asked is not None else (key.max_tokens_cap or default_output)
+    cap = 0 if budgeted is None else budgeted.max_tokens_cap
+    output = asked if asked is not None else (cap or default_output)
     if not generates(request.endpoint):
         output = 0  # embeddings: input only
     estimated_input = estimate_input_tokens(request.body)
@@ -280,8 +295,13 @@ def metered_request(
         strip_usage=strip,
         local=not upstream,
     )
-    reservation = output if key.tokens_counted == "output" else estimated_input + output
-    return request, Metered(key, request.model, meter, output, reservation)
+    if budgeted is None:
+        reservation = 0
+    elif budgeted.tokens_counted == "output":
+        reservation = output
+    else:
+        reservation = estimated_input + output
+    return request, Metered(budgeted, request.model, meter, output, reservation)
 
 
 def metered_producer(produce: Producer, metered: Metered) -> Producer:

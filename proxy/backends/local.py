@@ -18,6 +18,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import trio
@@ -43,8 +44,9 @@ from proxy.protocol.anthropic import MessagesStream, whole_message
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest, Endpoint, check_local_parameters
 from proxy.protocol.responses import ResponsesStream, whole_response
+from proxy.protocol.scheduling import SchedulingSettings, Ticket
 from proxy.protocol.token_usage import CURRENT_METER
-from proxy.relay.admission import Admission
+from proxy.relay.admission import Admission, Dispatcher, Room
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from proxy.relay.state import Phase
 
@@ -55,23 +57,49 @@ _STEP_HISTORY = 4096
 _LEAVE_TIMEOUT = 30.0
 
 
+class _Tally:
+    """The tokens one request's sequences have handed on so far."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def count(self) -> int:
+        return self.tokens
+
+
+# The tally of the request the current task produces (set once it holds its slot).
+_TALLY: ContextVar[_Tally | None] = ContextVar("sluice_local_tally", default=None)
+
+
 class LocalGenerationError(RuntimeError):
     """The model failed while generating (a bug or a broken model): the request's 500."""
 
 
 class LocalBackend:
     def __init__(
-        self, model: LocalModel, loaded: LoadedModel, metrics: Metrics | None = None
+        self,
+        model: LocalModel,
+        loaded: LoadedModel,
+        metrics: Metrics | None = None,
+        scheduling: SchedulingSettings | None = None,
     ) -> None:
         self.model = model
         self.metrics = metrics
         self.generator = Generator(loaded, slow_step_seconds=model.slow_step_seconds)
+        # Sluice's queue for the model's slots: its requests wait there in the scheduler's
+        # order (relay/admission.py), as an upstream's do.
+        self.room = Room(f"local model {model.name}", model.slots)
+        dispatcher = Dispatcher(scheduling)
+        dispatcher.room(self.room)
         self.admission = Admission(
-            f"model '{model.name}'",
-            slots=model.slots,
+            model.name,
+            dispatcher,
             max_queue=model.max_queue,
             queue_timeout=model.queue_timeout,
             on_leave=None if metrics is None else self._left_queue,
+            rooms=[self.room],
         )
         unbatchable = cache_rows.check(loaded.model) if model.slots > 1 else None
         if unbatchable is not None:
@@ -210,9 +238,14 @@ class LocalBackend:
         trace = tracing.current()
         queued = trio.current_time()
         admitted = False
+        ticket = request.schedule.ticket()
+        generated = _Tally()
         try:
-            async with self.admission.slot():
+            async with self.admission.slot(ticket):
                 admitted = True
+                # Its tokens counted for its key's fair share as they are generated.
+                self.admission.dispatcher.track(ticket, generated.count)
+                _TALLY.set(generated)
                 if trace is not None:
                     trace.stage("queue wait", queued, trio.current_time())
                 await self._answer(request, request_id, sink)
@@ -236,9 +269,14 @@ class LocalBackend:
         else:
             await self._generate_one(request, request_id, sink, wire, prompt_ids, params)
 
-    def _left_queue(self, seconds: float, outcome: str) -> None:
+    def configure(self, scheduling: SchedulingSettings) -> None:
+        """The scheduling settings of a reloaded config (its counters and queue stay)."""
+        self.admission.dispatcher.queue.configure(scheduling)
+
+    def _left_queue(self, ticket: Ticket, seconds: float, outcome: str) -> None:
         if self.metrics is not None:
-            self.metrics.queue_wait.labels(self.model.name, outcome).observe(seconds)
+            service = self.admission.dispatcher.queue.counters.get(ticket.tenant, 0.0)
+            self.metrics.left_queue(self.model.name, ticket, seconds, outcome, "local", service)
 
     def _prepare(
         self, request: CompletionRequest
@@ -298,6 +336,8 @@ class LocalBackend:
                         stages.prefilled()
                     await on_piece(piece)
                     sequence.consumed += 1
+                    if (tally := _TALLY.get()) is not None:
+                        tally.tokens += 1
                     if sequence.parked:
                         self.engine.wake()
                     if piece.result is not None:
@@ -432,8 +472,8 @@ class LocalBackend:
             return round(decode[int(q * (len(decode) - 1))] * 1000, 2) if decode else None
 
         return {
-            "slots": self.admission.limiter.total_tokens,
-            "busy": self.admission.limiter.borrowed_tokens,
+            "slots": self.room.capacity,
+            "busy": self.room.in_flight,
             "queued": self.admission.waiting,
             "batching": self.engine.batching,
             "batch_size": self.engine.batch_size,

@@ -1,6 +1,7 @@
 """``python -m proxy.bench``: the load bench (see the package's docstring); with ``--sessions``
 (or ``--replicas``, ``--instances``), the balance bench (proxy.bench.balance); with ``--matrix``,
-the cancellation scorecard (proxy.bench.matrix)."""
+the cancellation scorecard (proxy.bench.matrix); with ``--fairness``, the fairness bench
+(proxy.bench.fairness, which the load bench's ``main`` hands it to, for ``sluice bench`` too)."""
 
 import sys
 

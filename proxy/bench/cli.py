@@ -290,9 +290,9 @@ async def run_from_args(args: argparse.Namespace) -> None:
         write_text(args.markdown, upsert_section(old, settings.key(), section))
 
 
-# What --help says of the command's two other benches (each has its own --help).
+# What --help says of the command's three other benches (each has its own --help).
 OTHER_BENCHES = """\
-the same command runs two other benches, each with its own --help:
+the same command runs three other benches, each with its own --help:
   {prog} --matrix
       the cancellation scorecard: a client leaves in every phase of a request
       (queued, connecting, head, first token, mid-stream, after the last), over
@@ -303,10 +303,21 @@ the same command runs two other benches, each with its own --help:
   {prog} --replicas N --instances M --sessions S
       the balance bench: least_busy, upstream_metrics and prefix_affinity in
       front of N fake replicas with a prefix cache (TTFT, cache-hit rate)
+  {prog} --fairness
+      the fairness bench: one key floods a saturated upstream while two others
+      send short requests, through Sluice with policy fifo and with fair,
+      alternating; TTFT per key, service differences against the VTC bound,
+      CPU per event, and requests whose SDK deadline is shorter than the queue
 """
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
+    if "--fairness" in (sys.argv[1:] if argv is None else argv):
+        # A bench of its own (proxy/bench/fairness/), loaded only when asked for.
+        from proxy.bench.fairness import main as fairness_main
+
+        fairness_main(argv, prog, command_line(argv, prog))
+        return
     parser = argparse.ArgumentParser(
         prog=prog,
         description=(__doc__ or "").splitlines()[0],

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TextIO
+
+import trio
 
 from proxy.bench.settings import BENCH_BUDGET, BenchSettings
 from proxy.bench.summary import ROUND_FIGURES, RunData, RunSummary, percentile
@@ -480,3 +483,23 @@ def write_text(path: Path, text: str) -> None:
 def relative_link(path: Path, base: Path) -> str:
     """``path`` as a markdown link from a file in ``base``."""
     return Path(os.path.relpath(path, base)).as_posix()
+
+
+async def show_progress(label: str, counts: Callable[[], str], out: TextIO) -> None:
+    """One line on ``out``, rewritten in place on a terminal, a line every 5 s in a log:
+    the label, the seconds since the start, and what ``counts`` says. Runs until cancelled."""
+    tty = out.isatty()
+    started = time.monotonic()
+
+    def show(final: bool = False) -> None:
+        line = f"[{label}] {time.monotonic() - started:5.1f} s  {counts()}"
+        end = "\n" if final or not tty else ""
+        print("\r" + line if tty else line, end=end, file=out, flush=True)
+
+    try:
+        while True:
+            await trio.sleep(0.25 if tty else 5.0)
+            show()
+    finally:
+        # Cancelled once the run is over: the final count, so the log ends with the truth.
+        show(final=True)

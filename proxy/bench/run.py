@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
@@ -61,7 +61,7 @@ from proxy.bench.procfs import (
     reset_peak_rss,
     sample_rss,
 )
-from proxy.bench.report import BenchReport, PeerFacts, column_labels, write_text
+from proxy.bench.report import BenchReport, PeerFacts, column_labels, show_progress, write_text
 from proxy.bench.settings import (
     BENCH_BUDGET,
     BenchError,
@@ -188,26 +188,11 @@ async def _collect_records(
     return records, cursor
 
 
-async def _show_progress(label: str, progress: _Progress, total: int, out: TextIO) -> None:
-    """One line on stderr, rewritten in place on a terminal; a line every 5 s in a log."""
-    tty = out.isatty()
-    started = time.monotonic()
-
-    def show(final: bool = False) -> None:
-        line = (
-            f"[{label}] {time.monotonic() - started:5.1f} s  started {progress.started}/"
-            f"{total}  finished {progress.finished}  failed {progress.failed}"
-        )
-        end = "\n" if final or not tty else ""
-        print("\r" + line if tty else line, end=end, file=out, flush=True)
-
-    try:
-        while True:
-            await trio.sleep(0.25 if tty else 5.0)
-            show()
-    finally:
-        # Cancelled once the run is over: the final count, so the log ends with the truth.
-        show(final=True)
+def _progress_counts(progress: _Progress, total: int) -> Callable[[], str]:
+    return lambda: (
+        f"started {progress.started}/{total}  finished {progress.finished}  "
+        f"failed {progress.failed}"
+    )
 
 
 @dataclass
@@ -356,7 +341,8 @@ async def _drive(
     async with trio.open_nursery() as nursery:
         if settings.progress:
             shown = column_labels(settings).get(mode, mode)
-            nursery.start_soon(_show_progress, shown, progress, settings.streams, sys.stderr)
+            counts = _progress_counts(progress, settings.streams)
+            nursery.start_soon(show_progress, shown, counts, sys.stderr)
         if watched:
             nursery.start_soon(partial(sample_rss, watched, trace, since=wall0))
         with trio.move_on_after(settings.ramp + settings.timeout):

@@ -29,11 +29,14 @@ class AccessRecord:
     """What is known of a request when it arrives; completed by whoever sees it end."""
 
     __slots__ = (
+        "band",
         "client",
+        "deadline",
         "key",
         "method",
         "outcome",
         "path",
+        "queue_wait",
         "request_id",
         "started",
         "tokens",
@@ -57,6 +60,16 @@ class AccessRecord:
         # A metered request's tokens (a key with a token budget): input, output, for nobody,
         # and whether the input is an estimate. None: not metered.
         self.tokens: tuple[int, int, int, bool] | None = None
+        # Its band in the scheduler, the seconds it waited in Sluice's queue (every attempt's
+        # wait together), and the seconds from its arrival to its earliest deadline (None:
+        # none).
+        self.band: int | None = None
+        self.queue_wait = 0.0
+        self.deadline: float | None = None
+
+    def waited(self, seconds: float) -> None:
+        """The request left Sluice's queue after ``seconds``."""
+        self.queue_wait += seconds
 
     def emit(
         self,
@@ -89,6 +102,9 @@ class AccessRecord:
             "client": self.client,
             "key": self.key,
             "trace_id": None if trace is None else trace.trace_id,
+            "band": self.band,
+            "queue_wait_s": round(self.queue_wait, 6),
+            "deadline_s": None if self.deadline is None else round(self.deadline, 3),
         }
         tokens = self.tokens
         if tokens is None:

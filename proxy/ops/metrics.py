@@ -223,10 +223,11 @@ class Metrics:
         Counter,
         "sluice_limits_errors",
         'Calls to the shared limits store ([limits] backend = "redis") that failed or '
-        "timed out, by operation (admit, renew, release, settle) and outcome: for admit, "
-        "what on_error did (denied: 503, allowed: admitted uncounted); for renew and "
+        "timed out, by operation (admit, renew, release, settle, share) and outcome: for "
+        "admit, what on_error did (denied: 503, allowed: admitted uncounted); for renew and "
         "release, failed (the lease expires on its own after lease_seconds); for settle, "
-        "failed (the token reservation stays charged in full).",
+        "failed (the token reservation stays charged in full); for share, failed (the "
+        "scheduler's counters go with the next sync, ordered by this instance's meanwhile).",
         ["operation", "outcome"],
     )
     key_tokens = MetricSpec(
@@ -262,12 +263,38 @@ class Metrics:
     queue_wait = MetricSpec(
         Histogram,
         "sluice_queue_wait_seconds",
-        "Time a request waited for a local model's slot or an upstream connection slot, "
-        "observed when it left the queue, "
-        "by outcome: admitted, queue_timeout (503), cancelled (the client left), or "
+        "Time a request waited in Sluice's queue for a local model's slot or an upstream "
+        "replica's, observed when it left the queue, by model, key ('-': none), band, and "
+        "outcome: admitted, queue_timeout (503), deadline (503 deadline_unmeetable: it could "
+        "not start before its client stops waiting), cancelled (the client left), or "
         "queue_full (429 at once, 0 s).",
-        ["model", "outcome"],
+        ["model", "outcome", "key", "band"],
         _QUEUE_BUCKETS,
+    )
+    tokens_for_nobody = MetricSpec(
+        Counter,
+        "sluice_tokens_for_nobody",
+        "Tokens made for nobody, by key ('-': none), model and cause: client_left (output "
+        "made for a client that had gone), deadline (a request stopped at its deadline), "
+        "stall (a client cut off for not reading), hedge_loser (the prompt a hedge's losing "
+        "attempt had the upstream read), shutdown (a stream cut by the graceful deadline), "
+        "budget (none: a token budget refuses at admission, before any token).",
+        ["key", "model", "cause"],
+    )
+    dispatches = MetricSpec(
+        Counter,
+        "sluice_dispatches",
+        "Requests dispatched from Sluice's queue to a slot, by model and band: how the bands "
+        "share the upstream.",
+        ["model", "band"],
+    )
+    key_service = MetricSpec(
+        Gauge,
+        "sluice_key_service",
+        "Each key's virtual counter in the fair scheduler ('-': requests with no key): the "
+        "service it has received, input tokens x w_in plus output tokens x w_out, over its "
+        "weight. The backlogged key with the smallest goes next.",
+        ["key", "backend"],
     )
     local_steps = MetricSpec(
         BucketHistogram,
@@ -338,6 +365,18 @@ class Metrics:
         "Local models: bytes of KV held by the prefix cache now (at most prefix_cache_bytes).",
         ["model"],
     )
+
+    def left_queue(
+        self, model: str, ticket: Any, seconds: float, outcome: str, backend: str, service: float
+    ) -> None:
+        """A request left Sluice's queue (``ticket``: proxy.protocol.scheduling.Ticket), its
+        key's counter then at ``service``."""
+        key = ticket.tenant or "-"
+        band = str(ticket.band)
+        self.queue_wait.labels(model, outcome, key, band).observe(seconds)
+        if outcome == "admitted":
+            self.dispatches.labels(model, band).inc()
+            self.key_service.labels(key, backend).set(service)
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

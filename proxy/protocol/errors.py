@@ -62,6 +62,26 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return ApiError(400, message, param=param, code=code or "invalid_request")
 
 
+def deadline_exceeded(*, before_first_byte: bool) -> ApiError:
+    """A request that reached its deadline while it ran (its client's read timeout before the
+    first byte, or its own deadline): 504, and its work cancelled."""
+    which = (
+        "its client stops waiting for a first byte (the SDK's read timeout)"
+        if before_first_byte
+        else "its deadline (x-sluice-deadline, or the key's max_request_seconds)"
+    )
+    return ApiError(
+        504,
+        f"The request was stopped at {which}; its work was cancelled.",
+        type=SERVER_ERROR,
+        code="deadline_exceeded",
+        # Past its own total deadline the same request would ask for the same work and be cut
+        # again: the SDKs are told not to retry it. Past the read timeout the SDK would have
+        # given up and retried by itself anyway, so its own rule stands.
+        headers=None if before_first_byte else {"x-should-retry": "false"},
+    )
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,

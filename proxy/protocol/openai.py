@@ -13,6 +13,7 @@ from typing import Any
 
 from proxy.protocol.errors import bad_request
 from proxy.protocol.json_body import parse_json_object
+from proxy.protocol.scheduling import DEFAULT_SCHEDULE, Schedule
 
 # No size limit of its own: the server's (max_body_bytes) applies before this is called.
 UNLIMITED = sys.maxsize
@@ -58,6 +59,9 @@ class CompletionRequest:
     # The value of the model's affinity_header, when it has one and the client sent it: the
     # conversation's key for balance = "prefix_affinity".
     session: str = ""
+    # Who it is for the scheduler, and its deadlines (the pipeline's; the default: a request
+    # of no key, band 0, no deadline).
+    schedule: Schedule = DEFAULT_SCHEDULE
 
     @property
     def upstream_path(self) -> str:

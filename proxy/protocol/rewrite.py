@@ -16,6 +16,7 @@ pattern cannot match inside one), in both encodings a server may use for a non-A
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -23,11 +24,38 @@ from typing import Any
 
 from werkzeug.http import parse_options_header
 
+from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.sse import SSESplitter
 
-# A field path (dotted for nested objects) and the value it is set to.
+# A field path (dotted for nested objects) and the value it is set to, or REMOVE.
 Edits = Mapping[str, Any]
+# An edit's value that takes the field out (of a JSON body; a form's field stays).
+REMOVE: Any = object()
+# Endpoints whose parsed request holds nothing beyond the body (no ``detail`` form).
+_BODY_ONLY = (Endpoint.CHAT, Endpoint.COMPLETIONS)
+
+
+def with_edits(request: CompletionRequest, edits: Edits) -> CompletionRequest:
+    """``request`` as it goes upstream with ``edits``: its bytes rewritten, and every parsed
+    view of them (the body, the endpoint's own form a local model reads) what parsing the new
+    bytes would give; what the proxy added to it (its session, its schedule) kept."""
+    if not edits:
+        return request
+    raw = rewrite_body(request, edits)
+    if request.endpoint in _BODY_ONLY:
+        # Their parsed form is the body itself (model and stream, which no edit touches): the
+        # edited copy is what parsing the new bytes again would give.
+        return dataclasses.replace(request, body=edited_body(request.body, edits), raw=raw)
+    edited = parse_api_request(
+        raw, request.endpoint, path=request.path, content_type=request.content_type
+    )
+    return dataclasses.replace(
+        edited,
+        include_usage=request.include_usage,
+        session=request.session,
+        schedule=request.schedule,
+    )
 
 
 def rewrite_body(request: CompletionRequest, edits: Edits) -> bytes:
@@ -69,7 +97,10 @@ def edited_body(body: Mapping[str, Any], edits: Edits) -> dict[str, Any]:
             inner = dict(inner) if isinstance(inner, dict) else {}
             target[name] = inner
             target = inner
-        target[leaf] = value
+        if value is REMOVE:
+            target.pop(leaf, None)
+        else:
+            target[leaf] = value
     return edited
 
 

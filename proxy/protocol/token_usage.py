@@ -123,6 +123,12 @@ class UsageMeter:
         self.generated: int | None = None
         self.local_for_nobody = 0
 
+    def output_so_far(self) -> int:
+        """Output tokens so far: the answer's own count once it has given one, else its
+        content deltas (a stream's tokens as they come)."""
+        output = self.facts.output_tokens
+        return self.deltas if output is None else output
+
     def local_generation(self, prompt_tokens: int, generated: int, for_nobody: int) -> None:
         """A local sequence ended (one per choice): its own count."""
         self.prompt_tokens = prompt_tokens

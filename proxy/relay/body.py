@@ -31,6 +31,7 @@ that sends the response, plus the one producer task the nursery visibly owns.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
@@ -42,7 +43,7 @@ from quart.wrappers.response import ResponseBody
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.ops.tracing import RequestTrace
-from proxy.protocol.errors import ApiError, internal_error
+from proxy.protocol.errors import ApiError, deadline_exceeded, internal_error
 from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
 from proxy.protocol.shapes import ErrorShape
 from proxy.protocol.sse import FIRST_TOKEN
@@ -76,7 +77,10 @@ class RelaySink:
     def set_phase(self, phase: Phase) -> None:
         """Where the producer is now: QUEUED, CONNECTING, HEAD or FIRST_TOKEN (the relay
         itself sets MID_STREAM and AFTER_LAST); reported with cancellations."""
-        self._body.account.phase = phase
+        body = self._body
+        body.account.phase = phase
+        if phase is not Phase.QUEUED:
+            body.dispatched()
 
     @property
     def started(self) -> bool:
@@ -306,6 +310,7 @@ class RelayBody(ResponseBody):
         self,
         produce: Producer,
         *,
+        deadlines: tuple[float, float] = (math.inf, math.inf),
         streaming: bool,
         channel_capacity: int,
         stall_timeout: float,
@@ -318,6 +323,14 @@ class RelayBody(ResponseBody):
         endpoint: str = "",
     ) -> None:
         self._produce = produce
+        # When the first byte must be out (the client's SDK gives up then) and when the whole
+        # answer must be: past either, the work is cancelled as for a client that left.
+        self._first_byte_by, self._done_by = deadlines
+        self._deadline_scope: trio.CancelScope | None = None
+        self.deadline_passed = False
+        # Whether the upstream (or the local model) had the prompt when a deadline cut the
+        # request before its first byte: that prefill was work for nobody.
+        self.cut_in_prefill = False
         # How this endpoint's API says it failed (before the head, and in-band).
         self.errors = errors
         self.endpoint = endpoint
@@ -422,6 +435,9 @@ class RelayBody(ResponseBody):
         if content_length is not None:
             self.headers["Content-Length"] = str(content_length)
             self.content_length = content_length
+        if self._deadline_scope is not None:
+            # The first byte is decided: only the end's deadline is left.
+            self._deadline_scope.deadline = self._done_by
         if headers:
             self.headers.update(headers)
         if self._sse and self.streaming:
@@ -445,7 +461,7 @@ class RelayBody(ResponseBody):
         # nothing (most requests, in a count of the proxy's cancellations).
         try:
             try:
-                await self._produce(RelaySink(self))
+                await self._produce_within_deadlines()
             except ClientStalled:
                 self.stall()
             except ApiError as error:
@@ -464,6 +480,37 @@ class RelayBody(ResponseBody):
             self._fire(RelayEvent.FINISHED)
         finally:
             self.send_channel.close()
+
+    def dispatched(self) -> None:
+        """The request has left the queue (its first attempt is at work): its deadlines are
+        this body's to keep from now on. While it waits, the queue keeps them itself and
+        refuses it in its own words (503 deadline_unmeetable): two timers at one instant would
+        hand the cancellation to this, the outer scope, and the refusal would be lost."""
+        scope = self._deadline_scope
+        if scope is not None and scope.deadline == math.inf and not self.head_ready.is_set():
+            scope.deadline = min(self._first_byte_by, self._done_by)
+
+    async def _produce_within_deadlines(self) -> None:
+        first, done = self._first_byte_by, self._done_by
+        if first == math.inf and done == math.inf:
+            await self._produce(RelaySink(self))
+            return
+        with trio.CancelScope() as scope:
+            self._deadline_scope = scope
+            if self.account.phase is not Phase.QUEUED:
+                self.dispatched()
+            await self._produce(RelaySink(self))
+        self._deadline_scope = None
+        if scope.cancelled_caught:
+            # The work is gone (its scope cancelled, its upstream closed as for a client that
+            # left); the client hears why, in the head or in-band.
+            self.deadline_passed = True
+            waited_for_first = not self.head_ready.is_set() and first <= done
+            self.cut_in_prefill = not self.head_ready.is_set() and self.account.phase in (
+                Phase.HEAD,
+                Phase.FIRST_TOKEN,
+            )
+            raise deadline_exceeded(before_first_byte=waited_for_first)
 
     async def _fail(self, error: ApiError) -> None:
         # Kept for the access log and metrics (its code), not its traceback nor the errors

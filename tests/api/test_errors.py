@@ -8,8 +8,12 @@ import socket
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
+from proxy.backends.upstream.exchange import reason
+from proxy.backends.upstream.replica import UpstreamReplica
+from proxy.config import UpstreamConfig
 from tests.support import DEADLINE, RawClient, chat_body, start_fake, start_proxy
 
 CHAT = "/v1/chat/completions"
@@ -72,6 +76,22 @@ async def test_a_502_names_every_replica_tried_and_one_replica_tries_no_other(
             sock.close()
     assert both.status_code == 502
     message = both.json()["error"]["message"]
-    assert all(url in message for url in urls), message
+    # Each named by its place in the model's table, never by its address.
+    assert all(f"model 'both' upstreams[{i}]" in message for i in range(2)), message
+    assert "127.0.0.1" not in both.text
     assert single.status_code == 502
     assert not any("trying another replica" in r.getMessage() for r in caplog.records)
+
+
+ADDRESSES = [
+    ("connect to 10.0.0.5:8000: refused", "connect to <address>: refused"),
+    ("[Errno -2] gpu-box.internal: not known", "[Errno -2] <address>: not known"),
+    ("connect to [fd00::5]:8000 failed", "connect to <address> failed"),
+    ("peer closed connection without a body", "peer closed connection without a body"),
+]
+
+
+@pytest.mark.parametrize(("text", "said"), ADDRESSES)
+def test_a_failures_words_reach_a_client_without_an_address(text: str, said: str) -> None:
+    replica = UpstreamReplica("http://gpu-box.internal:8000", UpstreamConfig())
+    assert reason(OSError(text), replica) == said

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +90,6 @@ class RedisServer:
         """Up but silent (SIGSTOP): connections open, nothing answers."""
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGSTOP)
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def limits(server: RedisServer, **settings: Any) -> dict[str, Any]:

@@ -465,3 +465,54 @@ async def test_sighup_to_the_supervisor_reloads_every_worker(
             assert process.returncode is None
         finally:
             await stop(process)
+
+
+async def test_the_scheduler_keeps_its_counters_queue_and_in_flight_across_a_reload(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A reload builds the replicas anew; the scheduler is the process's: what a key has been
+    served, what waits and what runs on a replica all carry over, and a new max_connections
+    applies at once."""
+    fake = await start_fake(nursery, ttft=0, interval=0.02, tokens=100)
+
+    def config(slots: int) -> str:
+        return toml(fake.url, "a").replace(
+            "[models.fake-model]\n", f"[models.fake-model]\nmax_connections = {slots}\n"
+        )
+
+    path = tmp_path / "sluice.toml"
+    path.write_text(config(1))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        counters = state.scheduling.upstream.queue.counters
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            finished: list[int] = []
+
+            async def ask(stream: bool) -> None:
+                body = chat_body(stream=stream)
+                response = await client.post(url + CHAT, json=body, headers=bearer("a"))
+                finished.append(response.status_code)
+
+            nursery.start_soon(ask, True)  # holds the one slot for about 2 s
+            (replica,) = state.current.replicas.values()
+            await poll_until(lambda: replica.room.in_flight == 1)
+            nursery.start_soon(ask, False)
+            await poll_until(lambda: state.current.backends["fake-model"].admission.waiting == 1)
+            served = counters["a"]
+            assert served > 0  # the running request's prompt, and its output as it streams
+
+            path.write_text(config(2))
+            assert await state.reload_config() == "applied"
+            (renewed,) = state.current.replicas.values()
+            assert renewed is not replica
+            # The same room: the running request still counts, and the new slot serves the
+            # waiting one at once, while the first still streams.
+            assert renewed.room is replica.room
+            await poll_until(lambda: len(fake.recorder.records) == 2)
+            assert finished == []
+            assert renewed.room.in_flight == 2
+            assert counters is state.scheduling.upstream.queue.counters
+            assert counters["a"] >= served
+            await poll_until(lambda: len(finished) == 2)
+    assert finished == [200, 200]
+    assert renewed.room.in_flight == 0

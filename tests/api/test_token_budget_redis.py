@@ -22,13 +22,10 @@ from tests.api.test_limits_redis import (
     REDIS_SERVER,
     RedisServer,
     limits,
-    redis_server,
     store,
     worker_pid,
 )
 from tests.support import DEADLINE, chat_body, start_fake, start_proxy, start_sluice, stop
-
-__all__ = ["redis_server"]  # the fixture, imported for this module's tests
 
 CHAT = "/v1/chat/completions"
 

@@ -653,9 +653,15 @@ def make_bench_loads() -> list[list[str]]:
         lines.append(line)
     found = re.findall(r"-m proxy\.bench ([^;&\n]*)", "\n".join(lines))
     from proxy.bench.balance import wants_balance
+    from proxy.bench.fairness import wants_fairness
 
-    # The balance bench (--replicas/--instances/--sessions) is a bench of its own.
-    return [argv for argv in map(shlex.split, found) if not wants_balance(argv)]
+    # The balance bench (--replicas/--instances/--sessions) and the fairness bench are benches
+    # of their own.
+    return [
+        argv
+        for argv in map(shlex.split, found)
+        if not wants_balance(argv) and not wants_fairness(argv)
+    ]
 
 
 def test_every_load_make_bench_runs_gets_plot_names_of_its_own(

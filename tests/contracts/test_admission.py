@@ -82,8 +82,8 @@ async def test_the_upstream_queue_is_bounded_in_size_and_time(
         assert replica.load.healthy()  # the proxy's queue is not the replica's fault
         assert backend.queued == 0
         waits = proxy.state.metrics.queue_wait
-        assert waits.labels("m", "queue_full")._sum.get() == 0.0
-        assert waits.labels("m", "queue_timeout")._sum.get() >= 0.5
+        assert waits.labels("m", "queue_full", "-", "0")._sum.get() == 0.0
+        assert waits.labels("m", "queue_timeout", "-", "0")._sum.get() >= 0.5
 
 
 @pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)

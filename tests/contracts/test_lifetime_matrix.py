@@ -95,6 +95,7 @@ from hypothesis import strategies as st
 
 import proxy.server.run
 from proxy.backends.local import LocalBackend
+from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.backends.upstream.replica import UpstreamReplica
 from proxy.ops import tracing
 from proxy.ops.logs import ACCESS_LOGGER
@@ -427,6 +428,14 @@ class Rig:
             return self.proxy.state.replicas[f"{self.fake.url} (httpx)"]
         return self.proxy.state.replicas[self.fake.url]
 
+    def upstream_waiting(self) -> int:
+        """Requests waiting in Sluice's queue for an upstream replica, over every model."""
+        return sum(
+            backend.admission.waiting
+            for backend in self.proxy.state.backends.values()
+            if isinstance(backend, UpstreamBackend)
+        )
+
     def fake_replicas(self) -> list[UpstreamReplica]:
         return [self.replica_of(backend) for backend in UPSTREAM_BACKENDS]
 
@@ -650,7 +659,8 @@ async def assert_nothing_left(rig: Rig, request_connections: set[Any]) -> None:
         pooled = replica.pool_connections()
         assert not request_connections & set(pooled), pooled
         assert all(connection.is_idle() for connection in pooled), pooled
-        assert replica.slots.available_tokens == rig.proxy.config.upstream.max_connections
+        assert replica.room.in_flight == 0
+    assert rig.upstream_waiting() == 0
 
     # The fake holds open exactly the connections the pools keep (the lean one's and
     # httpx's), no half-closed one.
@@ -752,13 +762,13 @@ async def upstream_queued(rig: Rig, transport: str) -> Left:
     await holder.read_until(b"data: ")
     holder_record = rig.fake.recorder.last()
     raw = await rig.post("upstream", transport)
-    # The replica's only slot is the holder's: this one waits on the semaphore.
-    await poll_until(lambda: rig.replica.slots.statistics().tasks_waiting == 1)
+    # The replica's only slot is the holder's: this one waits in Sluice's queue.
+    await poll_until(lambda: rig.upstream_waiting() == 1)
     connections = rig.in_flight_connections()
     closed_at = await raw.close()
     await rig.proxy.state.tracker.wait_until(lambda tracker: len(tracker.active) == 1)
     assert trio.current_time() - closed_at < CANCEL_BOUND
-    assert rig.replica.slots.statistics().tasks_waiting == 0
+    assert rig.upstream_waiting() == 0
     assert len(rig.fake.recorder.records) == rig.records + 1  # it never reached the upstream
     closed_at = await holder.close()
     await assert_upstream_saw_close(rig, holder_record, closed_at)

@@ -43,7 +43,12 @@ FIELDS = {
     "key",
     # The request's trace (tracing on), else null: the line's fields are the same either way.
     "trace_id",
-    # A metered request's tokens (its key has a token budget), else null.
+    # Its band in the scheduler (null: refused before it had one), its wait in Sluice's
+    # queue, and the seconds to its earliest deadline (null: none).
+    "band",
+    "queue_wait_s",
+    "deadline_s",
+    # A metered request's tokens (every request that generates), else null.
     "input_tokens",
     "output_tokens",
     "for_nobody_tokens",

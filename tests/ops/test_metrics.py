@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import socket
 from bisect import bisect_left
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.api.token_budget import waste_cause
 from proxy.ops.metrics import BucketHistogram, Metrics, MetricSpec
 from tests.support import (
     DEADLINE,
@@ -256,7 +258,7 @@ def test_every_declared_metric_is_built_under_its_attribute() -> None:
     metrics = Metrics()
     specs = {name: spec for name, spec in vars(Metrics).items() if isinstance(spec, MetricSpec)}
     text = metrics.render()[0].decode()
-    assert len(specs) == 26  # 21, the key's tokens, and the local prefix cache's 4
+    assert len(specs) == 29  # 21, the key's tokens, the local prefix cache's 4, the scheduler's 3
     for attribute, spec in specs.items():
         assert isinstance(getattr(metrics, attribute), spec.kind)
         help_line = rf"^# HELP {spec.name}(_total)? {re.escape(spec.documentation)}$"
@@ -330,3 +332,37 @@ async def test_a_local_streams_ttft_is_its_first_token_not_its_role_delta(
         samples = await scrape(client, proxy)
     assert value(samples, "sluice_ttft_seconds_count", model="tiny") == 1
     assert value(samples, "sluice_ttft_seconds_sum", model="tiny") >= prefill
+
+
+async def test_the_prompt_of_a_request_cut_at_its_deadline_before_its_first_byte_is_for_nobody(
+    nursery: trio.Nursery,
+) -> None:
+    """The upstream read the prompt, then the request's deadline passed before a first token:
+    that prefill was work for nobody, counted under its key, model and cause."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=5, interval=0, tokens=5)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            cut = await client.post(
+                proxy.url + CHAT, json=chat_body(), headers={"x-sluice-deadline": "0.3"}
+            )
+            assert (cut.status_code, cut.json()["error"]["code"]) == (504, "deadline_exceeded")
+            assert cut.headers["x-should-retry"] == "false"
+            await proxy.state.tracker.wait_idle()
+            samples = await scrape(client, proxy)
+    name = "sluice_tokens_for_nobody_total"
+    assert value(samples, name, key="-", model="fake-model", cause="deadline") > 0
+    assert value(samples, name, cause="client_left") == 0
+
+
+@pytest.mark.parametrize(
+    ("state", "cause"),
+    [
+        ({"stalled": True, "deadline_passed": True, "client_gone": True}, "stall"),
+        ({"stalled": False, "deadline_passed": True, "client_gone": True}, "deadline"),
+        ({"stalled": False, "deadline_passed": False, "client_gone": True}, "client_left"),
+        ({"stalled": False, "deadline_passed": False, "client_gone": False}, "shutdown"),
+    ],
+)
+def test_why_tokens_went_to_nobody(state: dict[str, bool], cause: str) -> None:
+    assert waste_cause(SimpleNamespace(**state)) == cause  # type: ignore[arg-type]

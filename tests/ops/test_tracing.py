@@ -664,6 +664,24 @@ async def test_a_budgeted_streams_usage_is_in_its_trace_though_its_client_was_no
     assert operation.attributes["gen_ai.usage.input_tokens"] > 0
 
 
+async def test_every_streams_usage_is_in_its_trace_though_the_upstream_sent_none(
+    nursery: trio.Nursery, receiver: Receiver
+) -> None:
+    """No key, no budget, a client that asked for no usage: Sluice meters every generating
+    request (the fair scheduler counts its tokens), so its trace still reads what it used."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0, tokens=4)
+        proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, env=tracing_env(receiver))
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.post(proxy.url + CHAT, json=chat_body())
+        assert response.status_code == 200
+        assert '"usage"' not in response.text
+        await flush(proxy)
+    _, operation, _ = tree(receiver.of_trace(trace_of(response)))
+    assert operation.attributes["gen_ai.usage.output_tokens"] == 4
+    assert operation.attributes["gen_ai.usage.input_tokens"] > 0
+
+
 @pytest.mark.parametrize("case", list(ENDPOINT_CASES))
 async def test_the_operation_span_names_the_answer(
     nursery: trio.Nursery, receiver: Receiver, case: str

@@ -2,22 +2,24 @@
 llama.cpp, ...), composed once from the layers below it and holding no wire code.
 
 Bottom to top: a :class:`~replica.UpstreamReplica` per server (its pool, load and health),
-the :class:`~exchange.UpstreamExchange` (one attempt's bytes), an :class:`~retry.Attempt` (the
-replica's queue slot and health verdict around an exchange), and :class:`~retry.Retry` or
-:class:`~hedge.Hedge` over attempts. Here: routing (which replica next), the per-replica
-queues, the total deadline, and the background work ``balance`` needs (``scrape``).
+the :class:`~exchange.UpstreamExchange` (one attempt's bytes), an :class:`~retry.Attempt` (a
+slot in Sluice's queue on a replica, and the replica's health verdict, around an exchange),
+and :class:`~retry.Retry` or :class:`~hedge.Hedge` over attempts. Here: routing (which replica,
+among those with room), the model's queue, the total deadline, and the background work
+``balance`` needs (``scrape``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import trio
 
 from proxy.backends.upstream.exchange import UpstreamExchange, upstream_error
 from proxy.backends.upstream.hedge import Hedge
-from proxy.backends.upstream.replica import UpstreamReplica, routing_counter
+from proxy.backends.upstream.replica import UpstreamReplica, public_name, routing_counter
 from proxy.backends.upstream.retry import Attempt, Retry, RetryPolicy
 from proxy.backends.upstream.routing import (
     HealthPolicy,
@@ -32,7 +34,8 @@ from proxy.ops.metrics import Metrics
 from proxy.protocol.affinity import affinity_key
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest
-from proxy.relay.admission import Admission
+from proxy.protocol.scheduling import Ticket
+from proxy.relay.admission import Admission, Dispatcher
 from proxy.relay.body import Sink
 
 
@@ -45,6 +48,7 @@ class UpstreamBackend:
         replicas: Sequence[UpstreamReplica],
         relay: RelayConfig,
         *,
+        dispatcher: Dispatcher | None = None,
         api_key: str | None = None,
         policy: HealthPolicy | None = None,
         metrics: Metrics | None = None,
@@ -62,19 +66,23 @@ class UpstreamBackend:
         )
         self._decisions = None if metrics is None else routing_counter(metrics)
         self._metrics = metrics
-        # Each replica's connection slots, shared by every model it serves; this model's
-        # requests wait for them in a queue of max_queue per replica, as a local model's do.
-        self._queues = {
-            replica: Admission(
-                f"model '{model.name}' on {replica.url}",
-                slots=replica.slots,
-                max_queue=model.max_queue,
-                queue_timeout=model.queue_timeout,
-                on_leave=None if metrics is None else self._left_queue,
-                retryable=True,  # another replica may have a free slot
-            )
-            for replica in self.replicas
-        }
+        if dispatcher is None:
+            dispatcher = Dispatcher()
+            for replica in self.replicas:
+                dispatcher.room(replica.room)
+        for replica in self.replicas:
+            replica.room.full = partial(self._no_room, replica.load)
+        # Sluice's queue for this model: its requests wait there, in the scheduler's order,
+        # for a slot on one of its replicas (each replica's slots shared by every model it
+        # serves), and are dispatched to the first with room.
+        self.admission = Admission(
+            model.name,
+            dispatcher,
+            max_queue=model.max_queue,
+            queue_timeout=model.queue_timeout,
+            on_leave=None if metrics is None else self._left_queue,
+            rooms=[replica.room for replica in self.replicas],
+        )
         if metrics is not None:
             # Read at scrape time, as the local model's.
             metrics.queue_depth.labels(model.name).set_function(lambda: self.queued)
@@ -82,22 +90,36 @@ class UpstreamBackend:
         attempt = Attempt(
             UpstreamExchange(model, relay, api_key=api_key),
             self._router,
-            {replica.load: replica for replica in self.replicas},
-            self._queues,
+            self.admission,
+            self.replicas,
             retry_policy,
             self._count_error,
+            self._choose,
         )
         self._attempts: Retry | Hedge = (
-            Hedge(attempt, retry_policy, model.hedge_after, self._choose, self._no_healthy_replica)
-            if model.hedge_after > 0
-            else Retry(
+            Hedge(
                 attempt,
                 retry_policy,
-                len(self._loads),
-                self._choose,
+                model.hedge_after,
                 self._no_healthy_replica,
+                on_loser=self._hedge_lost,
             )
+            if model.hedge_after > 0
+            else Retry(attempt, retry_policy, len(self._loads), self._no_healthy_replica)
         )
+
+    def _no_room(self, load: ReplicaLoad) -> bool:
+        """Whether a replica has no room whatever its count in flight: ejected, probed by a
+        request already (half-open: one at a time), or (upstream_metrics) with more waiting
+        in its own queue, as its last scrape says, than ``max_upstream_waiting``."""
+        now = trio.current_time()
+        if load.ejected(now) or (load.half_open(now) and load.probing):
+            return True
+        router = self._router
+        if isinstance(router, MetricsRouter):
+            waiting = router.waiting(load, now)
+            return waiting is not None and waiting > self.model.max_upstream_waiting
+        return False
 
     async def watch_replicas(self) -> None:
         """Runs for the server's lifetime in the app's nursery: what this model's ``balance``
@@ -114,8 +136,8 @@ class UpstreamBackend:
 
     @property
     def queued(self) -> int:
-        """This model's requests waiting for a connection slot, on every replica."""
-        return sum(queue.waiting for queue in self._queues.values())
+        """This model's requests waiting in Sluice's queue for a slot on a replica."""
+        return self.admission.waiting
 
     @property
     def router(self) -> LeastBusyRouter:
@@ -130,8 +152,9 @@ class UpstreamBackend:
         session = getattr(request, "session", "") if self.model.affinity_header else ""
         return affinity_key(request, self.model.affinity_prefix_bytes, session or "")
 
-    def _choose(self, tried: Sequence[ReplicaLoad], key: bytes) -> ReplicaLoad | None:
-        decision = self._router.decide(self._loads, tried, trio.current_time(), key)
+    def _choose(self, loads: Sequence[ReplicaLoad], key: bytes) -> ReplicaLoad | None:
+        """The router's pick among replicas that have room now."""
+        decision = self._router.decide(loads, (), trio.current_time(), key)
         if decision.replica is not None and self._decisions is not None:
             self._decisions.labels(self.model.name, self._router.balance, decision.reason).inc()
         return decision.replica
@@ -156,15 +179,23 @@ class UpstreamBackend:
         if self._metrics is not None:
             self._metrics.upstream_errors.labels(self.model.name, error.code or "error").inc()
 
-    def _left_queue(self, seconds: float, outcome: str) -> None:
+    def _hedge_lost(self, request: CompletionRequest) -> None:
         if self._metrics is not None:
-            self._metrics.queue_wait.labels(self.model.name, outcome).observe(seconds)
+            schedule = request.schedule
+            self._metrics.tokens_for_nobody.labels(
+                schedule.tenant or "-", self.model.name, "hedge_loser"
+            ).inc(schedule.input_tokens)
+
+    def _left_queue(self, ticket: Ticket, seconds: float, outcome: str) -> None:
+        if self._metrics is not None:
+            service = self.admission.dispatcher.queue.counters.get(ticket.tenant, 0.0)
+            self._metrics.left_queue(self.model.name, ticket, seconds, outcome, "upstream", service)
 
     def _no_healthy_replica(self) -> ApiError:
         now = trio.current_time()
         wait = self._router.next_recovery(self._loads, now)
         failures = [
-            f"{load.url} ({load.last_failure})"
+            f"{public_name(self.model.name, self.model.upstreams, load.url)} ({load.last_failure})"
             for load in self._loads
             if load.ejected(now) and load.last_failure
         ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import sys
 from collections.abc import Callable
 
@@ -21,7 +22,7 @@ import httpx
 import trio
 
 from proxy.backends.upstream.pool import UpstreamRequest
-from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica
+from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica, public_name
 from proxy.backends.upstream.transports import Response
 from proxy.config import RelayConfig, UpstreamModel
 from proxy.ops import tracing
@@ -86,6 +87,10 @@ class UpstreamExchange:
         # A model the upstream knows by another name: requests are sent with that name, and
         # answers come back with the model's own. None without an alias: nothing to do.
         self._rename = model_renamer(model.upstream_model, model.name)
+
+    def named(self, replica: UpstreamReplica) -> str:
+        """The replica as clients hear of it: its place in the model's table."""
+        return public_name(self.model.name, self.model.upstreams, replica.url)
 
     def request(
         self,
@@ -204,7 +209,8 @@ class UpstreamExchange:
             return upstream_error(
                 504,
                 "upstream_connect_timeout",
-                f"could not connect to {replica.url} within {self.model.connect_timeout:g}s",
+                f"could not connect to {self.named(replica)} within "
+                f"{self.model.connect_timeout:g}s",
                 retryable=True,
             )
         if isinstance(error, httpx.ProxyError):
@@ -212,24 +218,25 @@ class UpstreamExchange:
             return upstream_error(
                 502,
                 "upstream_proxy_error",
-                f"the proxy to {replica.url} refused: {reason(error)}",
+                f"the proxy to {self.named(replica)} refused: {reason(error, replica)}",
                 retryable=True,
             )
         if isinstance(error, httpx.ConnectError):
             return upstream_error(
                 502,
                 "upstream_connect_error",
-                f"could not connect to {replica.url}: {reason(error)}",
+                f"could not connect to {self.named(replica)}: {reason(error, replica)}",
                 retryable=True,
             )
         if isinstance(error, SSEProtocolError):
             return upstream_error(
-                502, "upstream_malformed", f"{replica.url}: {error}", retryable=not started
+                502, "upstream_malformed", f"{self.named(replica)}: {error}", retryable=not started
             )
         return upstream_error(
             502,
             "upstream_protocol_error",
-            f"the connection to {replica.url} failed: {type(error).__name__}: {reason(error)}",
+            f"the connection to {self.named(replica)} failed: "
+            f"{type(error).__name__}: {reason(error, replica)}",
             retryable=not started,
         )
 
@@ -240,14 +247,14 @@ class UpstreamExchange:
             return upstream_error(
                 504,
                 "upstream_idle_timeout",
-                f"{replica.url} sent nothing for idle_timeout={self.model.idle_timeout:g}s "
+                f"{self.named(replica)} sent nothing for idle_timeout={self.model.idle_timeout:g}s "
                 "in the middle of the stream",
                 retryable=False,
             )
         return upstream_error(
             504,
             "upstream_first_token_timeout",
-            f"{replica.url} sent no token within first_token_timeout="
+            f"{self.named(replica)} sent no token within first_token_timeout="
             f"{self.model.first_token_timeout:g}s",
             retryable=True,
         )
@@ -312,7 +319,7 @@ class UpstreamExchange:
             raise upstream_error(
                 502,
                 "upstream_protocol_error",
-                f"{replica.url} ended the stream before its last event",
+                f"{self.named(replica)} ended the stream before its last event",
                 retryable=not sink.started,
             )
 
@@ -375,7 +382,7 @@ class UpstreamExchange:
             raise upstream_error(
                 502,
                 "upstream_encoding",
-                f"{replica.url} sent its stream with Content-Encoding {encoding!r}, which "
+                f"{self.named(replica)} sent its stream with Content-Encoding {encoding!r}, which "
                 "Sluice cannot decode (it asks for identity)",
                 retryable=False,
             )
@@ -401,7 +408,7 @@ class UpstreamExchange:
             raise upstream_error(
                 502,
                 "upstream_malformed",
-                f"{replica.url} answered 200 with a body that is not JSON "
+                f"{self.named(replica)} answered 200 with a body that is not JSON "
                 f"({content_type}): {snippet!r}",
                 retryable=True,
             )
@@ -429,7 +436,7 @@ class UpstreamExchange:
             raise upstream_error(
                 502,
                 "upstream_redirect",
-                f"{replica.url} answered HTTP {status} to {location}; redirects are not "
+                f"{self.named(replica)} answered HTTP {status} to {location}; redirects are not "
                 "followed (check the model's upstreams URL)",
                 retryable=False,
             )
@@ -438,7 +445,7 @@ class UpstreamExchange:
             raise upstream_error(
                 502,
                 "upstream_http_error",
-                f"{replica.url} answered HTTP {status}: {snippet}",
+                f"{self.named(replica)} answered HTTP {status}: {snippet}",
                 retryable=status >= 500,
             )
         if status in (401, 403):
@@ -453,7 +460,7 @@ class UpstreamExchange:
             raise upstream_error(
                 502,
                 "upstream_auth_error",
-                f"{replica.url} refused Sluice's credentials (HTTP {status}); the model's "
+                f"{self.named(replica)} refused Sluice's credentials (HTTP {status}); the model's "
                 "upstream key is wrong or missing",
                 retryable=True,
             )
@@ -463,7 +470,7 @@ class UpstreamExchange:
             replica.warn(
                 "model", "upstream %s: the model it was asked for does not exist", replica.url
             )
-            body = attributed(body, replica.url)
+            body = attributed(body, self.named(replica))
         # The upstream's own 4xx (bad parameters, context too long, rate limited) is the
         # client's to see, as the upstream said it.
         headers = {
@@ -476,17 +483,34 @@ class UpstreamExchange:
         await sink.send(body)
 
 
-def reason(error: BaseException) -> str:
+def reason(error: BaseException, replica: UpstreamReplica | None = None) -> str:
     """What went wrong, in words: httpx's own message, or, where it has none (a TLS handshake
-    that failed under httpcore says nothing), that of the error it came from."""
+    that failed under httpcore says nothing), that of the error it came from. With
+    ``replica``, for a client's eyes: its host and every address taken out (an OS error says
+    "connect to 10.0.0.5:8000")."""
     seen: BaseException | None = error
+    text = type(error).__name__
     for _ in range(8):
         if seen is None:
             break
         if str(seen):
-            return str(seen)
+            text = str(seen)
+            break
         seen = seen.__cause__ or seen.__context__
-    return type(error).__name__
+    if replica is None:
+        return text
+    host = replica.origin.host
+    if host:
+        text = text.replace(f"{host}:{replica.origin.port}", "<address>")
+        text = text.replace(host, "<address>")
+    return _ADDRESS.sub("<address>", text)
+
+
+# An IPv4 or IPv6 address, with its port if any.
+_ADDRESS = re.compile(
+    r"\[?(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}\]?(?::\d+)?"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
+)
 
 
 def decode(decoder: http1.ContentDecoder, data: bytes) -> bytes:

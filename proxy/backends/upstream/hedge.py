@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from proxy.backends.upstream.retry import Attempt, Choose, RetryPolicy, log_retry
+from proxy.backends.upstream.retry import Attempt, RetryPolicy, log_retry
 from proxy.backends.upstream.routing import ReplicaLoad
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
@@ -33,13 +33,16 @@ class Hedge:
         attempt: Attempt,
         policy: RetryPolicy,
         hedge_after: float,
-        choose: Choose,
         no_replica: Callable[[], ApiError],
+        on_loser: Callable[[CompletionRequest], None] | None = None,
     ) -> None:
+        # Told of each attempt that lost the race after reaching its upstream (its prompt
+        # read for nobody).
+        self._on_loser = on_loser
         self._attempt = attempt
+        self._policy = policy
         self._max_attempts = policy.max_attempts
         self._hedge_after = hedge_after
-        self._choose = choose
         self._no_replica = no_replica
 
     async def __call__(
@@ -47,20 +50,24 @@ class Hedge:
     ) -> None:
         max_attempts = self._max_attempts
         race = _Race(sink)
+        # The replicas the attempts went to (each appended as it is dispatched), and the
+        # attempts launched: a hedge waiting in the queue has tried nothing yet.
         tried: list[ReplicaLoad] = []
+        launched = 0
         outcomes_send, outcomes = trio.open_memory_channel[ApiError | None](max_attempts)
         final_error: ApiError | None = None
         async with trio.open_nursery() as nursery:
             running = 0
 
             def launch() -> bool:
-                nonlocal running
-                load = self._choose(tried, key)
-                if load is None:
+                nonlocal running, launched
+                if launched >= max_attempts or not self._attempt.candidates(tried):
                     return False
-                tried.append(load)
+                launched += 1
                 running += 1
-                nursery.start_soon(self._enter, load, request, request_id, race, outcomes_send)
+                nursery.start_soon(
+                    self._enter, tried, key, request, request_id, race, outcomes_send
+                )
                 return True
 
             if not launch():
@@ -72,20 +79,28 @@ class Hedge:
                     running -= 1
                     if outcome is None:
                         break  # the winner streamed to the end
+                    if running and self._policy.refused_by_queue(outcome):
+                        # An attempt that got no slot (a hedge, when every other replica is
+                        # busy): a second chance that did not come, not a failure of the
+                        # request, whose other attempt goes on (and answers, or fails, itself).
+                        continue
                     if race.winner is not None or not outcome.retryable:
                         # Failed mid-stream, or in a way no other replica would fix.
                         final_error = outcome
                     elif running:
                         pass  # the other attempt is still in the race
-                    elif len(tried) < max_attempts and launch():
-                        log_retry(request_id, tried[-2], outcome)
+                    elif launch():
+                        log_retry(request_id, tried[-1], outcome)
                     else:
                         final_error = outcome
                     continue
-                # No first token within hedge_after: hedge, once.
+                # No first token within hedge_after: hedge, once. The timer was set before the
+                # wait began, and a winner found during the wait does not move it: a stream that
+                # began in time and is still going must not be hedged (its hedge would take a
+                # slot elsewhere, and a refusal of it would end the stream).
                 hedge_at = math.inf
-                if len(tried) < max_attempts and launch():
-                    log.info("request %s: hedging on %s", request_id, tried[-1].url)
+                if race.winner is None and launch():
+                    log.info("request %s: hedging (attempt %d)", request_id, launched)
             if final_error is not None:
                 nursery.cancel_scope.cancel()
         if final_error is not None:
@@ -93,7 +108,8 @@ class Hedge:
 
     async def _enter(
         self,
-        load: ReplicaLoad,
+        tried: list[ReplicaLoad],
+        key: bytes,
         request: CompletionRequest,
         request_id: str,
         race: _Race,
@@ -103,11 +119,13 @@ class Hedge:
             entrant = race.enter(scope)
             outcome: ApiError | None = None
             try:
-                await self._attempt(load, request, request_id, entrant)
+                await self._attempt(tried, key, request, request_id, entrant)
             except ApiError as error:
                 outcome = error
             # Capacity max_attempts: never blocks. A loser was cancelled and reports nothing.
             outcomes.send_nowait(outcome)
+        if scope.cancelled_caught and entrant.lost and entrant.reached and self._on_loser:
+            self._on_loser(request)
 
 
 class _Race:
@@ -116,6 +134,9 @@ class _Race:
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.winner: _Entrant | None = None
+        # The furthest phase an entrant has reached: the request's, which a hedge that
+        # starts over (queued, connecting) does not move back.
+        self.phase = Phase.QUEUED
         self.entrants: list[_Entrant] = []
 
     def enter(self, scope: trio.CancelScope) -> _Entrant:
@@ -138,6 +159,8 @@ class _Entrant:
     def __init__(self, race: _Race, scope: trio.CancelScope) -> None:
         self.race = race
         self.scope = scope
+        # Whether its attempt got past Sluice's queue to its upstream.
+        self.reached = False
 
     @property
     def started(self) -> bool:
@@ -154,9 +177,13 @@ class _Entrant:
         return winner is not None and winner is not self
 
     def set_phase(self, phase: Phase) -> None:
-        # Until a winner is known, the entrants' phases are the request's.
-        if self.race.winner is None:
-            self.race.sink.set_phase(phase)
+        if phase is Phase.CONNECTING:
+            self.reached = True
+        # Until a winner is known, the furthest of the entrants' phases is the request's.
+        race = self.race
+        if race.winner is None and _PHASES.index(phase) > _PHASES.index(race.phase):
+            race.phase = phase
+            race.sink.set_phase(phase)
 
     def begin(
         self,
@@ -183,3 +210,7 @@ class _Entrant:
             await self.race.sink.send(chunk)
         else:
             await trio.lowlevel.checkpoint()  # lost: our scope is cancelled, this raises
+
+
+# The phases an attempt passes, in order (the relay itself sets those after them).
+_PHASES = (Phase.QUEUED, Phase.CONNECTING, Phase.HEAD, Phase.FIRST_TOKEN)

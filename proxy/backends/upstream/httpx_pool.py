@@ -10,9 +10,10 @@ What this module guards against, and where:
 
 * httpcore #1093 (open in 1.0.9): a request cancelled while it waits for a pool slot leaks a
   ``CONNECTING`` connection, until every request gets ``PoolTimeout``. Nothing waits in here:
-  the replica's slots (``UpstreamReplica.slots``) admit at most ``max_connections`` requests,
-  and httpcore's pool is that large, so a request always gets a connection at once. The pool
-  wait is bounded anyway (by connect_timeout), so a bug would be an error, not a hang.
+  Sluice's queue dispatches at most ``max_connections`` requests to a replica
+  (``UpstreamReplica.room``), and httpcore's pool is that large, so a request always gets a
+  connection at once. The pool wait is bounded anyway (by connect_timeout), so a bug would be
+  an error, not a hang.
 * The keep-alive race: httpcore does not retry a request whose reused connection the server
   closed as it went out. :meth:`HttpxPool.open` does, as the lean pool does; httpx's ``trace``
   extension says whether the connection was opened for the request.

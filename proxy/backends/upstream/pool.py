@@ -16,8 +16,9 @@ found costs that buy this proxy nothing, each removed here and measured (docs/be
   request (and they write a request's head and body in two writes). The protocol is
   proxy/protocol/http1.py, sans-IO: one write per request, ``bytes.find`` over each read.
 
-Request concurrency is bounded before this pool (``UpstreamReplica.slots``), so nothing ever
-waits in here: a request with no idle connection gets a new one. Errors are httpx's exception
+Request concurrency is bounded before this pool (a request waits in Sluice's queue for room on
+``UpstreamReplica.room``), so nothing ever waits in here: a request with no idle connection gets
+a new one. Errors are httpx's exception
 types, so callers (and the tests' httpx clients, see :meth:`KeepAlivePool.handle_async_request`)
 see what they would see from httpx.
 """

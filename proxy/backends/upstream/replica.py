@@ -1,8 +1,9 @@
 """One replica: its URL, pool, load and health state.
 
 One :class:`UpstreamReplica` per base URL owns one connection pool (the lean ``pool`` or
-``httpx_pool``) and the capacity limiter that bounds the requests in it. Everything above this
-module reaches the upstream server through a replica.
+``httpx_pool``), and has a room in Sluice's queue (``relay/admission.py``) whose capacity
+bounds the requests in it. Everything above this module reaches the upstream server through a
+replica.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from importlib.metadata import version
 from typing import Any
 
 import httpx
-import trio
 from prometheus_client import Counter
 
 from proxy.backends.upstream.httpx_pool import HttpxPool
@@ -24,6 +24,7 @@ from proxy.backends.upstream.transports import ConnectionSettings, Pool
 from proxy.config import UpstreamConfig
 from proxy.ops.metrics import Metrics
 from proxy.protocol.openai import NATIVE_ENDPOINTS, CompletionRequest, Endpoint
+from proxy.relay.admission import Room
 
 log = logging.getLogger("sluice.upstream")
 # A replica's warning of one kind is logged at most this often (seconds): an operator's
@@ -53,15 +54,23 @@ def routing_counter(metrics: Metrics) -> Counter:
     return counter
 
 
+def public_name(model_name: str, upstreams: list[str] | tuple[str, ...], url: str) -> str:
+    """How a replica is named to clients: by its place in its model's table, never by its
+    address (an internal one, as often as not; the logs and the metrics keep it)."""
+    for place, each in enumerate(upstreams):
+        if each.rstrip("/") == url:
+            return f"model '{model_name}' upstreams[{place}]"
+    return f"an upstream of model '{model_name}'"
+
+
 class UpstreamReplica:
     """One upstream server, as reached with one set of :class:`ConnectionSettings`: its pool
-    (the lean KeepAlivePool or the HttpxPool), and a capacity limiter that bounds the requests
-    in it.
+    (the lean KeepAlivePool or the HttpxPool), and its room in Sluice's queue, which bounds
+    the requests in it.
 
-    Waiting happens on the limiter only (in each model's bounded queue for it), never inside
-    the pool: a request that gets a slot always gets a connection (an idle one, or a new one),
-    and a request cancelled while it waits holds nothing (the bug class of httpcore #1093,
-    whose pool leaked a connection so).
+    Waiting happens in Sluice's queue only, never inside the pool: a request that gets a slot
+    always gets a connection (an idle one, or a new one), and a request cancelled while it
+    waits holds nothing (the bug class of httpcore #1093, whose pool leaked a connection so).
     """
 
     def __init__(
@@ -71,15 +80,19 @@ class UpstreamReplica:
         connection: ConnectionSettings | None = None,
         *,
         socket_options: Any = None,
+        room: Room | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        # Its slots in Sluice's queue (relay/admission.py): the process's, so that a reload,
+        # which builds its replicas anew, keeps what is in flight on the server counted.
+        self.room = room or Room(self.url, settings.max_connections)
         self.connection = connection or ConnectionSettings(transport="lean")
         self.load = ReplicaLoad(self.url)
         self._pool: Pool
         if self.connection.transport == "httpx":
             self._pool = HttpxPool(
                 self.connection,
-                max_connections=settings.max_connections,
+                max_connections=self.room.capacity,
                 max_keepalive=settings.max_keepalive_connections,
                 keepalive_expiry=settings.keepalive_expiry,
                 socket_options=socket_options,
@@ -96,7 +109,6 @@ class UpstreamReplica:
         self._connect_timeout = settings.connect_timeout
         # When each kind of warning (warn) was last logged.
         self._warned: dict[str, float] = {}
-        self.slots = trio.CapacityLimiter(settings.max_connections)
         # What health checks send as Authorization: the upstream key of a model this replica
         # serves (set by the app), as its requests do; a hosted API answers 401 without it.
         self.authorization: str | None = None

@@ -10,7 +10,7 @@ only before anything has been sent to the client.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -20,16 +20,17 @@ from proxy.backends.upstream.replica import UpstreamReplica
 from proxy.backends.upstream.routing import LeastBusyRouter, ReplicaLoad
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
-from proxy.relay.admission import Admission
+from proxy.protocol.token_usage import CURRENT_METER
+from proxy.relay.admission import Admission, Room
 from proxy.relay.body import Sink
 from proxy.relay.state import Phase
 
 log = logging.getLogger("sluice.upstream")
 
 # The proxy's own queue refusing a request: not the replica's fault.
-_QUEUE_REFUSALS = frozenset({"queue_full", "queue_timeout"})
+_QUEUE_REFUSALS = frozenset({"queue_full", "queue_timeout", "deadline_unmeetable"})
 
-# The router's pick among the replicas not yet tried (for a request's affinity key), or None.
+# The router's pick among replicas that have room (for a request's affinity key), or None.
 Choose = Callable[[Sequence[ReplicaLoad], bytes], ReplicaLoad | None]
 
 
@@ -50,6 +51,11 @@ class RetryPolicy:
         return error.retryable and not sink.started and not sink.client_gone
 
     @staticmethod
+    def refused_by_queue(error: ApiError) -> bool:
+        """``error`` is Sluice's own queue refusing the attempt: it reached no replica."""
+        return error.code in _QUEUE_REFUSALS
+
+    @staticmethod
     def blames_replica(error: ApiError, sink: Sink) -> bool:
         """``error`` is a failure verdict on its replica: not the proxy's own queue being full
         or too slow, and not a failure seen after the client left (what the cancellation
@@ -58,42 +64,92 @@ class RetryPolicy:
 
     @staticmethod
     def counts(error: ApiError, sink: Sink) -> bool:
-        """``error`` goes into ``sluice_upstream_errors_total``: a queue refusal, or a failure
-        the replica is blamed for."""
-        return error.code in _QUEUE_REFUSALS or not sink.client_gone
+        """``error`` goes into ``sluice_upstream_errors_total``: a failure the replica is
+        blamed for (the queue's refusals are counted where they happen)."""
+        return not sink.client_gone
 
 
 class Attempt:
-    """One try on one replica, with its health verdict: wait for a slot in this model's queue
-    for the replica, run the exchange, and tell the router how it went."""
+    """One try on one replica, with its health verdict: a slot in Sluice's queue on one of the
+    replicas not yet tried (the first to have room for it in the queue's order; among several
+    with room, the router's choice), the exchange, and the router told how it went."""
 
     def __init__(
         self,
         exchange: UpstreamExchange,
         router: LeastBusyRouter,
-        replicas: Mapping[ReplicaLoad, UpstreamReplica],
-        queues: Mapping[UpstreamReplica, Admission],
+        admission: Admission,
+        replicas: Sequence[UpstreamReplica],
         policy: RetryPolicy,
         count_error: Callable[[ApiError], None],
+        choose: Choose,
     ) -> None:
         self._exchange = exchange
         self._policy = policy
         self._router = router
-        self._replicas = replicas
-        self._queues = queues
+        self._admission = admission
+        self._replicas = list(replicas)
+        self._by_room = {replica.room: replica for replica in self._replicas}
         self._count_error = count_error
+        self._choose = choose
+
+    def candidates(self, tried: Sequence[ReplicaLoad]) -> list[UpstreamReplica]:
+        """The replicas an attempt may still go to: not tried, and not ejected."""
+        now = trio.current_time()
+        return [
+            replica
+            for replica in self._replicas
+            if replica.load not in tried and not replica.load.ejected(now)
+        ]
 
     async def __call__(
-        self, load: ReplicaLoad, request: CompletionRequest, request_id: str, sink: Sink
+        self,
+        tried: list[ReplicaLoad],
+        key: bytes,
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
     ) -> None:
-        replica = self._replicas[load]
+        """Try once; the replica it went to is appended to ``tried`` as it is dispatched."""
+        candidates = self.candidates(tried)
+        by_room = self._by_room
+
+        def choose(open_rooms: Sequence[Room]) -> Room | None:
+            load = self._choose([by_room[room].load for room in open_rooms], key)
+            return None if load is None else next(r for r in open_rooms if by_room[r].load is load)
+
+        sink.set_phase(Phase.QUEUED)
+        ticket = request.schedule.ticket()
+        try:
+            slot = self._admission.slot(ticket, [replica.room for replica in candidates], choose)
+            async with slot as room:
+                meter = CURRENT_METER.get()
+                if meter is not None:
+                    # Its tokens counted for its key's fair share as they stream.
+                    self._admission.dispatcher.track(ticket, meter.output_so_far)
+                await self._on(by_room[room], tried, request, request_id, sink)
+        except ApiError as error:
+            if error.code in _QUEUE_REFUSALS:
+                self._count_error(error)
+            raise
+
+    async def _on(
+        self,
+        replica: UpstreamReplica,
+        tried: list[ReplicaLoad],
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
+    ) -> None:
+        load = replica.load
+        tried.append(load)
+        if load.half_open(trio.current_time()):
+            load.probing = True  # its one probe
         load.in_flight += 1
         verdict = False
         try:
-            sink.set_phase(Phase.QUEUED)
-            async with self._queues[replica].slot():
-                sink.set_phase(Phase.CONNECTING)
-                await self._exchange(replica, request, request_id, sink)
+            sink.set_phase(Phase.CONNECTING)
+            await self._exchange(replica, request, request_id, sink)
             self._router.success(load)
             verdict = True
         except ApiError as error:
@@ -107,9 +163,8 @@ class Attempt:
         finally:
             load.in_flight -= 1
             if not verdict:
-                # Cancelled (client left, lost a hedge race), stalled, or refused by our own
-                # queue: says nothing about the replica, but a probe slot it held must be
-                # released.
+                # Cancelled (client left, lost a hedge race) or stalled: says nothing about
+                # the replica, but a probe slot it held must be released.
                 self._router.release_probe(load)
 
 
@@ -122,13 +177,11 @@ class Retry:
         attempt: Attempt,
         policy: RetryPolicy,
         replicas: int,
-        choose: Choose,
         no_replica: Callable[[], ApiError],
     ) -> None:
         self._attempt = attempt
         self._policy = policy
         self._attempts = policy.attempts(replicas)
-        self._choose = choose
         self._no_replica = no_replica
 
     async def __call__(
@@ -139,18 +192,19 @@ class Retry:
         last_error: ApiError | None = None
         attempts = self._attempts
         for _ in range(attempts):
-            load = self._choose(tried, key)
-            if load is None:
+            if not self._attempt.candidates(tried):
                 break
-            tried.append(load)
+            before = len(tried)
             try:
-                await self._attempt(load, request, request_id, sink)
+                await self._attempt(tried, key, request, request_id, sink)
                 return
             except ApiError as error:
-                if not self._policy.retries(error, sink):
+                # Refused by Sluice's own queue (no replica reached): nothing to retry.
+                if len(tried) == before or not self._policy.retries(error, sink):
                     raise
                 last_error = error
-                failures.append(f"{load.url}: {error.message}")
+                load = tried[-1]
+                failures.append(error.message)  # it names the replica (never by address)
                 if len(tried) < attempts:
                     log_retry(request_id, load, error)
         if last_error is None:

@@ -229,6 +229,14 @@ class MetricsRouter(LeastBusyRouter):
     def score(self, replica: ReplicaLoad, now: float) -> tuple[float, bool]:
         return metrics_score(replica, self._scrapes.get(replica), now, self.stale_after)
 
+    def waiting(self, replica: ReplicaLoad, now: float) -> float | None:
+        """The replica's own queue (its requests waiting), as a fresh scrape says it; None
+        with no fresh scrape (then only the count in flight says whether it has room)."""
+        scrape = self._scrapes.get(replica)
+        if scrape is None or scrape.metrics is None or now - scrape.at > self.stale_after:
+            return None
+        return scrape.metrics.waiting
+
     def _pick(self, healthy: Sequence[ReplicaLoad], now: float, key: bytes) -> Decision:
         scored = [(self.score(r, now), r.last_pick, i) for i, r in enumerate(healthy)]
         (_, fresh), _, index = min(scored, key=lambda item: (item[0][0], item[1]))

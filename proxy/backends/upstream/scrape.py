@@ -92,6 +92,7 @@ class _Scraper:
                 failing = False
             else:
                 self.router.failed(self.replica.load)
+                self.replica.room.poke()  # its count in flight alone says now
                 if not failing:
                     # Once per failing spell, not per scrape.
                     log.warning(
@@ -126,6 +127,8 @@ class _Scraper:
         except MetricsParseError as error:
             return str(error)
         self.router.observe(replica.load, metrics, trio.current_time())
+        # Its own queue may have drained: what Sluice holds for it may go now.
+        replica.room.poke()
         return None
 
 

@@ -375,3 +375,47 @@ async def test_a_session_header_pins_a_conversation_whatever_its_prompt(
         # Without the header, the prompt's prefix decides, as before.
         await post(client, proxy.url, "no session here")
         assert len(replica_of(fakes, "no session here")) == 1
+
+
+def waiting_at(count: int) -> str:
+    return (
+        'vllm:num_requests_running{model_name="fake-model"} 8\n'
+        f'vllm:num_requests_waiting{{model_name="fake-model"}} {count}\n'
+    )
+
+
+async def test_a_replica_whose_own_queue_is_over_the_threshold_has_no_room(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """With upstream_metrics, Sluice holds requests while the engine's scraped queue is over
+    max_upstream_waiting (its queue is first come, first served; Sluice's is fair), and sends
+    them once a scrape says it has come down."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(
+            nursery, ttft=0.005, interval=0.001, tokens=2, metrics_text=waiting_at(3)
+        )
+        model = {
+            "upstreams": [fake.url],
+            "balance": "upstream_metrics",
+            "metrics_interval": 0.05,
+            "max_upstream_waiting": 3,
+        }
+        proxy = await start_proxy(nursery, {"fake-model": model})
+        backend = backend_of(proxy)
+        router = backend.router
+        assert isinstance(router, MetricsRouter)
+        (load,) = [replica.load for replica in backend.replicas]
+        await poll_until(lambda: router.scrape_of(load).metrics is not None)
+        await post(client, proxy.url, "at the threshold")  # 3 waiting: still room
+        assert len(fake.recorder.records) == 1
+
+        fake.upstream.settings.metrics_text = waiting_at(4)
+        await poll_until(lambda: router.waiting(load, trio.current_time()) == 4)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(post, client, proxy.url, "over it")
+            await poll_until(lambda: backend.admission.waiting == 1)
+            await trio.sleep(0.2)  # several scrapes: still over, still held
+            assert len(fake.recorder.records) == 1
+            fake.upstream.settings.metrics_text = waiting_at(0)
+        assert len(fake.recorder.records) == 2
+        assert backend.admission.waiting == 0

@@ -156,6 +156,24 @@ async def test_hedged_first_token_closes_the_loser(
         assert len(slow.recorder.records) + len(fast.recorder.records) == 3
 
 
+async def test_a_stream_that_started_within_hedge_after_is_never_hedged(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """However long it streams: the hedge is for a first token that does not come."""
+    with trio.fail_after(DEADLINE):
+        fakes = [await start_fake(nursery, ttft=0.01, interval=0.01, tokens=60) for _ in range(2)]
+        proxy = await start_proxy(
+            nursery, {"m": {"upstreams": [fake.url for fake in fakes], "hedge_after": 0.2}}
+        )
+        started = trio.current_time()
+        response = await client.post(proxy.url + CHAT, json=chat_body("m"))
+        assert response.status_code == 200
+        assert trio.current_time() - started > 0.2 + 0.2  # it streamed well past hedge_after
+        assert sse_payloads(response.text)[-1] == "[DONE]"
+        await proxy.state.tracker.wait_idle()
+    assert sum(len(fake.recorder.records) for fake in fakes) == 1
+
+
 async def serve_health_requiring(
     authorization: str, seen: list[str | None], task_status: trio.TaskStatus[int]
 ) -> None:

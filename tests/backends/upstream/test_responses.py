@@ -191,7 +191,10 @@ async def test_a_refusal_of_sluices_credentials_is_a_502_of_the_upstream(
         error = response.json()["error"]
         assert error["code"] == "upstream_auth_error"
         assert error["type"] == "upstream_error"
-        assert url in error["message"] and "Incorrect API key" not in error["message"]
+        # The replica named by its place in the model's table, never by its address.
+        assert "model 'm' upstreams[0]" in error["message"]
+        assert url.split("//")[1] not in response.text
+        assert "Incorrect API key" not in error["message"]
     # In the endpoint's own shape; by now the replica is ejected (three failures), and the
     # 503 says what it failed with.
     assert anthropic.status_code == 503
@@ -226,7 +229,8 @@ async def test_an_unknown_models_404_says_it_came_from_the_upstream(
     error = response.json()["error"]
     # Its status and code kept; its message names who said it.
     assert (error["code"], error["type"]) == (404, "NotFoundError")
-    assert error["message"].startswith("The upstream http://127.0.0.1:")
+    assert error["message"].startswith("The upstream model 'm' upstreams[0] answered")
+    assert "127.0.0.1" not in response.text
     assert error["message"].endswith("answered: The model `m` does not exist.")
     assert any("does not exist" in r.getMessage() for r in caplog.records)
 

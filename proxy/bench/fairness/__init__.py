@@ -1,0 +1,46 @@
+"""``sluice bench --fairness``: how Sluice's queue shares a saturated upstream between keys,
+FIFO against fair, in one run.
+
+The bench starts one fake upstream (``proxy.testing.fake_upstream``) with ``--max-running S``:
+at most S answers generate at once, as in a serving engine with S slots. In front of it, two
+Sluice processes with the same config (``max_connections = S`` for that replica, so that every
+request past S waits in Sluice's queue; three keys, A, B and C, each of weight 1) but for
+``[scheduling] policy``: ``"fifo"`` and ``"fair"``. Each phase runs through one of them, then
+through the other (the order reversed each ``--repeat`` round), every request of a phase
+served before the next phase begins, so that the two see the same load on the same fake, one
+at a time, minutes apart at most: the machine's speed drifts too much for anything else.
+
+The phases:
+
+* **baseline**: B and C alone, each ``--rate`` short requests per second (C half a period
+  after B): their TTFT with nothing in the way;
+* **flood**: the same, and A at ``--flood-factor`` times their rate with long answers, more
+  than the S slots can serve: a queue builds, and every request is served in the end.
+  Per key: TTFT p50/p99, the seconds it was backlogged (a request of it waiting in Sluice's
+  queue) and the tokens it was served meanwhile; per pair of keys, the largest difference in
+  service (the scheduler's own measure: input tokens x ``w_in`` as a request reaches the
+  upstream, output tokens x ``w_out`` as they reach the client) over any interval where both
+  were backlogged, against the VTC bound ``2 * max(w_in * L_in, w_out * M)``
+  (``proxy.protocol.scheduling.vtc_bound``; ``M``: S slots x the longest answer); throughput;
+  the proxy's CPU per relayed event, from ``/proc``;
+* **deadline**: A's backlog (3 x S long requests at once), then B's requests each with an SDK
+  read timeout (``x-stainless-read-timeout``, as the OpenAI SDK sends its ``timeout``), many
+  shorter than their wait; then C's requests that start at once and pass their deadline while
+  running (a read timeout shorter than the fake's TTFT, or an ``x-sluice-deadline`` shorter
+  than the answer). From the fake's records: no request may reach the upstream after its
+  client's deadline; from the clients: those refused get 503 ``deadline_unmeetable``; for
+  those cancelled while running, the time from the deadline to the fake seeing its
+  connection close.
+
+The checks it prints: under the flood, B's and C's TTFT p99 at most ``1.5 x (A's request
+duration / S)`` plus their TTFT p99 with no flood; every pair within the bound; fair's CPU per
+event at most 5% over FIFO's; no deadline broken, every cancel seen upstream within 10 ms p99.
+
+The modules: ``settings``, ``stats`` (the figures, pure), ``load`` (the phases' requests and
+the client), ``run`` (the processes and the phases), ``report``, ``cli``.
+"""
+
+from proxy.bench.fairness.cli import main, wants_fairness
+from proxy.bench.fairness.settings import FairnessSettings
+
+__all__ = ["FairnessSettings", "main", "wants_fairness"]

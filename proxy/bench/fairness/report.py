@@ -1,0 +1,482 @@
+"""The fairness bench's figures per policy, the checks, and its section in docs/benchmarks.md
+(also what it prints)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from proxy.bench.fairness.load import longest_input
+from proxy.bench.fairness.run import FairnessRun, Phase
+from proxy.bench.fairness.settings import FLOODER, INTERACTIVE, KEYS, POLICIES
+from proxy.bench.fairness.stats import (
+    CANCEL_TARGET_S,
+    CPU_LIMIT,
+    TTFT_SLACK,
+    DeadlineFigures,
+    KeyFigures,
+    PairFigure,
+    TtftCheck,
+    batch_tokens,
+    cpu_passed,
+    cpu_ratio,
+    deadline_figures,
+    key_figures,
+    outcome,
+    pair_figures,
+    running_seconds,
+    throughput,
+)
+from proxy.protocol.scheduling import SchedulingSettings, vtc_bound
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The VTC bound the service differences are held to, and what it is made of."""
+
+    w_in: float
+    w_out: float
+    longest_input: int
+    batch_tokens: int
+
+    @property
+    def value(self) -> float:
+        return vtc_bound(self.w_in, self.longest_input, self.w_out, self.batch_tokens)
+
+
+def bound_of(run: FairnessRun) -> Bound:
+    """``L_in``: the flood phases' longest input (as Sluice estimates it); ``M``: every slot
+    running the longest answer; the weights Sluice runs with (the defaults: the bench's
+    config sets none)."""
+    flood = [r for p in run.phases if p.name == "flood" for r in p.requests]
+    scheduling = SchedulingSettings()
+    longest_answer = max((r.tokens for r in flood), default=0)
+    return Bound(
+        scheduling.w_in,
+        scheduling.w_out,
+        longest_input(flood),
+        batch_tokens(run.settings.slots, longest_answer),
+    )
+
+
+@dataclass
+class PolicyFigures:
+    policy: str
+    flood: dict[str, KeyFigures]
+    baseline: dict[str, KeyFigures]
+    pairs: list[PairFigure]
+    throughput: float | None
+    cpu_us_per_event: float | None
+    cpu_s: float | None
+    events: int
+    a_duration_s: float | None
+    checks: list[TtftCheck]
+    deadline: DeadlineFigures
+    errors: dict[str, int]  # baseline and flood requests that did not end as planned, by kind
+    queue_outcomes: dict[str, dict[str, float]] = field(default_factory=dict)
+    upstream_queued_max_s: float | None = None  # the longest wait in the fake's own queue
+
+
+def _phases(run: FairnessRun, name: str, policy: str) -> list[Phase]:
+    return [p for p in run.phases if p.name == name and p.policy == policy]
+
+
+def _requests(phases: Sequence[Phase]) -> list[Any]:
+    return [r for p in phases for r in p.requests]
+
+
+def _pooled_pairs(per_phase: Sequence[list[PairFigure]]) -> list[PairFigure]:
+    """Over rounds: the time backlogged together summed, the largest difference."""
+    if not per_phase:
+        return []
+    out = []
+    for i, first in enumerate(per_phase[0]):
+        each = [pairs[i] for pairs in per_phase]
+        out.append(
+            PairFigure(
+                first.keys,
+                sum(p.seconds for p in each),
+                max(p.max_difference for p in each),
+                first.bound,
+            )
+        )
+    return out
+
+
+def policy_figures(run: FairnessRun, policy: str, bound: Bound) -> PolicyFigures:
+    scheduling = SchedulingSettings()
+    floods = _phases(run, "flood", policy)
+    flood = _requests(floods)
+    baselines = _requests(_phases(run, "baseline", policy))
+    weights = dict.fromkeys(KEYS, 1.0)
+    pairs = _pooled_pairs(
+        [
+            pair_figures(
+                p.requests,
+                KEYS,
+                w_in=scheduling.w_in,
+                w_out=scheduling.w_out,
+                weights=weights,
+                bound=bound.value,
+            )
+            for p in floods
+        ]
+    )
+    cpu = [p.proxy_cpu_s for p in floods]
+    cpu_s = None if any(c is None for c in cpu) else sum(c for c in cpu if c is not None)
+    events = sum(p.events for p in floods)
+    measured = running_seconds(flood, FLOODER)
+    a_duration = measured if measured is not None else run.settings.flood_duration
+    base = {key: key_figures(baselines, key) for key in INTERACTIVE}
+    keyed = {key: key_figures(flood, key, "" if key == FLOODER else FLOODER) for key in KEYS}
+    checks = [
+        TtftCheck(key, keyed[key].ttft_p99_s, base[key].ttft_p99_s, a_duration, run.settings.slots)
+        for key in INTERACTIVE
+    ]
+    errors: dict[str, int] = {}
+    for request in [*baselines, *flood]:
+        kind = outcome(request)
+        if kind != "served":
+            errors[kind] = errors.get(kind, 0) + 1
+    deadline_requests = [
+        r
+        for r in _requests(_phases(run, "deadline", policy))
+        if r.read_timeout is not None or r.deadline is not None
+    ]
+    throughputs = [t for t in (throughput(p.requests) for p in floods) if t is not None]
+    queued = [r.upstream_queued_s for r in flood if r.upstream_queued_s is not None]
+    outcomes: dict[str, dict[str, float]] = {}
+    for phase in run.phases:
+        if phase.policy == policy:
+            mine = outcomes.setdefault(phase.name, {})
+            for name, count in phase.queue_outcomes.items():
+                mine[name] = mine.get(name, 0.0) + count
+    return PolicyFigures(
+        policy=policy,
+        flood=keyed,
+        baseline=base,
+        pairs=pairs,
+        throughput=sum(throughputs) / len(throughputs) if throughputs else None,
+        cpu_us_per_event=cpu_s / events * 1e6 if cpu_s is not None and events else None,
+        cpu_s=cpu_s,
+        events=events,
+        a_duration_s=a_duration,
+        checks=checks,
+        deadline=deadline_figures(deadline_requests),
+        errors=errors,
+        queue_outcomes=outcomes,
+        upstream_queued_max_s=max(queued) if queued else None,
+    )
+
+
+@dataclass
+class FairnessReport:
+    run: FairnessRun
+    bound: Bound
+    policies: dict[str, PolicyFigures]
+
+    @property
+    def cpu_ratio(self) -> float | None:
+        return cpu_ratio(
+            self.policies["fair"].cpu_us_per_event, self.policies["fifo"].cpu_us_per_event
+        )
+
+    def cpu_rounds(self) -> list[float | None]:
+        """Fair over FIFO, CPU per event, round by round."""
+        out = []
+        for round_ in range(self.run.settings.repeat):
+            by = {
+                p.policy: p.cpu_us_per_event
+                for p in self.run.phases
+                if p.name == "flood" and p.round == round_
+            }
+            out.append(cpu_ratio(by.get("fair"), by.get("fifo")))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        run = self.run
+        return {
+            "command": run.command,
+            "date": run.date,
+            "commit": run.commit,
+            "machine": run.machine,
+            "settings": asdict(run.settings),
+            "seconds": run.seconds,
+            "bound": asdict(self.bound) | {"value": self.bound.value},
+            "cpu_ratio": self.cpu_ratio,
+            "cpu_rounds": self.cpu_rounds(),
+            "phases": [
+                {
+                    "name": p.name,
+                    "policy": p.policy,
+                    "round": p.round,
+                    "seconds": p.seconds,
+                    "proxy_cpu_s": p.proxy_cpu_s,
+                    "events": p.events,
+                    "cpu_us_per_event": p.cpu_us_per_event,
+                    "queue_outcomes": p.queue_outcomes,
+                }
+                for p in run.phases
+            ],
+            "policies": {
+                name: asdict(figures)
+                | {
+                    "checks": [
+                        asdict(c) | {"limit_s": c.limit_s, "passed": c.passed}
+                        for c in figures.checks
+                    ],
+                    "pairs": [asdict(p) | {"within": p.within} for p in figures.pairs],
+                    "deadline": asdict(figures.deadline)
+                    | {
+                        "close_p50_s": figures.deadline.close_p50_s,
+                        "close_p99_s": figures.deadline.close_p99_s,
+                        "passed": figures.deadline.passed,
+                    },
+                }
+                for name, figures in self.policies.items()
+            },
+        }
+
+
+def make_report(run: FairnessRun) -> FairnessReport:
+    bound = bound_of(run)
+    return FairnessReport(run, bound, {p: policy_figures(run, p, bound) for p in POLICIES})
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _ms(seconds: float | None, spec: str = ".0f") -> str:
+    return "n/a" if seconds is None else format(seconds * 1000, spec)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _verdict(ok: bool) -> str:
+    return "**pass**" if ok else "**FAIL**"
+
+
+def flood_table(report: FairnessReport) -> list[str]:
+    fifo, fair = report.policies["fifo"], report.policies["fair"]
+    rows = ["| under A's flood | FIFO | fair |", "|---|---:|---:|"]
+
+    def row(label: str, fifo_value: str, fair_value: str) -> None:
+        rows.append(f"| {label} | {fifo_value} | {fair_value} |")
+
+    for key in KEYS:
+        a, b = fifo.flood[key], fair.flood[key]
+        row(
+            f"{key}: TTFT p50 / p99 (ms)",
+            f"{_ms(a.ttft_p50_s)} / {_ms(a.ttft_p99_s)}",
+            f"{_ms(b.ttft_p50_s)} / {_ms(b.ttft_p99_s)}",
+        )
+    for key in INTERACTIVE:
+        a, b = fifo.baseline[key], fair.baseline[key]
+        row(
+            f"{key} with no flood: TTFT p50 / p99 (ms)",
+            f"{_ms(a.ttft_p50_s)} / {_ms(a.ttft_p99_s)}",
+            f"{_ms(b.ttft_p50_s)} / {_ms(b.ttft_p99_s)}",
+        )
+    for key in INTERACTIVE:
+        a, b = fifo.flood[key], fair.flood[key]
+        row(
+            f"{key}: wait in Sluice's queue p50 / p99 (ms)",
+            f"{_ms(a.wait_p50_s)} / {_ms(a.wait_p99_s)}",
+            f"{_ms(b.wait_p50_s)} / {_ms(b.wait_p99_s)}",
+        )
+        row(
+            f"{key}: from the send to the next slot free upstream, p50 / p99 (ms)",
+            f"{_ms(a.least_wait_p50_s)} / {_ms(a.least_wait_p99_s)}",
+            f"{_ms(b.least_wait_p50_s)} / {_ms(b.least_wait_p99_s)}",
+        )
+        row(
+            f"{key}: A's requests that went upstream while one of {key}'s waited",
+            f"{a.passed_by:,}",
+            f"{b.passed_by:,}",
+        )
+    for key in KEYS:
+        a, b = fifo.flood[key], fair.flood[key]
+        row(
+            f"{key}: requests served / sent",
+            f"{a.ok} / {a.requests}",
+            f"{b.ok} / {b.requests}",
+        )
+    for key in KEYS:
+        a, b = fifo.flood[key], fair.flood[key]
+        row(
+            f"{key}: seconds backlogged; tokens served meanwhile",
+            f"{a.backlogged_s:.1f}; {a.tokens_backlogged}",
+            f"{b.backlogged_s:.1f}; {b.tokens_backlogged}",
+        )
+    for i, pair in enumerate(fifo.pairs):
+        other = fair.pairs[i]
+        f, g = pair.keys
+        row(
+            f"{f} vs {g}: largest service difference while both backlogged (seconds together)",
+            f"{pair.max_difference:,.0f} ({pair.seconds:.1f} s) "
+            + ("within" if pair.within else "**over**"),
+            f"{other.max_difference:,.0f} ({other.seconds:.1f} s) "
+            + ("within" if other.within else "**over**"),
+        )
+    row(
+        "A's request duration upstream, median (ms)",
+        _ms(fifo.a_duration_s),
+        _ms(fair.a_duration_s),
+    )
+    row(
+        "throughput, all keys (tokens/s)",
+        _num(fifo.throughput, ",.0f"),
+        _num(fair.throughput, ",.0f"),
+    )
+    row(
+        "proxy CPU per event (µs)",
+        _num(fifo.cpu_us_per_event, ".1f"),
+        _num(fair.cpu_us_per_event, ".1f"),
+    )
+    row("events relayed", f"{fifo.events:,}", f"{fair.events:,}")
+    row(
+        "longest wait in the fake's own queue (ms)",
+        _ms(fifo.upstream_queued_max_s, ".1f"),
+        _ms(fair.upstream_queued_max_s, ".1f"),
+    )
+    row(
+        "requests not served as planned",
+        _errors(fifo.errors),
+        _errors(fair.errors),
+    )
+    return rows
+
+
+def _errors(errors: dict[str, int]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(errors.items())) or "0"
+
+
+def check_lines(report: FairnessReport) -> list[str]:
+    settings = report.run.settings
+    lines = []
+    for policy in POLICIES:
+        figures = report.policies[policy]
+        for check in figures.checks:
+            lines.append(
+                f"TTFT target, {policy}, key {check.key}: p99 {_ms(check.flood_p99_s)} ms under "
+                f"the flood <= {TTFT_SLACK:g} x ({_ms(check.a_duration_s)} ms / {settings.slots}"
+                f") + {_ms(check.baseline_p99_s)} ms with no flood = {_ms(check.limit_s)} ms: "
+                + _verdict(check.passed)
+            )
+    for policy in POLICIES:
+        for pair in report.policies[policy].pairs:
+            f, g = pair.keys
+            lines.append(
+                f"VTC bound, {policy}, {f} vs {g}: {pair.max_difference:,.0f} <= "
+                f"{pair.bound:,.0f} over {pair.seconds:.1f} s backlogged together: "
+                + _verdict(pair.within)
+            )
+    for policy in POLICIES:
+        figures = report.policies[policy]
+        passed = sum(figures.flood[key].passed_by for key in INTERACTIVE)
+        lines.append(
+            f"Order, {policy}: {passed} of A's requests went upstream while one of B's or C's "
+            "waited (0: each took the next slot to free): " + _verdict(passed == 0)
+        )
+    ratio = report.cpu_ratio
+    rounds = ", ".join(_num(r, ".3f") for r in report.cpu_rounds())
+    lines.append(
+        f"CPU per event, fair / FIFO: {_num(ratio, '.3f')} (round by round: {rounds}) <= "
+        f"{CPU_LIMIT:g}: " + _verdict(cpu_passed(ratio))
+    )
+    for policy in POLICIES:
+        d = report.policies[policy].deadline
+        lines.append(
+            f"Deadlines, {policy}: {d.started_late} started after their deadline, "
+            f"{d.expired_queued} expired in the queue with 504 (not 503 deadline_unmeetable), "
+            f"{sum(d.other.values())} ended otherwise, {d.close_unseen} cancelled unseen "
+            f"upstream, close p99 {_ms(d.close_p99_s, '.1f')} ms <= "
+            f"{CANCEL_TARGET_S * 1000:g} ms: " + _verdict(d.passed)
+        )
+    return lines
+
+
+def deadline_table(report: FairnessReport) -> list[str]:
+    fifo, fair = report.policies["fifo"].deadline, report.policies["fair"].deadline
+    rows = ["| deadlines | FIFO | fair |", "|---|---:|---:|"]
+
+    def row(label: str, pick: Any) -> None:
+        rows.append(f"| {label} | {pick(fifo)} | {pick(fair)} |")
+
+    row("requests with a deadline", lambda d: d.requests)
+    row("served", lambda d: d.served)
+    row(
+        "refused, 503 deadline_unmeetable (of which at once)",
+        lambda d: f"{d.refused} ({d.refused_at_once})",
+    )
+    row(
+        "cancelled at the deadline while running (of which in-band, after the head)",
+        lambda d: f"{d.cancelled} ({d.cancelled_in_band})",
+    )
+    row(
+        "never reached the upstream, yet 504 deadline_exceeded (its deadline passed while queued)",
+        lambda d: d.expired_queued,
+    )
+    row("ended otherwise", lambda d: _errors(d.other))
+    row("reached the upstream", lambda d: d.reached_upstream)
+    row("reached the upstream after its client's deadline", lambda d: d.started_late)
+    row("least time left at the upstream's receipt (ms)", lambda d: _ms(d.least_margin_s, ".1f"))
+    row(
+        "deadline to the upstream seeing the close, p50 / p99 (ms)",
+        lambda d: f"{_ms(d.close_p50_s, '.2f')} / {_ms(d.close_p99_s, '.2f')}",
+    )
+    row("cancelled, the upstream never saw the close", lambda d: d.close_unseen)
+    return rows
+
+
+def queue_lines(report: FairnessReport) -> list[str]:
+    """What Sluice counted as leaving its queue, per phase and policy."""
+    lines = []
+    for policy in POLICIES:
+        for phase, outcomes in report.policies[policy].queue_outcomes.items():
+            counted = ", ".join(
+                f"{name} {count:.0f}" for name, count in sorted(outcomes.items()) if count
+            )
+            lines.append(f"{policy}, {phase}: {counted or 'none'}")
+    return lines
+
+
+def markdown(report: FairnessReport) -> str:
+    run, settings, bound = report.run, report.run.settings, report.bound
+    machine = run.machine
+    lines = [
+        f"## Fair share under a flood: FIFO vs fair, {settings.slots} slots",
+        "",
+        f"- Machine: {machine.get('cores')} cores ({machine.get('cpu') or 'unknown CPU'}), "
+        f"{machine.get('system')}, Python {machine.get('python')}; load average "
+        f"{machine.get('loadavg_1m')} as it began",
+        f"- Date: {run.date}; commit: {run.commit or 'unknown'}; the whole run took "
+        f"{run.seconds:.0f} s",
+        f"- Command: `{run.command}`",
+        f"- Load: {settings.describe()}",
+        "- Systems: one fake upstream (`--max-running "
+        f"{settings.slots}`) and two Sluice processes in front of it, the same config "
+        f"(`max_connections = {settings.slots}`, keys A, B and C of weight 1) but for "
+        '`[scheduling] policy` ("fifo", "fair"); every phase ran through one and then the '
+        "other"
+        + (", the order reversed each round" if settings.repeat > 1 else "")
+        + ", each phase's requests all served before the next began",
+        f"- Bound: `2 * max(w_in * L_in, w_out * M)` with w_in = {bound.w_in:g}, w_out = "
+        f"{bound.w_out:g}, L_in = {bound.longest_input} tokens (the longest input, as Sluice "
+        f"estimates it), M = {settings.slots} slots x {bound.batch_tokens // settings.slots} "
+        f"tokens (the longest answer) = {bound.batch_tokens}: **{bound.value:,.0f}**",
+        "",
+        *flood_table(report),
+        "",
+        *deadline_table(report),
+        "",
+        *(f"- {line}" for line in check_lines(report)),
+        "",
+        "Left Sluice's queue, as its `sluice_queue_wait_seconds` counted (by outcome):",
+        "",
+        *(f"- {line}" for line in queue_lines(report)),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,363 @@
+"""Who goes next: the order in which waiting requests are dispatched, sans-IO.
+
+Every decision here is a pure step over the waiting requests (:class:`Ticket`), the service
+counters and the time it is given; the trio shell that holds the slots and wakes the waiters is
+``proxy/relay/admission.py``.
+
+**Fair share between keys (VTC).** Each tenant (a client key; requests with no key form one
+tenant, ``""``) has a virtual counter of the service it has received: each request's input
+tokens times ``w_in`` when it is dispatched, and its output tokens times ``w_out`` as they
+stream, each divided by the key's ``weight``. The waiting request of the tenant with the
+smallest counter goes next (a tenant's own requests in arrival order). A tenant that becomes
+backlogged again is lifted to the smallest counter among those waiting in its band (or, with
+nobody waiting, to the counter of the last tenant dispatched): being idle is not banked.
+Sheng et al. (OSDI 2024) prove that the service two backlogged tenants receive then differs by
+at most ``2 * max(w_in * L_in, w_out * M)`` (:func:`vtc_bound`), while no slot idles.
+
+**Bands.** A request's band is an integer, lower first, as vLLM reads its ``priority``: a key's
+``priority``, which a request may raise (less urgent) but never lower (:func:`request_band`). A
+band is served strictly before the bands after it, and fairly within itself.
+
+**The starvation guard.** A request that has waited ``starvation_seconds`` goes before every
+band (the oldest such first): a flood of urgent requests delays a batch job, never forever.
+
+**FIFO** (``policy = "fifo"``): arrival order, bands ignored; what the fair order is measured
+against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+POLICIES = ("fair", "fifo")
+
+
+@dataclass(frozen=True)
+class SchedulingSettings:
+    """The ``[scheduling]`` table's settings, as the queue uses them."""
+
+    policy: str = "fair"
+    w_in: float = 1.0
+    w_out: float = 2.0
+    # A request that has waited this long goes before every band (0: no guard).
+    starvation_seconds: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """What the scheduler knows of a request, decided once by the pipeline: whose it is, how
+    urgent, how heavy, and by when it must have started and ended."""
+
+    # The client key's name ("": no key; every such request is one tenant).
+    tenant: str = ""
+    band: int = 0
+    weight: float = 1.0
+    input_tokens: int = 0
+    # When its first byte must be out (its SDK's read timeout) and when it must be done, on
+    # the event loop's clock; inf: no such deadline.
+    first_byte_by: float = math.inf
+    done_by: float = math.inf
+    # Told each time the request leaves a queue: the seconds it waited (its access line).
+    report: Callable[[float], None] | None = field(default=None, compare=False, repr=False)
+
+    def ticket(self) -> Ticket:
+        """A ticket for one attempt of the request (a retry or a hedge is another)."""
+        return Ticket(
+            self.tenant,
+            self.band,
+            self.weight,
+            self.input_tokens,
+            # A request that cannot start before either deadline is of no use to its client.
+            first_byte_by=min(self.first_byte_by, self.done_by),
+            report=self.report,
+        )
+
+
+DEFAULT_SCHEDULE = Schedule()
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request waiting for a slot, as the scheduler sees it."""
+
+    tenant: str
+    band: int = 0
+    weight: float = 1.0
+    # The request's input tokens (estimated), charged when it is dispatched.
+    input_tokens: int = 0
+    arrived: float = 0.0
+    # When it must have started at the latest (the earlier of its two deadlines): inf for none.
+    first_byte_by: float = math.inf
+    # Its place in arrival order, given by the queue.
+    seq: int = field(default=0)
+    report: Callable[[float], None] | None = field(default=None, repr=False)
+
+
+class FairQueue:
+    """The waiting requests and the tenants' counters (see the module's docstring)."""
+
+    def __init__(self, settings: SchedulingSettings | None = None) -> None:
+        self.settings = settings or SchedulingSettings()
+        # Each tenant's virtual counter: the service it has received, weighted, and its lifts.
+        self.counters: dict[str, float] = {}
+        # Each tenant's service alone (weighted, never lifted): what SharedCounters sends.
+        self.served: dict[str, float] = {}
+        # band -> tenant -> its waiting tickets, oldest first (a tenant present is backlogged).
+        self._bands: dict[int, dict[str, deque[Ticket]]] = {}
+        self._seq = itertools.count()
+        # The counter of the tenant dispatched last: where a tenant arriving to an empty queue
+        # is lifted to.
+        self._last_dispatched = 0.0
+        self.size = 0
+
+    def configure(self, settings: SchedulingSettings) -> None:
+        """New settings (a reload): the counters and the waiting requests stay."""
+        self.settings = settings
+
+    # -- what moves it --------------------------------------------------------------------
+
+    def add(self, ticket: Ticket) -> None:
+        """``ticket`` waits from now on."""
+        ticket.seq = next(self._seq)
+        band = self._bands.setdefault(ticket.band, {})
+        waiting = band.get(ticket.tenant)
+        if not waiting:
+            self._lift(ticket.tenant, band)
+            band[ticket.tenant] = waiting = deque()
+        waiting.append(ticket)
+        self.size += 1
+
+    def _lift(self, tenant: str, band: Mapping[str, deque[Ticket]]) -> None:
+        """A tenant becoming backlogged is lifted to the smallest counter among those waiting
+        in its band (or to the last dispatched tenant's, with nobody waiting)."""
+        floor = min((self.counters.get(other, 0.0) for other in band), default=None)
+        if floor is None:
+            floor = self._last_dispatched
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def remove(self, ticket: Ticket) -> None:
+        """``ticket`` waits no longer (dispatched, refused, or its client left)."""
+        band = self._bands.get(ticket.band)
+        if band is None:
+            return
+        waiting = band.get(ticket.tenant)
+        if waiting is None or ticket not in waiting:
+            return
+        waiting.remove(ticket)
+        self.size -= 1
+        if not waiting:
+            del band[ticket.tenant]
+            if not band:
+                del self._bands[ticket.band]
+
+    def dispatched(self, ticket: Ticket) -> None:
+        """``ticket`` got its slot: it waits no longer, and its input is charged."""
+        self.remove(ticket)
+        self.charge(ticket.tenant, ticket.weight, input_tokens=ticket.input_tokens)
+        self._last_dispatched = self.counters.get(ticket.tenant, 0.0)
+
+    def charge(
+        self, tenant: str, weight: float, *, input_tokens: int = 0, output_tokens: int = 0
+    ) -> None:
+        """Service received by ``tenant``: tokens in and out, weighted and divided by the
+        key's weight."""
+        cost = self.settings.w_in * input_tokens + self.settings.w_out * output_tokens
+        if cost:
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / weight
+            self.served[tenant] = self.served.get(tenant, 0.0) + cost / weight
+
+    # -- what it decides ------------------------------------------------------------------
+
+    def next(self, now: float, eligible: Callable[[Ticket], bool] | None = None) -> Ticket | None:
+        """The ticket to dispatch next (not removed: :meth:`dispatched` does), among those
+        ``eligible`` says may go (a slot free on a replica that can serve them), or None."""
+        if self.settings.policy == "fifo":
+            return self._oldest(self.waiting(), eligible)
+        guard = self.settings.starvation_seconds
+        if guard > 0:
+            starved = self._oldest(
+                (t for t in self.waiting() if now - t.arrived >= guard), eligible
+            )
+            if starved is not None:
+                return starved
+        for band in sorted(self._bands):
+            chosen: Ticket | None = None
+            chosen_key = (math.inf, math.inf, math.inf)
+            for tenant, waiting in self._bands[band].items():
+                ticket = _first(waiting, eligible)
+                if ticket is None:
+                    continue
+                key = self._order(tenant, ticket)
+                if key < chosen_key:
+                    chosen, chosen_key = ticket, key
+            if chosen is not None:
+                return chosen
+        return None
+
+    def _order(self, tenant: str, ticket: Ticket) -> tuple[float, float, float]:
+        """Where ``tenant``'s next ``ticket`` stands: the smallest counter first; on equal
+        counters (a tenant just lifted to the smallest among those waiting) the one actually
+        served less, so that a key returning from idleness takes the next slot rather than
+        waiting behind a flooder's older request; then the older ticket."""
+        return (self.counters.get(tenant, 0.0), self.served.get(tenant, 0.0), ticket.seq)
+
+    @staticmethod
+    def _oldest(
+        tickets: Iterable[Ticket], eligible: Callable[[Ticket], bool] | None
+    ) -> Ticket | None:
+        oldest: Ticket | None = None
+        for ticket in tickets:
+            if (eligible is None or eligible(ticket)) and (
+                oldest is None or ticket.seq < oldest.seq
+            ):
+                oldest = ticket
+        return oldest
+
+    def waiting(self) -> Iterable[Ticket]:
+        """Every waiting ticket (no order)."""
+        for band in self._bands.values():
+            for waiting in band.values():
+                yield from waiting
+
+    def ahead_of(self, ticket: Ticket) -> int:
+        """How many waiting tickets go before ``ticket`` in this order, as things stand: those
+        of more urgent bands, those of its band whose tenant's counter is smaller (or equal,
+        with an older ticket), and its own tenant's older ones (FIFO: every older ticket). An
+        estimate: counters move as requests are served, and the guard may promote an old one."""
+        if self.settings.policy == "fifo":
+            return sum(1 for other in self.waiting() if other.seq < ticket.seq)
+        mine = self._order(ticket.tenant, ticket)
+        ahead = 0
+        for band, tenants in self._bands.items():
+            for tenant, waiting in tenants.items():
+                if band < ticket.band:
+                    ahead += len(waiting)
+                elif band == ticket.band:
+                    if tenant == ticket.tenant:
+                        ahead += sum(1 for other in waiting if other.seq < ticket.seq)
+                    elif self._order(tenant, waiting[0]) < mine:
+                        ahead += len(waiting)
+        return ahead
+
+
+def _first(waiting: deque[Ticket], eligible: Callable[[Ticket], bool] | None) -> Ticket | None:
+    if eligible is None:
+        return waiting[0]
+    for ticket in waiting:
+        if eligible(ticket):
+            return ticket
+    return None
+
+
+# -- deadlines and bands ------------------------------------------------------------------
+
+
+def expected_wait(ahead: int, free: int, slots: int, average_hold: float) -> float:
+    """Seconds until a request with ``ahead`` requests before it gets a slot: none while a
+    slot is free for it; else the slots it waits for, in turn, each held ``average_hold`` on
+    average (``ahead - free + 1`` dispatches, ``slots`` at a time)."""
+    if free > ahead:
+        return 0.0
+    return (ahead - free + 1) * average_hold / max(1, slots)
+
+
+def positive_seconds(value: str | None) -> float | None:
+    """A header's number of seconds, when it is a positive finite number; None otherwise (the
+    Anthropic SDK may send the literal ``NOT_GIVEN``)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
+# The least urgent band a request may ask for: bands label metrics, and a client must not be
+# able to make up new ones without end.
+LEAST_URGENT_BAND = 99
+
+
+def request_band(key_band: int, *asked: object) -> int:
+    """A request's band: its key's, or a less urgent one it asks for (a larger integer, in the
+    body's ``priority`` or the ``x-sluice-priority`` header), at most LEAST_URGENT_BAND; never
+    more urgent than its key's. What is not an integer asks for nothing."""
+    band = key_band
+    for value in asked:
+        if isinstance(value, str):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            band = max(band, min(value, max(LEAST_URGENT_BAND, key_band)))
+    return band
+
+
+def vtc_bound(w_in: float, longest_input: int, w_out: float, batch_tokens: int) -> float:
+    """The most service two backlogged tenants can differ by, fair scheduling's guarantee:
+    ``2 * max(w_in * L_in, w_out * M)``, with ``L_in`` the longest input and ``M`` the most
+    tokens one batch holds (Sheng et al., OSDI 2024)."""
+    return 2 * max(w_in * longest_input, w_out * batch_tokens)
+
+
+class SharedCounters:
+    """The keys' counters shared between instances (through a store, such as Redis): the
+    arithmetic, sans-IO. Each sync sends the service each key received here since the last
+    sync the store took (:meth:`outgoing`), and the counter of each key lifted here since
+    (:attr:`floors`); the store adds the increments to its totals, raises each total to at least
+    its floor, and answers every key's total, which becomes the counter here, plus what was added
+    here meanwhile (:meth:`incoming`). A key flooding one instance is behind on every other, as
+    of the last sync.
+
+    A lift is a floor, never an increment: two instances that lift one key (it returns to both)
+    each to about the same counter would otherwise lift it twice in the store, and the key
+    would wait behind every other key's whole past service. Counters never go back: a store
+    that has lost its totals (Redis restarted) gets them again from the floors of the next
+    sync."""
+
+    def __init__(self, queue: FairQueue) -> None:
+        self._queue = queue
+        # Each key's total as the store last said it.
+        self._base: dict[str, float] = {}
+        # Each key's service here (FairQueue.served) when the store last took it, and when
+        # outgoing() last read it.
+        self._served_base: dict[str, float] = {}
+        self._served_sent: dict[str, float] = {}
+        # The keys lifted here since the last sync the store took, each with its counter:
+        # read with outgoing()'s increments.
+        self.floors: dict[str, float] = {}
+
+    def outgoing(self) -> dict[str, float]:
+        """Each key's service here since the last sync that the store took (a sync that failed
+        sends its increments again, with the later ones); :attr:`floors` is set with it."""
+        served, served_base, base = self._queue.served, self._served_base, self._base
+        self._served_sent = dict(served)
+        increments = {
+            key: value - served_base.get(key, 0.0)
+            for key, value in served.items()
+            if value != served_base.get(key, 0.0)
+        }
+        # A counter above the store's total plus the service here was lifted here (beyond
+        # what summing in another order leaves over).
+        self.floors = {
+            key: value
+            for key, value in self._queue.counters.items()
+            if value - base.get(key, 0.0) - increments.get(key, 0.0) > 1e-9 * max(1.0, value)
+        }
+        return increments
+
+    def incoming(self, shared: Mapping[str, float]) -> None:
+        """The store's totals after it took :meth:`outgoing`'s increments and floors."""
+        counters, served, sent = self._queue.counters, self._queue.served, self._served_sent
+        for key, total in shared.items():
+            since = served.get(key, 0.0) - sent.get(key, 0.0)
+            # A lift here meanwhile is kept, and so is a counter the store has lost.
+            counters[key] = max(total + since, counters.get(key, 0.0))
+            self._base[key] = total
+        self._served_base = sent
+        self.floors = {}

@@ -1,0 +1,438 @@
+"""The fairness bench (proxy/bench/fairness/): its pure figures (backlogs, service differences,
+the bound, the checks), its plans and configs, and one tiny run of the whole command against
+real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from proxy.bench import cli as bench_cli
+from proxy.bench.fairness import cli as fairness_cli
+from proxy.bench.fairness import load, report, run, stats
+from proxy.bench.fairness.settings import FairnessSettings
+from proxy.bench.fairness.stats import Request
+from proxy.bench.settings import BenchError
+from proxy.config import load_config
+from proxy.protocol.scheduling import vtc_bound
+
+
+def req(key: str, **fields: Any) -> Request:
+    """A request of ``key`` with what its client and the fake saw."""
+    request = Request(key=key, kind="t", tag=f"t-{key}", at=0.0, tokens=10, ttft=0.0, interval=0.0)
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+# --------------------------------------------------------------------------- intervals
+
+
+def test_union_merges_overlaps_and_drops_empty_intervals() -> None:
+    assert stats.union([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
+    assert stats.union([]) == []
+
+
+def test_intersect_keeps_only_the_overlap() -> None:
+    a = [(0.0, 2.0), (3.0, 6.0)]
+    b = [(1.0, 4.0), (5.0, 7.0)]
+    assert stats.intersect(a, b) == [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)]
+    assert stats.intersect(a, []) == []
+
+
+def test_a_key_is_backlogged_from_its_send_to_the_upstream_or_its_refusal() -> None:
+    requests = [
+        req("A", sent=0.0, upstream_received=2.0, ended_at=5.0),
+        req("A", sent=1.0, upstream_received=3.0, ended_at=6.0),
+        req("A", sent=10.0, upstream_received=None, ended_at=10.5),  # refused
+        req("A", sent=None, ended_at=None),  # never sent
+        req("B", sent=0.0, upstream_received=9.0, ended_at=9.5),
+    ]
+    assert stats.backlogged(requests, "A") == [(0.0, 3.0), (10.0, 10.5)]
+    assert stats.total_seconds(stats.backlogged(requests, "A")) == pytest.approx(3.5)
+
+
+# --------------------------------------------------------------------------- service
+
+
+def test_service_is_input_at_the_upstream_and_output_as_it_arrives_weighted() -> None:
+    requests = [
+        req("A", input_tokens=10, upstream_received=1.0, arrivals=[(2.0, 3), (1.5, 1)]),
+        req("B", input_tokens=4, upstream_received=None, arrivals=[]),
+    ]
+    events = stats.service_events(requests, 1.0, 2.0, {"A": 2.0})
+    # Divided by A's weight 2, in time order; B never reached the upstream: nothing.
+    assert events == {"A": [(1.0, 5.0), (1.5, 1.0), (2.0, 3.0)], "B": []}
+
+
+def test_the_largest_difference_is_the_range_of_the_running_difference_in_a_window() -> None:
+    f = [(1.0, 10.0), (2.0, 10.0), (6.0, 100.0)]
+    g = [(3.0, 25.0)]
+    # D before t: 0 until 1, 10, 20 from 2, -5 from 3, 95 from 6.
+    assert stats.max_service_difference(f, g, [(0.0, 5.0)]) == 25.0  # 20 - (-5)
+    assert stats.max_service_difference(f, g, [(2.5, 4.0)]) == 25.0  # 20 at 2.5, -5 after 3
+    assert stats.max_service_difference(f, g, [(3.5, 5.0)]) == 0.0  # nothing served in it
+    assert stats.max_service_difference(f, g, [(0.0, 5.0), (5.0, 7.0)]) == 100.0
+    # An event at a window's end is outside it: [t1, t2).
+    assert stats.max_service_difference(f, g, [(0.0, 1.0)]) == 0.0
+    assert stats.max_service_difference([], [], [(0.0, 1.0)]) == 0.0
+
+
+def test_tokens_in_counts_only_arrivals_inside_the_windows() -> None:
+    arrivals = [(0.5, 1), (1.0, 2), (2.5, 4), (3.0, 8), (9.0, 16)]
+    assert stats.tokens_in(arrivals, [(1.0, 3.0), (8.0, 10.0)]) == 2 + 4 + 16
+    assert stats.tokens_in(arrivals, []) == 0
+
+
+def test_pairs_backlogged_together_against_the_bound() -> None:
+    # A and B both wait from 0 to 2; meanwhile A's running answer streams 100 tokens.
+    a_running = req("A", sent=-5.0, upstream_received=-4.0, arrivals=[(1.0, 100)])
+    a_waiting = req("A", sent=0.0, upstream_received=3.0, input_tokens=8)
+    b = req("B", sent=0.0, upstream_received=2.0, input_tokens=8, arrivals=[(2.5, 5)])
+    c = req("C", sent=10.0, upstream_received=10.1)
+    pairs = stats.pair_figures(
+        [a_running, a_waiting, b, c],
+        ("A", "B", "C"),
+        w_in=1.0,
+        w_out=2.0,
+        weights={"A": 1.0, "B": 1.0, "C": 1.0},
+        bound=150.0,
+    )
+    by = {p.keys: p for p in pairs}
+    assert by["A", "B"].seconds == pytest.approx(2.0)
+    assert by["A", "B"].max_difference == pytest.approx(200.0)  # 100 output tokens x w_out
+    assert not by["A", "B"].within
+    assert by["A", "C"].seconds == 0.0 and by["A", "C"].max_difference == 0.0
+    assert by["A", "C"].within
+    assert stats.batch_tokens(4, 300) == 1200
+
+
+def test_key_figures_ttft_backlog_and_tokens_served_meanwhile() -> None:
+    requests = [
+        req("B", sent=0.0, first_token=0.1, upstream_received=0.05, ended_at=0.2,
+            status=200, done=True, tokens_seen=2, arrivals=[(0.1, 1), (0.2, 1)]),
+        req("B", sent=1.0, first_token=1.5, upstream_received=1.45, ended_at=1.6,
+            status=200, done=True, tokens_seen=2, arrivals=[(1.5, 2)]),
+        req("B", sent=1.2, upstream_received=None, ended_at=1.3, status=503,
+            error_code="deadline_unmeetable"),
+    ]  # fmt: skip
+    figures = stats.key_figures(requests, "B")
+    assert (figures.requests, figures.ok, figures.tokens) == (3, 2, 4)
+    assert figures.ttft_p50_s == pytest.approx(0.3)
+    assert figures.ttft_p99_s == pytest.approx(0.496)
+    assert figures.backlogged_s == pytest.approx(0.05 + 0.45)
+    assert figures.tokens_backlogged == 0  # nothing of B's arrived while B waited
+    assert stats.throughput(requests) == pytest.approx(4 / 1.6)
+    assert stats.throughput([]) is None
+
+
+def test_what_went_first_while_a_key_waited_and_the_least_wait_possible() -> None:
+    requests = [
+        # A's two running answers end at 1.0 and 1.5; a third of A's is dispatched at 1.0.
+        req("A", sent=0.0, upstream_received=0.0, upstream_finished=1.0),
+        req("A", sent=0.0, upstream_received=0.0, upstream_finished=1.5),
+        req("A", sent=0.2, upstream_received=1.0, upstream_closed=2.0),
+        # B waits from 0.5 to 1.5: A's third went first, at 1.0.
+        req("B", sent=0.5, upstream_received=1.5, upstream_finished=1.6),
+        # B's second found a slot free.
+        req("B", sent=3.0, upstream_received=3.001, upstream_finished=3.1),
+        # B's third waited; an A dispatched as it was being sent reached the upstream 2 ms
+        # after the send: dispatched before B's was queued, not counted.
+        req("A", sent=3.5, upstream_received=4.002, upstream_finished=5.0),
+        req("B", sent=4.0, upstream_received=5.0, upstream_finished=5.1),
+    ]
+    assert stats.dispatched_while_waiting(requests, "B", "A") == 1
+    assert stats.dispatched_while_waiting(requests, "A", "B") == 0
+    # B's first could have had the slot freed at 1.0 (0.5 after its send); its second waited
+    # for nothing.
+    assert stats.least_waits(requests, "B") == pytest.approx([0.5, 0.0, 1.0])
+    figures = stats.key_figures(requests, "B", "A")
+    assert figures.passed_by == 1
+    assert figures.wait_p50_s == pytest.approx(1.0)
+    assert figures.least_wait_p50_s == pytest.approx(0.5)
+
+
+def test_a_keys_running_time_is_the_median_from_arrival_to_last_byte() -> None:
+    requests = [
+        req("A", upstream_received=0.0, upstream_finished=1.0),
+        req("A", upstream_received=0.0, upstream_finished=3.0),
+        req("A", upstream_received=0.0, upstream_finished=None),  # cancelled
+        req("B", upstream_received=0.0, upstream_finished=9.0),
+    ]
+    assert stats.running_seconds(requests, "A") == pytest.approx(2.0)
+    assert stats.running_seconds(requests, "C") is None
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def test_the_ttft_target_is_one_and_a_half_slot_turns_over_the_baseline() -> None:
+    check = stats.TtftCheck("B", flood_p99_s=0.35, baseline_p99_s=0.06, a_duration_s=0.8, slots=4)
+    assert check.limit_s == pytest.approx(1.5 * 0.8 / 4 + 0.06)
+    assert check.passed
+    assert not stats.TtftCheck("B", 0.37, 0.06, 0.8, 4).passed
+    assert stats.TtftCheck("B", 0.36, 0.06, 0.8, 4).passed  # at the limit exactly
+    for missing in (
+        stats.TtftCheck("B", None, 0.06, 0.8, 4),
+        stats.TtftCheck("B", 0.1, None, 0.8, 4),
+        stats.TtftCheck("B", 0.1, 0.06, None, 4),
+    ):
+        assert not missing.passed  # a figure that could not be measured passes nothing
+
+
+def test_fair_may_cost_five_percent_more_cpu_per_event() -> None:
+    assert stats.cpu_ratio(105.0, 100.0) == pytest.approx(1.05)
+    assert stats.cpu_passed(stats.cpu_ratio(105.0, 100.0))
+    assert not stats.cpu_passed(stats.cpu_ratio(105.1, 100.0))
+    assert stats.cpu_ratio(None, 100.0) is None and stats.cpu_ratio(1.0, 0.0) is None
+    assert not stats.cpu_passed(None)
+
+
+def _deadlined(**fields: Any) -> Request:
+    return req("B", read_timeout=0.5, sent=10.0, **fields)
+
+
+def test_deadline_outcomes_late_starts_and_the_close_after_the_deadline() -> None:
+    requests = [
+        _deadlined(status=200, done=True, upstream_received=10.1, ended_at=10.3),
+        _deadlined(status=503, error_code="deadline_unmeetable", ended_at=10.01),
+        _deadlined(status=503, error_code="deadline_unmeetable", ended_at=10.5),
+        # its deadline passed while it waited: answered, never started
+        _deadlined(status=504, error_code="deadline_exceeded", ended_at=10.5),
+        # cancelled before its first byte (504), and after its head (in-band)
+        _deadlined(status=504, error_code="deadline_exceeded", upstream_received=10.2,
+                   upstream_closed=10.503, ended_at=10.504),
+        req("C", deadline=1.0, sent=20.0, status=200, error_code="deadline_exceeded",
+            upstream_received=20.001, upstream_closed=21.002, ended_at=21.003),
+    ]  # fmt: skip
+    figures = stats.deadline_figures(requests)
+    assert (figures.requests, figures.served, figures.refused) == (6, 1, 2)
+    assert figures.refused_at_once == 1
+    assert (figures.cancelled, figures.cancelled_in_band) == (2, 1)
+    assert figures.other == {}
+    assert (figures.reached_upstream, figures.started_late) == (3, 0)
+    assert figures.least_margin_s == pytest.approx(0.3)
+    assert figures.close_after_deadline_s == pytest.approx([0.002, 0.003])
+    assert figures.close_p99_s is not None and figures.close_p99_s < stats.CANCEL_TARGET_S
+    # Refused after its wait, but as 504 rather than 503 deadline_unmeetable: a failure.
+    assert figures.expired_queued == 1 and not figures.passed
+    assert stats.deadline_figures([r for r in requests if stats.outcome(r) != "expired"]).passed
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        # the upstream got it after its client had stopped waiting
+        {"status": 200, "done": True, "upstream_received": 10.6, "ended_at": 11.0},
+        # refused with another code
+        {"status": 503, "error_code": "queue_timeout", "ended_at": 10.5},
+        # cancelled, and the upstream never saw its connection go
+        {"status": 504, "error_code": "deadline_exceeded", "upstream_received": 10.1},
+        # the upstream saw it go, too late
+        {
+            "status": 504,
+            "error_code": "deadline_exceeded",
+            "upstream_received": 10.1,
+            "upstream_closed": 10.52,
+        },
+    ],
+)
+def test_each_broken_deadline_promise_fails_the_check(bad: dict[str, Any]) -> None:
+    assert not stats.deadline_figures([_deadlined(**bad)]).passed
+
+
+def test_outcome_names_what_became_of_a_request() -> None:
+    assert stats.outcome(req("B", error="timeout")) == "timeout"
+    assert stats.outcome(req("B", status=200, done=True)) == "served"
+    cut = {"status": 504, "error_code": "deadline_exceeded"}
+    assert stats.outcome(req("B", **cut, upstream_received=1.0)) == "cancelled"
+    assert stats.outcome(req("B", **cut)) == "expired"
+    assert stats.outcome(req("B", status=200, done=False)) == "HTTP 200"
+    assert stats.outcome(req("B", status=429, error_code="queue_full")) == "HTTP 429 queue_full"
+
+
+# --------------------------------------------------------------------------- plans, configs
+
+
+def test_settings_are_checked_and_keyed() -> None:
+    for bad in ({"slots": 0}, {"rate": 0.0}, {"interval": -1.0}, {"flood_seconds": float("inf")}):
+        with pytest.raises(BenchError):
+            FairnessSettings(**bad)
+    d = FairnessSettings()
+    assert d.flood_rate == 8.0
+    assert d.offered_load > 1  # the default load saturates the slots
+    assert d.key().startswith("bench=fairness slots=4 ")
+    assert FairnessSettings(repeat=1).key() != d.key()
+
+
+def test_the_flood_is_eight_times_b_and_c_who_alternate() -> None:
+    settings = FairnessSettings(rate=2.0, flood_seconds=3.0)
+    plan = load.flood_plan(settings, "x")
+    count = {key: sum(r.key == key for r in plan) for key in "ABC"}
+    assert count == {"A": 48, "B": 6, "C": 6}
+    assert [r.at for r in plan] == sorted(r.at for r in plan)
+    b = [r.at for r in plan if r.key == "B"]
+    c = [r.at for r in plan if r.key == "C"]
+    assert b[:2] == [0.0, 0.5] and c[:2] == [0.25, 0.75]
+    assert {r.tokens for r in plan if r.key == "A"} == {settings.flood_tokens}
+    assert len({r.tag for r in plan}) == len(plan)
+    assert {r.key for r in load.baseline_plan(settings, "y")} == {"B", "C"}
+
+
+def test_deadline_plans_queue_behind_a_backlog_then_run_in_waves() -> None:
+    settings = FairnessSettings(slots=3, deadline_requests=7, running_requests=7)
+    queued = load.queued_deadline_plan(settings, "q")
+    assert sum(r.key == "A" and r.read_timeout is None for r in queued) == 9
+    timed = [r for r in queued if r.read_timeout is not None]
+    assert len(timed) == 7 and {r.key for r in timed} == {"B"}
+    waves = load.running_deadline_waves(settings, "w")
+    assert [len(w) for w in waves] == [3, 3, 1]
+    every = [r for w in waves for r in w]
+    first_byte = [r for r in every if r.read_timeout is not None]
+    assert all(r.ttft > r.read_timeout for r in first_byte if r.read_timeout is not None)
+    mid_stream = [r for r in every if r.deadline is not None]
+    assert all(r.tokens * r.interval > r.deadline for r in mid_stream if r.deadline is not None)
+
+
+def test_a_request_carries_its_key_and_its_deadlines_in_headers() -> None:
+    settings = FairnessSettings()
+    request = Request("B", "t", "tag-1", 0.0, 5, 0.05, 0.01, read_timeout=0.25, deadline=2.0)
+    data = load.request_bytes(settings, request, ("127.0.0.1", 8080))
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert b"\r\nAuthorization: Bearer sk-fairness-b" in head
+    assert b"\r\nx-stainless-read-timeout: 0.25" in head
+    assert b"\r\nx-sluice-deadline: 2" in head
+    sent = json.loads(body)
+    assert sent["user"] == "tag-1" and sent["fake"] == {"ttft": 0.05, "interval": 0.01, "tokens": 5}
+    assert request.input_tokens > 0
+
+
+def test_the_proxies_config_loads_with_the_slots_the_keys_and_the_policy(tmp_path: Path) -> None:
+    settings = FairnessSettings(slots=3)
+    for policy in ("fifo", "fair"):
+        path = tmp_path / f"{policy}.toml"
+        path.write_text(run.proxy_config(8081, "http://127.0.0.1:9", policy, settings))
+        config = load_config(path)
+        assert config.scheduling.policy == policy
+        assert config.upstream.max_connections == 3
+        assert [k.name for k in config.keys] == ["A", "B", "C"]
+        assert all(k.weight == 1.0 for k in config.keys)
+    assert "--max-running" in run.fake_argv(9, settings)
+
+
+def test_phases_alternate_and_reverse_each_round() -> None:
+    assert run.schedule(2) == [
+        (0, "baseline", "fifo"), (0, "baseline", "fair"),
+        (0, "flood", "fifo"), (0, "flood", "fair"),
+        (0, "deadline", "fifo"), (0, "deadline", "fair"),
+        (1, "baseline", "fair"), (1, "baseline", "fifo"),
+        (1, "flood", "fair"), (1, "flood", "fifo"),
+        (1, "deadline", "fair"), (1, "deadline", "fifo"),
+    ]  # fmt: skip
+
+
+def test_readers_of_what_the_fake_and_the_proxy_say() -> None:
+    busy = (
+        'vllm:num_requests_running{model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting{model_name="m"} 0.0\n'
+    )
+    idle = busy.replace('running{model_name="m"} 1.0', 'running{model_name="m"} 0.0')
+    assert not run.fake_idle(busy) and run.fake_idle(idle) and not run.fake_idle("")
+    metrics = (
+        'sluice_queue_wait_seconds_count{band="0",key="A",model="m",outcome="admitted"} 3.0\n'
+        'sluice_queue_wait_seconds_count{band="0",key="B",model="m",outcome="admitted"} 2.0\n'
+        'sluice_queue_wait_seconds_count{band="0",key="B",model="m",outcome="deadline"} 1.0\n'
+    )
+    assert run.queue_outcomes(metrics) == {"admitted": 5.0, "deadline": 1.0}
+    assert load.error_code(b'{"error": {"code": "deadline_unmeetable"}}') == "deadline_unmeetable"
+    assert load.error_code(b"data: [DONE]") is None
+    requests = [req("A", tag="t1"), req("B", tag="t2")]
+    records = [
+        {"id": 0, "body": {"user": "t1"}, "received_at_mono": 1.0, "outcome": "completed"},
+        {"id": 1, "body": {"user": "t2"}, "received_at_mono": 2.0, "outcome": "pending"},
+        {"id": 2, "body": None, "outcome": "completed"},
+    ]
+    assert run.match_records(requests, records) == 1
+    assert [r.upstream_received for r in requests] == [1.0, 2.0]
+
+
+def test_the_bound_is_vtc_bound_of_the_loads_longest_input_and_a_full_batch() -> None:
+    bound = report.Bound(w_in=1.0, w_out=2.0, longest_input=20, batch_tokens=1200)
+    assert bound.value == vtc_bound(1.0, 20, 2.0, 1200) == 4800
+
+
+def test_the_main_bench_hands_fairness_to_its_own_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(fairness_cli, "run_stoppable", lambda fn, args, command: seen.append(args))
+    bench_cli.main(["--fairness", "--slots", "2", "--quiet"], prog="sluice bench")
+    assert seen[0].slots == 2 and seen[0].quiet
+    assert fairness_cli.wants_fairness(["--x", "--fairness"])
+    assert not fairness_cli.wants_fairness(["--streams", "5"])
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+TINY = [
+    "--fairness", "--slots", "2", "--rate", "4", "--flood-seconds", "1",
+    "--baseline-seconds", "0.5", "--flood-tokens", "30", "--short-tokens", "4",
+    "--interval", "0.005", "--ttft", "0.02", "--deadline-requests", "6",
+    "--running-requests", "2", "--repeat", "1", "--timeout", "30", "--quiet",
+]  # fmt: skip
+
+
+async def test_a_tiny_fairness_run_against_real_subprocesses(tmp_path: Path) -> None:
+    markdown = tmp_path / "benchmarks.md"
+    argv = [*TINY, "--markdown", str(markdown), "--json", str(tmp_path / "fair.json")]
+    parser = fairness_cli.argparse.ArgumentParser()
+    fairness_cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    with trio.fail_after(90):
+        result = await fairness_cli.run_from_args(args, "test")
+    fifo, fair = result.policies["fifo"], result.policies["fair"]
+    for figures in (fifo, fair):
+        assert figures.errors == {}
+        assert {k: f.ok for k, f in figures.flood.items()} == {"A": 32, "B": 4, "C": 4}
+        assert figures.cpu_us_per_event is not None and figures.cpu_us_per_event > 0
+        assert figures.throughput is not None and figures.throughput > 0
+        deadline = figures.deadline
+        assert deadline.requests == 8
+        ends = deadline.served + deadline.refused + deadline.cancelled + deadline.expired_queued
+        assert ends == 8 and deadline.other == {}
+        assert deadline.started_late == 0 and deadline.close_unseen == 0
+        assert deadline.cancelled >= 2 and deadline.cancelled_in_band >= 1
+    # The running ones, each cancelled at its deadline, and seen to go upstream.
+    running = [
+        r for p in result.run.phases for r in p.requests if r.kind in ("first-byte", "mid-stream")
+    ]
+    assert len(running) == 4
+    assert {stats.outcome(r) for r in running} == {"cancelled"}
+    assert all(r.upstream_closed is not None for r in running)
+    # The flood held B and C back under FIFO only.
+    for key in ("B", "C"):
+        fifo_p99, fair_p99 = fifo.flood[key].ttft_p99_s, fair.flood[key].ttft_p99_s
+        assert fifo_p99 is not None and fair_p99 is not None and fair_p99 < fifo_p99
+    assert result.bound.value == vtc_bound(1.0, result.bound.longest_input, 2.0, 2 * 30)
+    for pid in result.run.pids.values():
+        assert not alive(pid), "a child outlived the bench"
+    text = markdown.read_text()
+    assert "<!-- bench:begin bench=fairness slots=2 " in text
+    assert "## Fair share under a flood: FIFO vs fair, 2 slots" in text
+    assert "TTFT target, fair, key B" in text and "VTC bound, fair, A vs B" in text
+    saved = json.loads((tmp_path / "fair.json").read_text())
+    assert set(saved["policies"]) == {"fifo", "fair"}
+
+
+def test_make_bench_runs_the_fairness_bench_into_the_benchmarks_doc() -> None:
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    recipe = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert "-m proxy.bench --fairness --markdown docs/benchmarks.md" in recipe
