@@ -145,13 +145,15 @@ async def test_a_tiny_bench_runs_the_other_sluice_from_its_own_tree(
     other = _marked_copy(tmp_path / "other")
     mark = tmp_path / "imported-from"
     monkeypatch.setenv("BENCH_TEST_IMPORTED_FROM", str(mark))
+    # Enough events that each run's CPU is some clock ticks (10 ms each): a run that read as
+    # none left its pair out of the ratios.
     settings = BenchSettings(
-        streams=4,
-        tokens=5,
+        streams=8,
+        tokens=50,
         drop=0,
         ramp=0.05,
         ttft=0.02,
-        interval=0.01,
+        interval=0.004,
         timeout=10.0,
         repeat=2,
         progress=False,
@@ -164,7 +166,7 @@ async def test_a_tiny_bench_runs_the_other_sluice_from_its_own_tree(
     assert set(report.summaries) == {"proxy", "sluice-other"}
     for summary in report.summaries.values():
         assert summary.errors == 0, summary.error_kinds
-        assert summary.completed == 8
+        assert summary.completed == 16
     facts = report.peers["sluice-other"]
     assert facts is not None and facts.title == f"Sluice at {other}"
     assert facts.version == "unknown (no git)"
