@@ -305,11 +305,7 @@ class KeyConfig:
             raise ConfigError(
                 "'name' in [[keys]] cannot be '-': it stands for requests with no key"
             )
-        if self.tokens_counted not in TOKENS_COUNTED:
-            raise ConfigError(
-                f"'tokens_counted' in {where} must be one of {', '.join(TOKENS_COUNTED)}, "
-                f"not {self.tokens_counted!r}"
-            )
+        _check_choice(where, tokens_counted=(self.tokens_counted, TOKENS_COUNTED))
         for name in ("tokens_per_minute", "tokens_per_day", "max_tokens_cap"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"'{name}' in {where} must be >= 0 (0: none)")
@@ -519,6 +515,15 @@ def _check_positive(where: str, **values: float) -> None:
             raise ConfigError(f"'{name}' in {where} must be a finite number > 0, not {value!r}")
 
 
+def _check_choice(where: str, **values: tuple[object, tuple[str, ...]]) -> None:
+    """Each value among its choices: ``name=(value, choices)``."""
+    for name, (value, choices) in values.items():
+        if value not in choices:
+            raise ConfigError(
+                f"'{name}' in {where} must be one of {', '.join(choices)}, not {value!r}"
+            )
+
+
 def _check_not_negative(where: str, **values: float) -> None:
     for name, value in values.items():
         if not (0 <= value < math.inf):
@@ -703,11 +708,7 @@ def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None
 
 
 def _check_scheduling(scheduling: SchedulingConfig) -> None:
-    if scheduling.policy not in SCHEDULING_POLICIES:
-        raise ConfigError(
-            f"'policy' in [scheduling] must be one of {', '.join(SCHEDULING_POLICIES)}, "
-            f"not {scheduling.policy!r}"
-        )
+    _check_choice("[scheduling]", policy=(scheduling.policy, SCHEDULING_POLICIES))
     _check_not_negative(
         "[scheduling]",
         w_in=scheduling.w_in,
@@ -732,16 +733,11 @@ def _check_tracing(tracing: TracingConfig) -> None:
 
 
 def _check_limits(limits: LimitsConfig) -> None:
-    if limits.backend not in LIMITS_BACKENDS:
-        raise ConfigError(
-            f"'backend' in [limits] must be one of {', '.join(LIMITS_BACKENDS)}, "
-            f"not {limits.backend!r}"
-        )
-    if limits.on_error not in LIMITS_ON_ERROR:
-        raise ConfigError(
-            f"'on_error' in [limits] must be one of {', '.join(LIMITS_ON_ERROR)}, "
-            f"not {limits.on_error!r}"
-        )
+    _check_choice(
+        "[limits]",
+        backend=(limits.backend, LIMITS_BACKENDS),
+        on_error=(limits.on_error, LIMITS_ON_ERROR),
+    )
     if limits.backend == "redis" and urlsplit(limits.url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(
             f"'url' in [limits] must be a redis://, rediss:// or unix:// URL, not {limits.url!r}"
@@ -755,10 +751,7 @@ def _check_limits(limits: LimitsConfig) -> None:
 
 
 def _check_balance(where: str, settings: UpstreamRequestConfig) -> None:
-    if settings.balance not in BALANCES:
-        raise ConfigError(
-            f"'balance' in {where} must be one of {', '.join(BALANCES)}, not {settings.balance!r}"
-        )
+    _check_choice(where, balance=(settings.balance, BALANCES))
     if not settings.metrics_path.startswith("/"):
         raise ConfigError(f"'metrics_path' in {where} must start with '/'")
     _check_positive(
@@ -771,11 +764,7 @@ def _check_balance(where: str, settings: UpstreamRequestConfig) -> None:
 
 
 def _check_connection_settings(where: str, settings: UpstreamRequestConfig) -> None:
-    if settings.transport not in TRANSPORTS:
-        raise ConfigError(
-            f"'transport' in {where} must be one of {', '.join(TRANSPORTS)}, "
-            f"not {settings.transport!r}"
-        )
+    _check_choice(where, transport=(settings.transport, TRANSPORTS))
     explicit_proxy = settings.proxy not in ("", PROXY_DIRECT)
     if explicit_proxy:
         parts = urlsplit(settings.proxy)
@@ -849,10 +838,7 @@ def _build_models(
         if not isinstance(table, dict):
             raise ConfigError(f"{where} must be a table")
         backend = table.get("backend", UpstreamModel.backend)
-        if backend not in BACKENDS:
-            raise ConfigError(
-                f"'backend' in {where} must be one of {', '.join(BACKENDS)}, not {backend!r}"
-            )
+        _check_choice(where, backend=(backend, BACKENDS))
         kind, own_keys = MODEL_KINDS[backend], _MODEL_KEYS_OF[backend]
         values: dict[str, Any] = {}
         if kind is UpstreamModel:
