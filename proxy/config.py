@@ -230,7 +230,9 @@ class LocalModel(ModelBase):
     max_queue: int = 8
     queue_timeout: float = 30.0
     default_max_tokens: int = 512
-    default_temperature: float = 1.0
+    # Applied when a request names none. 0 is greedy: the same question gets the same answer,
+    # and a small model sampled even a little wanders off the likeliest one.
+    default_temperature: float = 0.0
     # Applied when a request names none (1 = off): a small model loops without it.
     default_repetition_penalty: float = 1.0
     # A decode step slower than this is logged (once per request): memory pressure, swapping.

