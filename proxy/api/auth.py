@@ -49,7 +49,8 @@ _MAX_REQUESTED_HEADERS = 32
 # Response headers a browser script may read besides the CORS-safelisted ones.
 CORS_EXPOSED_HEADERS = (
     "X-Request-ID, Retry-After, traceresponse, "
-    "x-ratelimit-limit-tokens, x-ratelimit-remaining-tokens, x-ratelimit-reset-tokens"
+    "x-ratelimit-limit-tokens, x-ratelimit-remaining-tokens, x-ratelimit-reset-tokens, "
+    "x-ratelimit-limit-requests, x-ratelimit-remaining-requests, x-ratelimit-reset-requests"
 )
 # How long a browser may cache a preflight answer.
 CORS_MAX_AGE = "600"

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from proxy.api.token_budget import DAY, token_limited
+from proxy.api.token_budget import DAY, reset_text, token_limited
 from proxy.config import KeyConfig, LimitsConfig
 from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError
 
@@ -247,15 +247,28 @@ class _ErrorLog:
         self._last, self._unlogged = now, 0
 
 
+# OpenAI's names for the request window, beside the token ones: an SDK or dashboard that reads
+# one reads the other.
+REQUESTS_LIMIT_HEADER = "x-ratelimit-limit-requests"
+REQUESTS_REMAINING_HEADER = "x-ratelimit-remaining-requests"
+REQUESTS_RESET_HEADER = "x-ratelimit-reset-requests"
+
+
 def rate_limited(key: KeyConfig, wait: float) -> ApiError:
-    """The 429 of a key over its requests per minute; ``wait``: until the oldest leaves."""
+    """The 429 of a key over its requests per minute; ``wait``: until the oldest leaves. The
+    window is full when this is raised, so nothing remains until then."""
     return ApiError(
         429,
         f"Rate limit reached for key {key.name!r}: {key.requests_per_minute} "
         f"requests per minute. Retry in {wait:.1f}s.",
         type=RATE_LIMIT,
         code="rate_limit_exceeded",
-        headers={"Retry-After": str(max(1, math.ceil(wait)))},
+        headers={
+            "Retry-After": str(max(1, math.ceil(wait))),
+            REQUESTS_LIMIT_HEADER: str(key.requests_per_minute),
+            REQUESTS_REMAINING_HEADER: "0",
+            REQUESTS_RESET_HEADER: reset_text(wait),
+        },
     )
 
 

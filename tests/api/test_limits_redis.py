@@ -125,6 +125,9 @@ async def test_the_window_is_exact_and_a_refusal_says_when_the_oldest_leaves(
         assert (error.status, error.code) == (429, "rate_limit_exceeded")
         # All three were admitted within the last second: the first leaves in ~60 s.
         assert 59 <= int(error.headers["Retry-After"]) <= 60
+        assert error.headers["x-ratelimit-limit-requests"] == "3"
+        assert error.headers["x-ratelimit-remaining-requests"] == "0"
+        assert error.headers["x-ratelimit-reset-requests"].endswith("s")
         # Another key has its own window; another prefix (deployment) its own keys.
         assert await limited.acquire(KeyConfig(name="bob", sha256="1" * 64)) is None
         assert await store(redis_server, key_prefix="other:").acquire(alice) is None
