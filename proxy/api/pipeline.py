@@ -320,9 +320,11 @@ class RequestPipeline:
         endpoint: Endpoint = Endpoint.CHAT,
     ) -> None:
         """An API request answered without a relay (bad input, 401, unknown model): the
-        requests metric and the access line. ``model`` is a configured name or "-": a client
-        must not be able to grow the metrics by inventing model names."""
-        self.metrics.requests.labels(model, str(status), endpoint.label).inc()
+        requests metric and the access line. ``model`` is a configured name or "-", and the
+        key a configured key's name or "-": a client must not be able to grow the metrics by
+        inventing names."""
+        key = "-" if access is None else access.key or "-"
+        self.metrics.requests.labels(model, str(status), endpoint.label, key).inc()
         if access is not None:
             self.finished(access, status, outcome, model)
 

@@ -154,9 +154,10 @@ class Metrics:
     requests = MetricSpec(
         Counter,
         "sluice_requests",
-        "API requests by model, final HTTP status and endpoint (chat, completions, "
-        "responses, messages, embeddings, passthrough).",
-        ["model", "status", "endpoint"],
+        "API requests by model, final HTTP status, endpoint (chat, completions, "
+        "responses, messages, embeddings, passthrough) and key: a configured key's name, or "
+        "'-' (no keys configured, or a credential refused).",
+        ["model", "status", "endpoint", "key"],
     )
     active_streams = MetricSpec(
         Gauge, "sluice_active_streams", "Requests whose relay is running now."

@@ -277,7 +277,8 @@ class RelayTracker:
     @staticmethod
     def _observe(metrics: Metrics, body: RelayBody) -> None:
         metrics.active_streams.dec()
-        metrics.requests.labels(body.model, str(body.final_status), body.endpoint).inc()
+        key = "-" if body.access is None else body.access.key or "-"
+        metrics.requests.labels(body.model, str(body.final_status), body.endpoint, key).inc()
         account = body.account
         if account.ttft is not None:
             # A streamed response that wrote at least once: what __anext__ counted, merged.

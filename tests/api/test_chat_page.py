@@ -340,7 +340,8 @@ async def test_a_busy_model_is_told_in_words(nursery: trio.Nursery, tiny_loaded_
         await backend.admission.wait_free()
         registry = proxy.state.metrics.registry
         assert registry.get_sample_value(
-            "sluice_requests_total", {"model": "tiny", "status": "429", "endpoint": "chat"}
+            "sluice_requests_total",
+            {"model": "tiny", "status": "429", "endpoint": "chat", "key": "-"},
         )
 
 

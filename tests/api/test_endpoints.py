@@ -294,7 +294,7 @@ async def test_the_requests_metric_names_the_endpoint(rig: tuple[Proxy, Fake]) -
         await proxy.state.tracker.wait_idle()  # each counts when its relay closes
     registry = proxy.state.metrics.registry
     for endpoint in ("responses", "embeddings"):
-        labels = {"model": "fake-model", "status": "200", "endpoint": endpoint}
+        labels = {"model": "fake-model", "status": "200", "endpoint": endpoint, "key": "t"}
         assert registry.get_sample_value("sluice_requests_total", labels) == 1
 
 

@@ -307,7 +307,7 @@ async def test_openmetrics_when_asked(proxy: Proxy, client: httpx.AsyncClient) -
     requests = families["sluice_requests"]
     assert requests.type == "counter"
     assert any(
-        sample.labels == {"model": "fake-model", "status": "200", "endpoint": "chat"}
+        sample.labels == {"model": "fake-model", "status": "200", "endpoint": "chat", "key": "-"}
         and sample.value == 1
         for sample in requests.samples
     )
