@@ -37,6 +37,9 @@ class ReloadPlan:
     config: Config
     # The file's changes left for a restart ("server.port", "models.tiny.path"...).
     restart_needed: tuple[str, ...]
+    # What the reload applies, for its log line: "keys added: bob", "models changed: m
+    # (timeout)"... Empty when the file changed nothing that applies.
+    applied_changes: tuple[str, ...] = ()
 
     @property
     def outcome(self) -> str:
@@ -106,7 +109,54 @@ def plan_reload(running: Config, file_server: object, fresh: Config) -> ReloadPl
         models=_models(running_local, fresh.models),
         source=running.source,
     )
-    return ReloadPlan(applied, tuple(restart))
+    return ReloadPlan(applied, tuple(restart), tuple(describe_changes(running, applied)))
+
+
+# The sections a reload applies whole, beside the keys and the models.
+APPLIED_SECTIONS = ("upstream", "relay", "limits", "scheduling")
+
+
+def describe_changes(running: Config, applied: Config) -> list[str]:
+    """What serving ``applied`` instead of ``running`` changes, as an operator reads it: keys
+    and models added, removed, or changed (naming the fields, never a key's hash), and the
+    fields of the sections applied whole."""
+    lines: list[str] = []
+    before_keys = {key.name: key for key in running.keys}
+    after_keys = {key.name: key for key in applied.keys}
+    lines += _named_changes("keys", before_keys, after_keys)
+    before_models = {model.name: model for model in running.models}
+    after_models = {model.name: model for model in applied.models}
+    lines += _named_changes("models", before_models, after_models)
+    for section in APPLIED_SECTIONS:
+        changed = _changed(section, getattr(running, section), getattr(applied, section))
+        fields = [where.split(".", 1)[1] for where in changed]
+        if fields:
+            lines.append(f"{section} changed: {', '.join(fields)}")
+    return lines
+
+
+def _named_changes(
+    kind: str, before: Mapping[str, object], after: Mapping[str, object]
+) -> list[str]:
+    lines = []
+    added = [name for name in after if name not in before]
+    removed = [name for name in before if name not in after]
+    changed = []
+    for name in after:
+        if name in before and before[name] != after[name]:
+            old, new = before[name], after[name]
+            if type(old) is not type(new):
+                changed.append(f"{name} (backend)")
+                continue
+            fields = [where.split(".", 1)[1] for where in _changed(name, old, new)]
+            changed.append(f"{name} ({', '.join(fields)})")
+    if added:
+        lines.append(f"{kind} added: {', '.join(added)}")
+    if removed:
+        lines.append(f"{kind} removed: {', '.join(removed)}")
+    if changed:
+        lines.append(f"{kind} changed: {', '.join(changed)}")
+    return lines
 
 
 def _models(

@@ -12,7 +12,7 @@ import trio
 
 from proxy.api.auth import KeyRing
 from proxy.api.pipeline import RequestPipeline
-from proxy.api.reload import RELOAD_OUTCOMES, ConfigReloader
+from proxy.api.reload import RELOAD_OUTCOMES, ConfigReloader, ReloadPlan
 from proxy.api.served_config import ServedConfig, scheduling_settings
 from proxy.api.served_config import check_no_fake_upstream as check_no_fake_upstream
 from proxy.api.served_config import resolve_api_keys as resolve_api_keys
@@ -259,13 +259,14 @@ class SluiceState:
             outcome = "invalid"
         elif plan.restart_needed:
             log.warning(
-                "config reloaded from %s; restart needed for: %s (left as they were)",
+                "config reloaded from %s: %s; restart needed for: %s (left as they were)",
                 plan.config.source,
+                applied_changes(plan),
                 ", ".join(plan.restart_needed),
             )
             outcome = plan.outcome
         else:
-            log.info("config reloaded from %s", plan.config.source)
+            log.info("config reloaded from %s: %s", plan.config.source, applied_changes(plan))
             outcome = plan.outcome
         self.metrics.config_reloads.labels(outcome).inc()
         return outcome
@@ -278,6 +279,10 @@ class SluiceState:
             # collector that is down delays no other task's shutdown.
             with trio.move_on_after(tracing.EXPORT_TIMEOUT + 1):
                 await trio.to_thread.run_sync(self.tracing.shutdown, abandon_on_cancel=True)
+
+
+def applied_changes(plan: ReloadPlan) -> str:
+    return "; ".join(plan.applied_changes) or "nothing that applies changed"
 
 
 def state_of(app: SluiceQuart) -> SluiceState:

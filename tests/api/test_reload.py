@@ -358,6 +358,59 @@ def test_the_plan_names_what_needs_a_restart() -> None:
     assert plan_reload(running, ServerConfig(port=0), unchanged).outcome == "applied"
 
 
+def test_the_plan_says_what_the_reload_applies() -> None:
+    data: dict[str, Any] = {
+        "server": {"port": 0},
+        "models": {
+            "up": {"upstreams": ["http://127.0.0.1:9"]},
+            "gone": {"upstreams": ["http://127.0.0.1:11"]},
+        },
+        "keys": [
+            {"name": "alice", "sha256": hash_key("a")},
+            {"name": "carol", "sha256": hash_key("c")},
+        ],
+    }
+    running = config_from_mapping(data, "f.toml", env={})
+    unchanged = plan_reload(running, ServerConfig(port=0), running)
+    assert unchanged.applied_changes == ()
+    data["keys"] = [
+        {"name": "alice", "sha256": hash_key("a2"), "requests_per_minute": 5},
+        {"name": "bob", "sha256": hash_key("b")},
+    ]
+    data["models"] = {
+        "up": {"upstreams": ["http://127.0.0.1:9"], "total_timeout": 30.0},
+        "new": {"upstreams": ["http://127.0.0.1:12"]},
+    }
+    data["limits"] = {"key_prefix": "other:"}
+    fresh = config_from_mapping(data, "f.toml", env={})
+    lines = plan_reload(running, ServerConfig(port=0), fresh).applied_changes
+    assert lines == (
+        "keys added: bob",
+        "keys removed: carol",
+        "keys changed: alice (sha256, requests_per_minute)",
+        "models added: new",
+        "models removed: gone",
+        "models changed: up (total_timeout)",
+        "limits changed: key_prefix",
+    )
+    # Names and field names only: a key's hash never reaches the log.
+    assert not any(hash_key("a2") in line for line in lines)
+
+
+async def test_a_reloads_log_line_names_the_keys_it_added_and_removed(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="sluice.app")
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(slow_fake.url, "old-key"))
+    with trio.fail_after(DEADLINE):
+        _, state = await serve_file(nursery, path)
+        path.write_text(toml(slow_fake.url, "new-key"))
+        assert await state.reload_config() == "applied"
+    lines = [r.getMessage() for r in caplog.records if "config reloaded" in r.getMessage()]
+    assert lines == [f"config reloaded from {path}: keys added: new-key; keys removed: old-key"]
+
+
 def test_a_kept_key_keeps_its_counters_under_its_new_limits() -> None:
     limits = LimitsConfig()
     old = KeyRing(
