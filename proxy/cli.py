@@ -152,6 +152,7 @@ def _worker_count(args: argparse.Namespace) -> int:
 
 def _serve_workers(args: argparse.Namespace) -> int:
     """More than one worker: the parent binds, then supervises worker processes."""
+    from proxy.api.served_config import check_servable
     from proxy.server.run import bind
     from proxy.server.workers import serve_workers
 
@@ -160,6 +161,7 @@ def _serve_workers(args: argparse.Namespace) -> int:
     check_public_bind(config)
     check_adapters()
     check_tracing(config.tracing, os.environ)
+    check_servable(config, os.environ, fake_upstream=config.fake_upstream.enabled)
     sockets = bind_or_explain(config, bind)
     host, port = sockets.insecure_sockets[0].getsockname()[:2]
     announce(config, [f"http://{host}:{port}"], config.server.workers)
@@ -217,6 +219,11 @@ def run_worker(
         trio.run(run)
     except ModelLoadError as error:
         print(f"sluice: model error: {error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CANNOT_START)
+    except ConfigError as error:
+        # What the environment changed since the supervisor checked: one line, as with one
+        # process, not a traceback.
+        print(f"sluice: configuration error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CANNOT_START)
 
 

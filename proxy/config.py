@@ -610,6 +610,16 @@ def _validate_origin(origin: str) -> None:
         )
 
 
+# A placeholder that example configs carry: a valid digest that no key can have in practice,
+# so a config copied without replacing it runs and admits nobody with that entry.
+PLACEHOLDER_SHA256 = "0" * 64
+
+
+def placeholder_keys(config: Config) -> list[str]:
+    """The ``[[keys]]`` whose sha256 is still the all-zeros placeholder, by name."""
+    return [key.name for key in config.keys if key.sha256 == PLACEHOLDER_SHA256]
+
+
 def _validate_keys(keys: tuple[KeyConfig, ...]) -> None:
     names: set[str] = set()
     digests: set[str] = set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -183,6 +184,32 @@ def test_workers_that_cannot_load_their_model_stop_without_restarts(tmp_path: Pa
     assert result.returncode != 0
     assert "model error" in result.stderr and "/nope/m.gguf" in result.stderr
     assert "restarting" not in result.stderr
+
+
+def test_workers_with_a_missing_upstream_key_say_so_in_one_line(tmp_path: Path) -> None:
+    config = write(
+        tmp_path,
+        '[server]\nport = 0\n[models.m]\nupstreams = ["http://127.0.0.1:9"]\n'
+        'api_key_env = "SLUICE_TEST_UNSET_UPSTREAM_KEY"\n',
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_TEST_UNSET_UPSTREAM_KEY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", config, "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert result.returncode == 2
+    # As one process says it: one line, naming the variable, and no worker started.
+    assert result.stderr.splitlines() == [
+        "sluice: configuration error: [models.m] api_key_env names "
+        "SLUICE_TEST_UNSET_UPSTREAM_KEY, which is not set: export "
+        "SLUICE_TEST_UNSET_UPSTREAM_KEY=<the upstream's key> (vLLM's --api-key), or remove "
+        "api_key_env if the upstream runs without one"
+    ]
+    assert "Traceback" not in result.stderr and result.stdout == ""
 
 
 def test_the_app_never_starts_the_fake_upstream_itself() -> None:

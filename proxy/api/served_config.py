@@ -24,7 +24,7 @@ from proxy.backends.upstream.replica import UpstreamReplica
 from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.scrape import check_replicas, report_reachability
 from proxy.backends.upstream.transports import ConnectionSettings
-from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError
+from proxy.config import FAKE_UPSTREAM_URL, Config, ConfigError, placeholder_keys
 from proxy.ops.metrics import Metrics
 from proxy.protocol.scheduling import SchedulingSettings
 from proxy.relay.admission import Scheduling
@@ -66,6 +66,18 @@ def check_no_fake_upstream(config: Config) -> None:
                 "started beside the app: `sluice serve` starts it when [fake_upstream] is "
                 "enabled; in code, pass create_app(config, fake_upstream_url=...)"
             )
+
+
+def check_servable(config: Config, env: Mapping[str, str], fake_upstream: bool) -> None:
+    """What serving ``config`` checks beyond the file itself (the environment's keys, the
+    fake upstream, replicas' capacities), without serving it: a supervisor runs it once before
+    it starts its workers, so that a config no worker can serve is one clean error, not one
+    per worker. ``fake_upstream``: whether one will be started beside the app."""
+    resolve_api_keys(config, env)
+    if not fake_upstream:
+        check_no_fake_upstream(config)
+    # Each worker's own fake upstream has its own address, so that replica is not checked.
+    replica_capacities(config, env, None)
 
 
 def scheduling_settings(config: Config) -> SchedulingSettings:
@@ -166,6 +178,14 @@ class ServedConfig:
                 task_status.started()
 
     def start_backends(self) -> None:
+        for name in placeholder_keys(self.config):
+            log.warning(
+                "!!! [[keys]] %r in %s has the placeholder sha256 (all zeros): no key hashes to "
+                "it, so that entry admits nobody. Put the key's own hash there (`sluice "
+                "hash-key`).",
+                name,
+                self.config.source,
+            )
         upstream = self.config.upstream
         socket_options = (
             [(socket.SOL_SOCKET, socket.SO_RCVBUF, upstream.socket_rcvbuf)]

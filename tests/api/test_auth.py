@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import io
 import json
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ import httpx
 import pytest
 import trio
 
-from proxy.api.auth import CorsPolicy, KeyRing, RateWindow, bearer_token, hash_key
+from proxy.api.auth import (
+    CORS_EXPOSED_HEADERS,
+    CorsPolicy,
+    KeyRing,
+    RateWindow,
+    bearer_token,
+    hash_key,
+)
 from proxy.cli import main
 from proxy.config import (
     ConfigError,
@@ -28,6 +36,7 @@ from proxy.config import (
     config_from_mapping,
     is_loopback,
     load_config,
+    placeholder_keys,
 )
 from proxy.protocol.errors import ApiError
 from tests.ops.test_metrics import scrape, value
@@ -123,8 +132,13 @@ def test_admit_rate_limit_with_retry_after() -> None:
         "rate_limit_error",
         "rate_limit_exceeded",
     )
-    # Free at t=160: 29 s from t=131.
+    # Free at t=160: 29 s from t=131. OpenAI's request-window headers say the same, as the
+    # token budget's refusal does for tokens.
     assert error.headers["Retry-After"] == "29"
+    assert error.headers["x-ratelimit-limit-requests"] == "2"
+    assert error.headers["x-ratelimit-remaining-requests"] == "0"
+    assert error.headers["x-ratelimit-reset-requests"] == "29s"
+    assert "x-ratelimit-reset-requests" in CORS_EXPOSED_HEADERS
     with pytest.raises(ApiError) as info:
         keys.admit(key, 159.9)
     assert info.value.headers["Retry-After"] == "1"  # never "0": that invites a busy loop
@@ -409,9 +423,15 @@ async def test_keys_guard_the_api_but_not_health_or_metrics(
 
         assert (await client.get(proxy.url + "/healthz")).status_code == 200
         samples = await scrape(client, proxy)  # /metrics, without a key
-        # The three refused completions count under "-": their bodies were never read.
-        assert value(samples, "sluice_requests_total", model="-", status="401") == 3
-        assert value(samples, "sluice_requests_total", model="fake-model", status="200") == 1
+        # The three refused completions count under "-": their bodies were never read. So do
+        # their keys: a client inventing credentials cannot grow the metrics, while the
+        # configured key's requests are its own.
+        assert value(samples, "sluice_requests_total", model="-", status="401", key="-") == 3
+        assert value(samples, "sluice_requests_total", model="fake-model", key="alice") == 1
+        keys = {
+            dict(labels)["key"] for (name, labels) in samples if name == "sluice_requests_total"
+        }
+        assert keys == {"-", "alice"}
 
 
 async def test_no_keys_configured_means_no_auth(
@@ -511,3 +531,23 @@ async def test_serving_a_public_address_without_keys_is_refused(nursery: trio.Nu
     with trio.fail_after(DEADLINE), pytest.raises(ConfigError, match="without API keys"):
         # Refused before binding: nothing listens on 0.0.0.0, even for a moment.
         await start_proxy(nursery, {"m": ["http://127.0.0.1:9"]}, server={"host": "0.0.0.0"})
+
+
+def test_the_examples_placeholder_hash_is_found_by_name() -> None:
+    root = Path(__file__).resolve().parents[2]
+    example = load_config(root / "deploy" / "systemd" / "sluice.toml", env={})
+    assert placeholder_keys(example) == ["team-a"]
+    assert placeholder_keys(build({"keys": [key_table()]})) == []
+
+
+async def test_a_placeholder_hash_is_served_with_a_loud_warning_naming_the_key(
+    nursery: trio.Nursery, fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sluice.app")
+    placeholder = {"name": "team-b", "sha256": "0" * 64}
+    with trio.fail_after(DEADLINE):
+        await start_proxy(nursery, {"fake-model": [fake.url]}, keys=[key_table(), placeholder])
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    flagged = [line for line in warnings if "placeholder sha256" in line]
+    assert len(flagged) == 1, warnings
+    assert "'team-b'" in flagged[0] and "alice" not in flagged[0]
