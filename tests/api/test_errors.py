@@ -80,6 +80,8 @@ async def test_a_502_names_every_replica_tried_and_one_replica_tries_no_other(
     assert all(f"model 'both' upstreams[{i}]" in message for i in range(2)), message
     assert "127.0.0.1" not in both.text
     assert single.status_code == 502
+    # The operator's log names the replica the client's error does not.
+    assert any(urls[0] in r.getMessage() for r in caplog.records), caplog.records
     assert not any("trying another replica" in r.getMessage() for r in caplog.records)
 
 

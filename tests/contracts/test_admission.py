@@ -72,6 +72,9 @@ async def test_the_upstream_queue_is_bounded_in_size_and_time(
             assert full.status_code == 429
             assert full.json()["error"]["code"] == "queue_full"
             assert int(full.headers["Retry-After"]) >= 1
+            # The model by its name, never the replica by its address (a 10.x in production).
+            assert full.json()["error"]["message"].startswith("model 'm' is busy"), full.text
+            assert fake.url.split("//")[1] not in full.text and "127.0.0.1" not in full.text
             await poll_until(lambda: "queued" in results)
             timed_out = results["queued"]
             assert timed_out.status_code == 503

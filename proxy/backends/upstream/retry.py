@@ -205,8 +205,7 @@ class Retry:
                 last_error = error
                 load = tried[-1]
                 failures.append(error.message)  # it names the replica (never by address)
-                if len(tried) < attempts:
-                    log_retry(request_id, load, error)
+                log_failure(request_id, load, error, retrying=len(tried) < attempts)
         if last_error is None:
             raise self._no_replica()
         if len(failures) > 1:
@@ -216,12 +215,13 @@ class Retry:
         raise last_error
 
 
-def log_retry(request_id: str, load: ReplicaLoad, error: ApiError) -> None:
-    # Only when another attempt will follow: a single replica, or the last attempt, has
-    # nobody to try, and its failure is the client's error (and the access line's).
+def log_failure(request_id: str, load: ReplicaLoad, error: ApiError, *, retrying: bool) -> None:
+    # The client's error names the replica by its place in the model's table, never by its
+    # address: the address is the operator's, here.
     log.warning(
-        "request %s: %s failed before the first byte (%s); trying another replica",
+        "request %s: %s failed before the first byte (%s); %s",
         request_id,
         load.url,
         error.code,
+        "trying another replica" if retrying else "no other replica to try",
     )
