@@ -5,7 +5,7 @@ Two sections whose loads differ only in a setting the title leaves out (the repe
 would get one title twice; a docs site cannot link to either, and a reader cannot tell them
 apart. A section's headings are therefore made unique against the rest of the document, by the
 words of the settings that tell its load from the other's. A heading never names a tracker
-entry ("issue 33"): the number means nothing to a reader of the results.
+entry ("issue N"): the number means nothing to a reader of the results.
 """
 
 from __future__ import annotations
