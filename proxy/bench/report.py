@@ -13,6 +13,7 @@ from typing import Any, Final, TextIO
 
 import trio
 
+from proxy.bench.headings import unique_headings
 from proxy.bench.settings import BENCH_BUDGET, BenchSettings
 from proxy.bench.summary import ROUND_FIGURES, RunData, RunSummary, percentile
 from proxy.bench.tracing_ab import TracingTally
@@ -381,13 +382,17 @@ replaces its own section (same load settings), so re-running keeps this file cur
 
 
 def upsert_section(text: str, key: str, section: str) -> str:
-    """Put ``section`` between markers named by ``key``: in place of the old one, or at the end."""
+    """Put ``section`` between markers named by ``key``: in place of the old one, or at the end.
+    Its headings are made unique in the document, and may not name a tracker entry
+    (:mod:`proxy.bench.headings`)."""
     begin, end = f"<!-- bench:begin {key} -->", f"<!-- bench:end {key} -->"
-    block = f"{begin}\n{section.rstrip()}\n{end}\n"
     if not text.strip():
         text = _MD_TITLE
     start = text.find(begin)
     stop = text.find(end, start) if start >= 0 else -1
+    others = text[:start] + text[stop + len(end) :] if start >= 0 and stop >= 0 else text
+    section = unique_headings(section, key, others)
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
     if start >= 0 and stop >= 0:
         rest = text[stop + len(end) :].lstrip("\n")
         # A blank line before whatever follows (another section, bench_local's), as appended.

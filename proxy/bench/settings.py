@@ -425,7 +425,7 @@ class BenchSettings:
 
 
 def _key_parts(key: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in key.split())
+    return dict(part.split("=", 1) for part in key.split() if "=" in part)
 
 
 def _percent(fraction: str) -> str:
@@ -504,6 +504,22 @@ def load_name(key: str) -> str:
     words += [f"{name}{value}" for name, value in differ.items()]
     # Whatever a value holds, the name stays a plain file name.
     return "".join(c if c.isalnum() or c in ".+-" else "_" for c in "-".join(words))
+
+
+def key_words(key: str, other: str | None) -> list[str]:
+    """What tells the load of ``key`` from that of ``other`` (another key, or None: the default
+    load), in the words of its file name: ``["3 repeats"]``. Any ``name=value`` key works;
+    a part this module has no words for reads as its name and value."""
+    parts = _key_parts(key)
+    base = _key_parts(other) if other is not None else _key_parts(BenchSettings().key())
+    words = dict(_NAME_WORDS)
+    return [
+        words[name](value, base.get(name, "")).replace("-", " ")
+        if name in words
+        else f"{name} {value}"
+        for name, value in parts.items()
+        if base.get(name) != value
+    ]
 
 
 def _address(url: str) -> tuple[str, int]:

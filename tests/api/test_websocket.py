@@ -179,10 +179,10 @@ async def test_slow_websocket_reader_pauses_upstream_then_is_cut(nursery: trio.N
             await ws._stream.aclose()
 
 
-async def test_the_readmes_client_example_runs(nursery: trio.Nursery) -> None:
-    """The README's WebSocket client, as a user would copy it (its URL changed)."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## WebSocket", 1)[1].split("\n## ", 1)[0]
+async def test_the_docs_client_example_runs(nursery: trio.Nursery) -> None:
+    """The WebSocket client of docs/api.md, as a user would copy it (its URL changed)."""
+    page = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    section = page.split("## WebSocket", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0, interval=0, tokens=3)

@@ -271,7 +271,7 @@ async def test_events_that_arrive_together_go_out_in_one_write(nursery: trio.Nur
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
-    """What the README promises: `curl -N` through the proxy shows each token as it comes."""
+    """What the quick start promises: `curl -N` through the proxy shows each token as it comes."""
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0.05, interval=0.1, tokens=5)
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})

@@ -1,14 +1,15 @@
 """The converted directory (what vLLM serves) is the GGUF (what Sluice's local backend serves).
 
-Issue 21: vLLM, serving the bf16 conversion, answered "L'Étoile, la Marseillaise, ..." where the
-GGUF read by transformers answers "The capital of France is Paris.". Measured on SmolLM2-135M
-(transformers 5.24, torch 2.13, CPU), both sides computed in float32, on the prompts below:
+Why both sides must be float32: vLLM, serving a bf16 conversion, answered "L'Étoile, la
+Marseillaise, ..." where the GGUF read by transformers answers "The capital of France is
+Paris.". Measured on SmolLM2-135M (transformers 5.24, torch 2.13, CPU), both sides computed in
+float32, on the prompts below:
 
 - chat-template token ids: identical (37 for the question with the default system prompt);
   bos/eos/pad/unk and the chat template string: identical, and the GGUF's own;
 - the bf16 conversion: max |Δlogit| 0.28 (0.2756 on the question), greedy still the same in
   transformers; vLLM's bf16 kernels moved it further and its answer changed;
-- the float32 conversion (today's default): max |Δlogit| 0.0, bit-identical; greedy identical.
+- the float32 conversion (inference.convert's): max |Δlogit| 0.0, bit-identical; greedy identical.
 
 The fast test checks the tokenizer's round trip alone (the cached tokenizer, in milliseconds);
 the slow ones (``make test-full``) convert the GGUF as ``make test-vllm`` does and compare logits

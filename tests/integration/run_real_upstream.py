@@ -30,8 +30,8 @@ from proxy.testing.otlp_receiver import Receiver, otlp_receiver
 
 START_DEADLINE = 900  # vLLM's CPU start-up (compilation, warm-up) takes minutes
 # vLLM serves the converted SmolLM2 in float32, the dtype Sluice's local backend computes in and
-# inference.convert writes: in bfloat16 the 135M model's greedy answer changes (issue 21; "L'Étoile,
-# la Marseillaise, ..." instead of "The capital of France is Paris.").
+# inference.convert writes: in bfloat16 the 135M model's logits move enough that vLLM's greedy
+# answer changes ("L'Étoile, la Marseillaise, ..." instead of "The capital of France is Paris.").
 VLLM_DTYPE = "float32"
 # vLLM's exporter speaks gRPC unless told otherwise; the receiver speaks OTLP/HTTP. Its batch
 # processor exports every 5 s by default: every 0.5 s, the tests wait less for its spans.

@@ -8,7 +8,8 @@ vllm:num_requests_running returns to 0; the time that takes is printed.
 And that vLLM serves the same model: its greedy answer must be the one transformers gives from
 the GGUF itself, in the same dtype (float32) and under the same chat template (the prompt's token
 count included), computed here in the test process. A phrase that one engine's rounding happens
-to produce is not asserted (issue 21: vLLM in bf16 answered "L'Étoile, la Marseillaise, ...").
+to produce is not asserted: vLLM serving a bf16 conversion answered "L'Étoile, la Marseillaise,
+..." where float32 answers Paris.
 
 And that the trace continues into vLLM: with Sluice's tracing on, vLLM (started with
 --otlp-traces-endpoint at the runner's OTLP receiver, the fixture ``vllm_traces``) exports its
