@@ -51,7 +51,8 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 class ServerTree:
     """The owner's side: ``argv`` run under a keeper, its output (and the keeper's) in ``log``.
     :meth:`stop` ends the whole tree within ``grace`` plus :data:`KILL_WAIT` seconds, and is
-    idempotent."""
+    idempotent. Start it from a thread that lives as long as the tree should (the main one):
+    the kernel's parent-death signal follows the thread that started the keeper."""
 
     def __init__(
         self, argv: list[str], *, log: IO[bytes], env: dict[str, str], grace: float = GRACE
@@ -93,7 +94,8 @@ class ServerTree:
         below = processes.descendants(self.keeper.pid)
         named = [f"{pid}: {processes.cmdline(pid)}" for pid in [self.keeper.pid, *below]]
         processes.kill_all([self.keeper.pid, *below])
-        self.keeper.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.keeper.wait(timeout=KILL_WAIT)
         # Re-parented to this process when it is a subreaper (a test session), else to PID 1.
         processes.wait_gone(below, KILL_WAIT)
         return named
