@@ -60,7 +60,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Every fixture has been torn down: nothing the tests started may still run. Whatever
-    does is named, killed, and fails the run."""
+    does is named, killed, and fails the run. (The real-upstream runner's server is not the
+    tests': its plugin ends it in a ``tryfirst`` sessionfinish, before this one.)"""
     if not session.config.stash.get(_SUBREAPER, False):
         return
     # The session's own resource tracker (multiprocessing starts one for this process when

@@ -1,5 +1,7 @@
 """`make test-vllm` / `make test-llamacpp`: start a real OpenAI-compatible server on SmolLM2,
-run the tests marked for it through Sluice, stop it. Prints what the tests print (the abort
+run the tests marked for it through Sluice, stop it: the server and every process it starts
+(tests/integration/server_tree.py), before the session's check that no test left a process
+running, and with this runner however it ends. Prints what the tests print (the abort
 timing). Further arguments go to pytest (``-k trace`` runs only the tracing tests).
 
     python -m tests.integration.run_real_upstream vllm PYTHON MODEL_DIR [PYTEST_ARGS...]
@@ -16,9 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from proxy.testing.otlp_receiver import Receiver, otlp_receiver
+from tests.integration.server_tree import GRACE, ServerTree
 
 START_DEADLINE = 900  # vLLM's CPU start-up (compilation, warm-up) takes minutes
 # vLLM serves the converted SmolLM2 in float32, the dtype Sluice's local backend computes in and
@@ -109,22 +110,76 @@ def serve_and_test(
     kind: str, python: str, model: str, receiver: Receiver | None, pytest_args: list[str]
 ) -> int:
     port = free_port()
-    log_path = Path(f"{kind}-server.log").resolve()
     traces_endpoint = receiver.url + "/v1/traces" if receiver else ""
-    command = server_command(kind, python, model, port, traces_endpoint)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     if receiver:
         env.update(VLLM_TRACING_ENV)
     url = f"http://127.0.0.1:{port}"
-    ready_path = "/health" if kind == "vllm" else "/v1/models"
+    prefix = "SLUICE_VLLM" if kind == "vllm" else "SLUICE_LLAMACPP"
+    return run_with_server(
+        kind,
+        server_command(kind, python, model, port, traces_endpoint),
+        log_path=Path(f"{kind}-server.log").resolve(),
+        env=env,
+        url=url,
+        ready_path="/health" if kind == "vllm" else "/v1/models",
+        env_prefix=prefix,
+        pytest_args=["-m", kind, "-s", "-q", f"tests/integration/test_{kind}.py", *pytest_args],
+        plugins=[UpstreamTraces(receiver)] if receiver else [],
+    )
+
+
+class StopsServer:
+    """The pytest plugin that ends the server's tree as the session finishes, before the
+    session's check that no test left a process running (tests/conftest.py, ``trylast``): the
+    server is this runner's, not a test's, and the check must not find it, nor let it hide
+    what a test did leave."""
+
+    def __init__(self, name: str, tree: ServerTree) -> None:
+        self.name = name
+        self.tree = tree
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self) -> None:
+        stop_tree(self.name, self.tree)
+
+
+def stop_tree(name: str, tree: ServerTree) -> None:
+    """Stops the tree (a no-op once it has ended) and says how long that took."""
+    if tree.poll() is not None:
+        return
+    started = time.monotonic()
+    forced = tree.stop()
+    print(f"\n{name} stopped in {time.monotonic() - started:.1f}s")
+    if forced:
+        print(f"{name}'s keeper did not end its tree; killed: {forced}")
+
+
+def run_with_server(
+    name: str,
+    command: list[str],
+    *,
+    log_path: Path,
+    env: dict[str, str],
+    url: str,
+    ready_path: str,
+    env_prefix: str,
+    pytest_args: list[str],
+    plugins: list[object],
+    grace: float = GRACE,
+) -> int:
+    """Starts ``command`` (a server that will serve ``url``) as a :class:`ServerTree`, waits
+    until ``ready_path`` answers 200, runs pytest in this process with ``{env_prefix}_URL`` and
+    ``{env_prefix}_LOG`` (``log_path``, the server's output) set, and ends the tree before the
+    session's leak check."""
     with log_path.open("wb") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        tree = ServerTree(command, log=log, env=env, grace=grace)
         try:
             started = time.monotonic()
             while True:
-                if server.poll() is not None:
+                if tree.poll() is not None:
                     print(log_path.read_text(errors="replace")[-4000:])
-                    print(f"{kind} exited with {server.returncode} during start-up")
+                    print(f"{name} exited with {tree.poll()} during start-up")
                     return 1
                 try:
                     with urllib.request.urlopen(url + ready_path, timeout=2) as response:
@@ -133,23 +188,16 @@ def serve_and_test(
                 except OSError:
                     pass
                 if time.monotonic() - started > START_DEADLINE:
-                    print(f"{kind} did not become healthy in time")
+                    print(f"{name} did not become healthy in time")
                     return 1
                 time.sleep(2)
-            print(f"{kind} up on {url} after {time.monotonic() - started:.0f}s; log: {log_path}")
-            prefix = "SLUICE_VLLM" if kind == "vllm" else "SLUICE_LLAMACPP"
+            print(f"{name} up on {url} after {time.monotonic() - started:.0f}s; log: {log_path}")
             # The test modules read these when pytest imports them, in this process.
-            os.environ.update({f"{prefix}_URL": url, f"{prefix}_LOG": str(log_path)})
-            plugins = [UpstreamTraces(receiver)] if receiver else []
-            arguments = ["-m", kind, "-s", "-q", f"tests/integration/test_{kind}.py"]
-            return int(pytest.main([*arguments, *pytest_args], plugins=plugins))
+            os.environ.update({f"{env_prefix}_URL": url, f"{env_prefix}_LOG": str(log_path)})
+            return int(pytest.main(pytest_args, plugins=[*plugins, StopsServer(name, tree)]))
         finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            # Where the session never finished (start-up failed, pytest could not start).
+            stop_tree(name, tree)
 
 
 if __name__ == "__main__":
