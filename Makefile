@@ -108,10 +108,11 @@ test-llamacpp: $(STAMP)
 # (installed when missing, as root with apt): localhost/sluice:VERSION (the proxy alone, also
 # :latest) and localhost/sluice:VERSION-local (with the local extra and SmolLM2, also :local).
 # With no registry to pull the default base from, a Debian bookworm made by debootstrap stands
-# in for it (made once, then kept in buildah's storage); IMAGE_BASE=python:3.11-slim-bookworm
-# (or any image with Python 3.11) where a registry is reachable. pip in the build sees neither
-# this machine's CA bundle nor its wheels, so the wheels are gathered here first
-# (build/image/wheelhouse/). About 5 minutes the first time, mostly the local variant's torch.
+# in for it (made once, then kept in buildah's storage). Where a registry is reachable:
+# IMAGE_BASE=docker.io/library/python:3.11-slim-bookworm (or any image with Python 3.11).
+# pip in the build sees neither this machine's CA bundle nor its wheels, so the wheels are
+# gathered here first (build/image/wheelhouse/). About 6 minutes the first time, mostly the
+# local variant's torch; a minute or so when nothing changed.
 IMAGE ?= localhost/sluice
 IMAGE_BASE ?=
 image:
@@ -119,7 +120,7 @@ image:
 
 # Opt-in: the built images run under `buildah run --isolation chroot` (tests/image/): serving
 # and streaming from a fake upstream here, a client leaving, the SIGTERM drain, the user it runs
-# as and what that user may write; and the local image's SmolLM2 (its model loads: a minute).
+# as and what that user may write; and the local image's SmolLM2 (its model loads: ~25 s).
 test-image: $(STAMP)
 	$(BIN)/python -m pytest -m image -q -p no:cacheprovider tests/image
 
