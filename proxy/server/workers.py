@@ -5,8 +5,8 @@ among them), starts the workers with the ``spawn`` method (a fresh interpreter e
 state or threads copied by fork), forwards SIGTERM/SIGINT (a drain) and SIGHUP (a reload, which
 each worker does itself; the supervisor goes on), restarts a worker that dies on its own, and
 exits 0 once every worker has drained. Each worker is a whole Sluice: its own upstream pools,
-limits and, for local models, its own copy of the model (see the README). Workers never outlive
-the supervisor: each watches it (``supervision.py``) and leaves within 2 s of its death.
+limits and, for local models, its own copy of the model (docs/operating.md). Workers never
+outlive the supervisor: each watches it (``supervision.py``) and leaves within 2 s of its death.
 """
 
 from __future__ import annotations
