@@ -40,7 +40,7 @@ async def _serve(args: argparse.Namespace) -> None:
     check_no_models(config)
     check_public_bind(config)
     check_adapters()
-    check_tracing(config.tracing, os.environ)
+    traces = check_tracing(config.tracing, os.environ)
     # Bound first: a port in use is one line now, not after the model has loaded. The model
     # then loads while the port answers (/healthz says "loading"; requests get 503
     # model_loading with Retry-After); one that cannot load stops the server with its reason.
@@ -56,6 +56,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
             def started(self, binds: list[str]) -> None:
                 announce(config, binds, loading=sorted(state.loading))
+                log.info("%s", traces)
 
         await serve_until_signalled(app, config, sockets=sockets, task_status=cast(Any, Announce()))
 
@@ -161,11 +162,13 @@ def _serve_workers(args: argparse.Namespace) -> int:
     check_no_models(config)
     check_public_bind(config)
     check_adapters()
-    check_tracing(config.tracing, os.environ)
+    traces = check_tracing(config.tracing, os.environ)
     check_servable(config, os.environ, fake_upstream=config.fake_upstream.enabled)
     sockets = bind_or_explain(config, bind)
     host, port = sockets.insecure_sockets[0].getsockname()[:2]
     announce(config, [f"http://{host}:{port}"], config.server.workers)
+    # Once, here: every worker's spans go the same way.
+    log.info("%s", traces)
     return serve_workers(
         config,
         sockets,
