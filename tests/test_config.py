@@ -167,6 +167,14 @@ def test_the_examples_word_on_what_a_model_may_override_is_the_codes() -> None:
             assert getattr(model, key) == table[key], key
 
 
+def test_the_local_model_is_greedy_by_default_in_code_and_in_the_shipped_config() -> None:
+    # The README's first question gets the same answer every time (tests/inference/
+    # test_smollm2.py asks it of the real model).
+    shipped = load_config(CONF / "local.toml", env={}).model("smollm2")
+    assert isinstance(shipped, LocalModel)
+    assert shipped.default_temperature == LocalModel(name="m").default_temperature == 0.0
+
+
 def test_sections_are_read_and_ints_widen_to_float() -> None:
     config = build({"server": {"port": 9000, "host": "::1"}, "relay": {"stall_timeout": 7}})
     assert (config.server.host, config.server.port) == ("::1", 9000)
