@@ -204,7 +204,6 @@ def run_worker(
     # one that comes before (or after) must not end the worker, as SIGHUP would by default.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     configure_logging(log_level)
-    config = load_config(config_path, host=host, port=port)
 
     async def run() -> None:
         # As with one process: serving while the model loads (each worker its own copy), and
@@ -220,13 +219,15 @@ def run_worker(
             await serve_until_signalled(app, config, sockets=sockets)
 
     try:
+        # Read again by each worker, a restarted one too: the file may have changed since.
+        config = load_config(config_path, host=host, port=port)
         trio.run(run)
     except ModelLoadError as error:
         print(f"sluice: model error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CANNOT_START)
     except ConfigError as error:
-        # What the environment changed since the supervisor checked: one line, as with one
-        # process, not a traceback.
+        # What the file or the environment changed since the supervisor checked (a worker
+        # restarted after an edit): one line, as with one process, not a traceback.
         print(f"sluice: configuration error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CANNOT_START)
 
