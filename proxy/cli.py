@@ -105,7 +105,7 @@ async def _serve(args: argparse.Namespace) -> None:
     check_local_stack(config, defaulted=args.defaulted)
     check_public_bind(config)
     check_adapters()
-    check_tracing(config.tracing, os.environ)
+    traces = check_tracing(config.tracing, os.environ)
     # Bound first: a port in use is one line now, not after the model has loaded. The model
     # then loads while the port answers (/healthz says "loading"; requests get 503
     # model_loading with Retry-After); one that cannot load stops the server with its reason.
@@ -121,6 +121,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
             def started(self, binds: list[str]) -> None:
                 announce(config, binds, loading=sorted(state.loading))
+                log.info("%s", traces)
 
         await serve_until_signalled(app, config, sockets=sockets, task_status=cast(Any, Announce()))
 
@@ -227,11 +228,13 @@ def _serve_workers(args: argparse.Namespace) -> int:
     check_local_stack(config, defaulted=args.defaulted)
     check_public_bind(config)
     check_adapters()
-    check_tracing(config.tracing, os.environ)
+    traces = check_tracing(config.tracing, os.environ)
     check_servable(config, os.environ, fake_upstream=config.fake_upstream.enabled)
     sockets = bind_or_explain(config, bind)
     host, port = sockets.insecure_sockets[0].getsockname()[:2]
     announce(config, [f"http://{host}:{port}"], config.server.workers)
+    # Once, here: every worker's spans go the same way.
+    log.info("%s", traces)
     return serve_workers(
         config,
         sockets,
@@ -267,7 +270,6 @@ def run_worker(
     # one that comes before (or after) must not end the worker, as SIGHUP would by default.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     configure_logging(log_level)
-    config = load_config(config_path, host=host, port=port)
 
     async def run() -> None:
         # As with one process: serving while the model loads (each worker its own copy), and
@@ -283,13 +285,15 @@ def run_worker(
             await serve_until_signalled(app, config, sockets=sockets)
 
     try:
+        # Read again by each worker, a restarted one too: the file may have changed since.
+        config = load_config(config_path, host=host, port=port)
         trio.run(run)
     except ModelLoadError as error:
         print(f"sluice: model error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CANNOT_START)
     except ConfigError as error:
-        # What the environment changed since the supervisor checked: one line, as with one
-        # process, not a traceback.
+        # What the file or the environment changed since the supervisor checked (a worker
+        # restarted after an edit): one line, as with one process, not a traceback.
         print(f"sluice: configuration error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CANNOT_START)
 

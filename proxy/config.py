@@ -428,7 +428,8 @@ class LimitsConfig:
 @dataclass(frozen=True)
 class TracingConfig:
     """OpenTelemetry traces (proxy/ops/tracing.py). The standard ``OTEL_*`` variables set the
-    same; a key set here wins over its variable. Off (nothing imported) without an endpoint."""
+    same; a key set here wins over its variable. Off (nothing imported) without an endpoint,
+    unless the exporter is "console"."""
 
     # The collector's OTLP base URL ("http://collector:4318"; "/v1/traces" is added for
     # OTLP/HTTP), as OTEL_EXPORTER_OTLP_ENDPOINT. Empty: the variables decide.
@@ -441,6 +442,11 @@ class TracingConfig:
     sample_ratio: float = -1.0
     # The only switch for prompt and answer text in spans.
     capture_content: bool = False
+    # Where finished spans go, as OTEL_TRACES_EXPORTER: "otlp" (to the endpoint above; off
+    # without one), "console" (each span as one line on the log, logger sluice.spans: no
+    # collector, and no OpenTelemetry package needed) or "none" (off). Empty: the variable
+    # decides, else "otlp".
+    exporter: str = ""
 
 
 @dataclass(frozen=True)
@@ -465,6 +471,8 @@ class SchedulingConfig:
     share_seconds: float = 1.0
 
 
+# [tracing] exporter's values, as OTEL_TRACES_EXPORTER's.
+TRACE_EXPORTERS = ("otlp", "console", "none")
 SCHEDULING_POLICIES = ("fair", "fifo")
 LIMITS_BACKENDS = ("memory", "redis")
 LIMITS_ON_ERROR = ("deny", "allow")
@@ -786,6 +794,16 @@ def _check_scheduling(scheduling: SchedulingConfig) -> None:
 
 
 def _check_tracing(tracing: TracingConfig) -> None:
+    if tracing.exporter:
+        _check_choice("[tracing]", exporter=(tracing.exporter, TRACE_EXPORTERS))
+    if tracing.exporter == "console":
+        # Settings of the OTLP exporter only: set beside "console", one of them is a mistake.
+        for key in ("endpoint", "headers_env"):
+            if getattr(tracing, key):
+                raise ConfigError(
+                    f"'{key}' in [tracing] is for exporter = \"otlp\"; with exporter = "
+                    '"console" spans go to the log: drop one of them'
+                )
     if tracing.sample_ratio > 1:
         raise ConfigError(
             f"'sample_ratio' in [tracing] must be 0..1 (below 0: unset), not {tracing.sample_ratio}"

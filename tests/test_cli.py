@@ -6,9 +6,11 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from proxy.cli import (
 )
 from proxy.config import load_config
 from proxy.server.adapters import StartupError
+from tests import processes
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -222,6 +225,41 @@ def test_workers_with_a_missing_upstream_key_say_so_in_one_line(tmp_path: Path) 
         "api_key_env if the upstream runs without one"
     ]
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_a_worker_restarted_after_the_file_broke_says_so_in_one_line(tmp_path: Path) -> None:
+    # A worker that dies after its first seconds is restarted, and reads the file again: an
+    # edit since start-up that broke it is one line, as at start-up, not a traceback.
+    config = write(tmp_path, '[server]\nport = 0\n[models.m]\nupstreams = ["http://127.0.0.1:9"]\n')
+    command = [sys.executable, "-m", "proxy.cli", "serve", "--config", config, "--workers", "2"]
+    supervisor = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert supervisor.stdout is not None
+        assert "sluice serving m" in supervisor.stdout.readline()
+        time.sleep(5.5)  # past the uptime under which a death is a failure to start
+        Path(config).write_text(
+            '[server]\nport = 0\n[models.m]\nupstreams = ["http://127.0.0.1:9"]\ntimeout = 1\n'
+        )
+        workers = [
+            pid
+            for pid in processes.children(supervisor.pid)
+            if "spawn_main" in processes.cmdline(pid)
+        ]
+        assert len(workers) == 2, [processes.cmdline(pid) for pid in workers]
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = supervisor.communicate(timeout=30)
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.communicate()
+    assert supervisor.returncode != 0
+    said = [line for line in err.splitlines() if line.startswith("sluice:")]
+    assert len(said) == 1 and said[0].startswith(
+        "sluice: configuration error: unknown key 'timeout' in [models.m]"
+    ), err
+    assert "Traceback" not in err, err
 
 
 def test_the_app_never_starts_the_fake_upstream_itself() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -143,6 +145,34 @@ def test_upstream_example_loads_without_its_api_key() -> None:
     llama = config_from_mapping(tomllib.loads(uncommented), "example", env={}).model("llama-3-8b")
     assert llama is not None and llama.first_token_timeout == 20.0
     assert llama.upstreams == ("http://127.0.0.1:8003/v1",)
+
+
+def test_the_examples_word_on_what_a_model_may_override_is_the_codes() -> None:
+    # The comment atop [upstream] names the keys a model's table cannot set; every other key
+    # of [upstream] a model's table takes, with the example's value or the default.
+    text = (CONF / "upstream.example.toml").read_text()
+    below = text.split("\n[upstream]\n", 1)[1].splitlines()
+    comment = " ".join(itertools.takewhile(lambda line: line.startswith("#"), below))
+    keys = {f.name for f in dataclasses.fields(UpstreamConfig)}
+    named = set(re.findall(r"[a-z0-9_]+", comment)) & keys
+    assert named, comment
+    example = tomllib.loads(text)["upstream"]
+    for key in sorted(keys):
+        table = {**MODEL, key: example.get(key, getattr(UpstreamConfig(), key))}
+        if key in named:
+            with pytest.raises(ConfigError, match=rf"unknown key '{key}' in \[models\.m\]"):
+                build({"models": {"m": table}})
+        else:
+            (model,) = build({"models": {"m": table}}).models
+            assert getattr(model, key) == table[key], key
+
+
+def test_the_local_model_is_greedy_by_default_in_code_and_in_the_shipped_config() -> None:
+    # The README's first question gets the same answer every time (tests/inference/
+    # test_smollm2.py asks it of the real model).
+    shipped = load_config(CONF / "local.toml", env={}).model("smollm2")
+    assert isinstance(shipped, LocalModel)
+    assert shipped.default_temperature == LocalModel(name="m").default_temperature == 0.0
 
 
 def test_sections_are_read_and_ints_widen_to_float() -> None:

@@ -151,6 +151,9 @@ class MetricSpec(Generic[_Metric]):
 class Metrics:
     """Every metric of one app, each declared once below and built into the app's registry."""
 
+    # Its series are bounded by the configuration: a key label is a name some [[keys]] table
+    # gave since the process started (a key removed by a reload keeps its counts until the
+    # restart, as every key-labelled metric here), or "-"; a presented credential never is one.
     requests = MetricSpec(
         Counter,
         "sluice_requests",

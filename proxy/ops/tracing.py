@@ -20,7 +20,9 @@ outcome (UNSET when the client left or stalled: not Sluice's error; ERROR with `
 for a failure of the upstream, a timeout, a shutdown).
 
 Tracing is off without an endpoint: then :data:`ACTIVE` is None, the SDK is never imported,
-and a request costs one ``is None`` test. Events are not recorded as they happen (that would
+and a request costs one ``is None`` test. With ``exporter = "console"`` the spans are
+:mod:`proxy.ops.console_spans`' (the same tree, each span a line on the log when it ends), and
+the SDK is not imported either. Events are not recorded as they happen (that would
 cost the relay's per-chunk path): their times are known when the relay closes (its account
 keeps them) and they are added then, with those timestamps.
 """
@@ -38,7 +40,8 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from proxy.config import ConfigError, TracingConfig
+from proxy.config import TRACE_EXPORTERS, ConfigError, TracingConfig
+from proxy.ops import console_spans
 from proxy.protocol import response_facts
 
 if TYPE_CHECKING:
@@ -71,6 +74,8 @@ _OPERATIONS = {
 class TraceSettings:
     """What the exporter and sampler are built from: [tracing] over the OTEL_* variables."""
 
+    # "otlp" or "console" ("none" is no settings at all).
+    exporter: str
     endpoint: str
     protocol: str
     headers: Mapping[str, str]
@@ -99,10 +104,58 @@ def _traces_url(base: str, protocol: str) -> str:
     return base.rstrip("/") + TRACES_PATH
 
 
+def exporter_of(config: TracingConfig, env: Mapping[str, str]) -> tuple[str, str]:
+    """The exporter ("otlp", "console" or "none"), and what chose it, in the config's words."""
+    if config.exporter:
+        return config.exporter, f'[tracing] exporter = "{config.exporter}"'
+    text = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not text:
+        return "otlp", "the default exporter"
+    if text not in TRACE_EXPORTERS:
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER={text!r}: Sluice exports to one of "
+            f"{', '.join(TRACE_EXPORTERS)} (set [tracing] exporter to override it)"
+        )
+    return text, f"OTEL_TRACES_EXPORTER={text}"
+
+
+def _sdk_disabled(env: Mapping[str, str]) -> bool:
+    return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
+def _sampling(config: TracingConfig, env: Mapping[str, str]) -> tuple[str, float | None]:
+    """The sampler's OTEL_TRACES_SAMPLER name and its argument: [tracing] sample_ratio when
+    set, else the variables."""
+    if config.sample_ratio >= 0:
+        return "parentbased_traceidratio", config.sample_ratio
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+    text = env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    try:
+        return sampler, float(text) if text else None
+    except ValueError:
+        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG must be a number, not {text!r}") from None
+
+
 def settings_from(config: TracingConfig, env: Mapping[str, str]) -> TraceSettings | None:
-    """The settings, or None when tracing is off (no endpoint, or OTEL_SDK_DISABLED=true)."""
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    """The settings, or None when tracing is off (exporter "none", "otlp" with no endpoint, or
+    OTEL_SDK_DISABLED=true)."""
+    if _sdk_disabled(env):
         return None
+    exporter, _ = exporter_of(config, env)
+    if exporter == "none":
+        return None
+    if exporter == "console":
+        sampler, sampler_arg = _sampling(config, env)
+        return TraceSettings(
+            exporter="console",
+            endpoint="",
+            protocol="",
+            headers={},
+            service_name=env.get("OTEL_SERVICE_NAME", "").strip() or "sluice",
+            sampler=sampler,
+            sampler_arg=sampler_arg,
+            capture_content=config.capture_content,
+        )
     protocol = (
         env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
         or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -136,17 +189,9 @@ def settings_from(config: TracingConfig, env: Mapping[str, str]) -> TraceSetting
             None,
         )
         headers = {} if variable is None else _parse_headers(env[variable], variable)
-    sampler_arg: float | None
-    if config.sample_ratio >= 0:
-        sampler, sampler_arg = "parentbased_traceidratio", config.sample_ratio
-    else:
-        sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
-        text = env.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
-        try:
-            sampler_arg = float(text) if text else None
-        except ValueError:
-            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG must be a number, not {text!r}") from None
+    sampler, sampler_arg = _sampling(config, env)
     return TraceSettings(
+        exporter="otlp",
         endpoint=endpoint,
         protocol=protocol,
         headers=headers,
@@ -170,6 +215,9 @@ def install(
     if settings is None:
         ACTIVE = None
         return None
+    if settings.exporter == "console":
+        ACTIVE = Tracing(settings, _console_provider(settings), console_spans)
+        return ACTIVE
     from proxy.ops import otel_adapter
 
     try:
@@ -192,11 +240,22 @@ def install(
     return ACTIVE
 
 
-def check(config: TracingConfig, env: Mapping[str, str]) -> None:
-    """At start-up, before binding: a configured tracing that cannot run is a ConfigError."""
+def _console_provider(settings: TraceSettings) -> console_spans.ConsoleProvider:
+    try:
+        return console_spans.ConsoleProvider(settings.sampler, settings.sampler_arg)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def check(config: TracingConfig, env: Mapping[str, str]) -> str:
+    """At start-up, before binding: a configured tracing that cannot run is a ConfigError.
+    Returns where the spans go, for the start-up line (:func:`destination`)."""
     settings = settings_from(config, env)
     if settings is None:
-        return
+        return destination(config, env)
+    if settings.exporter == "console":
+        _console_provider(settings)
+        return destination(config, env)
     from proxy.ops import otel_adapter
 
     try:
@@ -205,6 +264,34 @@ def check(config: TracingConfig, env: Mapping[str, str]) -> None:
         otel_adapter.sampler(settings.sampler, settings.sampler_arg)
     except otel_adapter.TracingUnavailable as error:
         raise ConfigError(str(error)) from None
+    return destination(config, env)
+
+
+def destination(config: TracingConfig, env: Mapping[str, str]) -> str:
+    """Where this process's spans go, as the start-up line says it: "traces: ..."."""
+    settings = settings_from(config, env)
+    if settings is None:
+        if _sdk_disabled(env):
+            return "traces: off (OTEL_SDK_DISABLED=true)"
+        exporter, chosen_by = exporter_of(config, env)
+        if exporter == "none":
+            return f"traces: off ({chosen_by})"
+        return (
+            "traces: off (no [tracing] endpoint or OTEL_EXPORTER_OTLP_ENDPOINT; "
+            '[tracing] exporter = "console" writes them to the log)'
+        )
+    sampling = settings.sampler + (
+        "" if settings.sampler_arg is None else f" {settings.sampler_arg:g}"
+    )
+    if settings.exporter == "console":
+        return (
+            f"traces: console, one line per finished span on the log "
+            f"(logger {console_spans.SPANS_LOGGER}; sampler {sampling})"
+        )
+    parts = urlsplit(settings.endpoint)
+    # A collector's credentials may sit in its URL; the line is for a log.
+    shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return f"traces: OTLP {settings.protocol} to {shown} (sampler {sampling})"
 
 
 def classify(outcome: str, status: int, *, cut: bool = False) -> tuple[bool, str | None]:

@@ -8,6 +8,7 @@ these tests skip, saying so. The multi-worker tests run a real ``sluice serve --
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -131,6 +132,45 @@ async def test_the_window_is_exact_and_a_refusal_says_when_the_oldest_leaves(
         # Another key has its own window; another prefix (deployment) its own keys.
         assert await limited.acquire(KeyConfig(name="bob", sha256="1" * 64)) is None
         assert await store(redis_server, key_prefix="other:").acquire(alice) is None
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_requests_per_minute_429_says_the_limit_as_openai_does(
+    nursery: trio.Nursery, request: pytest.FixtureRequest, backend: str
+) -> None:
+    """Over HTTP, from either store: the refusal carries OpenAI's request-window headers, as
+    the token budget's carries the token ones, and a browser script may read them."""
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0.0, interval=0.0, tokens=1)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            keys=[key_table(requests_per_minute=2)],
+            limits=(
+                limits(request.getfixturevalue("redis_server"))
+                if backend == "redis"
+                else {"backend": "memory"}
+            ),
+            server={"cors_origins": ["https://app.example"]},
+        )
+        headers = {**bearer(), "Origin": "https://app.example"}
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            statuses = [
+                (await client.post(proxy.url + CHAT, json=chat_body(), headers=headers))
+                for _ in range(3)
+            ]
+    assert [response.status_code for response in statuses] == [200, 200, 429]
+    refusal = statuses[-1]
+    assert refusal.json()["error"]["code"] == "rate_limit_exceeded"
+    assert refusal.headers["x-ratelimit-limit-requests"] == "2"
+    assert refusal.headers["x-ratelimit-remaining-requests"] == "0"
+    # Both admitted within the last second: the first leaves the window in about a minute.
+    reset = refusal.headers["x-ratelimit-reset-requests"]
+    assert re.fullmatch(r"\d+(\.\d+)?s|1m0s", reset), reset  # as "6m0s", "1.5s" are written
+    assert 59 <= (60 if reset == "1m0s" else float(reset[:-1])) <= 60, reset
+    assert 59 <= int(refusal.headers["Retry-After"]) <= 60
+    exposed = refusal.headers["access-control-expose-headers"].lower()
+    assert "x-ratelimit-reset-requests" in exposed
 
 
 async def test_both_limits_are_checked_before_either_is_charged(

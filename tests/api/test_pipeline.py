@@ -123,10 +123,10 @@ async def test_requests_per_minute_are_counted_across_http_and_ws(nursery: trio.
             again = await client.post(url, json=chat_body(stream=False), headers=bearer())
             assert again.status_code == 429
             assert int(again.headers["Retry-After"]) >= 1
-        # Every WebSocket request is in the metrics, like HTTP's.
+        # Every WebSocket request is in the metrics, like HTTP's, under its key.
         requests = proxy.state.metrics.requests
-        assert requests.labels("fake-model", "200", "chat")._value.get() == 3
-        assert requests.labels("fake-model", "429", "chat")._value.get() == 2
+        assert requests.labels("fake-model", "200", "chat", "alice")._value.get() == 3
+        assert requests.labels("fake-model", "429", "chat", "alice")._value.get() == 2
 
 
 async def test_ws_without_a_valid_key_is_refused_with_401_and_logged(

@@ -11,6 +11,8 @@ import dataclasses
 import json
 import logging
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -483,6 +485,50 @@ async def test_sighup_reloads_a_real_server(nursery: trio.Nursery, tmp_path: Pat
                 assert 'sluice_config_reloads_total{outcome="applied"} 1.0' in metrics
         finally:
             await stop(process)
+
+
+async def test_a_sighups_log_line_says_what_changed(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A real server, a real SIGHUP: the reload's line on stderr names the keys added and
+    removed (never a hash) and what changed of a model and of [limits]."""
+    fake = await start_fake(nursery, ttft=0, interval=0, tokens=1)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(fake.url, "old-key", "kept-key"))
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    err = b""
+
+    async def stderr_until(text: bytes) -> None:
+        nonlocal err
+        assert process.stderr is not None
+        while text not in err:
+            chunk = await process.stderr.receive_some()
+            assert chunk, f"sluice serve exited: {err!r}"
+            err += chunk
+
+    try:
+        with trio.fail_after(30):
+            await stderr_until(b"Running on")
+            edited = toml(fake.url, "kept-key", "new-key").replace(
+                "[models.fake-model]\n", "[limits]\nkey_prefix = 'x:'\n[models.fake-model]\n"
+            )
+            path.write_text(edited.replace("[[keys]]", "total_timeout = 30.0\n[[keys]]", 1))
+            process.send_signal(signal.SIGHUP)
+            await stderr_until(b"config reloaded")
+            await stderr_until(b"\n")
+    finally:
+        await process.stdout.aclose()
+        await process.stderr.aclose()
+        await stop(process)
+    (line,) = [line for line in err.decode().splitlines() if "config reloaded" in line]
+    assert line.endswith(
+        f"config reloaded from {path}: keys added: new-key; keys removed: old-key; "
+        "models changed: fake-model (total_timeout); limits changed: key_prefix"
+    ), line
+    assert not any(hash_key(key) in err.decode() for key in ("old-key", "kept-key", "new-key"))
 
 
 async def test_sighup_to_the_supervisor_reloads_every_worker(

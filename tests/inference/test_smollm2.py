@@ -42,12 +42,26 @@ async def test_smollm2_knows_the_capital_of_france(
         loaded = proxy.state.local_models["smollm2"]
         assert loaded.load_seconds > 0
         assert "SmolLM2-135M-Instruct" in loaded.source
-        response = await client.post(proxy.url + "/v1/chat/completions", json=body)
-        assert response.status_code == 200
-        payloads = sse_payloads(response.text)
-        assert payloads[-1] == "[DONE]"
-        answer = stream_text(payloads)
-        assert "Paris" in answer, answer
+        # The chat page (proxy/api/static/app.js, requestBody) with its fields left empty
+        # sends no temperature and no max_tokens either, and asks for usage.
+        page = {**body, "stream_options": {"include_usage": True}}
+        said: list[str] = []
+
+        async def ask_as(sent: dict[str, object]) -> None:
+            response = await client.post(proxy.url + "/v1/chat/completions", json=sent)
+            assert response.status_code == 200, response.text
+            payloads = sse_payloads(response.text)
+            assert payloads[-1] == "[DONE]"
+            said.append(stream_text(payloads))
+
+        # Twice each, together: greedy by default, so every one is the same answer (sampled at
+        # the old 0.2, half of them wandered off it, some without ever naming Paris).
+        async with trio.open_nursery() as asking:
+            for sent in (body, page, body, page):
+                asking.start_soon(ask_as, sent)
+        answer = said[0]
+        assert "Paris" in answer, said
+        assert said == [answer] * 4, said
         # Four at once share the batch; each still answers, and the capital is still Paris.
         questions = [
             "What is the capital of France?",

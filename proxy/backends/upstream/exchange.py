@@ -433,6 +433,11 @@ class UpstreamExchange:
             # missing /v1, http for https), and following it would resend the client's body
             # to wherever it points.
             location = response.headers.get("location", "(no Location)")
+            replica.warn(
+                "redirect", "upstream %s redirects to %s: check its URL", replica.url, location
+            )
+            # The client sees where it points less its host: an internal name, as often as not.
+            location = without_addresses(location, replica)
             raise upstream_error(
                 502,
                 "upstream_redirect",
@@ -441,7 +446,8 @@ class UpstreamExchange:
                 retryable=False,
             )
         if status >= 500 or status < 400:
-            snippet = body[:500].decode("utf-8", "replace")
+            # The upstream's own words, which may name where it runs (a gateway's error page).
+            snippet = without_addresses(body[:500].decode("utf-8", "replace"), replica)
             raise upstream_error(
                 502,
                 "upstream_http_error",
@@ -497,12 +503,17 @@ def reason(error: BaseException, replica: UpstreamReplica | None = None) -> str:
             text = str(seen)
             break
         seen = seen.__cause__ or seen.__context__
-    if replica is None:
-        return text
+    return text if replica is None else without_addresses(text, replica)
+
+
+def without_addresses(text: str, replica: UpstreamReplica) -> str:
+    """``text`` for a client's eyes: the replica's host, every URL's host and every IP
+    address (with its port) taken out."""
     host = replica.origin.host
     if host:
         text = text.replace(f"{host}:{replica.origin.port}", "<address>")
         text = text.replace(host, "<address>")
+    text = _URL_AUTHORITY.sub(r"\1<address>", text)
     return _ADDRESS.sub("<address>", text)
 
 
@@ -511,6 +522,8 @@ _ADDRESS = re.compile(
     r"\[?(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}\]?(?::\d+)?"
     r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
 )
+# An absolute URL's user, host and port (a redirect's Location to another internal name).
+_URL_AUTHORITY = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s?#\"'<>]+")
 
 
 def decode(decoder: http1.ContentDecoder, data: bytes) -> bytes:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from proxy.backends.upstream.retry import Attempt, RetryPolicy, log_failure
+from proxy.backends.upstream.retry import Attempt, RetryPolicy, log_retry
 from proxy.backends.upstream.routing import ReplicaLoad
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
@@ -90,9 +90,8 @@ class Hedge:
                     elif running:
                         pass  # the other attempt is still in the race
                     elif launch():
-                        log_failure(request_id, tried[-1], outcome, retrying=True)
+                        log_retry(request_id)
                     else:
-                        log_failure(request_id, tried[-1], outcome, retrying=False)
                         final_error = outcome
                     continue
                 # No first token within hedge_after: hedge, once. The timer was set before the

@@ -157,6 +157,7 @@ class Attempt:
                 self._router.failure(load, trio.current_time())
                 load.last_failure = f"{error.code}: {error.message}"
                 verdict = True
+                log_failure(request_id, load, error, started=sink.started)
             if self._policy.counts(error, sink):
                 self._count_error(error)
             raise
@@ -203,9 +204,9 @@ class Retry:
                 if len(tried) == before or not self._policy.retries(error, sink):
                     raise
                 last_error = error
-                load = tried[-1]
                 failures.append(error.message)  # it names the replica (never by address)
-                log_failure(request_id, load, error, retrying=len(tried) < attempts)
+                if len(tried) < attempts:
+                    log_retry(request_id)
         if last_error is None:
             raise self._no_replica()
         if len(failures) > 1:
@@ -215,13 +216,19 @@ class Retry:
         raise last_error
 
 
-def log_failure(request_id: str, load: ReplicaLoad, error: ApiError, *, retrying: bool) -> None:
-    # The client's error names the replica by its place in the model's table, never by its
-    # address: the address is the operator's, here.
+def log_failure(request_id: str, load: ReplicaLoad, error: ApiError, *, started: bool) -> None:
+    """Every failure an attempt's replica is blamed for, retried or not. The client's error
+    names the replica by its place in the model's table, never by its address: the address is
+    the operator's, here (the access line of the request id has the rest)."""
     log.warning(
-        "request %s: %s failed before the first byte (%s); %s",
+        "request %s: upstream %s failed %s (%s)",
         request_id,
         load.url,
+        "mid-stream" if started else "before the first byte",
         error.code,
-        "trying another replica" if retrying else "no other replica to try",
     )
+
+
+def log_retry(request_id: str) -> None:
+    # The failure is logged already, with its replica (log_failure).
+    log.info("request %s: trying another replica", request_id)

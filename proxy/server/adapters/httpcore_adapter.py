@@ -17,6 +17,11 @@ httpcore's pool inside httpx's transport.
   ``AsyncHTTPTransport._pool``: :func:`connection_pool` reads it, checked at start-up on a
   transport made for the purpose. Without it the sweep does nothing: those connections stay
   open (in CLOSE_WAIT) until the replica's next request, as httpcore alone keeps them.
+* ``tls_cancel``: httpcore's trio stream closes its socket when the TLS handshake fails with an
+  ``Exception``, not when it is cancelled (``trio.Cancelled`` is a BaseException), and the
+  connection that asked for it never had the stream: a client that leaves while its upstream
+  handshake runs left the socket open until the garbage collector found it. :func:`install`
+  wraps ``TrioStream.start_tls`` to close it then too (shielded, bounded: a socket close).
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ if TYPE_CHECKING:
     import httpcore
     import httpx
 
-__all__ = ["HTTPCORE", "connection_pool", "install", "original_response_closed"]
+__all__ = [
+    "HTTPCORE",
+    "connection_pool",
+    "install",
+    "original_response_closed",
+    "original_start_tls",
+]
 
 log = logging.getLogger("sluice.adapters")
 
@@ -44,6 +55,9 @@ _CONNECTION_ATTRIBUTES = ("_h2_state", "_write_lock", "_network_stream", "_write
 _RESET_WRITE_TIMEOUT = 1.0
 # httpx.AsyncHTTPTransport's attribute holding its httpcore pool (httpx 0.28).
 _TRANSPORT_POOL = "_pool"
+_TRIO_STREAM = "httpcore._backends.trio.TrioStream"
+# Closing the socket of a cancelled handshake: no I/O to wait for.
+_CLOSE_TIMEOUT = 1.0
 
 
 def _connection_has_its_attributes() -> bool:
@@ -103,17 +117,26 @@ HTTPCORE = Adapter(
             "httpx.AsyncHTTPTransport.__init__", "idle_sweep", check=_transport_holds_its_pool
         ),
         Internal("httpcore.AsyncConnectionPool.connections", "idle_sweep"),
+        Internal(
+            f"{_TRIO_STREAM}.start_tls",
+            "tls_cancel",
+            parameters=("ssl_context", "server_hostname", "timeout"),
+        ),
+        Internal(f"{_TRIO_STREAM}.aclose", "tls_cancel"),
     ],
     fallbacks={
         "http2": "HTTP/2 is not offered to upstreams (http2 = true falls back to HTTP/1.1): "
         "without the stream reset a client's disconnect would not reach the server",
         "idle_sweep": "over the httpx transport, an idle upstream connection that its server "
         "closed stays open (CLOSE_WAIT) until the replica's next request",
+        "tls_cancel": "over the httpx transport, a request cancelled during its upstream TLS "
+        "handshake leaves that socket open until the garbage collector closes it",
     },
 )
 
-# httpcore's own method, kept once the reset wraps it (tests show what it does alone).
+# httpcore's own methods, kept once wrapped (tests show what they do alone).
 original_response_closed: Any = None
+original_start_tls: Any = None
 
 
 def install() -> bool:
@@ -124,7 +147,33 @@ def install() -> bool:
     # missing, the fallback takes effect too.
     usable = HTTPCORE.usable("idle_sweep")
     httpx_pool.connection_pool_of = connection_pool if usable else httpx_pool.out_of_reach
+    _install_tls_cancel_close()
     return _install_stream_reset()
+
+
+def _install_tls_cancel_close() -> None:
+    global original_start_tls
+    if original_start_tls is not None or not HTTPCORE.usable("tls_cancel"):
+        return
+    from httpcore._backends.trio import TrioStream
+
+    start_tls = original_start_tls = TrioStream.start_tls
+
+    async def _start_tls(
+        self: Any,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature, httpcore calls it
+    ) -> Any:
+        try:
+            return await start_tls(self, ssl_context, server_hostname, timeout)
+        except BaseException as error:
+            if not isinstance(error, Exception):  # httpcore closed it for an Exception
+                with trio.move_on_after(_CLOSE_TIMEOUT, shield=True):
+                    await self.aclose()
+            raise
+
+    TrioStream.start_tls = _start_tls  # type: ignore[method-assign]
 
 
 def _install_stream_reset() -> bool:

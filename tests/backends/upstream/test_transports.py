@@ -10,6 +10,8 @@ switched on, on 127.0.0.1, port 0.
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import json
 import logging
 import os
@@ -441,6 +443,45 @@ async def test_a_client_that_leaves_closes_the_tunnel_at_once(
         await egress.recorder.wait_for(lambda _: record.outcome != "pending")
     assert record.outcome == "client_disconnected"
     assert record.disconnected_at - closed_at < 0.05
+    await proxy.state.tracker.wait_idle()
+
+
+@pytest.mark.parametrize("transport", UPSTREAM_TRANSPORTS)
+async def test_a_client_that_leaves_during_the_upstream_tls_handshake_closes_its_socket(
+    nursery: trio.Nursery, transport: str
+) -> None:
+    # A server that takes the ClientHello and never answers: the handshake waits until the
+    # client leaves, and then the socket must close at once, not when the GC finds it.
+    hello = trio.Event()
+    closed_at: list[float] = []
+
+    async def silent(stream: trio.SocketStream) -> None:
+        said = False  # start-up's reachability check connects and says nothing
+        async with stream:
+            while await stream.receive_some():
+                said = True
+                hello.set()
+        if said:
+            closed_at.append(trio.current_time())
+
+    serving = functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1")
+    (listener,) = await nursery.start(serving)
+    url = f"https://127.0.0.1:{listener.socket.getsockname()[1]}"
+    # Closed by Sluice, not by a collection that happens to run meanwhile (the socket of a
+    # forgotten stream sits in a reference cycle, which gc would close at some point).
+    gc.disable()
+    try:
+        with trio.fail_after(DEADLINE):
+            proxy = await start_proxy(nursery, {"m": {"upstreams": [url], "transport": transport}})
+            raw = await RawClient.post(proxy, CHAT, chat_body("m"))
+            await hello.wait()
+            left_at = await raw.close()
+            with trio.move_on_after(1):
+                await poll_until(lambda: bool(closed_at))
+    finally:
+        gc.enable()
+    assert closed_at, "the upstream socket stayed open after its client left"
+    assert closed_at[0] - left_at < 0.05
     await proxy.state.tracker.wait_idle()
 
 
