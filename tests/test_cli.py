@@ -185,17 +185,23 @@ def test_help_says_the_defaults_without_markup(capsys: pytest.CaptureFixture[str
         assert "default" in text
 
 
-def test_workers_that_cannot_load_their_model_stop_without_restarts(tmp_path: Path) -> None:
-    config = write(
-        tmp_path, '[server]\nport = 0\n[models.m]\nbackend = "local"\npath = "/nope/m.gguf"\n'
-    )
-    result = subprocess.run(
+def serve_two_workers(config: str, env: dict[str, str] | None = None) -> Any:
+    """``sluice serve --workers 2`` in a process of its own, to its end."""
+    return subprocess.run(
         [sys.executable, "-m", "proxy.cli", "serve", "--config", config, "--workers", "2"],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )
+
+
+def test_workers_that_cannot_load_their_model_stop_without_restarts(tmp_path: Path) -> None:
+    config = write(
+        tmp_path, '[server]\nport = 0\n[models.m]\nbackend = "local"\npath = "/nope/m.gguf"\n'
+    )
+    result = serve_two_workers(config)
     assert result.returncode != 0
     assert "model error" in result.stderr and "/nope/m.gguf" in result.stderr
     assert "restarting" not in result.stderr
@@ -208,14 +214,7 @@ def test_workers_with_a_missing_upstream_key_say_so_in_one_line(tmp_path: Path) 
         'api_key_env = "SLUICE_TEST_UNSET_UPSTREAM_KEY"\n',
     )
     env = {k: v for k, v in os.environ.items() if k != "SLUICE_TEST_UNSET_UPSTREAM_KEY"}
-    result = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", config, "--workers", "2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
+    result = serve_two_workers(config, env)
     assert result.returncode == 2
     # As one process says it: one line, naming the variable, and no worker started.
     assert result.stderr.splitlines() == [

@@ -146,6 +146,20 @@ async def serve_in(
     return Served(process, url, server_pid, output)
 
 
+async def serve_fake_model(
+    container: Container, tmp_path: Path, upstream: str, server: str = ""
+) -> Served:
+    """``sluice serve`` in the container with a config of one model, "fake-model", relayed to
+    ``upstream``; ``server``: more [server] lines."""
+    etc = config_dir(
+        tmp_path,
+        f'[server]\nport = 0\n{server}[models.fake-model]\nupstreams = ["{upstream}"]\n',
+    )
+    return await serve_in(
+        container, tmp_path / "output", "--config", f"{CONFIG_DIR}/sluice.toml", volume=etc
+    )
+
+
 async def finish(served: Served) -> None:
     """Kill what is left (the server first: buildah run waits for it) and reap it."""
     with trio.CancelScope(shield=True):
@@ -186,17 +200,8 @@ async def test_it_serves_streams_and_runs_as_its_own_user(
     proxy_container: Container, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     fake = await start_fake(nursery, ttft=0, interval=0.01, tokens=20)
-    etc = config_dir(
-        tmp_path, f'[server]\nport = 0\n[models.fake-model]\nupstreams = ["{fake.url}"]\n'
-    )
     with trio.fail_after(60):
-        served = await serve_in(
-            proxy_container,
-            tmp_path / "output",
-            "--config",
-            f"{CONFIG_DIR}/sluice.toml",
-            volume=etc,
-        )
+        served = await serve_fake_model(proxy_container, tmp_path, fake.url)
         try:
             assert proc_ids(served.server_pid) == (containerfile.UID, containerfile.GID)
             async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
@@ -220,17 +225,8 @@ async def test_a_client_leaving_mid_stream_closes_the_upstream(
     proxy_container: Container, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=1000)
-    etc = config_dir(
-        tmp_path, f'[server]\nport = 0\n[models.fake-model]\nupstreams = ["{fake.url}"]\n'
-    )
     with trio.fail_after(60):
-        served = await serve_in(
-            proxy_container,
-            tmp_path / "output",
-            "--config",
-            f"{CONFIG_DIR}/sluice.toml",
-            volume=etc,
-        )
+        served = await serve_fake_model(proxy_container, tmp_path, fake.url)
         try:
             async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
                 async with client.stream("POST", served.url + CHAT, json=chat_body()) as response:
@@ -254,24 +250,9 @@ async def test_sigterm_drains_the_stream_in_flight_and_exits_0(
     proxy_container: Container, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=30)
-    etc = config_dir(
-        tmp_path,
-        f"""\
-        [server]
-        port = 0
-        drain_delay = 0.5
-        graceful_timeout = 10.0
-        [models.fake-model]
-        upstreams = ["{fake.url}"]
-        """,
-    )
     with trio.fail_after(60):
-        served = await serve_in(
-            proxy_container,
-            tmp_path / "output",
-            "--config",
-            f"{CONFIG_DIR}/sluice.toml",
-            volume=etc,
+        served = await serve_fake_model(
+            proxy_container, tmp_path, fake.url, "drain_delay = 0.5\ngraceful_timeout = 10.0\n"
         )
         try:
             async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
