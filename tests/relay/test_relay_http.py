@@ -368,8 +368,8 @@ async def _read_until_closed(stream: trio.SocketStream, within: float) -> bytes:
 
 async def test_an_http10_stream_ends_with_the_connection(nursery: trio.Nursery, fake: Fake) -> None:
     # An HTTP/1.0 client's streamed body is close-delimited: until the server closes, the
-    # client cannot know the answer is complete. (hypercorn's close used to be cancelled by
-    # the request's own disconnect handling, and the connection stayed open.)
+    # client cannot know the answer is complete. The close must not be cancelled by the
+    # request's own disconnect handling, or the connection stays open.
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         host, port = proxy.host_port
