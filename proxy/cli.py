@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
-from inference.loading import SMOLLM2_INSTALL, SMOLLM2_PACKAGE, ModelLoadError
+from inference.loading import SMOLLM2_INSTALL, SMOLLM2_PACKAGE, ModelLoadError, names_smollm2
 from proxy.config import Config, ConfigError, LocalModel, check_public_bind, load_config
 from proxy.ops.tracing import check as check_tracing
 from proxy.server.adapters import StartupError
@@ -74,7 +74,7 @@ def check_local_stack(config: Config, *, defaulted: bool) -> None:
         return
     missing = [name for name in LOCAL_STACK if importlib.util.find_spec(name) is None]
     install = [LOCAL_INSTALL] if missing else []
-    if any(model.path in {SMOLLM2_PACKAGE, "smollm2"} for model in local):
+    if any(names_smollm2(model.path) for model in local):
         try:
             importlib.metadata.distribution(SMOLLM2_PACKAGE)
         except importlib.metadata.PackageNotFoundError:
@@ -94,18 +94,23 @@ def check_local_stack(config: Config, *, defaulted: bool) -> None:
     raise StartupError(f"{config.source}: the local model {names} needs {needs}{lacking}")
 
 
+def check_before_serving(config: Config, *, defaulted: bool) -> str:
+    """What one process and a supervisor of workers both check before anything binds or
+    loads, outside any nursery, so that an error stays one clear line (serving checks them
+    again). Returns the start-up line saying where traces go."""
+    check_no_models(config)
+    check_local_stack(config, defaulted=defaulted)
+    check_public_bind(config)
+    check_adapters()
+    return check_tracing(config.tracing, os.environ)
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from proxy.api.app import create_app
     from proxy.server.run import bind, serve_until_signalled, tune_gc
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
-    # Checked here too (serve checks them again): before anything binds or loads, and
-    # outside the nursery, so that the error stays one clear line.
-    check_no_models(config)
-    check_local_stack(config, defaulted=args.defaulted)
-    check_public_bind(config)
-    check_adapters()
-    traces = check_tracing(config.tracing, os.environ)
+    traces = check_before_serving(config, defaulted=args.defaulted)
     # Bound first: a port in use is one line now, not after the model has loaded. The model
     # then loads while the port answers (/healthz says "loading"; requests get 503
     # model_loading with Retry-After); one that cannot load stops the server with its reason.
@@ -224,11 +229,7 @@ def _serve_workers(args: argparse.Namespace) -> int:
     from proxy.server.workers import serve_workers
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
-    check_no_models(config)
-    check_local_stack(config, defaulted=args.defaulted)
-    check_public_bind(config)
-    check_adapters()
-    traces = check_tracing(config.tracing, os.environ)
+    traces = check_before_serving(config, defaulted=args.defaulted)
     check_servable(config, os.environ, fake_upstream=config.fake_upstream.enabled)
     sockets = bind_or_explain(config, bind)
     host, port = sockets.insecure_sockets[0].getsockname()[:2]
@@ -410,14 +411,12 @@ def _add_hash_key(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def _config_reference(args: argparse.Namespace) -> int:
-    from proxy.ops.config_reference import reference
+    from proxy.ops.config_reference import reference, write
 
-    page = reference()
     if args.output is None:
-        print(page, end="")
+        print(reference(), end="")
     else:
-        with open(args.output, "w") as file:
-            file.write(page)
+        write(Path(args.output))
         print(f"wrote {args.output}")
     return 0
 

@@ -323,7 +323,7 @@ class RequestPipeline:
         requests metric and the access line. ``model`` is a configured name or "-", and the
         key a configured key's name or "-": a client must not be able to grow the metrics by
         inventing names."""
-        key = "-" if access is None else access.key or "-"
+        key = "-" if access is None else access.key_label
         self.metrics.requests.labels(model, str(status), endpoint.label, key).inc()
         if access is not None:
             self.finished(access, status, outcome, model)

@@ -128,8 +128,7 @@ def describe_changes(running: Config, applied: Config) -> list[str]:
     after_models = {model.name: model for model in applied.models}
     lines += _named_changes("models", before_models, after_models)
     for section in APPLIED_SECTIONS:
-        changed = _changed(section, getattr(running, section), getattr(applied, section))
-        fields = [where.split(".", 1)[1] for where in changed]
+        fields = _changed_fields(getattr(running, section), getattr(applied, section))
         if fields:
             lines.append(f"{section} changed: {', '.join(fields)}")
     return lines
@@ -148,7 +147,7 @@ def _named_changes(
             if type(old) is not type(new):
                 changed.append(f"{name} (backend)")
                 continue
-            fields = [where.split(".", 1)[1] for where in _changed(name, old, new)]
+            fields = _changed_fields(old, new)
             changed.append(f"{name} ({', '.join(fields)})")
     if added:
         lines.append(f"{kind} added: {', '.join(added)}")
@@ -176,9 +175,13 @@ def _models(
 
 
 def _changed(where: str, before: object, after: object) -> list[str]:
+    return [f"{where}.{name}" for name in _changed_fields(before, after)]
+
+
+def _changed_fields(before: object, after: object) -> list[str]:
     assert dataclasses.is_dataclass(before) and not isinstance(before, type)
     return [
-        f"{where}.{field.name}"
+        field.name
         for field in dataclasses.fields(before)
         if getattr(before, field.name) != getattr(after, field.name)
     ]

@@ -233,7 +233,7 @@ class Metered:
             for_nobody = usage.input
         access.tokens = (usage.input, usage.output, for_nobody, usage.estimated)
         if for_nobody:
-            metrics.tokens_for_nobody.labels(access.key or "-", self.model, waste_cause(body)).inc(
+            metrics.tokens_for_nobody.labels(access.key_label, self.model, waste_cause(body)).inc(
                 for_nobody
             )
         if self.key is None:

@@ -67,6 +67,12 @@ class AccessRecord:
         self.queue_wait = 0.0
         self.deadline: float | None = None
 
+    @property
+    def key_label(self) -> str:
+        """Its key as the metrics label it: a configured key's name, or "-" (no keys, or a
+        credential refused), so that no client can add a series by inventing a key."""
+        return self.key or "-"
+
     def waited(self, seconds: float) -> None:
         """The request left Sluice's queue after ``seconds``."""
         self.queue_wait += seconds

@@ -252,10 +252,10 @@ def check(config: TracingConfig, env: Mapping[str, str]) -> str:
     Returns where the spans go, for the start-up line (:func:`destination`)."""
     settings = settings_from(config, env)
     if settings is None:
-        return destination(config, env)
+        return _destination(settings, config, env)
     if settings.exporter == "console":
         _console_provider(settings)
-        return destination(config, env)
+        return _destination(settings, config, env)
     from proxy.ops import otel_adapter
 
     try:
@@ -264,12 +264,17 @@ def check(config: TracingConfig, env: Mapping[str, str]) -> str:
         otel_adapter.sampler(settings.sampler, settings.sampler_arg)
     except otel_adapter.TracingUnavailable as error:
         raise ConfigError(str(error)) from None
-    return destination(config, env)
+    return _destination(settings, config, env)
 
 
 def destination(config: TracingConfig, env: Mapping[str, str]) -> str:
     """Where this process's spans go, as the start-up line says it: "traces: ..."."""
-    settings = settings_from(config, env)
+    return _destination(settings_from(config, env), config, env)
+
+
+def _destination(
+    settings: TraceSettings | None, config: TracingConfig, env: Mapping[str, str]
+) -> str:
     if settings is None:
         if _sdk_disabled(env):
             return "traces: off (OTEL_SDK_DISABLED=true)"

@@ -277,7 +277,7 @@ class RelayTracker:
     @staticmethod
     def _observe(metrics: Metrics, body: RelayBody) -> None:
         metrics.active_streams.dec()
-        key = "-" if body.access is None else body.access.key or "-"
+        key = "-" if body.access is None else body.access.key_label
         metrics.requests.labels(body.model, str(body.final_status), body.endpoint, key).inc()
         account = body.account
         if account.ttft is not None:
