@@ -100,6 +100,26 @@ class Proxy:
         return parts.hostname, parts.port
 
 
+# The checkout the tests run from: a script run beside them imports its packages.
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def run_python(
+    script: str, *, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``python -c script`` to its end, from the repository's root and importing this
+    checkout's packages; ``env`` in place of this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**(os.environ if env is None else env), "PYTHONPATH": str(REPOSITORY)},
+    )
+
+
 async def start_proxy(
     nursery: trio.Nursery,
     models: dict[str, Any],

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.support import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 PROXY = ROOT / "proxy"
@@ -243,13 +243,8 @@ def test_serve_loads_no_tooling_and_no_model_stack(tmp_path: Path) -> None:
         print(sorted(name for name in sys.modules if name.startswith(forbidden)))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    result = run_python(
+        script,
         env={name: value for name, value in os.environ.items() if not name.startswith("OTEL_")},
     )
     assert result.returncode == 0, result.stderr

@@ -18,7 +18,7 @@ import trio
 
 from proxy.config import ConfigError, TracingConfig, config_from_mapping
 from proxy.ops import console_spans, tracing
-from tests.support import DEADLINE, chat_body, start_fake, start_proxy, stop
+from tests.support import DEADLINE, chat_body, run_python, start_fake, start_proxy, stop
 
 CHAT = "/v1/chat/completions"
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -124,15 +124,7 @@ def test_the_console_needs_nothing_of_opentelemetry() -> None:
         "loaded = sorted(m for m in sys.modules if m.startswith('opentelemetry'))\n"
         "assert not loaded, loaded\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = run_python(script)
     assert result.returncode == 0, result.stderr
 
 

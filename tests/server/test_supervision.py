@@ -20,7 +20,7 @@ import trio
 
 from proxy.server.workers import _MIN_UPTIME
 from tests import processes
-from tests.support import chat_body, start_sluice, stop
+from tests.support import chat_body, run_python, start_sluice, stop
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="reads the process tree from /proc (Linux)"
@@ -241,13 +241,6 @@ def test_a_worker_whose_supervisor_had_already_gone_exits_at_once() -> None:
         "arm_parent_death_signal(SupervisorLink(os.getppid() + 1, Connection(r)))\n"
         "print('still running')\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
+    result = run_python(script, timeout=30)
     assert result.returncode == 0
     assert "still running" not in result.stdout
