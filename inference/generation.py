@@ -44,7 +44,8 @@ class Generator:
 
     def __init__(self, loaded: LoadedModel, *, slow_step_seconds: float = 1.0) -> None:
         self.loaded = loaded
-        self.model = loaded.model
+        # What the engine calls: the serving forward, or the transformers model itself.
+        self.model = loaded.serving
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.slow_step_seconds = slow_step_seconds

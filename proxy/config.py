@@ -280,9 +280,22 @@ class LocalModel(ModelBase):
     # same tokens (a chat's next turn, a shared system prompt); LRU within this many bytes,
     # 0 turns it off. SmolLM2-135M's KV is 45 KiB a token: 256 MiB holds about 5,800.
     prefix_cache_bytes: int = 256 * 1024 * 1024
-    # "float32" (as transformers computes) or "int8" (dynamic quantization of the linear
-    # layers: faster on CPU, different numerics; docs/benchmarks.md has the measured trade).
-    weights: str = "float32"
+    # How the weights are held for serving. "auto": a GGUF's 4-bit weights (Q4_0, Q4_1) as
+    # 4-bit, through torch's 4-bit kernel, anything else in float32. "float32": as the file
+    # reads, stored transposed. "bfloat16": half the bytes, fails the quality gate on
+    # SmolLM2 (97.6% top-1 agreement with float32). "int4": 4-bit codes per 32 weights even
+    # where the file had more. "int8": transformers' forward with torch's dynamic int8
+    # quantization (fails the gate: 48%). docs/local-model.md has the measured figures.
+    weights: str = "auto"
+    # torch's threads for the forward pass, process-wide (the largest of the local models'
+    # settings wins); 0 leaves torch's default, one per core. On 2 cores, 1 thread left the
+    # other core to the event loop: one stream +12%, 8 streams -10% (docs/local-model.md).
+    threads: int = 0
+
+
+# What a local model's `weights` may say (inference.loading.WEIGHTS, which a test holds equal:
+# the config is read where torch and the inference package are not installed).
+LOCAL_WEIGHTS = ("auto", "float32", "bfloat16", "int4", "int8")
 
 
 # One served model: a [models.<name>] table, of the kind its `backend` key names.
@@ -728,9 +741,12 @@ def _validate_local_model(model: LocalModel) -> None:
         default_temperature=model.default_temperature,
         prefix_cache_bytes=model.prefix_cache_bytes,
     )
-    if model.weights not in ("float32", "int8"):
+    if model.threads < 0:
+        raise ConfigError(f"'threads' in {where} must be 0 (torch's default) or more")
+    if model.weights not in LOCAL_WEIGHTS:
         raise ConfigError(
-            f'\'weights\' in {where} must be "float32" or "int8", not {model.weights!r}'
+            f"'weights' in {where} must be one of "
+            f"{', '.join(repr(choice) for choice in LOCAL_WEIGHTS)}, not {model.weights!r}"
         )
 
 

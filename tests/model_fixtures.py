@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from inference.llama_forward import serving_forward
 from inference.loading import LoadedModel, eos_ids_of, force_offline, locate_smollm2_gguf
 
 # Files a saved copy must hold to be used instead of the GGUF.
@@ -112,12 +113,17 @@ def make_tiny_loaded_model(tokenizer: Any, *, seed: int = 0) -> LoadedModel:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
+    # Served as a real model is: through the serving forward (float32 here: random weights
+    # are on no 4-bit grid).
+    forward, weights = serving_forward(model, "auto")
     return LoadedModel(
         name="tiny",
         model=model,
         tokenizer=tokenizer,
         source="random tiny llama",
         eos_token_ids=eos_ids_of(model, tokenizer),
+        forward=forward,
+        weights=weights,
     )
 
 

@@ -156,7 +156,20 @@ class SluiceState:
             try:
                 loaded = await trio.to_thread.run_sync(
                     partial(
-                        load_model, model.path, model.name, progress=stage, weights=model.weights
+                        load_model,
+                        model.path,
+                        model.name,
+                        progress=stage,
+                        weights=model.weights,
+                        keep_transformers=False,
+                        threads=max(
+                            (
+                                other.threads
+                                for other in self.config.models
+                                if isinstance(other, LocalModel)
+                            ),
+                            default=0,
+                        ),
                     )
                 )
             except ModelLoadError as error:

@@ -101,7 +101,7 @@ class LocalBackend:
             on_leave=None if metrics is None else self._left_queue,
             rooms=[self.room],
         )
-        unbatchable = cache_rows.check(loaded.model) if model.slots > 1 else None
+        unbatchable = cache_rows.check(loaded.serving) if model.slots > 1 else None
         if unbatchable is not None:
             log.warning(
                 "model %s: continuous batching is unavailable (%s); its %d slots generate "

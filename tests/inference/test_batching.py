@@ -83,7 +83,7 @@ def generator(tiny_loaded_model: LoadedModel) -> Generator:
 
 
 def test_the_tiny_model_can_be_batched(tiny_loaded_model: LoadedModel) -> None:
-    assert cache_rows.check(tiny_loaded_model.model) is None
+    assert cache_rows.check(tiny_loaded_model.serving) is None
 
 
 def test_four_sequences_together_each_equal_what_it_makes_alone(generator: Generator) -> None:
@@ -202,10 +202,10 @@ def test_a_failing_step_fails_its_sequences_and_the_engine_goes_on(
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("boom")
-        return tiny_loaded_model.model(**kwargs)
+        return tiny_loaded_model.serving(**kwargs)
 
     flaky.config = tiny_loaded_model.model.config  # type: ignore[attr-defined]
-    harness = Harness(Generator(dataclasses.replace(tiny_loaded_model, model=flaky)))
+    harness = Harness(Generator(dataclasses.replace(tiny_loaded_model, forward=flaky)))
     first = Generation(generator.text_prompt(PROMPTS[0]), GREEDY)
     harness.engine.add(first)
     harness.run([first])

@@ -37,18 +37,21 @@ class Cancelled(Exception):
 
 
 @contextlib.contextmanager
-def counting_forwards(model: Any) -> Iterator[list[int]]:
-    """Count the model's forward calls (one per decode step) while the block runs."""
+def counting_forwards(generator: Generator) -> Iterator[list[int]]:
+    """Count the calls of the generator's forward (one per decode step) while the block runs."""
     calls = [0]
+    forward = generator.model
 
-    def hook(*_: Any) -> None:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
+        return forward(*args, **kwargs)
 
-    handle = model.register_forward_hook(hook)
+    counted.config = forward.config  # type: ignore[attr-defined]
+    generator.model = counted
     try:
         yield calls
     finally:
-        handle.remove()
+        generator.model = forward
 
 
 @dataclass
@@ -121,7 +124,7 @@ def test_greedy_matches_transformers_generate(
 
 
 def test_max_tokens_finishes_with_length(generator: Generator) -> None:
-    with counting_forwards(generator.model) as forwards:
+    with counting_forwards(generator) as forwards:
         out = run(generator, SamplingParams(max_tokens=5, temperature=0))
     assert out.result is not None
     assert out.result.finish_reason == "length"
@@ -192,7 +195,7 @@ def test_checkpoint_raising_stops_the_loop_at_once(generator: Generator, cancel_
             raise Cancelled
 
     emitted: list[str] = []
-    with counting_forwards(generator.model) as forwards, pytest.raises(Cancelled):
+    with counting_forwards(generator) as forwards, pytest.raises(Cancelled):
         generator.generate(
             generator.text_prompt(PROMPT),
             SamplingParams(max_tokens=20, temperature=0),
@@ -212,7 +215,7 @@ def test_emit_raising_stops_the_loop_at_once(generator: Generator) -> None:
     def checkpoint() -> None:
         checkpoints[0] += 1
 
-    with counting_forwards(generator.model) as forwards:
+    with counting_forwards(generator) as forwards:
         forwards_at_emit: list[int] = []
 
         def emit(text: str) -> None:

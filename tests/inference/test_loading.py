@@ -47,7 +47,7 @@ def test_int8_weights_quantize_every_linear_layer_and_still_generate(
 
     model = quantize_int8(copy.deepcopy(tiny_loaded_model.model))
     assert not any(type(module) is torch.nn.Linear for module in model.modules())
-    generator = Generator(dataclasses.replace(tiny_loaded_model, model=model))
+    generator = Generator(dataclasses.replace(tiny_loaded_model, model=model, forward=None))
     pieces: list[str] = []
     result = generator.generate(
         generator.text_prompt("Hello"),

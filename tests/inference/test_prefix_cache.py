@@ -220,8 +220,18 @@ def test_the_config_keys_of_the_prefix_cache_and_the_weights() -> None:
         return model
 
     assert local().prefix_cache_bytes == 256 * 1024 * 1024
-    assert local().weights == "float32"
-    assert local(prefix_cache_bytes=0, weights="int8").weights == "int8"
+    assert local().weights == "auto"
+    for choice in ("float32", "bfloat16", "int4", "int8"):
+        assert local(prefix_cache_bytes=0, weights=choice).weights == choice
     for bad in ({"prefix_cache_bytes": -1}, {"weights": "bf16"}, {"prefix_cache": 1}):
         with pytest.raises(ConfigError):
             local(**bad)
+    with pytest.raises(ConfigError, match="'auto', 'float32', 'bfloat16', 'int4', 'int8'"):
+        local(weights="fp4")
+
+
+def test_the_config_names_every_weights_choice_the_loader_takes() -> None:
+    from inference.loading import WEIGHTS
+    from proxy.config import LOCAL_WEIGHTS
+
+    assert LOCAL_WEIGHTS == WEIGHTS

@@ -48,7 +48,7 @@ def served_table() -> dict[str, Any]:
 def load_served() -> LoadedModel:
     """SmolLM2 as `make run` serves it (conf/local.toml's weights)."""
     table = served_table()
-    return load_model(table["path"], "smollm2", weights=table.get("weights", "float32"))
+    return load_model(table["path"], "smollm2", weights=table.get("weights", "auto"))
 
 
 def greedy_answers(loaded: LoadedModel, prompts: Sequence[Any]) -> list[list[int]]:
@@ -94,14 +94,15 @@ def served() -> LoadedModel:
 def test_the_serving_path_agrees_with_float32_on_the_corpus(served: LoadedModel) -> None:
     corpus = quality.corpus_ids(served.tokenizer, CORPUS.read_text())
     assert sum(len(ids) for ids in corpus) >= 2000  # "a few thousand tokens"
-    if served_table().get("weights", "float32") == "float32":
-        # The served model is float32 transformers' own: one copy serves as both.
+    if served_table().get("weights", "auto") != "int8":
+        # The serving forward holds its own copy of the weights; the transformers model the
+        # load kept is float32's own.
         reference_model = served.model
     else:
         reference_model = load_model(served_table()["path"], "reference").model
     measures = quality.measure(
         lambda ids: quality.reference_logits(reference_model, ids),
-        lambda ids: quality.serving_logits(served.model, ids),
+        lambda ids: quality.serving_logits(served.serving, ids),
         corpus,
     )
     print(measures.describe())
