@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import layouts
+from . import gguf_reading, layouts
 
 log = logging.getLogger("sluice.inference")
 
@@ -196,17 +196,18 @@ def load_model(
         directory = source.path.parent
         kwargs["gguf_file"] = source.path.name
     try:
-        progress(name, "reading the tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
-        progress(
-            name,
-            "reading and dequantizing the weights"
-            if source.kind == "gguf"
-            else "reading the weights",
-        )
-        model: Any = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=torch.float32, **kwargs
-        )
+        with gguf_reading.read_once():
+            progress(name, "reading the tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
+            progress(
+                name,
+                "reading and dequantizing the weights"
+                if source.kind == "gguf"
+                else "reading the weights",
+            )
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                str(directory), dtype=torch.float32, **kwargs
+            )
     except Exception as error:
         # Readers of damaged files fail in many ways (struct, index, key, value errors); each
         # becomes the one start-up error that says which file and what to do. This runs in a

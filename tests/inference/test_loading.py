@@ -56,3 +56,36 @@ def test_int8_weights_quantize_every_linear_layer_and_still_generate(
         checkpoint=lambda: None,
     )
     assert result.usage.completion_tokens == 4
+
+
+def test_a_load_parses_the_gguf_once_and_leaves_the_gguf_module_as_it_was() -> None:
+    import gguf
+
+    from inference import gguf_reading
+    from inference.loading import locate_smollm2_gguf
+
+    path = locate_smollm2_gguf()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_reading.read_once() as in_effect:
+        assert in_effect
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # the same file, however named: parsed once
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert isinstance(first, reader)
+    assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 2)
+
+
+def test_without_the_attributes_it_relies_on_a_load_reads_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gguf
+
+    from inference import gguf_reading
+
+    monkeypatch.delattr(gguf, "get_tensor_name_map")
+    reader = gguf.GGUFReader
+    with gguf_reading.read_once() as in_effect:
+        assert not in_effect
+        assert gguf.GGUFReader is reader
