@@ -34,10 +34,11 @@ def read_once() -> Iterator[bool]:
     """Within the block, each GGUF file is parsed once and each name map built once. Yields
     whether that is in effect."""
     try:
-        import gguf
+        import gguf as imported
     except ImportError:
         yield False
         return
+    gguf: Any = imported
     missing = [name for name in ("GGUFReader", "get_tensor_name_map") if not hasattr(gguf, name)]
     if missing:
         log.info("gguf %s has no %s: each read parses the file", _version(), ", ".join(missing))

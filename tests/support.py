@@ -455,3 +455,30 @@ async def stop(process: trio.Process) -> None:
         named = [f"{pid}: {processes.cmdline(pid)}" for pid in left]
         processes.kill_all(left)
         raise AssertionError(f"still running 5 s after their supervisor was killed: {named}")
+
+
+def decode_to_the_end(
+    generator: Any, prompts: list[list[int]], params: Any, *, max_batch: int, prefill_chunk: int
+) -> list[list[int]]:
+    """Each prompt's generated token ids, every prompt through one batch engine (``generator``
+    an ``inference.Generator``) stepped by hand until all have finished; a failed piece raises."""
+    from inference.batching import BatchEngine, Generation, Piece
+
+    done: set[int] = set()
+
+    def deliver(pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
+        for sequence, piece in pieces:
+            if piece.error is not None:
+                raise piece.error
+            if piece.result is not None:
+                done.add(id(sequence))
+
+    engine = BatchEngine(
+        generator, max_batch=max_batch, prefill_chunk=prefill_chunk, deliver=deliver
+    )
+    sequences = [Generation(ids, params, window=1 << 62) for ids in prompts]
+    for sequence in sequences:
+        engine.add(sequence)
+    while len(done) < len(sequences):
+        engine.step()
+    return [list(sequence.generated) for sequence in sequences]

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from inference import cache_rows, layouts, torch_kernels
-from inference.batching import BatchEngine, Generation, Piece
 from inference.generation import Generator
 from inference.llama_forward import LlamaForward, serving_forward, supports
 from inference.loading import LoadedModel
 from inference.sampling import SamplingParams
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
+from tests.support import decode_to_the_end
 
 __all__ = ["smol_tokenizer", "tiny_loaded_model"]
 
@@ -203,23 +203,13 @@ def batched_and_alone(loaded: LoadedModel) -> tuple[list[list[int]], list[list[i
     params = SamplingParams(max_tokens=12, temperature=0.0)
 
     def run(prompts: list[str], max_batch: int) -> list[list[int]]:
-        done: set[int] = set()
-
-        def deliver(pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
-            for sequence, piece in pieces:
-                assert piece.error is None
-                if piece.result is not None:
-                    done.add(id(sequence))
-
-        engine = BatchEngine(generator, max_batch=max_batch, prefill_chunk=4, deliver=deliver)
-        sequences = [
-            Generation(generator.text_prompt(prompt), params, window=1 << 62) for prompt in prompts
-        ]
-        for sequence in sequences:
-            engine.add(sequence)
-        while len(done) < len(sequences):
-            engine.step()
-        return [sequence.generated for sequence in sequences]
+        return decode_to_the_end(
+            generator,
+            [generator.text_prompt(prompt) for prompt in prompts],
+            params,
+            max_batch=max_batch,
+            prefill_chunk=4,
+        )
 
     alone = [run([prompt], 1)[0] for prompt in PROMPTS]
     return run(PROMPTS, len(PROMPTS)), alone

@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 
 from inference import quality
-from inference.batching import BatchEngine, Generation, Piece
 from inference.generation import Generator
 from inference.loading import LoadedModel, load_model
 from inference.sampling import SamplingParams
+from tests.support import decode_to_the_end
 
 HERE = Path(__file__).resolve().parent / "quality"
 CORPUS = HERE / "corpus.txt"
@@ -61,29 +61,13 @@ def greedy_answers(loaded: LoadedModel, prompts: Sequence[Any]) -> list[list[int
         temperature=float(table["default_temperature"]),
         repetition_penalty=float(table["default_repetition_penalty"]),
     )
-    done: set[int] = set()
-
-    def deliver(pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
-        for sequence, piece in pieces:
-            if piece.error is not None:
-                raise piece.error
-            if piece.result is not None:
-                done.add(id(sequence))
-
-    engine = BatchEngine(
+    return decode_to_the_end(
         generator,
+        [generator.chat_prompt(messages) for messages in prompts],
+        params,
         max_batch=int(table["slots"]),
         prefill_chunk=int(table["prefill_chunk_tokens"]),
-        deliver=deliver,
     )
-    sequences = [
-        Generation(generator.chat_prompt(messages), params, window=1 << 62) for messages in prompts
-    ]
-    for sequence in sequences:
-        engine.add(sequence)
-    while len(done) < len(sequences):
-        engine.step()
-    return [list(sequence.generated) for sequence in sequences]
 
 
 @pytest.fixture(scope="module")
