@@ -340,9 +340,9 @@ class SlowModel:
 
 def slowed(loaded: Any, step_seconds: float = 0.0, prefill_seconds: float | None = None) -> Any:
     """A copy of ``loaded`` (an ``inference.LoadedModel``) whose model is a :class:`SlowModel`."""
-    return dataclasses.replace(
-        loaded, forward=SlowModel(loaded.serving, step_seconds, prefill_seconds)
-    )
+    slow = SlowModel(loaded.serving, step_seconds, prefill_seconds)
+    # As its model too: tests read the counts through `.model`.
+    return dataclasses.replace(loaded, model=slow, forward=slow)
 
 
 async def poll_until(predicate: Callable[[], object], *, interval: float = 0.005) -> None:
