@@ -121,21 +121,20 @@ def build_layers(choice: str, weights: Sequence[Any]) -> tuple[str, list[Any], s
             fallback = "float32" if choice == "auto" else "bfloat16"
             log.warning("4-bit weights are unavailable (%s); using %s", unusable, fallback)
             return fallback, [build(fallback, w) for w in weights], unusable
-        if choice == "int4":
-            layers = [Int4(w) for w in weights]
-            worst = max(layer.error for layer in layers)
-            return "int4", layers, f"4-bit, {worst:.2f} of a step from the weights at most"
         layers = []
         for weight in weights:
             layer = Int4(weight)
-            if layer.error > ON_GRID:
+            if choice == "auto" and layer.error > ON_GRID:
                 return (
                     "float32",
                     [build("float32", w) for w in weights],
                     "the weights are not on a 4-bit grid",
                 )
             layers.append(layer)
-        return "int4", layers, "the file's 4-bit weights, as stored"
+        if choice == "auto":
+            return "int4", layers, "the file's 4-bit weights, as stored"
+        worst = max(layer.error for layer in layers)
+        return "int4", layers, f"4-bit, {worst:.2f} of a step from the weights at most"
     return choice, [build(choice, w) for w in weights], "as configured"
 
 

@@ -68,7 +68,6 @@ class LlamaForward:
 
         config = model.config
         self.config = config
-        self.generation_config = getattr(model, "generation_config", None)
         self.eps = float(config.rms_norm_eps)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)

@@ -115,8 +115,6 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     # What serving calls (inference.llama_forward.serving_forward); the model itself if None.
     forward: Any = None
-    # The weights it holds, and why: one line for the log and the start-up stages.
-    weights: str = "float32 (transformers' own forward)"
 
     @property
     def serving(self) -> Any:
@@ -256,5 +254,4 @@ def load_model(
         load_seconds=seconds,
         eos_token_ids=eos_ids,
         forward=forward,
-        weights=described,
     )

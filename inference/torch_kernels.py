@@ -101,19 +101,6 @@ class Int4Weight:
         self.error = error
 
 
-def _codes(weight: Any, group: int) -> tuple[Any, Any, Any]:
-    import torch
-
-    rows, columns = weight.shape
-    if columns % group:
-        raise ValueError(f"a 4-bit weight needs K divisible by {group}, not {columns}")
-    grouped = weight.float().reshape(rows, columns // group, group)
-    low = grouped.amin(-1)
-    scale = ((grouped.amax(-1) - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15)
-    return codes.to(torch.int32).reshape(rows, columns), scale, low
-
-
 def pack_int4(weight: Any, group: int = INT4_GROUP) -> Int4Weight:
     """``weight`` (float32 ``[N, K]``) as 4-bit codes with a scale and a minimum per group, the
     way Q4_1 stores it, in the kernel's layout. Its ``error`` says whether that lost anything:
@@ -122,18 +109,23 @@ def pack_int4(weight: Any, group: int = INT4_GROUP) -> Int4Weight:
     off, a real quantization."""
     import torch
 
-    codes, scale, low = _codes(weight, group)
+    rows, columns = weight.shape
+    if columns % group:
+        raise ValueError(f"a 4-bit weight needs K divisible by {group}, not {columns}")
+    grouped = weight.float().reshape(rows, columns // group, group)
+    low = grouped.amin(-1)
+    scale = ((grouped.amax(-1) - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    # Each weight in steps above its group's minimum: a whole number on the grid.
+    steps = (grouped - low[..., None]) / scale[..., None]
+    codes = torch.round(steps)
+    error = float((steps - codes).abs().max())
     # The kernel computes (q - 8) * scale + zero, so its zero is the group's level 8.
     scales_and_zeros = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    grouped = weight.float().reshape(weight.shape[0], -1, group)
-    rebuilt = codes.reshape_as(grouped).float() * scale[..., None] + low[..., None]
-    error = float(((rebuilt - grouped).abs() / scale[..., None]).max())
+    packed = torch._convert_weight_to_int4pack_for_cpu(
+        codes.clamp(0, 15).to(torch.int32).reshape(rows, columns), 1
+    )
     return Int4Weight(
-        packed,
-        scales_and_zeros.to(torch.bfloat16).contiguous(),
-        (int(weight.shape[0]), int(weight.shape[1])),
-        error,
+        packed, scales_and_zeros.to(torch.bfloat16).contiguous(), (int(rows), int(columns)), error
     )
 
 

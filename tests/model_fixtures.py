@@ -115,7 +115,7 @@ def make_tiny_loaded_model(tokenizer: Any, *, seed: int = 0) -> LoadedModel:
     model = LlamaForCausalLM(config).eval()
     # Served as a real model is: through the serving forward (float32 here: random weights
     # are on no 4-bit grid).
-    forward, weights = serving_forward(model, "auto")
+    forward, _ = serving_forward(model, "auto")
     return LoadedModel(
         name="tiny",
         model=model,
@@ -123,7 +123,6 @@ def make_tiny_loaded_model(tokenizer: Any, *, seed: int = 0) -> LoadedModel:
         source="random tiny llama",
         eos_token_ids=eos_ids_of(model, tokenizer),
         forward=forward,
-        weights=weights,
     )
 
 
