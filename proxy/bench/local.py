@@ -686,8 +686,8 @@ def _startup_lines(results: dict[str, Any]) -> list[str]:
         lines.append(f"| `{weights}` | {listed} | {statistics.median(seconds):.1f} |")
     lines += [
         "",
-        "There is no compiled variant to wait for: the step is not compiled (see "
-        "`docs/local-model.md`), so eager is ready when serving is.",
+        "There is no compiled variant to wait for: compiling the step made it slower "
+        "(`docs/local-model.md` has the figures), so eager is ready when serving is.",
         "",
     ]
     return lines
