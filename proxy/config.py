@@ -165,6 +165,10 @@ class UpstreamRequestConfig:
     # --scheduling-policy priority): then each request goes with its band in it; otherwise the
     # field is taken out (vLLM refuses a non-zero one under its default policy).
     upstream_priority: bool = False
+    # Whether a paused stream ([scheduling] preempt_after) can be continued on this model's
+    # upstream: chat completions with continue_final_message (vLLM), completions with the
+    # answer so far appended to the prompt. false: its requests are never paused.
+    resumable: bool = True
 
 
 TRANSPORTS = ("auto", "lean", "httpx")
@@ -291,6 +295,11 @@ class LocalModel(ModelBase):
     # settings wins); 0 leaves torch's default, one per core. On 2 cores, 1 thread left the
     # other core to the event loop: one stream +12%, 8 streams -10% (docs/local-model.md).
     threads: int = 0
+    # The KV kept for sequences paused by preemption ([scheduling] preempt_after), at most: a
+    # paused sequence resumes from its own KV, token for token as if never paused; past this,
+    # the KV paused longest ago is dropped, and that sequence prefills its prompt and answer
+    # again when it resumes (logged; its answer may then differ).
+    paused_kv_bytes: int = 256 * 1024 * 1024
 
 
 # What a local model's `weights` may say (inference.loading.WEIGHTS, which a test holds equal:
@@ -482,6 +491,17 @@ class SchedulingConfig:
     # the others (a key flooding one instance is behind on all; what one instance serves
     # reaches the others within two of these, one when their syncs fall together).
     share_seconds: float = 1.0
+    # Preemption: a request of a more urgent band (a smaller priority) that has waited this
+    # many seconds pauses a running stream of a less urgent band and takes its slot; the
+    # paused stream waits at the head of its band and is then continued where it stopped
+    # (its client sees one answer with a pause in it). 0 turns preemption off. Only streamed
+    # chat and completions requests to a resumable model are paused (docs/scheduling.md).
+    preempt_after: float = 0.0
+    # The most times one request is paused, so that a batch job still finishes.
+    max_preemptions: int = 1
+    # While paused, a ": paused" SSE comment goes to the client at once and then every this
+    # many seconds: proxies and the client's read timeout see the stream alive.
+    pause_keepalive: float = 5.0
 
 
 # [tracing] exporter's values, as OTEL_TRACES_EXPORTER's.
@@ -740,6 +760,7 @@ def _validate_local_model(model: LocalModel) -> None:
         max_queue=model.max_queue,
         default_temperature=model.default_temperature,
         prefix_cache_bytes=model.prefix_cache_bytes,
+        paused_kv_bytes=model.paused_kv_bytes,
     )
     if model.threads < 0:
         raise ConfigError(f"'threads' in {where} must be 0 (torch's default) or more")
@@ -802,11 +823,17 @@ def _check_scheduling(scheduling: SchedulingConfig) -> None:
         w_in=scheduling.w_in,
         w_out=scheduling.w_out,
         starvation_seconds=scheduling.starvation_seconds,
+        preempt_after=scheduling.preempt_after,
+        max_preemptions=scheduling.max_preemptions,
     )
     if scheduling.w_in == scheduling.w_out == 0:
         # No token would count: every key's service would stay 0, and fair would be FIFO.
         raise ConfigError("'w_in' and 'w_out' in [scheduling] cannot both be 0")
-    _check_positive("[scheduling]", share_seconds=scheduling.share_seconds)
+    _check_positive(
+        "[scheduling]",
+        share_seconds=scheduling.share_seconds,
+        pause_keepalive=scheduling.pause_keepalive,
+    )
 
 
 def _check_tracing(tracing: TracingConfig) -> None:

@@ -228,6 +228,7 @@ class RequestPipeline:
             first_byte_by=math.inf if first_byte is None else now + first_byte,
             done_by=math.inf if done is None else now + done,
             report=access.waited,
+            paused=access.paused,
         )
         request = dataclasses.replace(request, schedule=schedule)
         return self._with_priority(request, band, asked)

@@ -82,7 +82,15 @@ def check_servable(config: Config, env: Mapping[str, str], fake_upstream: bool) 
 
 def scheduling_settings(config: Config) -> SchedulingSettings:
     table = config.scheduling
-    return SchedulingSettings(table.policy, table.w_in, table.w_out, table.starvation_seconds)
+    return SchedulingSettings(
+        table.policy,
+        table.w_in,
+        table.w_out,
+        table.starvation_seconds,
+        table.preempt_after,
+        table.max_preemptions,
+        table.pause_keepalive,
+    )
 
 
 def replica_capacities(

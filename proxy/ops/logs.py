@@ -36,6 +36,8 @@ class AccessRecord:
         "method",
         "outcome",
         "path",
+        "paused_seconds",
+        "pauses",
         "queue_wait",
         "request_id",
         "started",
@@ -66,6 +68,9 @@ class AccessRecord:
         self.band: int | None = None
         self.queue_wait = 0.0
         self.deadline: float | None = None
+        # How many times it was paused for a more urgent request, and for how long in all.
+        self.pauses = 0
+        self.paused_seconds = 0.0
 
     @property
     def key_label(self) -> str:
@@ -76,6 +81,11 @@ class AccessRecord:
     def waited(self, seconds: float) -> None:
         """The request left Sluice's queue after ``seconds``."""
         self.queue_wait += seconds
+
+    def paused(self, seconds: float) -> None:
+        """The request resumed after a pause of ``seconds``."""
+        self.pauses += 1
+        self.paused_seconds += seconds
 
     def emit(
         self,
@@ -111,6 +121,8 @@ class AccessRecord:
             "band": self.band,
             "queue_wait_s": round(self.queue_wait, 6),
             "deadline_s": None if self.deadline is None else round(self.deadline, 3),
+            "pauses": self.pauses,
+            "paused_s": round(self.paused_seconds, 6),
         }
         tokens = self.tokens
         if tokens is None:

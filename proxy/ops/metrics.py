@@ -292,6 +292,21 @@ class Metrics:
         "share the upstream.",
         ["model", "band"],
     )
+    preemptions = MetricSpec(
+        Counter,
+        "sluice_preemptions",
+        "Streams paused so that a request of a more urgent band could take their slot "
+        "([scheduling] preempt_after), by the paused request's model and band. A paused "
+        "stream is continued where it stopped: its tokens are not wasted.",
+        ["model", "band"],
+    )
+    pause_seconds = MetricSpec(
+        Histogram,
+        "sluice_pause_seconds",
+        "How long a paused stream waited before it was continued, by model and band.",
+        ["model", "band"],
+        _QUEUE_BUCKETS,
+    )
     key_service = MetricSpec(
         Gauge,
         "sluice_key_service",
@@ -381,6 +396,15 @@ class Metrics:
         if outcome == "admitted":
             self.dispatches.labels(model, band).inc()
             self.key_service.labels(key, backend).set(service)
+
+    def paused(self, model: str, ticket: Any, seconds: float | None) -> None:
+        """One of ``model``'s requests was paused (``seconds`` None), or resumed after a pause
+        of ``seconds`` (``ticket``: proxy.protocol.scheduling.Ticket)."""
+        band = str(ticket.band)
+        if seconds is None:
+            self.preemptions.labels(model, band).inc()
+        else:
+            self.pause_seconds.labels(model, band).observe(seconds)
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

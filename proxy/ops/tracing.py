@@ -478,6 +478,14 @@ class RequestTrace:
         self._attempts.append(attempt)
         return attempt
 
+    def event(self, name: str, at: float, attributes: Mapping[str, Any] | None = None) -> None:
+        """An event of the request (``preempted``, ``resumed``) on its operation span (the
+        server span before there is one), at ``at`` (trio's clock)."""
+        span = self._operation if self._operation is not None else self.server
+        if span is None:
+            return
+        span.add_event(name, timestamp=self._ns(at), attributes=dict(attributes or {}))
+
     # -- the local model's stages -------------------------------------------------------------
 
     def stage(

@@ -23,6 +23,13 @@ band (the oldest such first): a flood of urgent requests delays a batch job, nev
 
 **FIFO** (``policy = "fifo"``): arrival order, bands ignored; what the fair order is measured
 against.
+
+**Preemption** (``preempt_after`` > 0, fair only): a request that has waited ``preempt_after``
+seconds while a less urgent band holds a slot it could use has one of those streams paused for
+it (:func:`choose_preemption`): of the least urgent band running, the one whose key has been
+served most. The paused request gives its slot up and waits again at the head of its band
+(:attr:`Ticket.resumed`), to be continued where it stopped; a request is paused at most
+``max_preemptions`` times, so that a batch job still finishes. Never within a band.
 """
 
 from __future__ import annotations
@@ -45,6 +52,19 @@ class SchedulingSettings:
     w_out: float = 2.0
     # A request that has waited this long goes before every band (0: no guard).
     starvation_seconds: float = 60.0
+    # A request of a more urgent band that has waited this long pauses a running stream of a
+    # less urgent one (0: never).
+    preempt_after: float = 0.0
+    # The most times one request is paused.
+    max_preemptions: int = 1
+    # Seconds between two ": paused" comments to a paused request's client.
+    pause_keepalive: float = 5.0
+
+    @property
+    def preempts(self) -> bool:
+        """Whether a waiting request may pause a running one: fair order (FIFO knows no bands)
+        and a positive ``preempt_after``."""
+        return self.policy == "fair" and self.preempt_after > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +83,8 @@ class Schedule:
     done_by: float = math.inf
     # Told each time the request leaves a queue: the seconds it waited (its access line).
     report: Callable[[float], None] | None = field(default=None, compare=False, repr=False)
+    # Told each time the request resumes after a pause: the seconds it was paused.
+    paused: Callable[[float], None] | None = field(default=None, compare=False, repr=False)
 
     def ticket(self) -> Ticket:
         """A ticket for one attempt of the request (a retry or a hedge is another)."""
@@ -74,6 +96,7 @@ class Schedule:
             # A request that cannot start before either deadline is of no use to its client.
             first_byte_by=min(self.first_byte_by, self.done_by),
             report=self.report,
+            paused=self.paused,
         )
 
 
@@ -92,9 +115,15 @@ class Ticket:
     arrived: float = 0.0
     # When it must have started at the latest (the earlier of its two deadlines): inf for none.
     first_byte_by: float = math.inf
-    # Its place in arrival order, given by the queue.
-    seq: int = field(default=0)
+    # Its place in arrival order, given by the queue (once: a paused request keeps its place).
+    seq: int = field(default=-1)
     report: Callable[[float], None] | None = field(default=None, repr=False)
+    paused: Callable[[float], None] | None = field(default=None, repr=False)
+    # Whether it waits to be continued (paused for a more urgent request): it goes before the
+    # rest of its band.
+    resumed: bool = False
+    # How many times it has been paused.
+    preemptions: int = 0
 
 
 class FairQueue:
@@ -122,13 +151,18 @@ class FairQueue:
 
     def add(self, ticket: Ticket) -> None:
         """``ticket`` waits from now on."""
-        ticket.seq = next(self._seq)
+        if ticket.seq < 0:
+            ticket.seq = next(self._seq)
         band = self._bands.setdefault(ticket.band, {})
         waiting = band.get(ticket.tenant)
         if not waiting:
             self._lift(ticket.tenant, band)
             band[ticket.tenant] = waiting = deque()
-        waiting.append(ticket)
+        if ticket.resumed:
+            # At the head of its tenant's requests, as at the head of its band (see _order).
+            waiting.appendleft(ticket)
+        else:
+            waiting.append(ticket)
         self.size += 1
 
     def _lift(self, tenant: str, band: Mapping[str, deque[Ticket]]) -> None:
@@ -186,7 +220,7 @@ class FairQueue:
                 return starved
         for band in sorted(self._bands):
             chosen: Ticket | None = None
-            chosen_key = (math.inf, math.inf, math.inf)
+            chosen_key: tuple[float, ...] = (math.inf, math.inf, math.inf, math.inf)
             for tenant, waiting in self._bands[band].items():
                 ticket = _first(waiting, eligible)
                 if ticket is None:
@@ -198,12 +232,18 @@ class FairQueue:
                 return chosen
         return None
 
-    def _order(self, tenant: str, ticket: Ticket) -> tuple[float, float, float]:
-        """Where ``tenant``'s next ``ticket`` stands: the smallest counter first; on equal
-        counters (a tenant just lifted to the smallest among those waiting) the one actually
-        served less, so that a key returning from idleness takes the next slot rather than
-        waiting behind a flooder's older request; then the older ticket."""
-        return (self.counters.get(tenant, 0.0), self.served.get(tenant, 0.0), ticket.seq)
+    def _order(self, tenant: str, ticket: Ticket) -> tuple[float, float, float, float]:
+        """Where ``tenant``'s next ``ticket`` stands: a paused request first (its client holds
+        half an answer); then the smallest counter; on equal counters (a tenant just lifted to
+        the smallest among those waiting) the one actually served less, so that a key
+        returning from idleness takes the next slot rather than waiting behind a flooder's
+        older request; then the older ticket."""
+        return (
+            0.0 if ticket.resumed else 1.0,
+            self.counters.get(tenant, 0.0),
+            self.served.get(tenant, 0.0),
+            ticket.seq,
+        )
 
     @staticmethod
     def _oldest(
@@ -296,6 +336,37 @@ def request_band(key_band: int, *asked: object) -> int:
         if isinstance(value, int) and not isinstance(value, bool):
             band = max(band, min(value, max(LEAST_URGENT_BAND, key_band)))
     return band
+
+
+def preemption_due(settings: SchedulingSettings, ticket: Ticket) -> float | None:
+    """When ``ticket``, waiting, may pause a less urgent stream for itself: ``preempt_after``
+    after it arrived; None when it never may (preemption off, or a paused request itself,
+    which waits its turn at the head of its band)."""
+    if not settings.preempts or ticket.resumed:
+        return None
+    return ticket.arrived + settings.preempt_after
+
+
+def choose_preemption(
+    settings: SchedulingSettings,
+    waiting: Ticket,
+    running: Iterable[Ticket],
+    counters: Mapping[str, float],
+) -> Ticket | None:
+    """The running request to pause so that ``waiting`` takes its slot, or None. Only a less
+    urgent band is paused, never the waiting request's own nor a more urgent one; of the least
+    urgent band running, the request whose key has the largest counter (the most served), the
+    youngest on a tie (the least work to redo); and only a request paused fewer than
+    ``max_preemptions`` times. ``running`` holds only requests that can be continued."""
+    chosen: Ticket | None = None
+    chosen_key = (-math.inf, -math.inf, -math.inf)
+    for ticket in running:
+        if ticket.band <= waiting.band or ticket.preemptions >= settings.max_preemptions:
+            continue
+        key = (float(ticket.band), counters.get(ticket.tenant, 0.0), float(ticket.seq))
+        if key > chosen_key:
+            chosen, chosen_key = ticket, key
+    return chosen
 
 
 def vtc_bound(w_in: float, longest_input: int, w_out: float, batch_tokens: int) -> float:

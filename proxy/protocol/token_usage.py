@@ -214,17 +214,21 @@ class Usage:
 class MeteredSplitter(SSESplitter):
     """An :class:`SSESplitter` that counts a metered request's events as they come (renamed
     too, for an aliased model). Per read: one ``bytes.count`` of the endpoint's delta marker;
-    a read whose every event is a content delta is counted and passed on as it is."""
+    a read whose every event is a content delta is counted and passed on as it is. ``splice``:
+    a paused stream's continuation, whose events become the client's before they are counted
+    (protocol/continuation.py)."""
 
-    __slots__ = ("_delta", "_empty", "_meter", "_rename")
+    __slots__ = ("_delta", "_empty", "_meter", "_rename", "_splice")
 
     def __init__(
         self,
         max_event_bytes: int,
         meter: UsageMeter,
         rename: Callable[[bytes], bytes] | None = None,
+        splice: Callable[[list[bytes]], list[bytes]] | None = None,
     ) -> None:
         super().__init__(max_event_bytes)
+        self._splice = splice
         # Made for a stream that began: the upstream answered 200 with an event stream.
         meter.answered = True
         self._meter = meter
@@ -234,6 +238,8 @@ class MeteredSplitter(SSESplitter):
 
     def feed(self, chunk: bytes) -> list[bytes]:
         events = super().feed(chunk)
+        if events and self._splice is not None:
+            events = self._splice(events)
         if events:
             whole = events[0] if len(events) == 1 else b"".join(events)
             counted = whole.count(self._delta)

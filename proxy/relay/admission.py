@@ -14,6 +14,13 @@ cannot come out in time (its client's SDK gives up then) is refused at once with
 ``deadline_unmeetable``, never left waiting for a slot it cannot use; all with ``Retry-After``
 estimated from how long slots have recently been held. A client that leaves while queued frees
 its place at once (the wait is cancelled with it). Refusals name the model, never an address.
+
+Preemption (``[scheduling] preempt_after``): a request that has waited that long while a less
+urgent band holds a slot it could use pauses one of those (the queue's choice,
+:func:`~proxy.protocol.scheduling.choose_preemption`), through the pause its producer registered
+(:meth:`Dispatcher.track`). The producer stops at an event boundary and gives its slot up
+(:meth:`Lease.pause`): the slot goes to the queue's next, the paused request waits at the head of
+its band, its client kept alive by comments, and it holds a slot again to be continued.
 """
 
 from __future__ import annotations
@@ -25,8 +32,16 @@ from dataclasses import dataclass
 
 import trio
 
+from proxy.ops import tracing
 from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError
-from proxy.protocol.scheduling import FairQueue, SchedulingSettings, Ticket, expected_wait
+from proxy.protocol.scheduling import (
+    FairQueue,
+    SchedulingSettings,
+    Ticket,
+    choose_preemption,
+    expected_wait,
+    preemption_due,
+)
 
 # Weight of the newest observation in the moving average of slot hold times.
 _EWMA_WEIGHT = 0.2
@@ -73,7 +88,7 @@ class Room:
 
 
 class _Waiter:
-    __slots__ = ("admission", "event", "room", "rooms")
+    __slots__ = ("admission", "event", "pausing", "room", "rooms")
 
     def __init__(self, admission: Admission, rooms: Sequence[Room]) -> None:
         self.admission = admission
@@ -81,14 +96,23 @@ class _Waiter:
         self.event = trio.Event()
         # The room it was dispatched to, once it is.
         self.room: Room | None = None
+        # The request it paused, until that one has given its slot up: one at a time.
+        self.pausing: Ticket | None = None
 
 
 class _Running:
-    __slots__ = ("charged", "progress")
+    __slots__ = ("charged", "pause", "pausing", "progress", "room")
 
-    def __init__(self, progress: Callable[[], int]) -> None:
+    def __init__(
+        self, progress: Callable[[], int], room: Room | None, pause: Callable[[], bool] | None
+    ) -> None:
         self.progress = progress
-        self.charged = 0
+        self.charged = progress()
+        self.room = room
+        # Asks the request's producer to pause (True: it will, and gives its slot up soon);
+        # None: it cannot be continued, so it is never paused.
+        self.pause = pause
+        self.pausing = False
 
 
 class Dispatcher:
@@ -107,10 +131,47 @@ class Dispatcher:
         room._dispatcher = self
         return room
 
-    def track(self, ticket: Ticket, progress: Callable[[], int]) -> None:
-        """``ticket``'s request, dispatched, has put out ``progress()`` output tokens so far:
-        its tenant is charged for them as they stream, each time the queue decides."""
-        self._running[ticket] = _Running(progress)
+    def track(
+        self,
+        ticket: Ticket,
+        progress: Callable[[], int],
+        *,
+        room: Room | None = None,
+        pause: Callable[[], bool] | None = None,
+    ) -> None:
+        """``ticket``'s request, dispatched to ``room``, has put out ``progress()`` output
+        tokens so far: its tenant is charged for what it puts out from now on, as it streams,
+        each time the queue decides. ``pause``: how to ask it to pause for a more urgent
+        request (see :meth:`preempt_for`); without it, it is never paused."""
+        self._running[ticket] = _Running(progress, room, pause)
+
+    def preempt_for(self, ticket: Ticket, rooms: Sequence[Room]) -> Ticket | None:
+        """Pause a running request in one of ``rooms`` for waiting ``ticket``, as the queue
+        chooses (:func:`~proxy.protocol.scheduling.choose_preemption`); the one paused, or
+        None. A request that declines (it has just sent its last event) is not asked again."""
+        self.settle()
+        running = self._running
+        candidates = {
+            each: entry
+            for each, entry in running.items()
+            if entry.pause is not None and not entry.pausing and entry.room in rooms
+        }
+        settings = self.queue.settings
+        while candidates:
+            victim = choose_preemption(settings, ticket, candidates, self.queue.counters)
+            if victim is None:
+                return None
+            entry = candidates.pop(victim)
+            if entry.pause is not None and entry.pause():
+                entry.pausing = True
+                victim.preemptions += 1
+                return victim
+            entry.pause = None
+        return None
+
+    def running(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s request holds a slot."""
+        return ticket in self._running
 
     def _charge(self, ticket: Ticket, running: _Running) -> None:
         produced = running.progress()
@@ -190,6 +251,10 @@ class Admission:
         self.on_leave = on_leave
         # The rooms this model's requests may go to, unless a call says otherwise.
         self.rooms = list(rooms)
+        # Called as one of this model's requests is paused (with its ticket), and as it holds
+        # a slot again (with the seconds it was paused): metrics.
+        self.on_preempt: Callable[[Ticket], None] | None = None
+        self.on_resume: Callable[[Ticket, float], None] | None = None
         self._waiting = 0
         self._changed = trio.Event()
 
@@ -234,6 +299,19 @@ class Admission:
         """A slot in one of ``rooms`` (this model's, by default) for ``ticket``'s request, for
         the duration: at once if one has room (``choose`` picks among those that do, the
         first by default), else once the queue's order comes to it."""
+        async with self.lease(ticket, rooms, choose) as lease:
+            assert lease.room is not None
+            yield lease.room
+
+    @asynccontextmanager
+    async def lease(
+        self,
+        ticket: Ticket,
+        rooms: Sequence[Room] | None = None,
+        choose: Callable[[Sequence[Room]], Room | None] | None = None,
+    ) -> AsyncIterator[Lease]:
+        """As :meth:`slot`, for a request that can be paused: the :class:`Lease` holds the
+        slot, and its :meth:`Lease.pause` gives it up and holds another."""
         rooms = self.rooms if rooms is None else rooms
         dispatcher = self.dispatcher
         now = trio.current_time()
@@ -252,16 +330,19 @@ class Admission:
             room = chosen
         else:
             room = await self._wait(ticket, rooms, now)
-        started = trio.current_time()
+        lease = Lease(self, ticket, room)
         try:
-            yield room
+            yield lease
         finally:
-            dispatcher.release(room, trio.current_time() - started, ticket)
+            if lease.room is not None:
+                dispatcher.release(lease.room, trio.current_time() - lease.since, ticket)
             self._notify()
 
     async def _wait(self, ticket: Ticket, rooms: Sequence[Room], now: float) -> Room:
         dispatcher = self.dispatcher
         queue = dispatcher.queue
+        if ticket.resumed:
+            return await self._wait_resumed(ticket, rooms)
         if self._waiting >= self.max_queue:
             self._left(ticket, 0.0, "queue_full")
             raise ApiError(
@@ -283,13 +364,7 @@ class Admission:
         outcome = "cancelled"
         try:
             with trio.move_on_at(min(now + self.queue_timeout, ticket.first_byte_by)):
-                while not waiter.event.is_set():
-                    # A room may get room with nothing to say so (an ejection that ends): look
-                    # again now and then.
-                    with trio.move_on_after(_RECHECK_SECONDS):
-                        await waiter.event.wait()
-                    for each in rooms:
-                        dispatcher.dispatch(each)
+                await self._until_dispatched(ticket, waiter)
         except BaseException:
             # Cancelled (the client left) just as it was dispatched: the slot goes to the next.
             if waiter.room is not None:
@@ -323,6 +398,57 @@ class Admission:
             )
         return dispatched
 
+    async def _until_dispatched(self, ticket: Ticket, waiter: _Waiter) -> None:
+        dispatcher = self.dispatcher
+        preempt_at = preemption_due(dispatcher.queue.settings, ticket)
+        while not waiter.event.is_set():
+            # A room may get room with nothing to say so (an ejection that ends): look again
+            # now and then, and when this request may pause a less urgent one.
+            wake = trio.current_time() + _RECHECK_SECONDS
+            if preempt_at is not None and preempt_at > trio.current_time():
+                wake = min(wake, preempt_at)
+            with trio.move_on_at(wake):
+                await waiter.event.wait()
+            for each in waiter.rooms:
+                dispatcher.dispatch(each)
+            if (
+                preempt_at is not None
+                and not waiter.event.is_set()
+                and trio.current_time() >= preempt_at
+                and (waiter.pausing is None or not dispatcher.running(waiter.pausing))
+            ):
+                waiter.pausing = dispatcher.preempt_for(ticket, waiter.rooms)
+
+    async def _wait_resumed(self, ticket: Ticket, rooms: Sequence[Room]) -> Room:
+        """A paused request waits again for a slot, at the head of its band: neither the
+        queue's bound nor its timeout applies (it was admitted already, and its client holds
+        half an answer); its deadline, kept by its relay, still does."""
+        dispatcher = self.dispatcher
+        for each in rooms:
+            dispatcher.dispatch(each)
+        open_rooms = [each for each in rooms if each.free > 0]
+        if open_rooms:
+            dispatcher._take(open_rooms[0], ticket, trio.current_time())
+            return open_rooms[0]
+        dispatcher.queue.add(ticket)
+        waiter = _Waiter(self, rooms)
+        dispatcher._waiters[ticket] = waiter
+        self._set_waiting(self._waiting + 1)
+        try:
+            await self._until_dispatched(ticket, waiter)
+        except BaseException:
+            if waiter.room is not None:
+                dispatcher.release(waiter.room, 0.0)
+                waiter.room = None
+            raise
+        finally:
+            self._set_waiting(self._waiting - 1)
+            if waiter.room is None:
+                dispatcher._waiters.pop(ticket, None)
+                dispatcher.queue.remove(ticket)
+        assert waiter.room is not None
+        return waiter.room
+
     def _expected_wait(self, ticket: Ticket, rooms: Sequence[Room]) -> float:
         slots = sum(room.capacity for room in rooms)
         hold = max((room.average_hold for room in rooms), default=1.0)
@@ -347,6 +473,72 @@ class Admission:
             ticket.report(seconds)
         if self.on_leave is not None:
             self.on_leave(ticket, seconds, outcome)
+
+
+# What a paused request's client is sent meanwhile: an SSE comment, which every client skips,
+# and which keeps proxies and the client's read timeout from taking the stream for dead.
+PAUSED_COMMENT = b": paused\n\n"
+
+
+class Lease:
+    """A request's hold on a slot (:meth:`Admission.lease`), which a preemption may take from
+    it and give back (:meth:`pause`)."""
+
+    __slots__ = ("admission", "pauses", "room", "since", "ticket")
+
+    def __init__(self, admission: Admission, ticket: Ticket, room: Room) -> None:
+        self.admission = admission
+        self.ticket = ticket
+        # The room it holds a slot in; None while paused.
+        self.room: Room | None = room
+        self.since = trio.current_time()
+        self.pauses = 0
+
+    async def pause(self, rooms: Sequence[Room], keep_alive: Callable[[bytes], object]) -> float:
+        """The request was paused (its producer has stopped at an event boundary): give the
+        slot up to the queue's next, wait at the head of its band for a slot in one of
+        ``rooms``, hold it, and return the seconds paused. Meanwhile ``keep_alive`` is handed
+        :data:`PAUSED_COMMENT` at once and every ``pause_keepalive`` seconds. A client that
+        leaves cancels the wait, and nothing of the request is left queued."""
+        admission = self.admission
+        dispatcher = admission.dispatcher
+        ticket = self.ticket
+        paused_at = trio.current_time()
+        room, self.room = self.room, None
+        assert room is not None
+        self.pauses += 1
+        dispatcher.release(room, paused_at - self.since, ticket)
+        admission._notify()
+        if admission.on_preempt is not None:
+            admission.on_preempt(ticket)
+        trace = tracing.current()
+        if trace is not None:
+            trace.event("preempted", paused_at, {"sluice.band": ticket.band})
+        ticket.resumed = True
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    _keep_alive, keep_alive, dispatcher.queue.settings.pause_keepalive
+                )
+                self.room = await admission._wait_resumed(ticket, rooms)
+                nursery.cancel_scope.cancel()
+        finally:
+            ticket.resumed = False
+        self.since = trio.current_time()
+        seconds = self.since - paused_at
+        if trace is not None:
+            trace.event("resumed", self.since, {"sluice.paused_seconds": seconds})
+        if ticket.paused is not None:
+            ticket.paused(seconds)
+        if admission.on_resume is not None:
+            admission.on_resume(ticket, seconds)
+        return seconds
+
+
+async def _keep_alive(keep_alive: Callable[[bytes], object], interval: float) -> None:
+    while True:
+        keep_alive(PAUSED_COMMENT)
+        await trio.sleep(interval)
 
 
 def _first(rooms: Sequence[Room]) -> Room | None:

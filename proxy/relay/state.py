@@ -28,6 +28,9 @@ class Phase(StrEnum):
     FIRST_TOKEN = "first_token"
     # Tokens are flowing: the first body chunk has been handed on.
     MID_STREAM = "mid_stream"
+    # Paused for a more urgent request ([scheduling] preempt_after): its upstream closed, it
+    # waits in Sluice's queue to be continued where it stopped.
+    PAUSED = "paused"
     # The producer has handed on the last event; the client has not read it all yet.
     AFTER_LAST = "after_last"
 

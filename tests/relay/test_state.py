@@ -25,6 +25,7 @@ def test_the_phases_are_the_bench_names_in_order() -> None:
         "head",
         "first_token",
         "mid_stream",
+        "paused",
         "after_last",
     ]
     assert f"cancelled({Phase.FIRST_TOKEN})" == "cancelled(first_token)"

@@ -86,6 +86,8 @@ class UpstreamBackend:
         if metrics is not None:
             # Read at scrape time, as the local model's.
             metrics.queue_depth.labels(model.name).set_function(lambda: self.queued)
+            self.admission.on_preempt = partial(metrics.paused, model.name, seconds=None)
+            self.admission.on_resume = partial(metrics.paused, model.name)
         retry_policy = RetryPolicy(model.max_attempts)
         attempt = Attempt(
             UpstreamExchange(model, relay, api_key=api_key),
@@ -95,6 +97,8 @@ class UpstreamBackend:
             retry_policy,
             self._count_error,
             self._choose,
+            # A hedged request has two exchanges at once: not one stream to pause.
+            resumable=model.resumable and model.hedge_after == 0,
         )
         self._attempts: Retry | Hedge = (
             Hedge(

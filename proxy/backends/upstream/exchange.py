@@ -27,6 +27,7 @@ from proxy.backends.upstream.transports import Response
 from proxy.config import RelayConfig, UpstreamModel
 from proxy.ops import tracing
 from proxy.protocol import anthropic, http1, responses
+from proxy.protocol.continuation import StreamSplice
 from proxy.protocol.errors import (
     UPSTREAM_ERROR,
     ApiError,
@@ -141,7 +142,10 @@ class UpstreamExchange:
         request: CompletionRequest,
         request_id: str,
         sink: Sink,
+        splice: StreamSplice | None = None,
     ) -> None:
+        """``splice``: a stream that may be paused, whose events handed to the client it
+        records; once paused, ``request`` is its continuation, whose events it splices."""
         active = tracing.ACTIVE
         attempt = (
             None
@@ -149,12 +153,12 @@ class UpstreamExchange:
             else active.attempt(replica.url, replica.origin.host, replica.origin.port)
         )
         if attempt is None:
-            await self._exchange(replica, request, request_id, sink, None)
+            await self._exchange(replica, request, request_id, sink, None, splice)
             return
         # Every exit ends the attempt's span with its own outcome (trio.Cancelled included:
         # a BaseException, which the SDK's context managers would not classify).
         try:
-            await self._exchange(replica, request, request_id, sink, attempt.headers)
+            await self._exchange(replica, request, request_id, sink, attempt.headers, splice)
         except ApiError as error:
             attempt.finish(error.code or "error", error=True)
             raise
@@ -171,6 +175,7 @@ class UpstreamExchange:
         request_id: str,
         sink: Sink,
         trace_headers: list[tuple[bytes, bytes]] | None,
+        splice: StreamSplice | None = None,
     ) -> None:
         first_token_deadline = (
             trio.current_time() + self.model.first_token_timeout if request.stream else math.inf
@@ -193,7 +198,12 @@ class UpstreamExchange:
                         await self._relay_bytes(response, read_scope, sink)
                     elif request.stream:
                         await self._relay_stream(
-                            replica, response, read_scope, sink, _STREAM_END[request.endpoint]
+                            replica,
+                            response,
+                            read_scope,
+                            sink,
+                            _STREAM_END[request.endpoint],
+                            splice,
                         )
                     else:
                         await self._relay_whole(replica, request.endpoint, response, sink)
@@ -266,10 +276,12 @@ class UpstreamExchange:
         read_scope: trio.CancelScope,
         sink: Sink,
         ends_stream: Callable[[bytes], bool],
+        splice: StreamSplice | None = None,
     ) -> None:
         """Relay an SSE stream event by event; it must end with the endpoint's own last event
         (``ends_stream``: chat's ``data: [DONE]``, Responses' ``response.completed``...), or it
-        was cut."""
+        was cut. With ``splice``, what reaches the client is recorded (it may be paused), and a
+        continuation's events are spliced into the client's stream before they are metered."""
         content_type = response.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
             raise SSEProtocolError(
@@ -286,7 +298,12 @@ class UpstreamExchange:
         meter = CURRENT_METER.get()
         splitter: SSESplitter
         if meter is not None:
-            splitter = MeteredSplitter(self._relay.max_event_bytes, meter, self._rename)
+            splitter = MeteredSplitter(
+                self._relay.max_event_bytes,
+                meter,
+                self._rename,
+                splice.events if splice is not None and splice.pieces else None,
+            )
         elif self._rename is None:
             splitter = SSESplitter(self._relay.max_event_bytes)
         else:
@@ -310,6 +327,8 @@ class UpstreamExchange:
                 # Waiting on the client now: the upstream is not the one being idle.
                 read_scope.deadline = math.inf
                 await sink.send(out)
+            if splice is not None:
+                splice.delivered(out)
             # Outside [now + idle_timeout, now + idle_timeout + slack]: still the first-token
             # deadline, inf after waiting on the client, or due for its move.
             now = trio.current_time()
@@ -428,6 +447,17 @@ class UpstreamExchange:
     ) -> None:
         body = await _read_bounded(response, _MAX_ERROR_BODY)
         status = response.status_code
+        if sink.started:
+            # The continuation of a paused stream refused: its client has half an answer, and
+            # hears why in-band.
+            snippet = without_addresses(body[:500].decode("utf-8", "replace"), replica)
+            raise upstream_error(
+                502,
+                "upstream_continuation_refused",
+                f"{self.named(replica)} refused to continue the paused answer "
+                f"(HTTP {status}): {snippet}",
+                retryable=False,
+            )
         if 300 <= status < 400:
             # Never followed: a redirect from an inference server is a misconfigured URL (a
             # missing /v1, http for https), and following it would resend the client's body

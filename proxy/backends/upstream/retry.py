@@ -10,7 +10,7 @@ only before anything has been sent to the client.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -18,10 +18,11 @@ import trio
 from proxy.backends.upstream.exchange import UpstreamExchange
 from proxy.backends.upstream.replica import UpstreamReplica
 from proxy.backends.upstream.routing import LeastBusyRouter, ReplicaLoad
+from proxy.protocol.continuation import StreamSplice
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
-from proxy.protocol.token_usage import CURRENT_METER
-from proxy.relay.admission import Admission, Room
+from proxy.protocol.token_usage import CURRENT_METER, UsageMeter
+from proxy.relay.admission import Admission, Lease, Room
 from proxy.relay.body import Sink
 from proxy.relay.state import Phase
 
@@ -72,7 +73,13 @@ class RetryPolicy:
 class Attempt:
     """One try on one replica, with its health verdict: a slot in Sluice's queue on one of the
     replicas not yet tried (the first to have room for it in the queue's order; among several
-    with room, the router's choice), the exchange, and the router told how it went."""
+    with room, the router's choice), the exchange, and the router told how it went.
+
+    A stream that can be continued (``resumable``, and :meth:`StreamSplice.of` says so) may be
+    paused for a more urgent request: its exchange is cancelled at an event boundary (the
+    upstream closed as for a client that left), its slot given up, and once it holds one again
+    (on any replica of the model, the one it left first if it has room) its continuation goes
+    out and is spliced into the client's stream. Its client sees one answer with a pause."""
 
     def __init__(
         self,
@@ -83,7 +90,10 @@ class Attempt:
         policy: RetryPolicy,
         count_error: Callable[[ApiError], None],
         choose: Choose,
+        *,
+        resumable: bool = False,
     ) -> None:
+        self._resumable = resumable
         self._exchange = exchange
         self._policy = policy
         self._router = router
@@ -120,18 +130,77 @@ class Attempt:
 
         sink.set_phase(Phase.QUEUED)
         ticket = request.schedule.ticket()
+        meter = CURRENT_METER.get()
+        splice = StreamSplice.of(request) if self._resumable and meter is not None else None
         try:
-            slot = self._admission.slot(ticket, [replica.room for replica in candidates], choose)
-            async with slot as room:
-                meter = CURRENT_METER.get()
-                if meter is not None:
-                    # Its tokens counted for its key's fair share as they stream.
-                    self._admission.dispatcher.track(ticket, meter.output_so_far)
-                await self._on(by_room[room], tried, request, request_id, sink)
+            lease = self._admission.lease(ticket, [replica.room for replica in candidates], choose)
+            async with lease as held:
+                assert held.room is not None
+                if splice is None or meter is None:
+                    if meter is not None:
+                        # Its tokens counted for its key's fair share as they stream.
+                        self._admission.dispatcher.track(
+                            ticket, meter.output_so_far, room=held.room
+                        )
+                    await self._on(by_room[held.room], tried, request, request_id, sink)
+                    return
+                await self._pausable(held, tried, request, request_id, sink, splice, meter)
         except ApiError as error:
             if error.code in _QUEUE_REFUSALS:
                 self._count_error(error)
             raise
+
+    async def _pausable(
+        self,
+        lease: Lease,
+        tried: list[ReplicaLoad],
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
+        splice: StreamSplice,
+        meter: UsageMeter,
+    ) -> None:
+        """The exchange of a stream that may be paused, and its continuations, each in the
+        slot the lease holds then, until one runs to its end."""
+        ticket = lease.ticket
+        dispatcher = self._admission.dispatcher
+        outgoing = request
+        while True:
+            assert lease.room is not None
+            pause_scope = trio.CancelScope()
+
+            def pause(scope: trio.CancelScope = pause_scope) -> bool:
+                # At an event boundary by construction: what the client was handed is
+                # recorded only once handed, and a cancelled hand-off hands nothing.
+                if not splice.pausable():
+                    return False
+                scope.cancel("paused for a more urgent request")
+                return True
+
+            dispatcher.track(ticket, meter.output_so_far, room=lease.room, pause=pause)
+            continuing = splice.pieces > 0 and sink.started
+            with pause_scope:
+                await self._on(
+                    self._by_room[lease.room],
+                    tried,
+                    outgoing,
+                    request_id,
+                    _Continuing(sink) if continuing else sink,
+                    splice,
+                )
+            if not pause_scope.cancelled_caught:
+                return
+            splice.paused()
+            sink.set_phase(Phase.PAUSED)
+            # Its prompt is prefilled again on resuming, the answer so far with it: its key's
+            # counter is charged for that, as for any input.
+            ticket.input_tokens = request.schedule.input_tokens + splice.tokens
+            # Any replica of the model may continue it (every one ejected: its own, again).
+            rooms = [replica.room for replica in self.candidates(())] or [lease.room]
+            await lease.pause(rooms, sink.offer)
+            if splice.started:
+                sink.set_phase(Phase.MID_STREAM)
+            outgoing = splice.continuation()
 
     async def _on(
         self,
@@ -140,6 +209,7 @@ class Attempt:
         request: CompletionRequest,
         request_id: str,
         sink: Sink,
+        splice: StreamSplice | None = None,
     ) -> None:
         load = replica.load
         tried.append(load)
@@ -149,7 +219,7 @@ class Attempt:
         verdict = False
         try:
             sink.set_phase(Phase.CONNECTING)
-            await self._exchange(replica, request, request_id, sink)
+            await self._exchange(replica, request, request_id, sink, splice)
             self._router.success(load)
             verdict = True
         except ApiError as error:
@@ -167,6 +237,47 @@ class Attempt:
                 # Cancelled (client left, lost a hedge race) or stalled: says nothing about
                 # the replica, but a probe slot it held must be released.
                 self._router.release_probe(load)
+
+
+class _Continuing:
+    """A paused stream's sink while its continuation runs: the client's stream is in its
+    middle, whatever the continuation's own exchange goes through (connecting, its first
+    token), so the phase it reports stays where it is."""
+
+    __slots__ = ("_sink",)
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+
+    @property
+    def started(self) -> bool:
+        return self._sink.started
+
+    @property
+    def client_gone(self) -> bool:
+        return self._sink.client_gone
+
+    def set_phase(self, phase: Phase) -> None:
+        pass
+
+    def offer(self, chunk: bytes) -> bool:
+        return self._sink.offer(chunk)
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        self._sink.on_disconnect(callback)
+
+    def begin(
+        self,
+        status: int,
+        content_type: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        content_length: int | None = None,
+    ) -> None:
+        self._sink.begin(status, content_type, headers, content_length=content_length)
+
+    async def send(self, chunk: bytes) -> None:
+        await self._sink.send(chunk)
 
 
 class Retry:

@@ -89,6 +89,8 @@ class _Completion:
     response_id: str
     created: int
     usage_blocks: bool = True
+    # A continuation (see _continued_from): the answer goes on from this token.
+    first_token: int = 0
 
     @classmethod
     def build(
@@ -103,7 +105,8 @@ class _Completion:
             raise Invalid('"stream" must be a boolean')
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        tokens, finish_reason = plan.tokens, "stop"
+        first_token = _continued_from(body, chat=chat, planned=plan.tokens)
+        tokens, finish_reason = max(0, plan.tokens - first_token), "stop"
         for name in ("max_tokens", "max_completion_tokens"):
             limit = body.get(name)
             if limit is None:
@@ -129,6 +132,7 @@ class _Completion:
             response_id=f"{'chatcmpl' if chat else 'cmpl'}-{number}",
             created=int(time.time()),
             usage_blocks=plan.usage,
+            first_token=first_token,
         )
 
     def usage(self) -> dict[str, int]:
@@ -139,7 +143,8 @@ class _Completion:
         }
 
     def whole_body(self) -> bytes:
-        text = "".join(token_text(i) for i in range(self.tokens))
+        first = self.first_token
+        text = "".join(token_text(first + i) for i in range(self.tokens))
         choice: dict[str, Any]
         if self.chat:
             message = {"role": "assistant", "content": text}
@@ -178,15 +183,17 @@ class _StreamFrames(Frames):
         choice = (prefix + '"choices":[{"index":0,').encode()
         open_field = b'"delta":{"content":' if c.chat else b'"text":'
         close_field = b"}" if c.chat else b""
-        pending = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        ending = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        words = len(TOKEN_JSON)
+        first = c.first_token
         self.tokens = tuple(
-            self.frame(choice + open_field + word + close_field + pending)
-            for word in TOKEN_JSON[: max(1, min(c.tokens, len(TOKEN_JSON)))]
+            self.frame(choice + open_field + TOKEN_JSON[(first + i) % words] + close_field + ending)
+            for i in range(max(1, min(c.tokens, words)))
         )
         # The role chunk goes with token 0, as vLLM sends it with the first output.
         if c.chat:
             role = b'"delta":{"role":"assistant","content":""}'
-            self.extra[0] = self.frame(choice + role + pending)
+            self.extra[0] = self.frame(choice + role + ending)
         empty = b'"delta":{}' if c.chat else b'"text":""'
         finish = f',"logprobs":null,"finish_reason":"{c.finish_reason}"}}]}}\n\n'.encode()
         tail = [choice + empty + finish]
@@ -200,6 +207,43 @@ class _StreamFrames(Frames):
         data = self.tokens[i % len(self.tokens)]
         extra = self.extra.get(i)
         return data if extra is None else extra + data
+
+
+def _continued_from(body: dict[str, Any], *, chat: bool, planned: int) -> int:
+    """Where a continuation's answer goes on from, as vLLM's would: the tokens of the answer so
+    far, which a chat request sends as its final assistant message with
+    ``continue_final_message`` (refused, as vLLM refuses it, with ``add_generation_prompt``
+    true, or with no assistant message last), and a completions request appends to its prompt
+    (the longest run of this fake's own answer that the prompt ends with). 0: not one."""
+    if chat:
+        if body.get("continue_final_message") is not True:
+            return 0
+        if body.get("add_generation_prompt", True) is not False:
+            raise Invalid(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+            )
+        messages = body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            raise Invalid("continue_final_message needs an assistant message last")
+        content = last.get("content")
+        return len(content.split()) if isinstance(content, str) else 0
+    prompt = body.get("prompt")
+    # Every token of this fake's answers is a word and a space: anything else ends no answer.
+    if not isinstance(prompt, str) or not prompt.endswith(" "):
+        return 0
+    ends: list[int] = []
+    total = 0
+    for index in range(planned):
+        total += len(token_text(index))
+        if total > len(prompt):
+            break
+        ends.append(total)
+    answer = _generated_text(len(ends))
+    for length in range(len(ends), 0, -1):
+        if prompt.endswith(answer[: ends[length - 1]]):
+            return length
+    return 0
 
 
 def _count_prompt_tokens(body: dict[str, Any]) -> int:

@@ -1,0 +1,283 @@
+"""Preemption, end to end over real sockets: a request of a more urgent band that has waited
+``[scheduling] preempt_after`` pauses a running stream of a less urgent band and takes its slot;
+the paused stream waits at the head of its band and is continued where it stopped, so that its
+client reads one answer, the same text an uninterrupted run gives, with a pause in it.
+
+A fake upstream that runs one request at a time (``max_running = 1``) and a Sluice that knows it
+(``max_connections = 1``): every request past the first waits in Sluice's queue. The fake
+continues an answer as vLLM does (``continue_final_message`` for chat, the prompt's tail for
+completions), so the spliced text can be checked against an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from proxy.api.auth import hash_key
+from proxy.ops.logs import ACCESS_LOGGER
+from proxy.testing.fake_upstream import token_text
+from tests.ops.test_metrics import scrape, value
+from tests.support import (
+    DEADLINE,
+    Fake,
+    Proxy,
+    RawClient,
+    chat_body,
+    poll_until,
+    producer_tasks,
+    sse_payloads,
+    start_fake,
+    start_proxy,
+    stream_text,
+)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MODEL = "shared-model"
+SECRETS = {
+    "urgent": "sk-preempt-urgent-0123456789",
+    "batch": "sk-preempt-batch-0123456789",
+    "batch2": "sk-preempt-batch2-0123456789",
+}
+KEYS = [
+    {"name": "urgent", "sha256": hash_key(SECRETS["urgent"]), "priority": 0},
+    {"name": "batch", "sha256": hash_key(SECRETS["batch"]), "priority": 5},
+    {"name": "batch2", "sha256": hash_key(SECRETS["batch2"]), "priority": 5},
+]
+PREEMPT_AFTER = 0.2
+# The batch stream: long enough to be paused in its middle.
+BATCH_TOKENS = 40
+INTERVAL = 0.02
+
+
+def bearer(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {SECRETS[name]}"}
+
+
+def answer(tokens: int, first: int = 0) -> str:
+    """The fake's answer: token i is word i and a space."""
+    return "".join(token_text(first + index) for index in range(tokens))
+
+
+async def one_slot(
+    nursery: trio.Nursery, *, scheduling: dict[str, Any] | None = None, **model: Any
+) -> tuple[Fake, Proxy]:
+    fake = await start_fake(nursery, ttft=0, interval=INTERVAL, tokens=BATCH_TOKENS, max_running=1)
+    proxy = await start_proxy(
+        nursery,
+        {MODEL: {"upstreams": [fake.url], "max_connections": 1, **model}},
+        keys=KEYS,
+        scheduling={"preempt_after": PREEMPT_AFTER, **(scheduling or {})},
+    )
+    return fake, proxy
+
+
+@pytest.fixture
+def access(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
+        yield caplog
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [
+        json.loads(record.getMessage()) for record in caplog.records if record.name == ACCESS_LOGGER
+    ]
+
+
+async def start_batch(proxy: Proxy, path: str = CHAT, **extra: Any) -> RawClient:
+    """A batch stream that has put out a few tokens."""
+    if path == CHAT:
+        body = chat_body(MODEL, **extra)
+    else:
+        body = {"model": MODEL, "prompt": "once upon a time", "stream": True, **extra}
+    client = await RawClient.post(proxy, path, body, headers=bearer("batch"))
+    await client.read_until(b"data: ", 4)
+    return client
+
+
+async def read_to_the_end(client: RawClient) -> str:
+    """The stream's body, once its last event is in (its chunked framing taken off)."""
+    await client.read_until(b"data: [DONE]")
+    await client.read_until(b"\r\n0\r\n\r\n")
+    framed = client.received.split(b"\r\n\r\n", 1)[1]
+    body = b""
+    while True:
+        size_line, framed = framed.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if not size:
+            return body.decode()
+        body, framed = body + framed[:size], framed[size + 2 :]
+
+
+def events_of(body: str) -> list[str]:
+    """The data payloads, once the pause's comments are taken out."""
+    assert body.count(": paused\n\n") == body.count(": paused")
+    return sse_payloads(body.replace(": paused\n\n", ""))
+
+
+async def test_an_urgent_request_pauses_a_batch_stream_which_resumes_where_it_stopped(
+    nursery: trio.Nursery, access: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery)
+        batch = await start_batch(proxy, stream_options={"include_usage": True})
+        asked = trio.current_time()
+        async with openai.AsyncOpenAI(
+            base_url=proxy.url + "/v1", api_key=SECRETS["urgent"], max_retries=0
+        ) as client:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "urgent"}],
+                stream=True,
+                max_tokens=5,
+            )
+            urgent_text = ""
+            first_token_at = None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first_token_at = first_token_at or trio.current_time()
+                    urgent_text += chunk.choices[0].delta.content
+        body = await read_to_the_end(batch)
+        await batch.close()
+        await proxy.state.tracker.wait_idle()
+    assert urgent_text == answer(5)
+    # It waited preempt_after, then took the paused stream's slot.
+    assert first_token_at is not None
+    assert PREEMPT_AFTER <= first_token_at - asked < PREEMPT_AFTER + 0.5
+    assert ": paused\n\n" in body
+    payloads = events_of(body)
+    # One answer: the whole text, once; one role delta; one id, created and model.
+    assert stream_text(payloads) == answer(BATCH_TOKENS)
+    events = [json.loads(p) for p in payloads if p != "[DONE]"]
+    assert sum(1 for e in events for c in e["choices"] if "role" in c["delta"]) == 1
+    assert len({(e["id"], e["created"], e["model"]) for e in events}) == 1
+    # Usage: the original prompt once, every piece's completion tokens.
+    (usage,) = [e["usage"] for e in events if e.get("usage")]
+    assert usage["completion_tokens"] == BATCH_TOKENS
+    assert usage["prompt_tokens"] == 2  # "hello there"
+    assert usage["total_tokens"] == BATCH_TOKENS + 2
+    # Upstream: the batch request, the urgent one, then the continuation.
+    records = [r for r in fake.recorder.records if r.method == "POST"]
+    assert [r.body["messages"][-1]["content"] for r in records][1] == "urgent"
+    first, continuation = records[0], records[2]
+    assert first.outcome == "client_disconnected"
+    sent = continuation.body["messages"][-1]
+    assert sent["role"] == "assistant"
+    assert continuation.body["continue_final_message"] is True
+    assert continuation.body["add_generation_prompt"] is False
+    held = len(sent["content"].split())
+    assert 0 < held < BATCH_TOKENS
+    assert sent["content"] == answer(held)
+    # The metrics, and the access line.
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+        samples = await scrape(http, proxy)
+    assert value(samples, "sluice_preemptions_total", model=MODEL, band="5") == 1
+    assert value(samples, "sluice_pause_seconds_count", model=MODEL, band="5") == 1
+    lines = {line["key"]: line for line in access_lines(access)}
+    assert lines["batch"]["pauses"] == 1
+    assert lines["batch"]["paused_s"] > 0
+    assert lines["batch"]["outcome"] == "completed"
+    assert lines["urgent"]["pauses"] == 0
+
+
+async def test_a_completions_stream_is_continued_from_its_prompt_and_text(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery)
+        batch = await start_batch(proxy, COMPLETIONS, max_tokens=30)
+        urgent = await RawClient.post(
+            proxy,
+            COMPLETIONS,
+            {"model": MODEL, "prompt": "urgent", "stream": True, "max_tokens": 3},
+            headers=bearer("urgent"),
+        )
+        await read_to_the_end(urgent)
+        body = await read_to_the_end(batch)
+        await proxy.state.tracker.wait_idle()
+    payloads = events_of(body)
+    assert stream_text(payloads) == answer(30)
+    continuation = [r for r in fake.recorder.records if r.method == "POST"][2]
+    held = continuation.body["max_tokens"]
+    assert continuation.body["prompt"] == "once upon a time" + answer(30 - held)
+
+
+async def test_a_request_of_the_same_band_never_preempts(nursery: trio.Nursery) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery)
+        batch = await start_batch(proxy)
+        other = await RawClient.post(
+            proxy, CHAT, chat_body(MODEL, max_tokens=2), headers=bearer("batch2")
+        )
+        raw = await read_to_the_end(batch)
+        await read_to_the_end(other)
+        await proxy.state.tracker.wait_idle()
+    assert ": paused" not in raw
+    assert len([r for r in fake.recorder.records if r.method == "POST"]) == 2
+
+
+async def test_a_request_is_paused_at_most_max_preemptions_times(nursery: trio.Nursery) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery, scheduling={"max_preemptions": 1})
+        batch = await start_batch(proxy)
+        for _ in range(2):
+            urgent = await RawClient.post(
+                proxy, CHAT, chat_body(MODEL, max_tokens=2), headers=bearer("urgent")
+            )
+            await read_to_the_end(urgent)
+        body = await read_to_the_end(batch)
+        await proxy.state.tracker.wait_idle()
+    payloads = events_of(body)
+    assert stream_text(payloads) == answer(BATCH_TOKENS)
+    bodies = [r.body for r in fake.recorder.records if r.method == "POST"]
+    continuations = [b for b in bodies if b.get("continue_final_message")]
+    assert len(continuations) == 1
+
+
+async def test_a_model_that_cannot_resume_is_never_paused(nursery: trio.Nursery) -> None:
+    with trio.fail_after(DEADLINE):
+        _fake, proxy = await one_slot(nursery, resumable=False)
+        batch = await start_batch(proxy)
+        asked = trio.current_time()
+        urgent = await RawClient.post(
+            proxy, CHAT, chat_body(MODEL, max_tokens=2), headers=bearer("urgent")
+        )
+        raw = await read_to_the_end(batch)
+        await read_to_the_end(urgent)
+        waited = trio.current_time() - asked
+        await proxy.state.tracker.wait_idle()
+    assert ": paused" not in raw
+    # Until the batch stream ended.
+    assert waited > (BATCH_TOKENS - 4) * INTERVAL * 0.8
+
+
+async def test_a_client_that_leaves_while_paused_leaves_nothing_queued(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery)
+        batch = await start_batch(proxy)
+        urgent = await RawClient.post(
+            proxy,
+            CHAT,
+            chat_body(MODEL, fake={"ttft": 0, "interval": 0.05, "tokens": 20}),
+            headers=bearer("urgent"),
+        )
+        await batch.read_until(b": paused")
+        await batch.close()
+        await poll_until(lambda: len(proxy.state.tracker.active) == 1)
+        backend = proxy.state.backends[MODEL]
+        assert backend.queued == 0  # type: ignore[attr-defined]
+        await read_to_the_end(urgent)
+        await proxy.state.tracker.wait_idle()
+    assert producer_tasks() == []
+    # The paused request never went upstream again.
+    assert len([r for r in fake.recorder.records if r.method == "POST"]) == 2
