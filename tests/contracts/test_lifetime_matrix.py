@@ -137,6 +137,10 @@ PREFILL = 0.3
 STEP = 0.05
 # A long upstream stream: the client always leaves before its end.
 LONG_STREAM = {"ttft": 0, "interval": 0.02, "tokens": 1000}
+# How long a band-0 request waits before it pauses a less urgent stream (the paused phase's).
+PREEMPT_AFTER = 0.05
+# The band of the paused phase's trial (a request may make itself less urgent, in its body).
+BATCH_BAND = 5
 
 PHASES = tuple(Phase)
 # WebSocket: add "websocket" here (and to Rig.post/read_to_end) once the proxy serves it.
@@ -182,6 +186,7 @@ NOT_APPLICABLE = {
         "no phase of its own: the local worker sets the head right before the prefill (SSE) "
         "or after the whole generation (JSON), which first_token and mid_stream cover"
     ),
+    (Phase.PAUSED, "local"): "the local engine's pause is not wired to the scheduler yet",
 }
 
 
@@ -222,12 +227,23 @@ def endpoint_body(endpoint: str, model: str, stream: bool, **options: Any) -> di
     return {"model": model, **shaped, "fake": fake, **options}
 
 
+# Only a stream is ever paused (a whole answer has no client stream to carry on), and only on
+# the endpoints whose answer can be continued (chat and completions).
+PAUSED_TRANSPORTS = ("sse",)
+
+
+def applies(phase: Phase, transport: str) -> bool:
+    return phase != Phase.PAUSED or transport in PAUSED_TRANSPORTS
+
+
 def _endpoint_matrix() -> list[Any]:
     cases = []
     for endpoint in ("responses", "messages", *WHOLE_ONLY):
         for phase in PHASES:
             if endpoint in WHOLE_ONLY and phase == Phase.MID_STREAM:
                 continue  # the answer comes whole, at once: there is no middle
+            if phase == Phase.PAUSED:
+                continue  # never paused: its answer cannot be continued
             for backend in UPSTREAM_BACKENDS:
                 for transport in ("json",) if endpoint in WHOLE_ONLY else TRANSPORTS:
                     fast = transport == "sse" and backend == "upstream"
@@ -251,6 +267,8 @@ def _matrix() -> list[Any]:
             if (phase, backend) in NOT_APPLICABLE:
                 continue  # omitted, not skipped: the combination does not exist (see above)
             for transport in TRANSPORTS:
+                if not applies(phase, transport):
+                    continue
                 marks = () if transport == "sse" else (pytest.mark.slow,)
                 cases.append(
                     pytest.param(
@@ -271,6 +289,8 @@ def _pipelined_byte_matrix() -> list[Any]:
                 if (phase, backend) in NOT_APPLICABLE:
                     continue
                 for transport in TRANSPORTS:
+                    if not applies(phase, transport):
+                        continue
                     fast = transport == "sse" and backend == "upstream"
                     cases.append(
                         pytest.param(
@@ -588,6 +608,9 @@ async def start_rig(
         local_models={"tiny": slow},
         upstream={"max_connections": 1},
         server=server or {},
+        # A request of band 0 that waits this long pauses a running one of a less urgent band
+        # (the paused phase's); every other driver's requests are all of band 0.
+        scheduling={"preempt_after": PREEMPT_AFTER},
     )
     rig = Rig(proxy, fake, slow.model, traced=traced)
     await rig.warm_up()
@@ -902,6 +925,37 @@ async def local_after_last_token(rig: Rig, transport: str) -> Left:
     return Left(set(), 0, raw)
 
 
+async def upstream_paused(rig: Rig, transport: str) -> Left:
+    assert transport == "sse"
+    raw = await rig.post(
+        "upstream", transport, endpoint="chat", fake=LONG_STREAM, priority=BATCH_BAND
+    )
+    await raw.read_until(b"data: ", count=3)
+    paused_record = rig.fake.recorder.last()
+    # A band-0 request waits for the replica's one slot, then pauses the trial and takes it.
+    urgent = await rig.post("upstream", "sse", endpoint="chat", fake=LONG_STREAM)
+    await raw.read_until(b": paused")
+    await urgent.read_until(b"data: ")
+    urgent_record = rig.fake.recorder.last()
+    assert urgent_record is not paused_record
+    # The pause closed the trial's upstream stream, as a departure does.
+    with trio.fail_after(SETTLE):
+        await rig.fake.recorder.wait_for(lambda _: paused_record.outcome != "pending")
+    assert paused_record.outcome == "client_disconnected", paused_record
+    await poll_until(lambda: rig.upstream_waiting() == 1)  # paused: waiting to be continued
+    connections = rig.in_flight_connections()
+    closed_at = await raw.close()
+    # Leaving while paused ends it at once, with nothing left queued and nothing sent again.
+    await rig.proxy.state.tracker.wait_until(lambda tracker: len(tracker.active) == 1)
+    assert trio.current_time() - closed_at < CANCEL_BOUND
+    assert rig.upstream_waiting() == 0
+    records = len(rig.fake.recorder.records)
+    closed_at = await urgent.close()
+    await assert_upstream_saw_close(rig, urgent_record, closed_at)
+    assert len(rig.fake.recorder.records) == records
+    return Left(connections, 2, raw)
+
+
 Driver = Callable[[Rig, str], Awaitable[Left]]
 DRIVERS: dict[tuple[str, str], Driver] = {
     **{
@@ -913,6 +967,7 @@ DRIVERS: dict[tuple[str, str], Driver] = {
             (Phase.HEAD, upstream_head),
             (Phase.FIRST_TOKEN, upstream_first_token),
             (Phase.MID_STREAM, upstream_mid_stream),
+            (Phase.PAUSED, upstream_paused),
             (Phase.AFTER_LAST, upstream_after_last_token),
         )
     },

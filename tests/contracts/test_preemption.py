@@ -22,8 +22,10 @@ import pytest
 import trio
 
 from proxy.api.auth import hash_key
+from proxy.ops import tracing
 from proxy.ops.logs import ACCESS_LOGGER
 from proxy.testing.fake_upstream import token_text
+from proxy.testing.otlp_receiver import otlp_receiver
 from tests.ops.test_metrics import scrape, value
 from tests.support import (
     DEADLINE,
@@ -38,6 +40,7 @@ from tests.support import (
     start_proxy,
     stream_text,
 )
+from tests.tracing_support import flush, new_traceparent, tracing_env, tree
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -281,3 +284,71 @@ async def test_a_client_that_leaves_while_paused_leaves_nothing_queued(
     assert producer_tasks() == []
     # The paused request never went upstream again.
     assert len([r for r in fake.recorder.records if r.method == "POST"]) == 2
+
+
+async def test_a_deadline_still_applies_while_paused(nursery: trio.Nursery) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery)
+        batch = await RawClient.post(
+            proxy,
+            CHAT,
+            chat_body(MODEL, fake={"ttft": 0, "interval": INTERVAL, "tokens": 200}),
+            headers={**bearer("batch"), "x-sluice-deadline": "1"},
+        )
+        await batch.read_until(b"data: ", 4)
+        started = trio.current_time()
+        # The urgent request holds the slot for longer than the batch has left.
+        urgent = await RawClient.post(
+            proxy,
+            CHAT,
+            chat_body(MODEL, fake={"ttft": 0, "interval": 0.1, "tokens": 30}),
+            headers=bearer("urgent"),
+        )
+        await batch.read_until(b"deadline_exceeded")
+        ended = trio.current_time()
+        await poll_until(lambda: len(proxy.state.tracker.active) == 1)
+        backend = proxy.state.backends[MODEL]
+        assert backend.queued == 0  # type: ignore[attr-defined]
+        await urgent.close()
+        await proxy.state.tracker.wait_idle()
+    # Cut at its deadline (1 s after it arrived), in-band: its head was out long before.
+    assert ended - started < 1.0
+    assert b": paused" in batch.received
+    # Paused, never continued.
+    assert len([r for r in fake.recorder.records if r.method == "POST"]) == 2
+
+
+async def test_the_pause_is_on_the_request_s_trace(nursery: trio.Nursery) -> None:
+    with otlp_receiver() as receiver, trio.fail_after(DEADLINE):
+        fake = await start_fake(
+            nursery, ttft=0, interval=INTERVAL, tokens=BATCH_TOKENS, max_running=1
+        )
+        proxy = await start_proxy(
+            nursery,
+            {MODEL: {"upstreams": [fake.url], "max_connections": 1}},
+            keys=KEYS,
+            scheduling={"preempt_after": PREEMPT_AFTER},
+            env=tracing_env(receiver),
+        )
+        trace_id, traceparent = new_traceparent()
+        batch = await RawClient.post(
+            proxy, CHAT, chat_body(MODEL), headers={**bearer("batch"), "traceparent": traceparent}
+        )
+        await batch.read_until(b"data: ", 4)
+        urgent = await RawClient.post(
+            proxy, CHAT, chat_body(MODEL, max_tokens=2), headers=bearer("urgent")
+        )
+        await read_to_the_end(urgent)
+        await read_to_the_end(batch)
+        await flush(proxy)
+        spans = receiver.of_trace(trace_id)
+        if tracing.ACTIVE is not None:
+            tracing.ACTIVE.shutdown()
+    _server, operation, attempts = tree(spans)
+    assert {"preempted", "resumed"} <= set(operation.events)
+    times = operation.event_times
+    assert times["preempted"] < times["resumed"]
+    assert operation.events["resumed"]["sluice.paused_seconds"] > 0
+    assert operation.attributes["sluice.outcome"] == "completed"
+    # Two exchanges upstream: the first, closed by the pause, and the continuation.
+    assert len(attempts) == 2

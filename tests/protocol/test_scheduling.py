@@ -15,8 +15,10 @@ from proxy.protocol.scheduling import (
     SchedulingSettings,
     SharedCounters,
     Ticket,
+    choose_preemption,
     expected_wait,
     positive_seconds,
+    preemption_due,
     request_band,
     vtc_bound,
 )
@@ -314,3 +316,58 @@ def test_a_key_flooding_one_instance_is_behind_on_the_other() -> None:
     shared, _ = simulate_instances(demands, period=5)
     assert alone["a"] / alone["b"] > 2.5, alone
     assert abs(shared["a"] / shared["b"] - 1) < 0.05, shared
+
+
+# -- preemption ---------------------------------------------------------------------------
+
+PREEMPTING = SchedulingSettings(preempt_after=2.0, max_preemptions=2)
+
+
+def running(tenant: str, band: int, seq: int, preemptions: int = 0) -> Ticket:
+    return Ticket(tenant, band, seq=seq, preemptions=preemptions)
+
+
+def test_preemption_is_due_preempt_after_the_arrival_and_only_when_on() -> None:
+    waiting = Ticket("chat", arrived=10.0)
+    assert preemption_due(PREEMPTING, waiting) == 12.0
+    assert preemption_due(SchedulingSettings(), waiting) is None  # off by default
+    fifo = SchedulingSettings(policy="fifo", preempt_after=2.0)
+    assert preemption_due(fifo, waiting) is None  # FIFO knows no bands
+    # A paused request waits its turn at the head of its band: it never preempts.
+    assert preemption_due(PREEMPTING, Ticket("batch", resumed=True)) is None
+
+
+def test_the_least_urgent_band_is_paused_and_in_it_the_key_served_most() -> None:
+    waiting = Ticket("chat", band=0)
+    a, b, c = running("a", 5, 1), running("b", 5, 2), running("c", 3, 3)
+    counters = {"a": 500.0, "b": 100.0, "c": 900.0}
+    assert choose_preemption(PREEMPTING, waiting, [a, b, c], counters) is a
+    # On equal counters, the youngest (the least work to redo).
+    counters["b"] = 500.0
+    assert choose_preemption(PREEMPTING, waiting, [a, b, c], counters) is b
+
+
+def test_never_within_a_band_nor_a_more_urgent_one_nor_past_max_preemptions() -> None:
+    counters: dict[str, float] = {}
+    same = running("a", 2, 1)
+    assert choose_preemption(PREEMPTING, Ticket("chat", band=2), [same], counters) is None
+    assert choose_preemption(PREEMPTING, Ticket("chat", band=3), [same], counters) is None
+    worn = running("a", 5, 1, preemptions=2)
+    assert choose_preemption(PREEMPTING, Ticket("chat", band=0), [worn], counters) is None
+    fresh = running("b", 4, 2, preemptions=1)
+    assert choose_preemption(PREEMPTING, Ticket("chat"), [worn, fresh], counters) is fresh
+
+
+def test_a_paused_request_goes_before_the_rest_of_its_band() -> None:
+    queue = FairQueue(FAIR)
+    queue.counters.update({"batch": 1000.0, "other": 0.0})
+    other = ticket("other", band=5)
+    queue.add(other)
+    paused = Ticket("batch", band=5, resumed=True, seq=0)
+    queue.add(paused)
+    urgent = ticket("chat", band=0)
+    queue.add(urgent)
+    # A more urgent band first; then the paused request, though its key is served most.
+    assert [take(queue) for _ in range(3)] == [urgent, paused, other]
+    # It kept its place in arrival order (given once).
+    assert paused.seq == 0

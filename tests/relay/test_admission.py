@@ -260,3 +260,135 @@ def test_a_processs_rooms_outlive_a_reload() -> None:
     assert scheduling.upstream.queue.settings.policy == "fifo"
     assert scheduling.upstream.queue.counters == {"a": 5.0}
     assert math.isfinite(room.average_hold)
+
+
+# -- preemption ---------------------------------------------------------------------------
+
+
+async def test_a_waiting_urgent_request_pauses_a_batch_one_which_then_takes_a_slot_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    dispatcher = Dispatcher(
+        SchedulingSettings(starvation_seconds=0, preempt_after=2.0, pause_keepalive=5.0)
+    )
+    room = dispatcher.room(Room("replica", 1))
+    admission = Admission("m", dispatcher, max_queue=1, queue_timeout=30.0, rooms=[room])
+    events: list[str] = []
+    comments: list[float] = []
+    paused_for: list[float] = []
+    admission.on_preempt = lambda ticket: events.append(f"paused {ticket.tenant}")
+    admission.on_resume = lambda ticket, seconds: paused_for.append(seconds)
+    batch = Ticket("batch", band=5)
+    asked = trio.Event()
+
+    async def run_batch() -> None:
+        async with admission.lease(batch) as lease:
+            scope = trio.CancelScope()
+
+            def pause() -> bool:
+                asked.set()
+                scope.cancel()
+                return True
+
+            dispatcher.track(batch, lambda: 0, room=lease.room, pause=pause)
+            with scope:
+                await trio.sleep_forever()
+            events.append("batch gave its slot up")
+            seconds = await lease.pause([room], lambda _: comments.append(trio.current_time()))
+            events.append(f"batch resumed after {seconds:g}s")
+            assert lease.pauses == 1 and lease.room is room
+
+    async def run_urgent() -> None:
+        async with admission.slot(Ticket("chat", band=0)):
+            events.append(f"chat dispatched at {trio.current_time():g}")
+            await trio.sleep(12.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_batch)
+        await trio.testing.wait_all_tasks_blocked()
+        # The queue is full (max_queue=1) once the chat waits; a paused request waits again
+        # whatever its bound says (it was admitted already).
+        nursery.start_soon(run_urgent)
+    assert events == [
+        "batch gave its slot up",
+        "paused batch",
+        "chat dispatched at 2",
+        "batch resumed after 12s",
+    ]
+    assert batch.preemptions == 1 and not batch.resumed
+    # Its client heard of the pause at once, then every pause_keepalive seconds.
+    assert comments == [2.0, 7.0, 12.0]
+    assert paused_for == [12.0]
+    assert room.in_flight == 0 and admission.waiting == 0
+
+
+async def test_a_request_that_declines_is_not_paused_and_the_urgent_one_waits(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    dispatcher = Dispatcher(SchedulingSettings(starvation_seconds=0, preempt_after=1.0))
+    room = dispatcher.room(Room("replica", 1))
+    admission = Admission("m", dispatcher, max_queue=5, queue_timeout=30.0, rooms=[room])
+    asked = 0
+
+    def decline() -> bool:
+        nonlocal asked
+        asked += 1
+        return False
+
+    dispatched_at: list[float] = []
+
+    async def run_urgent() -> None:
+        async with admission.slot(Ticket("chat", band=0)):
+            dispatched_at.append(trio.current_time())
+
+    batch = Ticket("batch", band=5)
+
+    async def run_declining() -> None:
+        async with admission.lease(batch) as lease:
+            dispatcher.track(batch, lambda: 0, room=lease.room, pause=decline)
+            await trio.sleep(5.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_declining)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(run_urgent)
+    # Asked once; it said no, so it is not asked again; the chat waited for its end.
+    assert asked == 1
+    assert dispatched_at == [5.0]
+    assert batch.preemptions == 0
+
+
+async def test_a_client_that_leaves_while_paused_leaves_nothing_queued(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    dispatcher = Dispatcher(SchedulingSettings(starvation_seconds=0, preempt_after=1.0))
+    room = dispatcher.room(Room("replica", 1))
+    admission = Admission("m", dispatcher, max_queue=5, queue_timeout=30.0, rooms=[room])
+    batch = Ticket("batch", band=5)
+
+    async def run_batch(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as client:
+            task_status.started(client)
+            async with admission.lease(batch) as lease:
+                scope = trio.CancelScope()
+                dispatcher.track(
+                    batch, lambda: 0, room=lease.room, pause=lambda: bool(scope.cancel()) or True
+                )
+                with scope:
+                    await trio.sleep_forever()
+                await lease.pause([room], lambda _: None)
+
+    async def run_urgent() -> None:
+        async with admission.slot(Ticket("chat", band=0)):
+            await trio.sleep(10.0)
+
+    async with trio.open_nursery() as nursery:
+        client = await nursery.start(run_batch)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(run_urgent)
+        await admission.wait_queued(1)  # the paused batch, waiting to be continued
+        client.cancel()
+        await admission.wait_queued(0)
+        assert dispatcher.queue.size == 0
+        assert not dispatcher.running(batch)
+    assert room.in_flight == 0

@@ -231,6 +231,45 @@ async def test_streaming_completions(nursery: trio.Nursery) -> None:
     assert chunks[21]["usage"] == {"prompt_tokens": 2, "completion_tokens": 20, "total_tokens": 22}
 
 
+async def test_a_continuation_goes_on_from_the_answer_so_far_as_vllm_s_does(
+    nursery: trio.Nursery,
+) -> None:
+    _, port = await start(nursery, tokens=8)
+    held = "".join(token_text(i) for i in range(3))
+    with trio.fail_after(10):
+        async with client(port) as c:
+            messages = [{"role": "user", "content": "hello there"}]
+            body = chat(
+                stream=True,
+                messages=[*messages, {"role": "assistant", "content": held}],
+                continue_final_message=True,
+                add_generation_prompt=False,
+                stream_options={"include_usage": True},
+            )
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                events = await sse_events(r)
+            text = completion(stream=True, prompt="Say it: " + held)
+            async with c.stream("POST", "/v1/completions", json=text) as r:
+                text_events = await sse_events(r)
+            # vLLM refuses both, and a continuation with no assistant message last.
+            both = chat(messages=messages, continue_final_message=True)
+            refused = await c.post("/v1/chat/completions", json=both)
+            no_answer = chat(
+                messages=messages, continue_final_message=True, add_generation_prompt=False
+            )
+            refused_too = await c.post("/v1/chat/completions", json=no_answer)
+    chunks = [json.loads(e) for e in events[:-1]]
+    # The role delta as always, then the answer from its fourth token on.
+    contents = [chunk["choices"][0]["delta"].get("content") for chunk in chunks[1:6]]
+    assert contents == [token_text(i) for i in range(3, 8)]
+    # Its prompt held the answer so far: 2 + 3 words.
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    texts = [json.loads(e)["choices"][0]["text"] for e in text_events[:5]]
+    assert texts == [token_text(i) for i in range(3, 8)]
+    assert refused.status_code == 400 and "add_generation_prompt" in refused.text
+    assert refused_too.status_code == 400
+
+
 async def test_non_streaming(nursery: trio.Nursery) -> None:
     fake, port = await start(nursery)
     with trio.fail_after(10):
