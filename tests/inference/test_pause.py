@@ -386,3 +386,44 @@ def test_without_cache_editing_a_pause_keeps_the_sequences_own_cache(
     rig.run([first, second])
     same_as_uninterrupted(rig, first, PROMPTS[0], reference)
     same_as_uninterrupted(rig, second, PROMPTS[2], reference)
+
+
+def test_pause_and_resume_from_another_thread_wake_the_engine(
+    generator: Generator, reference: dict[str, tuple[list[int], str]]
+) -> None:
+    import threading
+
+    rig = Rig(generator, max_batch=1)
+    events = {name: threading.Event() for name in ("paused", "second", "first")}
+    first = Generation(generator.text_prompt(PROMPTS[0]), GREEDY)
+    second = Generation(generator.text_prompt(PROMPTS[2]), GREEDY)
+    recorded = rig.deliver
+
+    def deliver(pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
+        recorded(pieces, gone)
+        if rig.tokens(first) == 3 and not events["paused"].is_set():
+            rig.engine.pause(first)  # asked between steps, as the requests' side would
+        if first.paused:
+            events["paused"].set()
+        for sequence, name in ((first, "first"), (second, "second")):
+            if sequence in gone:
+                events[name].set()
+
+    rig.engine.deliver = deliver
+    engine = threading.Thread(target=rig.engine.run)
+    engine.start()
+    try:
+        rig.engine.submit(first)
+        assert events["paused"].wait(10)
+        rig.engine.submit(second)  # max_batch=1: it runs only because the first is paused
+        assert events["second"].wait(10)
+        assert not events["first"].is_set() and rig.tokens(first) == 3
+        rig.engine.resume(first)
+        assert events["first"].wait(10)
+    finally:
+        rig.engine.stop()
+        engine.join(10)
+    assert not engine.is_alive()
+    same_as_uninterrupted(rig, first, PROMPTS[0], reference)
+    same_as_uninterrupted(rig, second, PROMPTS[2], reference)
+    assert rig.notices == {first: 1}
