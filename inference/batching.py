@@ -3,8 +3,9 @@ each per forward pass, and join and leave between steps.
 
 Owns nothing async: the engine runs in one worker thread (``proxy/backends/local.py`` owns it)
 and meets the requests' side only through each :class:`Generation`'s flags (``cancelled``,
-``consumed``, set from the other side, then :meth:`BatchEngine.wake`) and the ``deliver``
-callback, called once per step with every sequence's new piece and the sequences that left.
+``consumed``, set from the other side, then :meth:`BatchEngine.wake`; a pause or resume asked
+with :meth:`BatchEngine.pause` / :meth:`BatchEngine.resume`) and the ``deliver`` callback,
+called once per step with every sequence's new piece and the sequences that left.
 
 The batch is one KV cache whose rows are the running sequences, right-aligned: every row's
 positions end at the cache's last column, a shorter row is padded on the left, the padding is
@@ -26,7 +27,16 @@ Per sequence:
   starts from the KV of the longest prefix it shares with a prompt or a sequence the engine
   finished before, and prefills only the rest. A prompt's KV is stored when its prefill is
   complete, a sequence's (prompt and answer) when it finishes; a cancelled one stores nothing
-  more, so an entry is never half-written.
+  more, so an entry is never half-written;
+* **pausing**: so that an urgent request can take a running one's slot, :meth:`BatchEngine.pause`
+  takes a sequence out wherever it is (decoding, parked, or part-way through its prefill) and
+  keeps its KV aside; unlike a parked one, a paused sequence does not count toward capacity.
+  :meth:`BatchEngine.resume` puts it back, ahead of waiting newcomers, where it left off, so
+  its client sees one answer with a gap in it. The KV kept for paused sequences is bounded
+  (``paused_bytes``): past it, the KV of those paused longest ago is dropped (logged), and
+  such a sequence is prefilled again (its prompt and answer so far) when it resumes, without
+  drawing a token, so no text is repeated or lost; a recomputed KV is not bit-identical to
+  the one decoding built, so its answer may differ from an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ log = logging.getLogger("sluice.inference")
 # busy for a few steps never parks anyone.
 DEFAULT_WINDOW = 8
 
+# The KV kept for paused sequences, all together: SmolLM2-135M's KV is 30 layers x 2 x 3 heads
+# x 64 x 4 bytes = 45 KiB a position in float32, so this keeps about 5,800 positions (a few
+# long answers, or dozens of short ones) before the oldest pause is made to prefill again.
+DEFAULT_PAUSED_BYTES = 256 * 2**20
+
 
 @dataclass(slots=True)
 class Piece:
@@ -64,6 +79,9 @@ class Piece:
     logprobs: list[dict[str, Any]] | None = None
     result: GenerationResult | None = None
     error: BaseException | None = None
+    # A notice, not a token: the sequence has just been paused (it made no text, and is not
+    # counted in ``Generation.produced``, so a reader must not count it as consumed).
+    paused: bool = False
 
 
 class Generation:
@@ -95,6 +113,17 @@ class Generation:
         # increments).
         self.progress = (0, 0)
         self.parked = False
+        # Out of the batch by BatchEngine.pause, not counted toward capacity; the engine writes
+        # it (True before the pause notice is delivered, False once the sequence is back).
+        self.paused = False
+        # What pause()/resume() last asked for, written under the engine's lock.
+        self._pause_wanted = False
+        # Bytes of the KV kept aside while paused (0 when none is kept or it was dropped).
+        self.kept_bytes = 0
+        # A paused sequence whose KV was dropped is prefilled again: these ids (its prompt and
+        # its answer but the last token, which the next decode step feeds), up to _refilled.
+        self._refill: list[int] | None = None
+        self._refilled = 0
         self.generated: list[int] = []
         self.completion_tokens = 0
         self.step_seconds: list[float] = []
@@ -102,7 +131,8 @@ class Generation:
         self.prefilled = 0
         # Prompt tokens whose KV came from the prefix cache (not prefilled).
         self.reused = 0
-        self.cache: Any = None  # its own, while prefilling or parked
+        self.cache: Any = None  # its own, while prefilling, or parked or paused alone
+        # Its rows taken out of a batch, while parked or paused.
         self.parked_rows: cache_rows.Rows | None = None
         self.started_prefill = 0.0
         self._detokenizer: IncrementalDetokenizer | None = None
@@ -147,6 +177,7 @@ class BatchEngine:
         on_step: StepHook | None = None,
         on_prefill: Callable[[float], None] | None = None,
         prefix_cache: PrefixCache | None = None,
+        paused_bytes: int = DEFAULT_PAUSED_BYTES,
     ) -> None:
         self.generator = generator
         self.model = generator.model
@@ -170,6 +201,12 @@ class BatchEngine:
         self._starts: list[int] = []  # each row's first real column (left padding)
         self._cache: Any = None
         self._parked: list[Generation] = []
+        # Oldest pause first: the order in which their KV is dropped past paused_bytes.
+        self._paused: list[Generation] = []
+        self.paused_bytes = paused_bytes
+        self.paused_kv_bytes = 0
+        # Paused sequences whose KV was dropped to stay within paused_bytes.
+        self.paused_dropped = 0
         self.steps = 0
         # Decode steps slower than the generator's slow_step_seconds.
         self.slow_steps = 0
@@ -186,6 +223,22 @@ class BatchEngine:
         with self._wakeup:
             self._wakeup.notify()
 
+    def pause(self, sequence: Generation) -> None:
+        """Take ``sequence`` out of the batch at the start of the next step, keeping its KV
+        aside and its slot free; ``deliver`` then hands over a ``Piece(paused=True)`` for it.
+        A sequence that finishes in the step already running when this is called finishes (it
+        gets no notice); one that has left, or is paused already, is left as it is."""
+        with self._wakeup:
+            sequence._pause_wanted = True
+            self._wakeup.notify()
+
+    def resume(self, sequence: Generation) -> None:
+        """Put a paused ``sequence`` back as soon as there is room, ahead of waiting
+        newcomers; asked before its pause took effect, the pause does not happen."""
+        with self._wakeup:
+            sequence._pause_wanted = False
+            self._wakeup.notify()
+
     def stop(self) -> None:
         with self._wakeup:
             self._stopping = True
@@ -197,8 +250,14 @@ class BatchEngine:
 
     @property
     def sequences(self) -> int:
-        """Every sequence inside: decoding, parked, or waiting for its prefill."""
-        return len(self._rows) + len(self._parked) + len(self._waiting) + len(self._inbox)
+        """Every sequence inside: decoding, parked, paused, or waiting for its prefill."""
+        return (
+            len(self._rows)
+            + len(self._parked)
+            + len(self._paused)
+            + len(self._waiting)
+            + len(self._inbox)
+        )
 
     # --- the engine thread ---------------------------------------------------------------------
 
@@ -216,8 +275,11 @@ class BatchEngine:
         with self._lock:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
-        everyone = [*self._rows, *self._parked, *self._waiting]
-        self._rows, self._starts, self._parked, self._cache = [], [], [], None
+        everyone = [*self._rows, *self._parked, *self._paused, *self._waiting]
+        for sequence in self._paused:
+            sequence.cache = sequence.parked_rows = None
+        self._rows, self._starts, self._parked, self._paused, self._cache = [], [], [], [], None
+        self.paused_kv_bytes = 0
         self._waiting.clear()
         if everyone:
             self.deliver([], everyone)
@@ -227,9 +289,14 @@ class BatchEngine:
         self._waiting.append(sequence)
 
     def _has_work(self) -> bool:
-        everyone = (*self._rows, *self._parked, *self._waiting)
-        if any(sequence.cancelled for sequence in everyone):
+        inside = (*self._rows, *self._parked, *self._waiting)
+        if any(sequence.cancelled or sequence._pause_wanted for sequence in inside):
             return True
+        for sequence in self._paused:
+            if sequence.cancelled:
+                return True
+            if not sequence._pause_wanted and (self._prefills(sequence) or self._room()):
+                return True
         if self._waiting and self._room():
             return True
         if self._rows:
@@ -249,9 +316,10 @@ class BatchEngine:
         pieces: list[tuple[Generation, Piece]] = []
         gone: list[Generation] = []
         self._drop_cancelled(gone)
-        if gone:
+        notices = self._pause_and_resume()
+        if gone or notices:
             # Their slots are free now, not after this step's forward pass.
-            self.deliver([], gone)
+            self.deliver(notices, gone)
             gone = []
         self._park_and_resume()
         if self._rows:
@@ -266,11 +334,124 @@ class BatchEngine:
         if cancelled:
             gone.extend(self._rows[index] for index in cancelled)
             self._remove_rows(set(cancelled))
-        for holder in (self._parked, self._waiting):
+        for holder in (self._parked, self._paused, self._waiting):
             for sequence in [seq for seq in holder if seq.cancelled]:
                 holder.remove(sequence)
                 sequence.cache = sequence.parked_rows = None
+                sequence.kept_bytes = 0
                 gone.append(sequence)
+        self._count_paused()
+
+    # --- pausing -----------------------------------------------------------------------------
+
+    def _pause_and_resume(self) -> list[tuple[Generation, Piece]]:
+        """Pause every sequence asked to pause (its notice returned), then put back those asked
+        to resume, oldest pause first, while there is room."""
+        notices: list[tuple[Generation, Piece]] = []
+        pausing = [index for index, seq in enumerate(self._rows) if seq._pause_wanted]
+        for index in pausing:
+            sequence = self._rows[index]
+            if self.batching:
+                sequence.parked_rows = cache_rows.take_row(self._cache, index, self._starts[index])
+            else:
+                # Without cache editing the batch is this one sequence: its cache is its own.
+                sequence.cache = self._cache
+            notices.append(self._paused_now(sequence))
+        if pausing:
+            self._remove_rows(set(pausing))
+        for holder in (self._parked, self._waiting):
+            for sequence in [seq for seq in holder if seq._pause_wanted]:
+                holder.remove(sequence)
+                if sequence.cache is not None and self.batching:
+                    # Its rows, copied: exactly its KV (a cache's buffer has spare columns).
+                    sequence.parked_rows = cache_rows.take_row(sequence.cache, 0, 0)
+                    sequence.cache = None
+                notices.append(self._paused_now(sequence))
+        to_prefill: list[Generation] = []
+        for sequence in [seq for seq in self._paused if not seq._pause_wanted]:
+            if not self._prefills(sequence) and not self._room():
+                continue
+            self._paused.remove(sequence)
+            sequence.paused = False
+            sequence.kept_bytes = 0
+            rows, sequence.parked_rows = sequence.parked_rows, None
+            if self._prefills(sequence):
+                if rows is not None:
+                    sequence.cache = cache_rows.cache_from_rows(self.model.config, rows)
+                to_prefill.append(sequence)
+            elif sequence.unread >= sequence.window or (
+                sequence.parked and not self._may_resume(sequence)
+            ):
+                # Its reader is still behind: it waits as any parked sequence does.
+                sequence.parked = True
+                sequence.parked_rows = rows
+                self._parked.append(sequence)
+            else:
+                sequence.parked = False
+                if rows is not None:
+                    self._join(sequence, rows=rows)
+                else:
+                    cache, sequence.cache = sequence.cache, None
+                    self._join(sequence, cache=cache)
+        # Ahead of the waiting newcomers, in the order they were paused.
+        self._waiting.extendleft(reversed(to_prefill))
+        self._count_paused()
+        return notices
+
+    def _paused_now(self, sequence: Generation) -> tuple[Generation, Piece]:
+        sequence.paused = True
+        sequence.kept_bytes = _bytes_held(sequence)
+        self._paused.append(sequence)
+        self._count_paused()
+        if self.paused_kv_bytes > self.paused_bytes:
+            self._drop_paused_kv(sequence)
+        return sequence, Piece(paused=True)
+
+    def _drop_paused_kv(self, newest: Generation) -> None:
+        """Back within paused_bytes: the newest pause's KV alone when it alone is over the
+        bound, else the KV of those paused longest ago, until the rest fits."""
+        if newest.kept_bytes > self.paused_bytes:
+            dropping = [newest]
+        else:
+            dropping = []
+            total = self.paused_kv_bytes
+            for sequence in self._paused:
+                if total <= self.paused_bytes:
+                    break
+                if sequence.kept_bytes:
+                    dropping.append(sequence)
+                    total -= sequence.kept_bytes
+        for sequence in dropping:
+            log.warning(
+                "request %s: the %d bytes of KV kept for its pause are dropped (paused "
+                "sequences may keep %d bytes together); it will be prefilled again when it "
+                "resumes, and its output may differ from an uninterrupted run",
+                sequence.request_id,
+                sequence.kept_bytes,
+                self.paused_bytes,
+            )
+            self.paused_dropped += 1
+            sequence.kept_bytes = 0
+            sequence.cache = sequence.parked_rows = None
+            if sequence._refill is not None:
+                sequence._refilled = 0
+            elif sequence.generated:
+                sequence._refill = [*sequence.prompt_ids, *sequence.generated[:-1]]
+                sequence._refilled = 0
+            else:
+                # Part-way through its prompt: it starts that prefill again.
+                sequence._detokenizer = None
+                sequence.prefilled = sequence.reused = 0
+        self._count_paused()
+
+    @staticmethod
+    def _prefills(sequence: Generation) -> bool:
+        """Whether a paused sequence goes back to the waiting line (its prompt not prefilled
+        yet, or its KV to be prefilled again) rather than into the batch."""
+        return not sequence.generated or sequence._refill is not None
+
+    def _count_paused(self) -> None:
+        self.paused_kv_bytes = sum(sequence.kept_bytes for sequence in self._paused)
 
     def _park_and_resume(self) -> None:
         behind = [index for index, seq in enumerate(self._rows) if seq.unread >= seq.window]
@@ -440,6 +621,9 @@ class BatchEngine:
         import torch
 
         sequence = self._waiting[0]
+        if sequence._refill is not None:
+            self._prefill_again(sequence, gone, pieces)
+            return
         prompt = sequence.prompt_ids
         if sequence._detokenizer is None:
             self._start_prefill(sequence)
@@ -484,6 +668,47 @@ class BatchEngine:
             piece.result.step_seconds = sequence.step_seconds
             gone.append(sequence)
             return
+        self._join(sequence, cache=cache)
+
+    def _prefill_again(
+        self, sequence: Generation, gone: list[Generation], pieces: list[tuple[Generation, Piece]]
+    ) -> None:
+        """One chunk of prefilling again a resumed sequence whose KV was dropped. Nothing is
+        drawn at its end: the sequence's last token is not in that KV, and its next decode
+        step feeds it, as it would have without the pause."""
+        import torch
+
+        ids = sequence._refill
+        assert ids is not None
+        if sequence._refilled == 0 and sequence.cache is None and self.prefix_cache is not None:
+            shared, rows = self.prefix_cache.lookup(ids)
+            if rows is not None:
+                sequence.cache = cache_rows.cache_from_rows(self.model.config, rows)
+                sequence._refilled = shared
+        size = self.prefill_chunk if self._rows else len(ids)
+        chunk = ids[sequence._refilled : sequence._refilled + size]
+        try:
+            with torch.inference_mode():
+                output = self.model(
+                    input_ids=torch.tensor([chunk], dtype=torch.long),
+                    cache=sequence.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+        except Exception as error:  # noqa: BLE001 - the engine thread: no trio.Cancelled here
+            self._waiting.popleft()
+            sequence.cache = None
+            self._fail([sequence], error, pieces, gone)
+            return
+        sequence.cache = output.cache
+        sequence._refilled += len(chunk)
+        sequence.forward_passes += 1
+        sequence.progress = (sequence.forward_passes, sequence.produced)
+        if sequence._refilled < len(ids):
+            return
+        self._waiting.popleft()
+        sequence._refill, sequence._refilled = None, 0
+        cache, sequence.cache = sequence.cache, None
         self._join(sequence, cache=cache)
 
     def _fail(
@@ -546,6 +771,24 @@ class BatchEngine:
             stop_sequence=stops.matched if stop_hit else None,
         )
         return piece
+
+
+def _bytes_held(sequence: Generation) -> int:
+    """The bytes of the KV a sequence holds aside: its rows, or its own cache's tensors (each
+    storage once: a cache's layers are views of buffers with spare columns)."""
+    if sequence.parked_rows is not None:
+        tensors = [tensor for pair in sequence.parked_rows for tensor in pair]
+    elif sequence.cache is not None:
+        tensors = [
+            tensor
+            for layer in getattr(sequence.cache, "layers", ())
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if tensor is not None and hasattr(tensor, "untyped_storage")
+        ]
+    else:
+        return 0
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage() for tensor in tensors}
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 def run_alone(
