@@ -8,6 +8,11 @@ channel of its own, handed over once per step with ``TrioToken.run_sync_soon`` (
 never waits for the event loop). A reader that falls behind parks its own sequence, never the
 batch; a client that leaves marks its sequence cancelled, and the request returns (its slot
 free) only once the engine has taken it out, before its next step.
+
+A streamed request may be paused for a more urgent one (``[scheduling] preempt_after``): its
+sequence leaves the batch with its KV kept aside (``paused_kv_bytes``), the request gives its
+slot up (:meth:`~proxy.relay.admission.Lease.pause`), and once it holds one again the sequence
+rejoins from its own KV, token for token as if it had never left.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -46,7 +52,7 @@ from proxy.protocol.openai import CompletionRequest, Endpoint, check_local_param
 from proxy.protocol.responses import ResponsesStream, whole_response
 from proxy.protocol.scheduling import SchedulingSettings, Ticket
 from proxy.protocol.token_usage import CURRENT_METER
-from proxy.relay.admission import Admission, Dispatcher, Room
+from proxy.relay.admission import Admission, Dispatcher, Lease, Room
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from proxy.relay.state import Phase
 
@@ -71,6 +77,36 @@ class _Tally:
 
 # The tally of the request the current task produces (set once it holds its slot).
 _TALLY: ContextVar[_Tally | None] = ContextVar("sluice_local_tally", default=None)
+
+
+class _Pausing:
+    """A streamed request's way to be paused: its slot's lease, its sink (the comments while
+    paused), and the sequence the engine runs for it now."""
+
+    __slots__ = ("engine", "lease", "progress", "sequence", "sink")
+
+    def __init__(
+        self, lease: Lease, sink: Sink, engine: BatchEngine, progress: Callable[[], int]
+    ) -> None:
+        self.lease = lease
+        self.sink = sink
+        self.engine = engine
+        self.progress = progress
+        self.sequence: Generation | None = None
+
+    def ask(self) -> bool:
+        """The dispatcher asks (see Dispatcher.track): the engine takes the sequence out at
+        its next step and says so with a notice piece; one that ends in the step already
+        running simply ends, and its slot frees then."""
+        sequence = self.sequence
+        if sequence is None or sequence.cancelled:
+            return False
+        self.engine.pause(sequence)
+        return True
+
+
+# The pausing of the request the current task produces (None: it is never paused).
+_PAUSING: ContextVar[_Pausing | None] = ContextVar("sluice_local_pausing", default=None)
 
 
 class LocalGenerationError(RuntimeError):
@@ -126,6 +162,7 @@ class LocalBackend:
             on_step=self._on_step,
             on_prefill=self._on_prefill,
             prefix_cache=self.prefix_cache,
+            paused_bytes=model.paused_kv_bytes,
         )
         # Each sequence's way back: its pieces' channel, and the event set when it is out.
         self._listeners: dict[Generation, tuple[trio.MemorySendChannel[Piece], trio.Event]] = {}
@@ -138,6 +175,8 @@ class LocalBackend:
             metrics.local_prefix_bytes.labels(name).set_function(
                 lambda: 0 if self.prefix_cache is None else self.prefix_cache.bytes
             )
+            self.admission.on_preempt = partial(metrics.paused, name, seconds=None)
+            self.admission.on_resume = partial(metrics.paused, name)
         # Recent decode step latencies (bounded), and prefill times: the step-time watch.
         self.decode_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
         self.prefill_seconds: deque[float] = deque(maxlen=_STEP_HISTORY)
@@ -241,11 +280,22 @@ class LocalBackend:
         ticket = request.schedule.ticket()
         generated = _Tally()
         try:
-            async with self.admission.slot(ticket):
+            async with self.admission.lease(ticket) as lease:
                 admitted = True
+                pausing = (
+                    _Pausing(lease, sink, self.engine, generated.count)
+                    if _pausable(request)
+                    else None
+                )
                 # Its tokens counted for its key's fair share as they are generated.
-                self.admission.dispatcher.track(ticket, generated.count)
+                self.admission.dispatcher.track(
+                    ticket,
+                    generated.count,
+                    room=lease.room,
+                    pause=None if pausing is None else pausing.ask,
+                )
                 _TALLY.set(generated)
+                _PAUSING.set(pausing)
                 if trace is not None:
                     trace.stage("queue wait", queued, trio.current_time())
                 await self._answer(request, request_id, sink)
@@ -318,15 +368,24 @@ class LocalBackend:
         However this ends (finished, the client gone, cancelled), it returns or raises only
         once the sequence is out of the batch."""
         sequence = Generation(prompt_ids, params, request_id=request_id, window=DEFAULT_WINDOW)
-        send, receive = trio.open_memory_channel[Piece](DEFAULT_WINDOW + 1)
+        # A window of pieces, one more, and a pause's notice (one at a time: a request is asked
+        # to pause again only once it holds a slot again, its notice read).
+        send, receive = trio.open_memory_channel[Piece](DEFAULT_WINDOW + 2)
         left = trio.Event()
         self._listeners[sequence] = (send, left)
         trace = tracing.current()
         stages = _Stages(trace, len(prompt_ids))
+        pausing = _PAUSING.get()
+        if pausing is not None:
+            pausing.sequence = sequence
         self.engine.submit(sequence)
         try:
             async with receive:
                 async for piece in receive:
+                    if piece.paused:
+                        assert pausing is not None
+                        await self._paused(sequence, pausing)
+                        continue
                     if piece.error is not None:
                         raise LocalGenerationError(
                             f"model '{self.model.name}' failed while generating: "
@@ -345,6 +404,8 @@ class LocalBackend:
                         return piece.result
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         finally:
+            if pausing is not None:
+                pausing.sequence = None
             for_nobody = 0
             if not left.is_set():
                 # Read before the flag is set: a pass that starts after it is one too many.
@@ -376,6 +437,24 @@ class LocalBackend:
                     self._listeners.pop(sequence, None)
             if (meter := CURRENT_METER.get()) is not None:  # a key's token budget
                 meter.local_generation(len(prompt_ids), sequence.progress[1], for_nobody)
+
+    async def _paused(self, sequence: Generation, pausing: _Pausing) -> None:
+        """The engine took ``sequence`` out for a more urgent request: give the slot up, wait
+        (the client hears ``: paused``), hold a slot again, and put the sequence back, from
+        its own KV."""
+        sink, lease = pausing.sink, pausing.lease
+        sink.set_phase(Phase.PAUSED)
+        ticket = lease.ticket
+        # What it prefills again on resuming: nothing while its KV is kept, else its prompt and
+        # answer so far (its key's counter is charged for that, as for any input).
+        kept = sequence.kept_bytes > 0
+        ticket.input_tokens = 0 if kept else len(sequence.prompt_ids) + len(sequence.generated)
+        await lease.pause([self.room], sink.offer)
+        self.admission.dispatcher.track(
+            ticket, pausing.progress, room=lease.room, pause=pausing.ask
+        )
+        self.engine.resume(sequence)
+        sink.set_phase(Phase.MID_STREAM if sequence.produced else Phase.FIRST_TOKEN)
 
     async def _generate_one(
         self,
@@ -668,6 +747,18 @@ class _MessagesWire:
             completion_tokens=result.usage.completion_tokens,
             stop_sequence=result.stop_sequence,
         )
+
+
+def _pausable(request: CompletionRequest) -> bool:
+    """Whether a request may be paused: a stream (its client hears why it waits) of one
+    sequence (``n`` choices run one after another in one slot)."""
+    if not request.stream:
+        return False
+    body = request.body
+    return request.endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS) or body.get("n") in (
+        None,
+        1,
+    )
 
 
 def _wire(

@@ -186,7 +186,6 @@ NOT_APPLICABLE = {
         "no phase of its own: the local worker sets the head right before the prefill (SSE) "
         "or after the whole generation (JSON), which first_token and mid_stream cover"
     ),
-    (Phase.PAUSED, "local"): "the local engine's pause is not wired to the scheduler yet",
 }
 
 
@@ -956,6 +955,34 @@ async def upstream_paused(rig: Rig, transport: str) -> Left:
     return Left(connections, 2, raw)
 
 
+async def local_paused(rig: Rig, transport: str) -> Left:
+    assert transport == "sse"
+    rig.model.step_seconds = STEP
+    raw = await rig.post("local", transport, max_tokens=10_000, priority=BATCH_BAND)
+    await raw.read_until(b'"content":"', count=3)
+    # A band-0 request waits for the one slot, then pauses the trial (its sequence out of the
+    # batch, its KV kept aside) and takes it.
+    urgent = await rig.post("local", "sse", max_tokens=10_000)
+    await raw.read_until(b": paused")
+    await urgent.read_until(b'"content":"')
+    await rig.local.admission.wait_queued(1)  # paused: waiting to be continued
+    assert rig.local.engine.paused_kv_bytes > 0
+    closed_at = await raw.close()
+    # Leaving while paused ends it at once: nothing queued, its kept KV let go.
+    await rig.proxy.state.tracker.wait_until(lambda tracker: len(tracker.active) == 1)
+    assert trio.current_time() - closed_at < CANCEL_BOUND
+    assert rig.local.admission.waiting == 0
+    await settle(
+        lambda: rig.local.engine.paused_kv_bytes == 0,
+        lambda: f"{rig.local.engine.paused_kv_bytes} bytes of paused KV kept",
+    )
+    await urgent.ready_to_leave()
+    steps = rig.model.steps
+    closed_at = await urgent.close()
+    await assert_local_stopped(rig, closed_at, STEP, steps)
+    return Left(set(), 2, raw)
+
+
 Driver = Callable[[Rig, str], Awaitable[Left]]
 DRIVERS: dict[tuple[str, str], Driver] = {
     **{
@@ -974,6 +1001,7 @@ DRIVERS: dict[tuple[str, str], Driver] = {
     (Phase.QUEUED, "local"): local_queued,
     (Phase.FIRST_TOKEN, "local"): local_first_token,
     (Phase.MID_STREAM, "local"): local_mid_stream,
+    (Phase.PAUSED, "local"): local_paused,
     (Phase.AFTER_LAST, "local"): local_after_last_token,
 }
 

@@ -33,8 +33,10 @@ from tests.support import (
     Proxy,
     RawClient,
     chat_body,
+    local_model,
     poll_until,
     producer_tasks,
+    slowed,
     sse_payloads,
     start_fake,
     start_proxy,
@@ -352,3 +354,88 @@ async def test_the_pause_is_on_the_request_s_trace(nursery: trio.Nursery) -> Non
     assert operation.attributes["sluice.outcome"] == "completed"
     # Two exchanges upstream: the first, closed by the pause, and the continuation.
     assert len(attempts) == 2
+
+
+# -- the local model -------------------------------------------------------------------------
+
+# One decode step of the slowed tiny model.
+STEP = 0.02
+LOCAL_TOKENS = 40
+
+
+async def local_one_slot(nursery: trio.Nursery, loaded: Any, **model: Any) -> Proxy:
+    return await start_proxy(
+        nursery,
+        {"tiny": local_model(slots=1, **model)},
+        local_models={"tiny": slowed(loaded, STEP)},
+        keys=KEYS,
+        scheduling={"preempt_after": PREEMPT_AFTER},
+    )
+
+
+def local_body(max_tokens: int = LOCAL_TOKENS) -> dict[str, Any]:
+    return chat_body(
+        "tiny",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        ignore_eos=True,
+    )
+
+
+async def test_a_paused_local_stream_is_identical_to_an_uninterrupted_one(
+    nursery: trio.Nursery, tiny_loaded_model: Any, access: pytest.LogCaptureFixture
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await local_one_slot(nursery, tiny_loaded_model)
+        alone = await RawClient.post(proxy, CHAT, local_body(), headers=bearer("batch"))
+        uninterrupted = stream_text(events_of(await read_to_the_end(alone)))
+        batch = await RawClient.post(proxy, CHAT, local_body(), headers=bearer("batch"))
+        await batch.read_until(b'"content":"', 5)
+        asked = trio.current_time()
+        urgent = await RawClient.post(
+            proxy, CHAT, local_body(max_tokens=3), headers=bearer("urgent")
+        )
+        await urgent.read_until(b'"content":"')
+        urgent_ttft = trio.current_time() - asked
+        await read_to_the_end(urgent)
+        body = await read_to_the_end(batch)
+        await proxy.state.tracker.wait_idle()
+    local = proxy.state.local_backends["tiny"]
+    assert ": paused\n\n" in body
+    payloads = events_of(body)
+    assert stream_text(payloads) == uninterrupted
+    events = [json.loads(p) for p in payloads if p != "[DONE]"]
+    assert len({e["id"] for e in events}) == 1
+    assert sum(1 for e in events for c in e["choices"] if "role" in c.get("delta", {})) == 1
+    # Paused from its own KV, not prefilled again; the urgent request took the one slot
+    # preempt_after after it came, plus a step or two.
+    assert local.engine.paused_dropped == 0
+    assert urgent_ttft < PREEMPT_AFTER + 10 * STEP
+    lines = {line["key"]: line for line in access_lines(access) if line["pauses"]}
+    assert lines["batch"]["pauses"] == 1
+    assert local.engine.sequences == 0 and local.admission.waiting == 0
+
+
+async def test_a_local_client_that_leaves_while_paused_frees_its_sequence_at_once(
+    nursery: trio.Nursery, tiny_loaded_model: Any
+) -> None:
+    with trio.fail_after(DEADLINE):
+        proxy = await local_one_slot(nursery, tiny_loaded_model)
+        local = proxy.state.local_backends["tiny"]
+        batch = await RawClient.post(
+            proxy, CHAT, local_body(max_tokens=2000), headers=bearer("batch")
+        )
+        await batch.read_until(b'"content":"', 3)
+        urgent = await RawClient.post(
+            proxy, CHAT, local_body(max_tokens=200), headers=bearer("urgent")
+        )
+        await batch.read_until(b": paused")
+        assert local.engine.paused_kv_bytes > 0
+        await batch.close()
+        await poll_until(lambda: local.engine.paused_kv_bytes == 0)
+        await poll_until(lambda: len(proxy.state.tracker.active) == 1)
+        assert local.admission.waiting == 0
+        await urgent.close()
+        await proxy.state.tracker.wait_idle()
+        await poll_until(lambda: local.engine.sequences == 0)
+    assert producer_tasks() == []
