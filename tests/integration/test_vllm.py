@@ -279,3 +279,109 @@ async def test_trace_of_a_dropped_stream_says_the_client_left(
     # vLLM may export no span for an aborted request (vLLM PR #32162): nothing asserted on it.
     theirs = spans_of(vllm_traces, trace_id, VLLM_SERVICE)
     print(f"\nvLLM's spans of the dropped stream's trace (so far): {[s.name for s in theirs]}")
+
+
+# -- preemption: a paused chat answer continued by vLLM ---------------------------------------
+
+PREEMPT_TOKENS = 160
+
+
+def dechunked(raw: bytes) -> str:
+    """A chunked HTTP response's body."""
+    framed = raw.split(b"\r\n\r\n", 1)[1]
+    body = b""
+    while True:
+        size_line, framed = framed.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if not size:
+            return body.decode()
+        body, framed = body + framed[:size], framed[size + 2 :]
+
+
+async def test_a_preempted_chat_answer_is_continued_and_compared_with_the_uninterrupted_one(
+    nursery: trio.Nursery, vllm_url: str
+) -> None:
+    """A batch stream (band 5) is paused for an urgent request (band 0) on a one-slot replica
+    and continued with ``continue_final_message``; at temperature 0 its spliced answer is
+    compared with the same request run uninterrupted. What is promised: the client holds one
+    answer (one role delta, one id), its text up to the pause is the uninterrupted one's, and
+    it ends properly. Whether vLLM's continuation matches token for token is reported (and
+    where it does not, where and why: the answer so far, tokenized again as prompt, may not be
+    the tokens vLLM generated)."""
+    with trio.fail_after(600):
+        proxy = await start_proxy(
+            nursery,
+            {MODEL: {"upstreams": [vllm_url], "max_connections": 1}},
+            scheduling={"preempt_after": 0.5},
+        )
+        body = chat_body(
+            MODEL,
+            messages=LONG_STORY,
+            temperature=0,
+            max_tokens=PREEMPT_TOKENS,
+            ignore_eos=True,
+            stream_options={"include_usage": True},
+            priority=5,
+        )
+        async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+            alone = await client.post(proxy.url + CHAT, json=body)
+            assert alone.status_code == 200, alone.text
+            alone_payloads = sse_payloads(alone.text)
+            uninterrupted = stream_text(alone_payloads)
+            alone_usage = json.loads(alone_payloads[-2])["usage"]
+            raw = await RawClient.post(proxy, CHAT, body)
+            await raw.read_until(b'"content":"', count=40)
+            urgent = await client.post(
+                proxy.url + CHAT,
+                json=chat_body(MODEL, messages=QUESTION, temperature=0, max_tokens=10),
+            )
+            assert urgent.status_code == 200, urgent.text
+            await raw.read_until(b"data: [DONE]")
+            await raw.read_until(b"\r\n0\r\n\r\n")
+            text = dechunked(raw.received)
+            assert ": paused" in text
+            before = text.split(": paused\n\n", 1)[0]
+            held = stream_text(sse_payloads(before))
+            held_events = sum(
+                1
+                for payload in sse_payloads(before)
+                if payload != "[DONE]" and json.loads(payload)["choices"][0]["delta"].get("content")
+            )
+            payloads = sse_payloads(text.replace(": paused\n\n", ""))
+            spliced = stream_text(payloads)
+            usage = json.loads(payloads[-2])["usage"]
+            # How vLLM reads the answer so far as the continuation's prompt.
+            tokenized = await client.post(
+                vllm_url + "/tokenize",
+                json={
+                    "model": MODEL,
+                    "messages": [*LONG_STORY, {"role": "assistant", "content": held}],
+                    "continue_final_message": True,
+                    "add_generation_prompt": False,
+                },
+            )
+            continuation_prompt = tokenized.json().get("count")
+        await proxy.state.tracker.wait_idle()
+    events = [json.loads(p) for p in payloads if p != "[DONE]"]
+    assert sum(1 for e in events for c in e["choices"] if "role" in c["delta"]) == 1
+    assert len({e["id"] for e in events}) == 1
+    assert any(c["finish_reason"] for e in events for c in e["choices"])
+    assert uninterrupted.startswith(held)
+    retokenized = (continuation_prompt or 0) - alone_usage["prompt_tokens"]
+    same = spliced == uninterrupted
+    common = next(
+        (i for i, (a, b) in enumerate(zip(spliced, uninterrupted, strict=False)) if a != b),
+        min(len(spliced), len(uninterrupted)),
+    )
+    print(
+        f"\npaused after {held_events} content events ({len(held)} characters); the answer so"
+        f" far is {retokenized} tokens as vLLM tokenizes it again"
+        f"\nspliced usage {usage}, uninterrupted {alone_usage}"
+        f"\nvLLM's continuation matches the uninterrupted answer token for token: {same}"
+    )
+    if not same:
+        print(
+            f"first difference at character {common} ({common - len(held)} after the pause):"
+            f"\n  uninterrupted: {uninterrupted[max(0, common - 40) : common + 40]!r}"
+            f"\n  spliced:       {spliced[max(0, common - 40) : common + 40]!r}"
+        )
