@@ -83,7 +83,7 @@ class _Pausing:
     """A streamed request's way to be paused: its slot's lease, its sink (the comments while
     paused), and the sequence the engine runs for it now."""
 
-    __slots__ = ("engine", "lease", "progress", "sequence", "sink")
+    __slots__ = ("engine", "lease", "progress", "sequence", "sink", "wanted")
 
     def __init__(
         self, lease: Lease, sink: Sink, engine: BatchEngine, progress: Callable[[], int]
@@ -93,16 +93,29 @@ class _Pausing:
         self.engine = engine
         self.progress = progress
         self.sequence: Generation | None = None
+        # Asked before its sequence was submitted (its prompt still being tokenized): the
+        # sequence is paused as soon as it is.
+        self.wanted = False
 
     def ask(self) -> bool:
         """The dispatcher asks (see Dispatcher.track): the engine takes the sequence out at
         its next step and says so with a notice piece; one that ends in the step already
         running simply ends, and its slot frees then."""
         sequence = self.sequence
-        if sequence is None or sequence.cancelled:
+        if sequence is None:
+            self.wanted = True
+            return True
+        if sequence.cancelled:
             return False
         self.engine.pause(sequence)
         return True
+
+    def started(self, sequence: Generation) -> None:
+        """``sequence`` was submitted for this request."""
+        self.sequence = sequence
+        if self.wanted:
+            self.wanted = False
+            self.engine.pause(sequence)
 
 
 # The pausing of the request the current task produces (None: it is never paused).
@@ -376,9 +389,9 @@ class LocalBackend:
         trace = tracing.current()
         stages = _Stages(trace, len(prompt_ids))
         pausing = _PAUSING.get()
-        if pausing is not None:
-            pausing.sequence = sequence
         self.engine.submit(sequence)
+        if pausing is not None:
+            pausing.started(sequence)
         try:
             async with receive:
                 async for piece in receive:

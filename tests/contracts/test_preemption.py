@@ -439,3 +439,31 @@ async def test_a_local_client_that_leaves_while_paused_frees_its_sequence_at_onc
         await proxy.state.tracker.wait_idle()
         await poll_until(lambda: local.engine.sequences == 0)
     assert producer_tasks() == []
+
+
+async def test_a_pause_longer_than_the_stall_limit_is_not_a_stall(nursery: trio.Nursery) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(
+            nursery, ttft=0, interval=INTERVAL, tokens=BATCH_TOKENS, max_running=1
+        )
+        proxy = await start_proxy(
+            nursery,
+            {MODEL: {"upstreams": [fake.url], "max_connections": 1}},
+            keys=KEYS,
+            scheduling={"preempt_after": PREEMPT_AFTER, "pause_keepalive": 0.2},
+            relay={"stall_timeout": 0.3},
+        )
+        batch = await start_batch(proxy)
+        # The urgent answer holds the slot for about 1 s: three stall limits.
+        urgent = await RawClient.post(
+            proxy,
+            CHAT,
+            chat_body(MODEL, fake={"ttft": 0, "interval": 0.05, "tokens": 20}),
+            headers=bearer("urgent"),
+        )
+        await read_to_the_end(urgent)
+        body = await read_to_the_end(batch)
+        await proxy.state.tracker.wait_idle()
+    assert proxy.state.tracker.stalled == 0
+    assert body.count(": paused") >= 3  # one at once, then every pause_keepalive
+    assert stream_text(events_of(body)) == answer(BATCH_TOKENS)
