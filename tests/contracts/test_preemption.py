@@ -467,3 +467,29 @@ async def test_a_pause_longer_than_the_stall_limit_is_not_a_stall(nursery: trio.
     assert proxy.state.tracker.stalled == 0
     assert body.count(": paused") >= 3  # one at once, then every pause_keepalive
     assert stream_text(events_of(body)) == answer(BATCH_TOKENS)
+
+
+async def test_a_stream_paused_before_its_first_byte_starts_over_with_its_head_unsent(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery)
+        # Its prefill (the fake's time to first token) is long: it is paused inside it.
+        slow_start = {"ttft": 1.0, "interval": INTERVAL, "tokens": 10}
+        batch = await RawClient.post(
+            proxy, CHAT, chat_body(MODEL, fake=slow_start), headers=bearer("batch")
+        )
+        await fake.recorder.wait_for(lambda recorder: len(recorder.records) == 1)
+        urgent = await RawClient.post(
+            proxy, CHAT, chat_body(MODEL, max_tokens=2), headers=bearer("urgent")
+        )
+        await read_to_the_end(urgent)
+        body = await read_to_the_end(batch)
+        await proxy.state.tracker.wait_idle()
+    # Nothing had reached its client: no comment before its head, and its answer from the
+    # start, as the original request (sent again as it was) gives it.
+    assert ": paused" not in body
+    assert stream_text(events_of(body)) == answer(10)
+    first, _urgent, again = [r for r in fake.recorder.records if r.method == "POST"]
+    assert first.outcome == "client_disconnected"
+    assert again.body == first.body

@@ -48,6 +48,9 @@ FIELDS = {
     "band",
     "queue_wait_s",
     "deadline_s",
+    # How many times it was paused for a more urgent request, and for how long in all.
+    "pauses",
+    "paused_s",
     # A metered request's tokens (every request that generates), else null.
     "input_tokens",
     "output_tokens",

@@ -197,7 +197,9 @@ class Attempt:
             ticket.input_tokens = request.schedule.input_tokens + splice.tokens
             # Any replica of the model may continue it (every one ejected: its own, again).
             rooms = [replica.room for replica in self.candidates(())] or [lease.room]
-            await lease.pause(rooms, sink.offer)
+            # Comments only into a stream that has begun: before its head, a failure may still
+            # answer with a JSON error, which nothing may precede.
+            await lease.pause(rooms, sink.offer if sink.started else _nothing)
             if splice.started:
                 sink.set_phase(Phase.MID_STREAM)
             outgoing = splice.continuation()
@@ -237,6 +239,10 @@ class Attempt:
                 # Cancelled (client left, lost a hedge race) or stalled: says nothing about
                 # the replica, but a probe slot it held must be released.
                 self._router.release_probe(load)
+
+
+def _nothing(_: bytes) -> None:
+    pass
 
 
 class _Continuing:
