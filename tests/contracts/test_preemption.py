@@ -493,3 +493,53 @@ async def test_a_stream_paused_before_its_first_byte_starts_over_with_its_head_u
     first, _urgent, again = [r for r in fake.recorder.records if r.method == "POST"]
     assert first.outcome == "client_disconnected"
     assert again.body == first.body
+
+
+async def test_under_a_batch_flood_holding_every_slot_an_urgent_request_waits_preempt_after(
+    nursery: trio.Nursery,
+) -> None:
+    """The issue's bound: an interactive request's TTFT under a batch flood that holds every
+    slot is at most preempt_after + 2 x its TTFT on an idle upstream (without preemption: until
+    a batch stream ends), and every batch stream still completes, its text whole."""
+    slots, urgent_ttft, batch_tokens = 2, 0.05, 150
+    with trio.fail_after(DEADLINE * 2):
+        fake = await start_fake(
+            nursery, ttft=0, interval=INTERVAL, tokens=batch_tokens, max_running=slots
+        )
+        proxy = await start_proxy(
+            nursery,
+            {MODEL: {"upstreams": [fake.url], "max_connections": slots}},
+            keys=KEYS,
+            scheduling={"preempt_after": PREEMPT_AFTER, "max_preemptions": 5},
+        )
+        urgent_body = chat_body(MODEL, max_tokens=3, fake={"ttft": urgent_ttft})
+
+        async def ttft() -> float:
+            asked = trio.current_time()
+            client = await RawClient.post(proxy, CHAT, urgent_body, headers=bearer("urgent"))
+            await client.read_until(b'"content":"')
+            seconds = trio.current_time() - asked
+            await read_to_the_end(client)
+            return seconds
+
+        idle = max([await ttft() for _ in range(3)])
+        batches = [
+            await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer(name))
+            for name in ("batch", "batch2")
+        ]
+        for batch in batches:
+            await batch.read_until(b"data: ", 3)
+        flooded = []
+        for _ in range(4):
+            flooded.append(await ttft())
+            await trio.sleep(0.1)
+        bodies = [await read_to_the_end(batch) for batch in batches]
+        await proxy.state.tracker.wait_idle()
+    bound = PREEMPT_AFTER + 2 * idle
+    print(
+        f"\nurgent TTFT idle {idle * 1000:.0f} ms; under the flood {[round(s * 1000) for s in flooded]} ms; bound {bound * 1000:.0f} ms"
+    )
+    assert max(flooded) <= bound, (flooded, idle)
+    for body in bodies:
+        assert stream_text(events_of(body)) == answer(batch_tokens)
+    assert sum(body.count(": paused") for body in bodies) >= 4
