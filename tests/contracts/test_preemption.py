@@ -537,7 +537,8 @@ async def test_under_a_batch_flood_holding_every_slot_an_urgent_request_waits_pr
         await proxy.state.tracker.wait_idle()
     bound = PREEMPT_AFTER + 2 * idle
     print(
-        f"\nurgent TTFT idle {idle * 1000:.0f} ms; under the flood {[round(s * 1000) for s in flooded]} ms; bound {bound * 1000:.0f} ms"
+        f"\nurgent TTFT idle {idle * 1000:.0f} ms; under the flood "
+        f"{[round(seconds * 1000) for seconds in flooded]} ms; bound {bound * 1000:.0f} ms"
     )
     assert max(flooded) <= bound, (flooded, idle)
     for body in bodies:
