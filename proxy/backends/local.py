@@ -464,7 +464,11 @@ class LocalBackend:
         ticket.input_tokens = 0 if kept else len(sequence.prompt_ids) + len(sequence.generated)
         await lease.pause([self.room], sink.offer)
         self.admission.dispatcher.track(
-            ticket, pausing.progress, room=lease.room, pause=pausing.ask
+            ticket,
+            pausing.progress,
+            room=lease.room,
+            pause=pausing.ask,
+            counted=pausing.progress(),
         )
         self.engine.resume(sequence)
         sink.set_phase(Phase.MID_STREAM if sequence.produced else Phase.FIRST_TOKEN)

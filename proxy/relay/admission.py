@@ -104,10 +104,14 @@ class _Running:
     __slots__ = ("charged", "pause", "pausing", "progress", "room")
 
     def __init__(
-        self, progress: Callable[[], int], room: Room | None, pause: Callable[[], bool] | None
+        self,
+        progress: Callable[[], int],
+        room: Room | None,
+        pause: Callable[[], bool] | None,
+        counted: int,
     ) -> None:
         self.progress = progress
-        self.charged = progress()
+        self.charged = counted
         self.room = room
         # Asks the request's producer to pause (True: it will, and gives its slot up soon);
         # None: it cannot be continued, so it is never paused.
@@ -138,12 +142,14 @@ class Dispatcher:
         *,
         room: Room | None = None,
         pause: Callable[[], bool] | None = None,
+        counted: int = 0,
     ) -> None:
         """``ticket``'s request, dispatched to ``room``, has put out ``progress()`` output
-        tokens so far: its tenant is charged for what it puts out from now on, as it streams,
-        each time the queue decides. ``pause``: how to ask it to pause for a more urgent
-        request (see :meth:`preempt_for`); without it, it is never paused."""
-        self._running[ticket] = _Running(progress, room, pause)
+        tokens so far, of which ``counted`` were charged already (a paused request's, before
+        its pause): its tenant is charged for the rest as they stream, each time the queue
+        decides. ``pause``: how to ask it to pause for a more urgent request (see
+        :meth:`preempt_for`); without it, it is never paused."""
+        self._running[ticket] = _Running(progress, room, pause, counted)
 
     def preempt_for(self, ticket: Ticket, rooms: Sequence[Room]) -> Ticket | None:
         """Pause a running request in one of ``rooms`` for waiting ``ticket``, as the queue

@@ -177,7 +177,13 @@ class Attempt:
                 scope.cancel("paused for a more urgent request")
                 return True
 
-            dispatcher.track(ticket, meter.output_so_far, room=lease.room, pause=pause)
+            dispatcher.track(
+                ticket,
+                meter.output_so_far,
+                room=lease.room,
+                pause=pause,
+                counted=meter.output_so_far() if splice.pieces else 0,
+            )
             continuing = splice.pieces > 0 and sink.started
             with pause_scope:
                 await self._on(
