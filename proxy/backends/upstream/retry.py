@@ -201,8 +201,10 @@ class Attempt:
             # Its prompt is prefilled again on resuming, the answer so far with it: its key's
             # counter is charged for that, as for any input.
             ticket.input_tokens = request.schedule.input_tokens + splice.tokens
-            # Any replica of the model may continue it (every one ejected: its own, again).
-            rooms = [replica.room for replica in self.candidates(())] or [lease.room]
+            # Its own replica first when it has room (its prefix cache holds the answer so
+            # far), else whichever of the model's replicas (not ejected) has room first.
+            left = lease.room
+            rooms = [left, *(r.room for r in self.candidates(()) if r.room is not left)]
             # Comments only into a stream that has begun: before its head, a failure may still
             # answer with a JSON error, which nothing may precede.
             await lease.pause(rooms, sink.offer if sink.started else _nothing)
