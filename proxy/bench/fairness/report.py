@@ -679,8 +679,8 @@ def markdown(report: FairnessReport) -> str:
         *deadline_table(report),
         "",
         f"Preemption: {settings.describe_preemption()}. Two more Sluice processes, both fair "
-        "and the same config but for `preempt_after` (0, and the bench's), each run first "
-        "alone (the idle TTFT) and then under the batch"
+        "and the same config but for `preempt_after` (0, and the bench's); through each, the "
+        "interactive requests first alone (the idle TTFT), then beside the batch"
         + (", the order reversed each round" if settings.repeat > 1 else "")
         + ".",
         "",
