@@ -1,6 +1,6 @@
 """The fairness bench (proxy/bench/fairness/): its pure figures (backlogs, service differences,
-the bound, the checks), its plans and configs, and one tiny run of the whole command against
-real subprocesses."""
+the bound, the checks, the preemption phase's), its plans and configs, and one tiny run of the
+whole command against real subprocesses."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import trio
 from proxy.bench import cli as bench_cli
 from proxy.bench.fairness import cli as fairness_cli
 from proxy.bench.fairness import load, report, run, stats
-from proxy.bench.fairness.settings import FairnessSettings
+from proxy.bench.fairness.settings import IDLE_SPACING, URGENT_LEAD, FairnessSettings
 from proxy.bench.fairness.stats import Request
 from proxy.bench.settings import BenchError
 from proxy.config import load_config
 from proxy.protocol.scheduling import vtc_bound
+from proxy.testing.fake_upstream import token_text
 
 
 def req(key: str, **fields: Any) -> Request:
@@ -256,6 +257,147 @@ def test_outcome_names_what_became_of_a_request() -> None:
     assert stats.outcome(req("B", status=429, error_code="queue_full")) == "HTTP 429 queue_full"
 
 
+# --------------------------------------------------------------------------- preemption
+
+
+def test_a_streams_text_is_its_content_deltas_and_its_pauses_are_counted() -> None:
+    def chunk(delta: dict[str, Any]) -> bytes:
+        event = {"choices": [{"index": 0, "delta": delta}]}
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    body = (
+        chunk({"role": "assistant", "content": ""})
+        + chunk({"content": "The "})
+        + b": paused\n\n"
+        + b": paused\n\n"
+        + chunk({"content": "fox "})
+        + chunk({})
+        + b'data: {"usage": {"completion_tokens": 2}, "choices": []}\n\n'
+        + b"data: [DONE]\n\n"
+    )
+    assert stats.stream_text(body) == ("The fox ", 2)
+    assert stats.stream_text(b"") == ("", 0)
+    assert stats.stream_text(b"data: {not json\n\n") == ("", 0)
+
+
+def test_batch_figures_check_every_stream_whole_and_time_the_batch() -> None:
+    whole = {"status": 200, "done": True, "text": "a b "}
+    rounds = [
+        [
+            req("batch", sent=0.0, ended_at=5.0, paused_comments=1, **whole),
+            req("batch", sent=0.1, ended_at=6.0, **whole),
+        ],
+        [
+            req("batch", sent=10.0, ended_at=14.0, **whole),
+            req("batch", sent=10.0, ended_at=13.0, **whole),
+        ],
+    ]
+    figures = stats.batch_figures(rounds, "a b ")
+    assert (figures.streams, figures.whole, figures.paused_seen) == (4, 4, 1)
+    assert figures.makespan_s == pytest.approx((6.0 + 4.0) / 2)
+    assert figures.mean_s == pytest.approx((5.0 + 5.9 + 4.0 + 3.0) / 4)
+    assert figures.passed
+    # A stream cut short, or whose text differs from the uninterrupted answer, fails it.
+    rounds[1][0].text = "a "
+    assert stats.batch_figures(rounds, "a b ").whole == 3
+    assert not stats.batch_figures(rounds, "a b ").passed
+    assert not stats.batch_figures([], "a b ").passed
+    assert stats.makespan([]) is None
+
+
+def test_the_preemption_target_is_preempt_after_plus_twice_the_idle_p99() -> None:
+    check = stats.PreemptCheck(p99_s=0.6, idle_p99_s=0.06, preempt_after=0.5)
+    assert check.limit_s == pytest.approx(0.62)
+    assert check.passed
+    assert not stats.PreemptCheck(0.63, 0.06, 0.5).passed
+    assert not stats.PreemptCheck(None, 0.06, 0.5).passed
+    assert not stats.PreemptCheck(0.1, None, 0.5).passed
+    assert stats.PreemptCheck(0.1, None, 0.5).limit_s is None
+
+
+def test_readers_of_the_pauses_sluice_counted_and_logged() -> None:
+    metrics = (
+        'sluice_preemptions_total{band="5",model="m"} 3.0\n'
+        'sluice_preemptions_created{band="5",model="m"} 1.7e9\n'
+        'sluice_pause_seconds_count{band="5",model="m"} 2.0\n'
+        'sluice_pause_seconds_sum{band="5",model="m"} 0.25\n'
+        'sluice_pause_seconds_bucket{band="5",le="0.1",model="m"} 1.0\n'
+    )
+    assert run.pause_metrics(metrics) == {
+        "preemptions_total": 3.0,
+        "pause_seconds_count": 2.0,
+        "pause_seconds_sum": 0.25,
+    }
+    assert set(run.pause_metrics("").values()) == {0.0}
+    log = "\n".join(
+        [
+            "INFO starting",
+            json.dumps({"key": "batch", "pauses": 2, "paused_s": 0.5}),
+            json.dumps({"key": "urgent", "pauses": 0, "paused_s": 0.0}),
+            "{not json",
+            json.dumps({"key": "batch", "pauses": 0, "paused_s": 0.0}),
+        ]
+    )
+    assert run.access_pauses(log, "batch") == [(2, 0.5), (0, 0.0)]
+
+
+def test_the_preemption_plans_hold_every_slot_then_send_the_interactive_requests() -> None:
+    settings = FairnessSettings(
+        slots=3, batch_seconds=4.0, batch_tokens=200, urgent_rate=2.0, short_tokens=5
+    )
+    assert settings.batch_interval == pytest.approx(0.02)
+    assert settings.urgent_requests == 5  # (4 - 0.5 - 1) s at 2/s
+    plan = load.preempt_plan(settings, "p")
+    batch = [r for r in plan if r.kind == "batch"]
+    urgent = [r for r in plan if r.kind == "urgent"]
+    assert len(batch) == 3 and all(r.keep_text and r.at == 0.0 for r in batch)
+    assert {(r.key, r.tokens, r.interval) for r in batch} == {("batch", 200, 0.02)}
+    assert [r.at for r in urgent] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.5])
+    # Each arrives while the batch holds the slots, whether or not it is paused.
+    assert all(URGENT_LEAD <= r.at < settings.batch_seconds - 1.0 for r in urgent)
+    assert {(r.key, r.tokens, r.keep_text) for r in urgent} == {("urgent", 5, False)}
+    idle = load.idle_plan(settings, "p")
+    assert [r.at for r in idle] == pytest.approx([i * IDLE_SPACING for i in range(5)])
+    assert {r.kind for r in idle} == {"idle"}
+    assert len({r.tag for r in [*plan, *idle]}) == len(plan) + len(idle)
+    for bad in ({"batch_seconds": 1.5}, {"max_preemptions": 0}, {"preempt_after": 0.0}):
+        with pytest.raises(BenchError):
+            FairnessSettings(**bad)
+
+
+def test_the_preemption_processes_differ_only_in_preempt_after(tmp_path: Path) -> None:
+    settings = FairnessSettings(slots=3, preempt_after=0.4, max_preemptions=3)
+    configs = {}
+    for variant in ("preempt-off", "preempt-on"):
+        path = tmp_path / f"{variant}.toml"
+        text = run.proxy_config(8081, "http://127.0.0.1:9", variant, settings)
+        path.write_text(text)
+        configs[variant] = load_config(path)
+        assert configs[variant].scheduling.policy == "fair"
+        assert configs[variant].scheduling.max_preemptions == 3
+        assert configs[variant].upstream.max_connections == 3
+        assert {k.name: k.priority for k in configs[variant].keys} == {"urgent": 0, "batch": 5}
+    assert configs["preempt-off"].scheduling.preempt_after == 0.0
+    assert configs["preempt-on"].scheduling.preempt_after == 0.4
+    off = run.proxy_config(1, "http://x", "preempt-off", settings)
+    on = run.proxy_config(1, "http://x", "preempt-on", settings)
+    assert [a for a, b in zip(off.splitlines(), on.splitlines(), strict=True) if a != b] == [
+        "preempt_after = 0.0"
+    ]
+
+
+def test_a_paused_request_counts_every_record_the_fake_has_of_it() -> None:
+    request = req("batch", tag="b1")
+    records = [
+        {"id": 0, "body": {"user": "b1"}, "received_at_mono": 1.0, "outcome": "completed"},
+        {"id": 1, "body": {"user": "b1"}, "received_at_mono": 3.0, "outcome": "completed"},
+    ]
+    for _ in range(2):  # read again while others are pending: counted once each
+        assert run.match_records([request], records) == 0
+    assert request.upstream_records == 2
+    assert request.upstream_received == 3.0
+
+
 # --------------------------------------------------------------------------- plans, configs
 
 
@@ -330,9 +472,11 @@ def test_phases_alternate_and_reverse_each_round() -> None:
         (0, "baseline", "fifo"), (0, "baseline", "fair"),
         (0, "flood", "fifo"), (0, "flood", "fair"),
         (0, "deadline", "fifo"), (0, "deadline", "fair"),
+        (0, "preempt", "preempt-off"), (0, "preempt", "preempt-on"),
         (1, "baseline", "fair"), (1, "baseline", "fifo"),
         (1, "flood", "fair"), (1, "flood", "fifo"),
         (1, "deadline", "fair"), (1, "deadline", "fifo"),
+        (1, "preempt", "preempt-on"), (1, "preempt", "preempt-off"),
     ]  # fmt: skip
 
 
@@ -387,6 +531,8 @@ TINY = [
     "--baseline-seconds", "0.5", "--flood-tokens", "30", "--short-tokens", "4",
     "--interval", "0.005", "--ttft", "0.02", "--deadline-requests", "6",
     "--running-requests", "2", "--repeat", "1", "--timeout", "30", "--quiet",
+    "--batch-seconds", "2.5", "--batch-tokens", "100", "--urgent-rate", "2",
+    "--preempt-after", "0.3",
 ]  # fmt: skip
 
 
@@ -422,14 +568,33 @@ async def test_a_tiny_fairness_run_against_real_subprocesses(tmp_path: Path) -> 
         fifo_p99, fair_p99 = fifo.flood[key].ttft_p99_s, fair.flood[key].ttft_p99_s
         assert fifo_p99 is not None and fair_p99 is not None and fair_p99 < fifo_p99
     assert result.bound.value == vtc_bound(1.0, result.bound.longest_input, 2.0, 2 * 30)
+    # Preemption: the interactive requests got a slot preempt_after in, the batch kept
+    # every slot from them without it, and every batch stream ended with its whole text.
+    off, on = result.preemption["preempt-off"], result.preemption["preempt-on"]
+    for variant in (off, on):
+        assert variant.errors == {}
+        assert (variant.urgent.ok, variant.idle.ok) == (2, 2)
+        assert variant.batch.streams == 2 and variant.batch.passed
+    assert result.preempt_check is not None and result.preempt_check.passed, result.preempt_check
+    assert on.preemptions >= 2 and on.continuations == on.preemptions == on.access_pauses
+    assert on.pauses_resumed == on.preemptions and on.batch.paused_seen >= 1
+    assert result.pauses_passed
+    on_p99, off_p99 = on.urgent.ttft_p99_s, off.urgent.ttft_p99_s
+    assert on_p99 is not None and off_p99 is not None and off_p99 > 2 * on_p99
+    paused = [r for p in result.run.phases for r in p.requests if r.paused_comments]
+    assert all(r.text == "".join(token_text(i) for i in range(100)) for r in paused)
     for pid in result.run.pids.values():
         assert not alive(pid), "a child outlived the bench"
     text = markdown.read_text()
     assert "<!-- bench:begin bench=fairness slots=2 " in text
     assert "## Fair share under a flood: FIFO vs fair, 2 slots" in text
     assert "TTFT target, fair, key B" in text and "VTC bound, fair, A vs B" in text
+    assert "| preemption (fair) | off | on |" in text
+    assert "Preemption, interactive TTFT p99" in text
     saved = json.loads((tmp_path / "fair.json").read_text())
     assert set(saved["policies"]) == {"fifo", "fair"}
+    assert set(saved["preemption"]) == {"preempt-off", "preempt-on"}
+    assert saved["preempt_check"]["passed"] is True
 
 
 def test_make_bench_runs_the_fairness_bench_into_the_benchmarks_doc() -> None:

@@ -1,5 +1,5 @@
 """``sluice bench --fairness``: how Sluice's queue shares a saturated upstream between keys,
-FIFO against fair, in one run.
+FIFO against fair, and what preemption gives an urgent band, in one run.
 
 The bench starts one fake upstream (``proxy.testing.fake_upstream``) with ``--max-running S``:
 at most S answers generate at once, as in a serving engine with S slots. In front of it, two
@@ -32,9 +32,20 @@ The phases:
   those cancelled while running, the time from the deadline to the fake seeing its
   connection close.
 
+* **preempt**, through two more Sluice processes, both fair and with the same config but for
+  ``[scheduling] preempt_after`` (0, and ``--preempt-after``), the order reversed each round:
+  first the interactive key (band 0) alone, its TTFT on an idle upstream; then the batch key
+  (band 5) holding every slot with one long stream each while the interactive key's short
+  requests arrive. Its TTFT with and without preemption (its wait in Sluice's queue and its
+  TTFT upstream apart); each batch stream's text, against the fake's uninterrupted answer; the
+  batch's makespan; the pauses, from ``/metrics`` (``sluice_preemptions_total``,
+  ``sluice_pause_seconds``), the access lines and the fake's records.
+
 The checks it prints: under the flood, B's and C's TTFT p99 at most ``1.5 x (A's request
 duration / S)`` plus their TTFT p99 with no flood; every pair within the bound; fair's CPU per
-event at most 5% over FIFO's; no deadline broken, every cancel seen upstream within 10 ms p99.
+event at most 5% over FIFO's; no deadline broken, every cancel seen upstream within 10 ms p99;
+with preemption, the interactive TTFT p99 at most ``preempt_after`` plus twice its p99 on an
+idle upstream; every batch stream whole; pauses with preemption, none without.
 
 The modules: ``settings``, ``stats`` (the figures, pure), ``load`` (the phases' requests and
 the client), ``run`` (the processes and the phases), ``report``, ``cli``.

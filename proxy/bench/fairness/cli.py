@@ -20,7 +20,9 @@ from proxy.bench.settings import BenchError
 FLAG = "--fairness"
 DESCRIPTION = (
     "The fairness bench: one key floods a saturated upstream while two others send short "
-    "requests, through Sluice with [scheduling] policy fifo and fair, alternating."
+    "requests, through Sluice with [scheduling] policy fifo and fair, alternating; then a "
+    "batch key holds every slot while an interactive key's requests arrive, through fair "
+    "Sluice with preemption off and on."
 )
 
 
@@ -59,6 +61,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.running_requests,
         help="C's requests that pass their deadline while running",
     )
+    add(
+        "--preempt-after",
+        type=float,
+        default=d.preempt_after,
+        help="[scheduling] preempt_after of the process that preempts (seconds)",
+    )
+    add(
+        "--max-preemptions",
+        type=int,
+        default=d.max_preemptions,
+        help="[scheduling] max_preemptions of both preemption phase processes",
+    )
+    add(
+        "--batch-seconds",
+        type=float,
+        default=d.batch_seconds,
+        help="a batch stream's time upstream, uninterrupted (one per slot)",
+    )
+    add("--batch-tokens", type=int, default=d.batch_tokens, help="tokens of a batch stream")
+    add(
+        "--urgent-rate",
+        type=float,
+        default=d.urgent_rate,
+        help="the interactive key's requests per second while the batch runs",
+    )
     add("--repeat", type=int, default=d.repeat, help="rounds of every phase (order reversed)")
     add("--timeout", type=float, default=d.timeout, help="seconds a phase may run past its load")
     add("--json", type=Path, help="write every figure as JSON here")
@@ -80,6 +107,11 @@ def settings_from_args(args: argparse.Namespace) -> FairnessSettings:
         short_tokens=args.short_tokens,
         deadline_requests=args.deadline_requests,
         running_requests=args.running_requests,
+        preempt_after=args.preempt_after,
+        max_preemptions=args.max_preemptions,
+        batch_seconds=args.batch_seconds,
+        batch_tokens=args.batch_tokens,
+        urgent_rate=args.urgent_rate,
         repeat=args.repeat,
         timeout=args.timeout,
         progress=not args.quiet,

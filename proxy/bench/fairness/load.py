@@ -20,15 +20,19 @@ import trio
 
 from proxy.bench.client import EventCounter
 from proxy.bench.fairness.settings import (
+    BATCH,
     DEADLINE_BACKLOG_PER_SLOT,
     FLOODER,
+    IDLE_SPACING,
     READ_TIMEOUTS,
     RUNNING_DEADLINE,
     RUNNING_FIRST_TOKEN,
     RUNNING_READ_TIMEOUT,
+    URGENT,
+    URGENT_LEAD,
     FairnessSettings,
 )
-from proxy.bench.fairness.stats import Request
+from proxy.bench.fairness.stats import Request, stream_text
 from proxy.protocol import http1
 from proxy.protocol.token_usage import estimate_input_tokens
 
@@ -188,6 +192,55 @@ def running_deadline_waves(settings: FairnessSettings, label: str) -> list[list[
     return out
 
 
+def idle_plan(settings: FairnessSettings, label: str) -> list[Request]:
+    """The interactive key's requests alone, ``IDLE_SPACING`` apart: its TTFT on an idle
+    upstream."""
+    return [
+        Request(
+            URGENT,
+            "idle",
+            f"{label}-idle-{URGENT}{i}",
+            i * IDLE_SPACING,
+            settings.short_tokens,
+            settings.ttft,
+            settings.interval,
+        )
+        for i in range(settings.urgent_requests)
+    ]
+
+
+def preempt_plan(settings: FairnessSettings, label: str) -> list[Request]:
+    """One batch stream per slot, sent at once (each keeps its text, to be checked whole),
+    then the interactive key's requests at ``urgent_rate`` from ``URGENT_LEAD`` on, while
+    the batch holds every slot."""
+    batch = [
+        Request(
+            BATCH,
+            "batch",
+            f"{label}-{BATCH}{i}",
+            0.0,
+            settings.batch_tokens,
+            settings.ttft,
+            settings.batch_interval,
+            keep_text=True,
+        )
+        for i in range(settings.slots)
+    ]
+    urgent = [
+        Request(
+            URGENT,
+            "urgent",
+            f"{label}-{URGENT}{i}",
+            URGENT_LEAD + i / settings.urgent_rate,
+            settings.short_tokens,
+            settings.ttft,
+            settings.interval,
+        )
+        for i in range(settings.urgent_requests)
+    ]
+    return [*batch, *urgent]
+
+
 def longest_input(requests: Iterable[Request]) -> int:
     return max((r.input_tokens for r in requests), default=0)
 
@@ -216,6 +269,7 @@ async def send(address: tuple[str, int], data: bytes, request: Request, *, start
     reader = http1.ResponseReader()
     counter = EventCounter()
     kept = b""
+    body = bytearray()
     sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -236,6 +290,8 @@ async def send(address: tuple[str, int], data: bytes, request: Request, *, start
             if request.status != 200:
                 kept = (kept + payload)[:_KEEP]
                 continue
+            if request.keep_text:
+                body += payload
             errors = counter.errors
             new = counter.feed(payload)
             if new:
@@ -257,5 +313,7 @@ async def send(address: tuple[str, int], data: bytes, request: Request, *, start
         request.ended_at = time.monotonic()
         request.events, request.tokens_seen = counter.events, counter.content
         request.done = counter.done
+        if request.keep_text:
+            request.text, request.paused_comments = stream_text(bytes(body))
         if request.status not in (None, 200):
             request.error_code = error_code(kept)

@@ -8,16 +8,26 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from proxy.bench.fairness.load import longest_input
-from proxy.bench.fairness.run import FairnessRun, Phase
-from proxy.bench.fairness.settings import FLOODER, INTERACTIVE, KEYS, POLICIES
+from proxy.bench.fairness.run import PREEMPT, FairnessRun, Phase
+from proxy.bench.fairness.settings import (
+    FLOODER,
+    INTERACTIVE,
+    KEYS,
+    POLICIES,
+    PREEMPT_VARIANTS,
+    URGENT,
+)
 from proxy.bench.fairness.stats import (
     CANCEL_TARGET_S,
     CPU_LIMIT,
     TTFT_SLACK,
+    BatchFigures,
     DeadlineFigures,
     KeyFigures,
     PairFigure,
+    PreemptCheck,
     TtftCheck,
+    batch_figures,
     batch_tokens,
     cpu_passed,
     cpu_ratio,
@@ -28,7 +38,9 @@ from proxy.bench.fairness.stats import (
     running_seconds,
     throughput,
 )
+from proxy.bench.summary import percentile
 from proxy.protocol.scheduling import SchedulingSettings, vtc_bound
+from proxy.testing.fake_upstream import token_text
 
 
 @dataclass(frozen=True)
@@ -171,10 +183,102 @@ def policy_figures(run: FairnessRun, policy: str, bound: Bound) -> PolicyFigures
 
 
 @dataclass
+class PreemptFigures:
+    """The preemption phase through one process (preemption off or on), pooled over rounds."""
+
+    variant: str
+    idle: KeyFigures  # the interactive key alone
+    urgent: KeyFigures  # the interactive key while the batch held every slot
+    # Its TTFT at the fake (receipt to first token): what of its TTFT is not Sluice's wait.
+    urgent_upstream_ttft_p50_s: float | None
+    urgent_upstream_ttft_p99_s: float | None
+    urgent_upstream_queued_max_s: float | None  # the longest wait in the fake's own queue
+    batch: BatchFigures
+    preemptions: float  # sluice_preemptions_total over the phase
+    pauses_resumed: float  # sluice_pause_seconds_count
+    pause_seconds: float  # sluice_pause_seconds_sum
+    access_pauses: int  # the batch's access lines' pauses, summed
+    longest_paused_s: float | None  # the most one batch stream was paused, all its pauses
+    continuations: int  # batch requests the fake received past each stream's first
+    errors: dict[str, int]  # requests that did not end as planned, by kind
+
+    @property
+    def mean_pause_s(self) -> float | None:
+        if not self.pauses_resumed:
+            return None
+        return self.pause_seconds / self.pauses_resumed
+
+
+def _upstream_ttfts(requests: Sequence[Any]) -> list[float]:
+    return [
+        r.upstream_first_token - r.upstream_received
+        for r in requests
+        if r.upstream_first_token is not None and r.upstream_received is not None
+    ]
+
+
+def preempt_figures(run: FairnessRun, variant: str) -> PreemptFigures:
+    phases = _phases(run, PREEMPT, variant)
+    requests = _requests(phases)
+    idle = [r for r in requests if r.kind == "idle"]
+    urgent = [r for r in requests if r.kind == "urgent"]
+    batches = [[r for r in p.requests if r.kind == "batch"] for p in phases]
+    expected = "".join(token_text(i) for i in range(run.settings.batch_tokens))
+    upstream = _upstream_ttfts(urgent)
+    queued = [r.upstream_queued_s for r in urgent if r.upstream_queued_s is not None]
+    lines = [line for p in phases for line in p.access_pauses]
+    errors: dict[str, int] = {}
+    for request in requests:
+        kind = outcome(request)
+        if kind != "served":
+            errors[kind] = errors.get(kind, 0) + 1
+
+    def metric(name: str) -> float:
+        return sum(p.pause_metrics.get(name, 0.0) for p in phases)
+
+    return PreemptFigures(
+        variant=variant,
+        idle=key_figures(idle, URGENT),
+        urgent=key_figures(urgent, URGENT),
+        urgent_upstream_ttft_p50_s=percentile(upstream, 50),
+        urgent_upstream_ttft_p99_s=percentile(upstream, 99),
+        urgent_upstream_queued_max_s=max(queued) if queued else None,
+        batch=batch_figures(batches, expected),
+        preemptions=metric("preemptions_total"),
+        pauses_resumed=metric("pause_seconds_count"),
+        pause_seconds=metric("pause_seconds_sum"),
+        access_pauses=sum(pauses for pauses, _ in lines),
+        longest_paused_s=max((paused for _, paused in lines), default=None),
+        continuations=sum(max(0, r.upstream_records - 1) for b in batches for r in b),
+        errors=errors,
+    )
+
+
+def idle_p99(run: FairnessRun) -> float | None:
+    """The interactive key's TTFT p99 alone on the upstream, through both processes."""
+    ttfts = [
+        t
+        for p in run.phases
+        if p.name == PREEMPT
+        for r in p.requests
+        if r.kind == "idle" and (t := r.ttft_s) is not None
+    ]
+    return percentile(ttfts, 99)
+
+
+@dataclass
 class FairnessReport:
     run: FairnessRun
     bound: Bound
     policies: dict[str, PolicyFigures]
+    preemption: dict[str, PreemptFigures] = field(default_factory=dict)
+    preempt_check: PreemptCheck | None = None
+
+    @property
+    def pauses_passed(self) -> bool:
+        """Only the process that preempts paused anything, and it did."""
+        on, off = self.preemption["preempt-on"], self.preemption["preempt-off"]
+        return on.preemptions > 0 and off.preemptions == 0 and off.continuations == 0
 
     @property
     def cpu_ratio(self) -> float | None:
@@ -216,6 +320,7 @@ class FairnessReport:
                     "events": p.events,
                     "cpu_us_per_event": p.cpu_us_per_event,
                     "queue_outcomes": p.queue_outcomes,
+                    "pause_metrics": p.pause_metrics,
                 }
                 for p in run.phases
             ],
@@ -236,12 +341,28 @@ class FairnessReport:
                 }
                 for name, figures in self.policies.items()
             },
+            "preemption": {
+                name: asdict(figures)
+                | {"mean_pause_s": figures.mean_pause_s, "batch_passed": figures.batch.passed}
+                for name, figures in self.preemption.items()
+            },
+            "preempt_check": None
+            if self.preempt_check is None
+            else asdict(self.preempt_check)
+            | {"limit_s": self.preempt_check.limit_s, "passed": self.preempt_check.passed},
+            "pauses_passed": self.pauses_passed if self.preemption else None,
         }
 
 
 def make_report(run: FairnessRun) -> FairnessReport:
     bound = bound_of(run)
-    return FairnessReport(run, bound, {p: policy_figures(run, p, bound) for p in POLICIES})
+    preemption = {v: preempt_figures(run, v) for v in PREEMPT_VARIANTS}
+    check = PreemptCheck(
+        preemption["preempt-on"].urgent.ttft_p99_s, idle_p99(run), run.settings.preempt_after
+    )
+    return FairnessReport(
+        run, bound, {p: policy_figures(run, p, bound) for p in POLICIES}, preemption, check
+    )
 
 
 # --------------------------------------------------------------------------- text
@@ -396,6 +517,90 @@ def check_lines(report: FairnessReport) -> list[str]:
             f"upstream, close p99 {_ms(d.close_p99_s, '.1f')} ms <= "
             f"{CANCEL_TARGET_S * 1000:g} ms: " + _verdict(d.passed)
         )
+    return lines + preempt_check_lines(report)
+
+
+def preempt_table(report: FairnessReport) -> list[str]:
+    off, on = report.preemption["preempt-off"], report.preemption["preempt-on"]
+    rows = ["| preemption (fair) | off | on |", "|---|---:|---:|"]
+
+    def row(label: str, pick: Any) -> None:
+        rows.append(f"| {label} | {pick(off)} | {pick(on)} |")
+
+    def p50_p99(a: float | None, b: float | None) -> str:
+        return f"{_ms(a)} / {_ms(b)}"
+
+    row(
+        "interactive, idle upstream: TTFT p50 / p99 (ms)",
+        lambda f: p50_p99(f.idle.ttft_p50_s, f.idle.ttft_p99_s),
+    )
+    row(
+        "interactive, the batch holding every slot: TTFT p50 / p99 (ms)",
+        lambda f: p50_p99(f.urgent.ttft_p50_s, f.urgent.ttft_p99_s),
+    )
+    row(
+        "of which its wait in Sluice's queue, p50 / p99 (ms)",
+        lambda f: p50_p99(f.urgent.wait_p50_s, f.urgent.wait_p99_s),
+    )
+    row(
+        "and its TTFT at the upstream, p50 / p99 (ms)",
+        lambda f: p50_p99(f.urgent_upstream_ttft_p50_s, f.urgent_upstream_ttft_p99_s),
+    )
+    row(
+        "its longest wait in the fake's own queue (ms)",
+        lambda f: _ms(f.urgent_upstream_queued_max_s, ".1f"),
+    )
+    row("interactive requests served / sent", lambda f: f"{f.urgent.ok} / {f.urgent.requests}")
+    row(
+        "batch streams whole (the uninterrupted text) / sent",
+        lambda f: f"{f.batch.whole} / {f.batch.streams}",
+    )
+    row("batch: first send to last end, mean of rounds (s)", lambda f: _s(f.batch.makespan_s))
+    row("batch: a stream's send to end, mean (s)", lambda f: _s(f.batch.mean_s))
+    row("pauses (sluice_preemptions_total)", lambda f: f"{f.preemptions:.0f}")
+    row(
+        "pauses in the batch's access lines; streams that saw `: paused`",
+        lambda f: f"{f.access_pauses}; {f.batch.paused_seen}",
+    )
+    row("continuations the upstream received", lambda f: f.continuations)
+    row(
+        "pause length, mean (sluice_pause_seconds) (ms)",
+        lambda f: _ms(f.mean_pause_s),
+    )
+    row("the most one stream was paused, in all (ms)", lambda f: _ms(f.longest_paused_s))
+    row("requests not served as planned", lambda f: _errors(f.errors))
+    return rows
+
+
+def _s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.2f}"
+
+
+def preempt_check_lines(report: FairnessReport) -> list[str]:
+    check = report.preempt_check
+    if check is None or not report.preemption:
+        return []
+    off = report.preemption["preempt-off"]
+    lines = [
+        f"Preemption, interactive TTFT p99: {_ms(check.p99_s)} ms with preemption <= "
+        f"preempt_after {_ms(check.preempt_after)} ms + 2 x {_ms(check.idle_p99_s)} ms (its "
+        f"p99 on an idle upstream) = {_ms(check.limit_s)} ms: "
+        + _verdict(check.passed)
+        + f" (without preemption: {_ms(off.urgent.ttft_p99_s)} ms, bounded only by a batch "
+        "stream's end)"
+    ]
+    for variant in PREEMPT_VARIANTS:
+        batch = report.preemption[variant].batch
+        lines.append(
+            f"Batch streams, {variant}: {batch.whole} of {batch.streams} completed with the "
+            f"text of an uninterrupted answer ({batch.paused_seen} of them paused): "
+            + _verdict(batch.passed)
+        )
+    on = report.preemption["preempt-on"]
+    lines.append(
+        f"Pauses: {on.preemptions:.0f} with preemption (0 < them), {off.preemptions:.0f} and "
+        f"{off.continuations} continuations without (0): " + _verdict(report.pauses_passed)
+    )
     return lines
 
 
@@ -472,6 +677,14 @@ def markdown(report: FairnessReport) -> str:
         *flood_table(report),
         "",
         *deadline_table(report),
+        "",
+        f"Preemption: {settings.describe_preemption()}. Two more Sluice processes, both fair "
+        "and the same config but for `preempt_after` (0, and the bench's); through each, the "
+        "interactive requests first alone (the idle TTFT), then beside the batch"
+        + (", the order reversed each round" if settings.repeat > 1 else "")
+        + ".",
+        "",
+        *preempt_table(report),
         "",
         *(f"- {line}" for line in check_lines(report)),
         "",

@@ -1,6 +1,8 @@
-"""One fairness bench: the fake upstream and two Sluice processes (one FIFO, one fair) started
-once, then every phase run through each in turn, alternating, measured from the clients, from
-``/proc`` and from the fake's records."""
+"""One fairness bench: the fake upstream and the Sluice processes (one FIFO and one fair for the
+flood and deadline phases; two fair ones, preemption off and on, for the preemption phase)
+started once, then every phase run through each of its pair in turn, alternating, measured
+from the clients, from ``/proc``, from the fake's records and from Sluice's own metrics and
+access lines."""
 
 from __future__ import annotations
 
@@ -25,18 +27,29 @@ from proxy.bench.fairness.load import (
     api_key,
     baseline_plan,
     flood_plan,
+    idle_plan,
+    preempt_plan,
     queued_deadline_plan,
     request_bytes,
     running_deadline_waves,
     send,
 )
-from proxy.bench.fairness.settings import KEYS, POLICIES, FairnessSettings
+from proxy.bench.fairness.settings import (
+    BATCH,
+    KEYS,
+    POLICIES,
+    PREEMPT_BANDS,
+    PREEMPT_VARIANTS,
+    FairnessSettings,
+)
 from proxy.bench.fairness.stats import Request
 from proxy.bench.procfs import _raise_fd_limit, machine_info, process_cpu_seconds
 from proxy.bench.report import show_progress, write_text
 from proxy.bench.settings import BenchError
 
 PHASES: Final = ("baseline", "flood", "deadline")
+# The preemption phase, through PREEMPT_VARIANTS' processes rather than POLICIES'.
+PREEMPT: Final = "preempt"
 # How long the fake may take to be idle again after a phase (its last answers, the closes it
 # has yet to notice), and how often it is asked.
 SETTLE_SECONDS: Final = 15.0
@@ -45,6 +58,9 @@ SETTLE_POLL: Final = 0.05
 LEAD: Final = 0.1
 _GAUGE: Final = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\} (\S+)$", re.M)
 _QUEUE_COUNT: Final = re.compile(r"^sluice_queue_wait_seconds_count\{([^}]*)\} (\S+)$", re.M)
+_PAUSES: Final = re.compile(
+    r"^sluice_(preemptions_total|pause_seconds_count|pause_seconds_sum)\{[^}]*\} (\S+)$", re.M
+)
 
 
 @dataclass
@@ -60,6 +76,10 @@ class Phase:
     # What Sluice itself counted: requests that left its queue during the phase, by outcome
     # (its sluice_queue_wait_seconds histogram's counts).
     queue_outcomes: dict[str, float] = field(default_factory=dict)
+    # The preemption phase: Sluice's sluice_preemptions_total and sluice_pause_seconds (count,
+    # sum) over the phase, and each batch stream's access line (pauses, paused_s).
+    pause_metrics: dict[str, float] = field(default_factory=dict)
+    access_pauses: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def events(self) -> int:
@@ -77,18 +97,38 @@ class _Proxy:
     policy: str
     address: tuple[str, int]
     pid: int
+    log: Path
+
+
+def proxy_keys(policy: str) -> dict[str, int]:
+    """The keys a process knows, each with its ``priority`` (band)."""
+    if policy in PREEMPT_VARIANTS:
+        return dict(PREEMPT_BANDS)
+    return dict.fromkeys(KEYS, 0)
 
 
 def proxy_config(port: int, upstream: str, policy: str, settings: FairnessSettings) -> str:
     """A Sluice in front of the fake: its replica's concurrency the fake's, and a queue deep
     and patient enough that FIFO's backlog is served rather than refused (the comparison is
-    of the order, not of the limits); the three keys, each weight 1."""
+    of the order, not of the limits); the three keys, each weight 1. ``policy`` is also one of
+    PREEMPT_VARIANTS: fair, the batch and interactive keys in their bands, and preempt_after
+    the bench's (on) or 0 (off), all else the same."""
     keys = "".join(
         "[[keys]]\n"
         f'name = "{key}"\n'
-        f'sha256 = "{hashlib.sha256(api_key(key).encode()).hexdigest()}"\n\n'
-        for key in KEYS
+        f'sha256 = "{hashlib.sha256(api_key(key).encode()).hexdigest()}"\n'
+        + (f"priority = {band}\n" if band else "")
+        + "\n"
+        for key, band in proxy_keys(policy).items()
     )
+    scheduling = f"policy = {json.dumps(policy)}\n"
+    if policy in PREEMPT_VARIANTS:
+        after = settings.preempt_after if policy == "preempt-on" else 0.0
+        scheduling = (
+            'policy = "fair"\n'
+            f"preempt_after = {after!r}\n"
+            f"max_preemptions = {settings.max_preemptions}\n"
+        )
     return keys + (
         "# Written by proxy.bench (fairness) for one run.\n"
         "[server]\n"
@@ -101,7 +141,7 @@ def proxy_config(port: int, upstream: str, policy: str, settings: FairnessSettin
         "queue_timeout = 600.0\n"
         'proxy = "none"\n\n'
         "[scheduling]\n"
-        f"policy = {json.dumps(policy)}\n\n"
+        f"{scheduling}\n"
         f"[models.{json.dumps(settings.model)}]\n"
         f"upstreams = [{json.dumps(upstream)}]\n"
     )
@@ -117,12 +157,16 @@ def fake_argv(port: int, settings: FairnessSettings) -> list[str]:
 
 
 def schedule(repeat: int) -> list[tuple[int, str, str]]:
-    """(round, phase, policy) in the order they run: each phase through both policies, FIFO
-    first in even rounds and fair first in odd ones."""
+    """(round, phase, process) in the order they run: each phase through both policies, FIFO
+    first in even rounds and fair first in odd ones; then the preemption phase through both
+    of its processes, preemption off first in even rounds and on first in odd ones."""
     out = []
     for round_ in range(repeat):
-        order = POLICIES if round_ % 2 == 0 else tuple(reversed(POLICIES))
+        flip = round_ % 2 == 1
+        order = tuple(reversed(POLICIES)) if flip else POLICIES
         out += [(round_, phase, policy) for phase in PHASES for policy in order]
+        variants = tuple(reversed(PREEMPT_VARIANTS)) if flip else PREEMPT_VARIANTS
+        out += [(round_, PREEMPT, variant) for variant in variants]
     return out
 
 
@@ -157,8 +201,11 @@ async def _records(fake: tuple[str, int], since: int) -> tuple[list[dict[str, An
 
 def match_records(requests: Sequence[Request], records: Sequence[dict[str, Any]]) -> int:
     """Give each request the fake's record of it (by its tag, the body's ``user``); the
-    number of records still pending."""
+    number of records still pending. A request paused and continued has several: it keeps
+    the last one's times, and their count."""
     by_tag = {r.tag: r for r in requests}
+    for each in requests:
+        each.upstream_records = 0
     pending = 0
     for record in records:
         body = record.get("body")
@@ -166,6 +213,7 @@ def match_records(requests: Sequence[Request], records: Sequence[dict[str, Any]]
         request = by_tag.get(tag) if isinstance(tag, str) else None
         if request is not None:
             request.take_record(record)
+            request.upstream_records += 1
             pending += record.get("outcome") == "pending"
     return pending
 
@@ -177,6 +225,30 @@ def queue_outcomes(metrics: str) -> dict[str, float]:
         found = re.search(r'outcome="([^"]*)"', labels)
         if found:
             out[found[1]] = out.get(found[1], 0.0) + float(value)
+    return out
+
+
+def pause_metrics(metrics: str) -> dict[str, float]:
+    """Sluice's sluice_preemptions_total and sluice_pause_seconds count and sum, summed over
+    their labels (absent: none yet)."""
+    out = dict.fromkeys(("preemptions_total", "pause_seconds_count", "pause_seconds_sum"), 0.0)
+    for name, value in _PAUSES.findall(metrics):
+        out[name] += float(value)
+    return out
+
+
+def access_pauses(log: str, key: str) -> list[tuple[int, float]]:
+    """(pauses, paused_s) of each of ``key``'s access lines in a Sluice process's output."""
+    out = []
+    for line in log.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(fields, dict) and fields.get("key") == key and "pauses" in fields:
+            out.append((int(fields["pauses"]), float(fields["paused_s"])))
     return out
 
 
@@ -197,7 +269,9 @@ class _Bench:
     async def phase(self, name: str, policy: str, round_: int) -> Phase:
         settings, proxy = self.settings, self.proxies[policy]
         label = f"r{round_}-{name}-{policy}"
-        before = queue_outcomes((await http_get(proxy.address, "/metrics"))[1].decode())
+        metrics = (await http_get(proxy.address, "/metrics"))[1].decode()
+        before, paused_before = queue_outcomes(metrics), pause_metrics(metrics)
+        log_offset = (await trio.Path(proxy.log).stat()).st_size
         cpu0 = process_cpu_seconds(proxy.pid)
         started = time.monotonic()
         if name == "baseline":
@@ -206,6 +280,13 @@ class _Bench:
         elif name == "flood":
             requests = flood_plan(settings, label)
             await self.run(proxy, requests, label)
+        elif name == PREEMPT:
+            requests = idle_plan(settings, label)
+            await self.run(proxy, requests, label + "-idle")
+            await _settle(self.fake)
+            loaded = preempt_plan(settings, label)
+            await self.run(proxy, loaded, label)
+            requests += loaded
         else:
             requests = queued_deadline_plan(settings, label)
             await self.run(proxy, requests, label + "-queued")
@@ -216,8 +297,12 @@ class _Bench:
         seconds = time.monotonic() - started
         cpu1 = process_cpu_seconds(proxy.pid)
         await _settle(self.fake)
-        after = queue_outcomes((await http_get(proxy.address, "/metrics"))[1].decode())
+        metrics = (await http_get(proxy.address, "/metrics"))[1].decode()
+        after, paused_after = queue_outcomes(metrics), pause_metrics(metrics)
         await self.collect(requests)
+        async with await trio.open_file(proxy.log, "rb") as log:
+            await log.seek(log_offset)
+            written = (await log.read()).decode(errors="replace")
         return Phase(
             name,
             policy,
@@ -226,6 +311,8 @@ class _Bench:
             seconds=seconds,
             proxy_cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
             queue_outcomes={k: v - before.get(k, 0.0) for k, v in after.items()},
+            pause_metrics={k: v - paused_before[k] for k, v in paused_after.items()},
+            access_pauses=access_pauses(written, BATCH) if name == PREEMPT else [],
         )
 
     async def run(self, proxy: _Proxy, requests: list[Request], label: str) -> None:
@@ -298,13 +385,13 @@ async def run_fairness_bench(settings: FairnessSettings, *, command: str = "") -
             pids["fake_upstream"] = process.pid
             await wait_ready("fake upstream", fake, "/health", log)
             proxies = {}
-            for policy in POLICIES:
+            for policy in (*POLICIES, *PREEMPT_VARIANTS):
                 proxies[policy] = await _start_proxy(
                     nursery, workdir, policy, f"http://{fake[0]}:{fake[1]}", settings
                 )
                 pids[f"proxy_{policy}"] = proxies[policy].pid
             bench = _Bench(settings, fake, proxies)
-            for policy in POLICIES:
+            for policy in proxies:
                 # One unmeasured request each: first-request costs are no phase's.
                 await _warm_up(bench, policy)
             for round_, name, policy in schedule(settings.repeat):
@@ -326,7 +413,7 @@ async def _warm_up(bench: _Bench, policy: str) -> None:
     settings = bench.settings
     warm = [
         Request(key, "warm-up", f"warm-{policy}-{key}", 0.0, 3, settings.ttft, settings.interval)
-        for key in KEYS
+        for key in proxy_keys(policy)
     ]
     await bench.run(bench.proxies[policy], warm, f"warm-up {policy}")
     failed = [r for r in warm if not r.ok]
@@ -354,4 +441,4 @@ async def _start_proxy(
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
     process = await nursery.start(supervise, f"proxy ({policy})", argv, log)
     await wait_ready(f"proxy ({policy})", address, "/healthz", log)
-    return _Proxy(policy, address, process.pid)
+    return _Proxy(policy, address, process.pid, log)

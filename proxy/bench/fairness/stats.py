@@ -18,6 +18,7 @@ there, its first token, when its connection closed). Every other figure is made 
 
 from __future__ import annotations
 
+import json
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,14 @@ class Request:
     upstream_finished: float | None = None
     upstream_closed: float | None = None  # the proxy's connection went before the answer's end
     upstream_queued_s: float | None = None  # waited in the fake's own queue (max_running)
+    # The preemption phase's batch streams keep their answer's text, and count the ': paused'
+    # comments their client was sent.
+    keep_text: bool = False
+    text: str = ""
+    paused_comments: int = 0
+    # How many requests the fake received for it: more than one when it was paused and
+    # continued (the fields above are the last one's).
+    upstream_records: int = 0
 
     @property
     def ok(self) -> bool:
@@ -500,3 +509,93 @@ def deadline_figures(requests: Sequence[Request]) -> DeadlineFigures:
         close_after_deadline_s=sorted(closes),
         close_unseen=unseen,
     )
+
+
+# --------------------------------------------------------------------------- preemption
+
+_PAUSED = b": paused"
+
+
+def stream_text(body: bytes) -> tuple[str, int]:
+    """A chat stream's text (its content deltas, in order) and its ``: paused`` comments."""
+    text = []
+    paused = 0
+    for block in body.split(b"\n\n"):
+        if block.startswith(_PAUSED):
+            paused += 1
+        if not block.startswith(b"data:"):
+            continue
+        data = block[5:].strip()
+        if data == b"[DONE]":
+            continue
+        try:
+            event = json.loads(data)
+        except ValueError:
+            continue
+        for choice in event.get("choices") or ():
+            content = (choice.get("delta") or {}).get("content")
+            if isinstance(content, str):
+                text.append(content)
+    return "".join(text), paused
+
+
+@dataclass(frozen=True)
+class BatchFigures:
+    """The batch streams of one variant, pooled over rounds."""
+
+    streams: int
+    whole: int  # completed with the text an uninterrupted answer has
+    paused_seen: int  # of those, paused (their client saw ': paused')
+    makespan_s: float | None  # first send to last end, the mean over rounds
+    mean_s: float | None  # send to end, the mean over every stream
+
+    @property
+    def passed(self) -> bool:
+        return self.streams > 0 and self.whole == self.streams
+
+
+def makespan(requests: Sequence[Request]) -> float | None:
+    """From the first one's send to the last one's end."""
+    sent = [r.sent for r in requests if r.sent is not None]
+    ended = [r.ended_at for r in requests if r.ended_at is not None]
+    if not sent or not ended:
+        return None
+    return max(ended) - min(sent)
+
+
+def batch_figures(rounds: Sequence[Sequence[Request]], expected: str) -> BatchFigures:
+    """``rounds``: each round's batch streams; ``expected``: an uninterrupted answer's text."""
+    every = [r for requests in rounds for r in requests]
+    spans = [m for m in (makespan(requests) for requests in rounds) if m is not None]
+    durations = [
+        r.ended_at - r.sent for r in every if r.sent is not None and r.ended_at is not None
+    ]
+    return BatchFigures(
+        streams=len(every),
+        whole=sum(r.ok and r.text == expected for r in every),
+        paused_seen=sum(r.paused_comments > 0 for r in every),
+        makespan_s=sum(spans) / len(spans) if spans else None,
+        mean_s=sum(durations) / len(durations) if durations else None,
+    )
+
+
+@dataclass(frozen=True)
+class PreemptCheck:
+    """With preemption, the interactive TTFT p99 against ``preempt_after`` plus twice its
+    TTFT p99 on an idle upstream: its wait for the pause, then an answer as if alone (twice:
+    the pause and the slot's hand-over cost about a TTFT of their own)."""
+
+    p99_s: float | None
+    idle_p99_s: float | None
+    preempt_after: float
+
+    @property
+    def limit_s(self) -> float | None:
+        if self.idle_p99_s is None:
+            return None
+        return self.preempt_after + 2 * self.idle_p99_s
+
+    @property
+    def passed(self) -> bool:
+        limit = self.limit_s
+        return limit is not None and self.p99_s is not None and self.p99_s <= limit
