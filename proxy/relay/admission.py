@@ -365,24 +365,12 @@ class Admission:
             self._left(ticket, 0.0, "deadline")
             raise self._unmeetable(ticket, rooms)
         waiter = _Waiter(self, rooms)
-        dispatcher._waiters[ticket] = waiter
-        self._set_waiting(self._waiting + 1)
         outcome = "cancelled"
         try:
             with trio.move_on_at(min(now + self.queue_timeout, ticket.first_byte_by)):
-                await self._until_dispatched(ticket, waiter)
-        except BaseException:
-            # Cancelled (the client left) just as it was dispatched: the slot goes to the next.
-            if waiter.room is not None:
-                dispatcher.release(waiter.room, 0.0)
-                waiter.room = None
-            raise
+                await self._queued(ticket, waiter)
         finally:
-            self._set_waiting(self._waiting - 1)
             dispatched = waiter.room
-            if dispatched is None:
-                dispatcher._waiters.pop(ticket, None)
-                queue.remove(ticket)
             ended = trio.current_time()
             if dispatched is not None:
                 outcome = "admitted"
@@ -403,6 +391,27 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after(rooms))},
             )
         return dispatched
+
+    async def _queued(self, ticket: Ticket, waiter: _Waiter) -> None:
+        """``ticket``, in the queue already, waits until it is dispatched (to
+        ``waiter.room``), within whatever bounds the caller puts around this; however it ends,
+        it is no longer waiting then."""
+        dispatcher = self.dispatcher
+        dispatcher._waiters[ticket] = waiter
+        self._set_waiting(self._waiting + 1)
+        try:
+            await self._until_dispatched(ticket, waiter)
+        except BaseException:
+            # Cancelled (the client left) just as it was dispatched: the slot goes to the next.
+            if waiter.room is not None:
+                dispatcher.release(waiter.room, 0.0)
+                waiter.room = None
+            raise
+        finally:
+            self._set_waiting(self._waiting - 1)
+            if waiter.room is None:
+                dispatcher._waiters.pop(ticket, None)
+                dispatcher.queue.remove(ticket)
 
     async def _until_dispatched(self, ticket: Ticket, waiter: _Waiter) -> None:
         dispatcher = self.dispatcher
@@ -438,20 +447,7 @@ class Admission:
             return open_rooms[0]
         dispatcher.queue.add(ticket)
         waiter = _Waiter(self, rooms)
-        dispatcher._waiters[ticket] = waiter
-        self._set_waiting(self._waiting + 1)
-        try:
-            await self._until_dispatched(ticket, waiter)
-        except BaseException:
-            if waiter.room is not None:
-                dispatcher.release(waiter.room, 0.0)
-                waiter.room = None
-            raise
-        finally:
-            self._set_waiting(self._waiting - 1)
-            if waiter.room is None:
-                dispatcher._waiters.pop(ticket, None)
-                dispatcher.queue.remove(ticket)
+        await self._queued(ticket, waiter)
         assert waiter.room is not None
         return waiter.room
 
