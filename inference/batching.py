@@ -632,12 +632,7 @@ class BatchEngine:
         chunk = prompt[sequence.prefilled : sequence.prefilled + size]
         try:
             with torch.inference_mode():
-                output = self.model(
-                    input_ids=torch.tensor([chunk], dtype=torch.long),
-                    cache=sequence.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                output = self._forward_chunk(sequence, chunk)
                 sequence.cache = output.cache
                 sequence.prefilled += len(chunk)
                 sequence.forward_passes += 1
@@ -689,12 +684,7 @@ class BatchEngine:
         chunk = ids[sequence._refilled : sequence._refilled + size]
         try:
             with torch.inference_mode():
-                output = self.model(
-                    input_ids=torch.tensor([chunk], dtype=torch.long),
-                    cache=sequence.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                output = self._forward_chunk(sequence, chunk)
         except Exception as error:  # noqa: BLE001 - the engine thread: no trio.Cancelled here
             self._waiting.popleft()
             sequence.cache = None
@@ -710,6 +700,17 @@ class BatchEngine:
         sequence._refill, sequence._refilled = None, 0
         cache, sequence.cache = sequence.cache, None
         self._join(sequence, cache=cache)
+
+    def _forward_chunk(self, sequence: Generation, chunk: Ids[int]) -> Any:
+        """One prefill chunk of ``sequence`` on its own cache (under inference mode)."""
+        import torch
+
+        return self.model(
+            input_ids=torch.tensor([list(chunk)], dtype=torch.long),
+            cache=sequence.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
 
     def _fail(
         self,
