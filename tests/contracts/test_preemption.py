@@ -20,12 +20,14 @@ import httpx
 import openai
 import pytest
 import trio
+from trio_websocket import open_websocket_url
 
 from proxy.api.auth import hash_key
 from proxy.ops import tracing
 from proxy.ops.logs import ACCESS_LOGGER
 from proxy.testing.fake_upstream import token_text
 from proxy.testing.otlp_receiver import otlp_receiver
+from tests.api.test_websocket import answer, receive, ws_url
 from tests.ops.test_metrics import scrape, value
 from tests.support import (
     DEADLINE,
@@ -67,7 +69,7 @@ def bearer(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {SECRETS[name]}"}
 
 
-def answer(tokens: int, first: int = 0) -> str:
+def answer_text(tokens: int, first: int = 0) -> str:
     """The fake's answer: token i is word i and a space."""
     return "".join(token_text(first + index) for index in range(tokens))
 
@@ -153,14 +155,14 @@ async def test_an_urgent_request_pauses_a_batch_stream_which_resumes_where_it_st
         body = await read_to_the_end(batch)
         await batch.close()
         await proxy.state.tracker.wait_idle()
-    assert urgent_text == answer(5)
+    assert urgent_text == answer_text(5)
     # It waited preempt_after, then took the paused stream's slot.
     assert first_token_at is not None
     assert PREEMPT_AFTER <= first_token_at - asked < PREEMPT_AFTER + 0.5
     assert ": paused\n\n" in body
     payloads = events_of(body)
     # One answer: the whole text, once; one role delta; one id, created and model.
-    assert stream_text(payloads) == answer(BATCH_TOKENS)
+    assert stream_text(payloads) == answer_text(BATCH_TOKENS)
     events = [json.loads(p) for p in payloads if p != "[DONE]"]
     assert sum(1 for e in events for c in e["choices"] if "role" in c["delta"]) == 1
     assert len({(e["id"], e["created"], e["model"]) for e in events}) == 1
@@ -180,7 +182,7 @@ async def test_an_urgent_request_pauses_a_batch_stream_which_resumes_where_it_st
     assert continuation.body["add_generation_prompt"] is False
     held = len(sent["content"].split())
     assert 0 < held < BATCH_TOKENS
-    assert sent["content"] == answer(held)
+    assert sent["content"] == answer_text(held)
     # The metrics, and the access line.
     async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
         samples = await scrape(http, proxy)
@@ -209,10 +211,10 @@ async def test_a_completions_stream_is_continued_from_its_prompt_and_text(
         body = await read_to_the_end(batch)
         await proxy.state.tracker.wait_idle()
     payloads = events_of(body)
-    assert stream_text(payloads) == answer(30)
+    assert stream_text(payloads) == answer_text(30)
     continuation = [r for r in fake.recorder.records if r.method == "POST"][2]
     held = continuation.body["max_tokens"]
-    assert continuation.body["prompt"] == "once upon a time" + answer(30 - held)
+    assert continuation.body["prompt"] == "once upon a time" + answer_text(30 - held)
 
 
 async def test_a_request_of_the_same_band_never_preempts(nursery: trio.Nursery) -> None:
@@ -241,7 +243,7 @@ async def test_a_request_is_paused_at_most_max_preemptions_times(nursery: trio.N
         body = await read_to_the_end(batch)
         await proxy.state.tracker.wait_idle()
     payloads = events_of(body)
-    assert stream_text(payloads) == answer(BATCH_TOKENS)
+    assert stream_text(payloads) == answer_text(BATCH_TOKENS)
     bodies = [r.body for r in fake.recorder.records if r.method == "POST"]
     continuations = [b for b in bodies if b.get("continue_final_message")]
     assert len(continuations) == 1
@@ -466,7 +468,7 @@ async def test_a_pause_longer_than_the_stall_limit_is_not_a_stall(nursery: trio.
         await proxy.state.tracker.wait_idle()
     assert proxy.state.tracker.stalled == 0
     assert body.count(": paused") >= 3  # one at once, then every pause_keepalive
-    assert stream_text(events_of(body)) == answer(BATCH_TOKENS)
+    assert stream_text(events_of(body)) == answer_text(BATCH_TOKENS)
 
 
 async def test_a_stream_paused_before_its_first_byte_starts_over_with_its_head_unsent(
@@ -489,7 +491,7 @@ async def test_a_stream_paused_before_its_first_byte_starts_over_with_its_head_u
     # Nothing had reached its client: no comment before its head, and its answer from the
     # start, as the original request (sent again as it was) gives it.
     assert ": paused" not in body
-    assert stream_text(events_of(body)) == answer(10)
+    assert stream_text(events_of(body)) == answer_text(10)
     first, _urgent, again = [r for r in fake.recorder.records if r.method == "POST"]
     assert first.outcome == "client_disconnected"
     assert again.body == first.body
@@ -542,5 +544,35 @@ async def test_under_a_batch_flood_holding_every_slot_an_urgent_request_waits_pr
     )
     assert max(flooded) <= bound, (flooded, idle)
     for body in bodies:
-        assert stream_text(events_of(body)) == answer(batch_tokens)
+        assert stream_text(events_of(body)) == answer_text(batch_tokens)
     assert sum(body.count(": paused") for body in bodies) >= 4
+
+
+async def test_a_websocket_answer_is_paused_and_continued_like_any_stream(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        fake, proxy = await one_slot(nursery)
+        auth = [(name.encode(), value.encode()) for name, value in bearer("batch").items()]
+        async with open_websocket_url(ws_url(proxy), extra_headers=auth) as ws:
+            await ws.send_message(
+                json.dumps(
+                    {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
+                )
+            )
+            first = await receive(ws)
+            assert first["type"] == "token"
+            urgent = await RawClient.post(
+                proxy, CHAT, chat_body(MODEL, max_tokens=2), headers=bearer("urgent")
+            )
+            text, final = await answer(ws)
+            await read_to_the_end(urgent)
+        await proxy.state.tracker.wait_idle()
+    # The pause's comments are not messages; the answer is whole, once.
+    assert (first["content"] + text, final["type"]) == (answer_text(BATCH_TOKENS), "done")
+    continuations = [
+        r
+        for r in fake.recorder.records
+        if r.method == "POST" and r.body.get("continue_final_message")
+    ]
+    assert len(continuations) == 1
