@@ -576,3 +576,58 @@ async def test_a_websocket_answer_is_paused_and_continued_like_any_stream(
         if r.method == "POST" and r.body.get("continue_final_message")
     ]
     assert len(continuations) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+async def test_the_local_model_pauses_every_endpoint_s_stream_and_resumes_it_whole(
+    nursery: trio.Nursery, tiny_loaded_model: Any, path: str
+) -> None:
+    """The local engine resumes from the KV itself, so its Messages and Responses streams
+    (which an upstream could not continue) are paused too, and end as uninterrupted."""
+    request: dict[str, Any] = {
+        "model": "tiny",
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if path == "/v1/messages":
+        request |= {"max_tokens": LOCAL_TOKENS, "messages": [{"role": "user", "content": "Sea?"}]}
+    else:
+        request |= {"max_output_tokens": LOCAL_TOKENS, "input": "Sea?"}
+
+    def text_of(body: str) -> str:
+        parts = []
+        lines = body.split("\n")
+        for payload in (line[len("data: ") :] for line in lines if line.startswith("data: {")):
+            event = json.loads(payload)
+            if event.get("type") == "content_block_delta":
+                parts.append(event["delta"]["text"])
+            elif event.get("type") == "response.output_text.delta":
+                parts.append(event["delta"])
+        return "".join(parts)
+
+    async def whole(client: RawClient) -> str:
+        await client.read_until(b"\r\n0\r\n\r\n")
+        framed = client.received.split(b"\r\n\r\n", 1)[1]
+        body = b""
+        while True:
+            size_line, framed = framed.split(b"\r\n", 1)
+            size = int(size_line, 16)
+            if not size:
+                return body.decode()
+            body, framed = body + framed[:size], framed[size + 2 :]
+
+    with trio.fail_after(DEADLINE):
+        proxy = await local_one_slot(nursery, tiny_loaded_model)
+        alone = await RawClient.post(proxy, path, request, headers=bearer("batch"))
+        uninterrupted = text_of(await whole(alone))
+        batch = await RawClient.post(proxy, path, request, headers=bearer("batch"))
+        await batch.read_until(b"delta", 6)
+        urgent = await RawClient.post(
+            proxy, CHAT, local_body(max_tokens=3), headers=bearer("urgent")
+        )
+        await read_to_the_end(urgent)
+        body = await whole(batch)
+        await proxy.state.tracker.wait_idle()
+    assert ": paused\n\n" in body
+    assert uninterrupted and text_of(body) == uninterrupted
