@@ -28,6 +28,7 @@ from proxy.api.app import create_app
 from proxy.api.state import SluiceState, state_of
 from proxy.cli import start_fake_upstream
 from proxy.config import Config, config_from_mapping
+from proxy.ops.logs import ACCESS_LOGGER
 from proxy.server.asgi import SluiceQuart
 from proxy.server.run import serve
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
@@ -187,6 +188,24 @@ def chat_body(model: str = "fake-model", *, stream: bool = True, **extra: Any) -
         "stream": stream,
         **extra,
     }
+
+
+def chunked_body(raw: bytes) -> str:
+    """The body of a whole chunked HTTP/1.1 response (``raw``: its head, then its chunks up to
+    the last, empty one), its framing taken off."""
+    framed = raw.split(b"\r\n\r\n", 1)[1]
+    body = b""
+    while True:
+        size_line, framed = framed.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if not size:
+            return body.decode()
+        body, framed = body + framed[:size], framed[size + 2 :]
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The JSON access lines ``caplog`` captured (its ``sluice.access`` logger at INFO)."""
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
 
 
 def sse_payloads(text: str) -> list[str]:

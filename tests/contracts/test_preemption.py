@@ -34,7 +34,9 @@ from tests.support import (
     Fake,
     Proxy,
     RawClient,
+    access_lines,
     chat_body,
+    chunked_body,
     local_model,
     poll_until,
     producer_tasks,
@@ -93,12 +95,6 @@ def access(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtur
         yield caplog
 
 
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [
-        json.loads(record.getMessage()) for record in caplog.records if record.name == ACCESS_LOGGER
-    ]
-
-
 async def start_batch(proxy: Proxy, path: str = CHAT, **extra: Any) -> RawClient:
     """A batch stream that has put out a few tokens."""
     if path == CHAT:
@@ -114,14 +110,7 @@ async def read_to_the_end(client: RawClient) -> str:
     """The stream's body, once its last event is in (its chunked framing taken off)."""
     await client.read_until(b"data: [DONE]")
     await client.read_until(b"\r\n0\r\n\r\n")
-    framed = client.received.split(b"\r\n\r\n", 1)[1]
-    body = b""
-    while True:
-        size_line, framed = framed.split(b"\r\n", 1)
-        size = int(size_line, 16)
-        if not size:
-            return body.decode()
-        body, framed = body + framed[:size], framed[size + 2 :]
+    return chunked_body(client.received)
 
 
 def events_of(body: str) -> list[str]:
@@ -608,14 +597,7 @@ async def test_the_local_model_pauses_every_endpoint_s_stream_and_resumes_it_who
 
     async def whole(client: RawClient) -> str:
         await client.read_until(b"\r\n0\r\n\r\n")
-        framed = client.received.split(b"\r\n\r\n", 1)[1]
-        body = b""
-        while True:
-            size_line, framed = framed.split(b"\r\n", 1)
-            size = int(size_line, 16)
-            if not size:
-                return body.decode()
-            body, framed = body + framed[:size], framed[size + 2 :]
+        return chunked_body(client.received)
 
     with trio.fail_after(DEADLINE):
         proxy = await local_one_slot(nursery, tiny_loaded_model)

@@ -40,6 +40,7 @@ from tests.support import (
     Fake,
     Proxy,
     RawClient,
+    access_lines,
     chat_body,
     poll_until,
     slowed,
@@ -164,12 +165,6 @@ def assert_hides_the_replica(response: Any, fake: Fake) -> None:
 def access(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
     with caplog.at_level(logging.INFO, logger=ACCESS_LOGGER):
         yield caplog
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [
-        json.loads(record.getMessage()) for record in caplog.records if record.name == ACCESS_LOGGER
-    ]
 
 
 # ---------------------------------------------------------------------------- deadlines

@@ -33,7 +33,14 @@ from inference.loading import load_model
 from proxy.ops import tracing
 from proxy.testing.otlp_receiver import KIND_CLIENT, Receiver, Span
 from proxy.testing.trace_check import judge
-from tests.support import RawClient, chat_body, sse_payloads, start_proxy, stream_text
+from tests.support import (
+    RawClient,
+    chat_body,
+    chunked_body,
+    sse_payloads,
+    start_proxy,
+    stream_text,
+)
 from tests.tracing_support import flush, tree
 
 pytestmark = pytest.mark.vllm
@@ -286,18 +293,6 @@ async def test_trace_of_a_dropped_stream_says_the_client_left(
 PREEMPT_TOKENS = 160
 
 
-def dechunked(raw: bytes) -> str:
-    """A chunked HTTP response's body."""
-    framed = raw.split(b"\r\n\r\n", 1)[1]
-    body = b""
-    while True:
-        size_line, framed = framed.split(b"\r\n", 1)
-        size = int(size_line, 16)
-        if not size:
-            return body.decode()
-        body, framed = body + framed[:size], framed[size + 2 :]
-
-
 async def test_a_preempted_chat_answer_is_continued_and_compared_with_the_uninterrupted_one(
     nursery: trio.Nursery, vllm_url: str
 ) -> None:
@@ -338,7 +333,7 @@ async def test_a_preempted_chat_answer_is_continued_and_compared_with_the_uninte
             assert urgent.status_code == 200, urgent.text
             await raw.read_until(b"data: [DONE]")
             await raw.read_until(b"\r\n0\r\n\r\n")
-            text = dechunked(raw.received)
+            text = chunked_body(raw.received)
             assert ": paused" in text
             before = text.split(": paused\n\n", 1)[0]
             held = stream_text(sse_payloads(before))

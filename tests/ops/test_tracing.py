@@ -33,6 +33,7 @@ from tests.support import (
     UPSTREAM_TRANSPORTS,
     Proxy,
     RawClient,
+    access_lines,
     chat_body,
     sse_payloads,
     start_fake,
@@ -79,10 +80,6 @@ async def start_local_traced(nursery: trio.Nursery, receiver: Receiver, loaded: 
 def trace_of(response: httpx.Response) -> str:
     """The trace id the response's traceresponse names."""
     return response.headers["traceresponse"].split("-")[1]
-
-
-def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
 
 
 # -- configuration ---------------------------------------------------------------------------
