@@ -771,11 +771,9 @@ def _pausable(request: CompletionRequest) -> bool:
     sequence (``n`` choices run one after another in one slot)."""
     if not request.stream:
         return False
-    body = request.body
-    return request.endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS) or body.get("n") in (
-        None,
-        1,
-    )
+    if request.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+        return request.body.get("n") in (None, 1)
+    return True
 
 
 def _wire(

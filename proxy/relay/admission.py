@@ -326,14 +326,9 @@ class Admission:
             # Never started after its deadline: its client has stopped waiting.
             self._left(ticket, 0.0, "deadline")
             raise self._unmeetable(ticket, rooms)
-        for each in rooms:
-            dispatcher.dispatch(each)  # a room that got room without a word (a scrape)
-        open_rooms = [each for each in rooms if each.free > 0]
-        chosen = (choose or _first)(open_rooms) if open_rooms else None
-        if chosen is not None:
-            dispatcher._take(chosen, ticket, now)
+        room = self._take_open(ticket, rooms, choose or _first, now)
+        if room is not None:
             self._left(ticket, 0.0, "admitted")
-            room = chosen
         else:
             room = await self._wait(ticket, rooms, now)
         lease = Lease(self, ticket, room)
@@ -344,11 +339,27 @@ class Admission:
                 dispatcher.release(lease.room, trio.current_time() - lease.since, ticket)
             self._notify()
 
+    def _take_open(
+        self,
+        ticket: Ticket,
+        rooms: Sequence[Room],
+        choose: Callable[[Sequence[Room]], Room | None],
+        now: float,
+    ) -> Room | None:
+        """A slot at once for ``ticket`` in one of ``rooms`` that has room (``choose``'s pick
+        among them), taken; None when none has (or ``choose`` takes none)."""
+        dispatcher = self.dispatcher
+        for each in rooms:
+            dispatcher.dispatch(each)  # a room that got room without a word (a scrape)
+        open_rooms = [each for each in rooms if each.free > 0]
+        chosen = choose(open_rooms) if open_rooms else None
+        if chosen is not None:
+            dispatcher._take(chosen, ticket, now)
+        return chosen
+
     async def _wait(self, ticket: Ticket, rooms: Sequence[Room], now: float) -> Room:
         dispatcher = self.dispatcher
         queue = dispatcher.queue
-        if ticket.resumed:
-            return await self._wait_resumed(ticket, rooms)
         if self._waiting >= self.max_queue:
             self._left(ticket, 0.0, "queue_full")
             raise ApiError(
@@ -438,14 +449,10 @@ class Admission:
         """A paused request waits again for a slot, at the head of its band: neither the
         queue's bound nor its timeout applies (it was admitted already, and its client holds
         half an answer); its deadline, kept by its relay, still does."""
-        dispatcher = self.dispatcher
-        for each in rooms:
-            dispatcher.dispatch(each)
-        open_rooms = [each for each in rooms if each.free > 0]
-        if open_rooms:
-            dispatcher._take(open_rooms[0], ticket, trio.current_time())
-            return open_rooms[0]
-        dispatcher.queue.add(ticket)
+        room = self._take_open(ticket, rooms, _first, trio.current_time())
+        if room is not None:
+            return room
+        self.dispatcher.queue.add(ticket)
         waiter = _Waiter(self, rooms)
         await self._queued(ticket, waiter)
         assert waiter.room is not None
