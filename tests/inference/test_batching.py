@@ -33,9 +33,16 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 class Harness:
-    """An engine stepped by hand, recording each sequence's pieces and its leaving."""
+    """An engine stepped by hand, recording each sequence's pieces and its leaving
+    (``engine``: more of the engine's settings)."""
 
-    def __init__(self, generator: Generator, max_batch: int = 4, prefill_chunk: int = 8) -> None:
+    # The steps run() takes at most for the sequences to finish.
+    run_limit = 500
+
+    def __init__(
+        self, generator: Generator, max_batch: int = 4, prefill_chunk: int = 8, **engine: Any
+    ) -> None:
+        self.generator = generator
         self.texts: dict[Generation, list[str]] = {}
         self.results: dict[Generation, Piece] = {}
         self.gone: list[Generation] = []
@@ -47,6 +54,7 @@ class Harness:
             prefill_chunk=prefill_chunk,
             deliver=self.deliver,
             on_step=lambda size, _: self.steps.append(size),
+            **engine,
         )
 
     def deliver(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
@@ -61,8 +69,8 @@ class Harness:
     def text(self, sequence: Generation) -> str:
         return "".join(self.texts.get(sequence, []))
 
-    def run(self, sequences: list[Generation], limit: int = 500) -> None:
-        for _ in range(limit):
+    def run(self, sequences: list[Generation]) -> None:
+        for _ in range(self.run_limit):
             if all(sequence in self.gone for sequence in sequences):
                 return
             self.engine.step()

@@ -17,22 +17,19 @@ from inference.generation import Generator
 from inference.loading import LoadedModel
 from inference.prefix_cache import PrefixCache
 from inference.sampling import SamplingParams
+from tests.inference.test_batching import PROMPTS, Harness
 from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
 
 __all__ = ["smol_tokenizer", "tiny_loaded_model"]
 
-PROMPTS = [
-    "Once upon a time",
-    "The river flows into the sea, and then the water",
-    "Hello",
-    "中文 " * 25,  # longer than a prefill chunk: prefilled over several steps
-]
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-class Rig:
+class Rig(Harness):
     """An engine stepped by hand: each sequence's pieces, its pause notices (not counted as
     read, as a reader must not count them), its result and its leaving."""
+
+    run_limit = 300
 
     def __init__(
         self,
@@ -43,22 +40,17 @@ class Rig:
         paused_bytes: int = 1 << 30,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
-        self.generator = generator
-        self.texts: dict[Generation, list[str]] = {}
         self.notices: dict[Generation, int] = {}
-        self.results: dict[Generation, Piece] = {}
-        self.gone: list[Generation] = []
-        self.reading: Any = lambda _: True
-        self.engine = BatchEngine(
+        super().__init__(
             generator,
-            max_batch=max_batch,
-            prefill_chunk=prefill_chunk,
-            deliver=self.deliver,
+            max_batch,
+            prefill_chunk,
             paused_bytes=paused_bytes,
             prefix_cache=prefix_cache,
         )
 
     def deliver(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
+        made = []
         for sequence, piece in pieces:
             assert piece.error is None, piece.error
             if piece.paused:
@@ -66,30 +58,16 @@ class Rig:
                 assert piece.text == "" and piece.result is None
                 self.notices[sequence] = self.notices.get(sequence, 0) + 1
                 continue
-            self.texts.setdefault(sequence, []).append(piece.text)
-            if piece.result is not None:
-                self.results[sequence] = piece
-            if self.reading(sequence):
-                sequence.consumed += 1
-        self.gone.extend(gone)
+            made.append((sequence, piece))
+        super().deliver(made, gone)
 
     def start(self, prompt: str, **kwargs: Any) -> Generation:
         sequence = Generation(self.generator.text_prompt(prompt), GREEDY, **kwargs)
         self.engine.add(sequence)
         return sequence
 
-    def text(self, sequence: Generation) -> str:
-        return "".join(self.texts.get(sequence, []))
-
     def tokens(self, sequence: Generation) -> int:
         return len(self.texts.get(sequence, []))
-
-    def run(self, sequences: list[Generation], limit: int = 300) -> None:
-        for _ in range(limit):
-            if all(sequence in self.gone for sequence in sequences):
-                return
-            self.engine.step()
-        raise AssertionError("the sequences did not finish")
 
     def until(self, condition: Any, limit: int = 100) -> None:
         for _ in range(limit):
