@@ -40,8 +40,9 @@ from proxy.ops.metrics import Metrics
 from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.errors import SERVER_ERROR, ApiError, bad_request, model_not_found
 from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.request_priority import positive_seconds, request_band
 from proxy.protocol.rewrite import REMOVE, with_edits
-from proxy.protocol.scheduling import Schedule, positive_seconds, request_band
+from proxy.protocol.scheduling import Schedule
 from proxy.protocol.shapes import error_shape
 from proxy.protocol.token_usage import DEFAULT_RESERVED_OUTPUT, estimate_input_tokens
 from proxy.relay.body import Producer, RelayBody, RelayTracker

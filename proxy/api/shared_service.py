@@ -5,7 +5,7 @@ One hash per process kind of queue (``<prefix>scheduling:upstream``): a field pe
 requests with no key), its counter. Every ``[scheduling] share_seconds`` each instance sends
 what it added to each counter since its last sync and reads every total back, in one Lua script
 (atomic: a script runs alone on the server); the arithmetic is
-:class:`~proxy.protocol.scheduling.SharedCounters`' (a lift is sent as a floor, not as
+:class:`~proxy.protocol.shared_counters.SharedCounters`' (a lift is sent as a floor, not as
 service). Running requests' output is settled first, so what one instance served reaches
 another within two intervals and the script's round trip: it goes out at the first's next sync
 and comes back at the other's (one interval, with the syncs in phase). The service difference
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import trio
 
 from proxy.api.limits import RedisLimits
-from proxy.protocol.scheduling import SharedCounters
+from proxy.protocol.shared_counters import SharedCounters
 from proxy.relay.admission import Dispatcher
 
 # KEYS: the hash. ARGV: key, increment, floor, key, increment, floor... (a lift is a floor: the

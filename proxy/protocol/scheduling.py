@@ -15,7 +15,7 @@ Sheng et al. (OSDI 2024) prove that the service two backlogged tenants receive t
 at most ``2 * max(w_in * L_in, w_out * M)`` (:func:`vtc_bound`), while no slot idles.
 
 **Bands.** A request's band is an integer, lower first, as vLLM reads its ``priority``: a key's
-``priority``, which a request may raise (less urgent) but never lower (:func:`request_band`). A
+``priority``, which a request may raise (less urgent) but never lower (:func:`~proxy.protocol.request_priority.request_band`). A
 band is served strictly before the bands after it, and fairly within itself.
 
 **The starvation guard.** A request that has waited ``starvation_seconds`` goes before every
@@ -305,39 +305,6 @@ def expected_wait(ahead: int, free: int, slots: int, average_hold: float) -> flo
     return (ahead - free + 1) * average_hold / max(1, slots)
 
 
-def positive_seconds(value: str | None) -> float | None:
-    """A header's number of seconds, when it is a positive finite number; None otherwise (the
-    Anthropic SDK may send the literal ``NOT_GIVEN``)."""
-    if value is None:
-        return None
-    try:
-        seconds = float(value.strip())
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds > 0 else None
-
-
-# The least urgent band a request may ask for: bands label metrics, and a client must not be
-# able to make up new ones without end.
-LEAST_URGENT_BAND = 99
-
-
-def request_band(key_band: int, *asked: object) -> int:
-    """A request's band: its key's, or a less urgent one it asks for (a larger integer, in the
-    body's ``priority`` or the ``x-sluice-priority`` header), at most LEAST_URGENT_BAND; never
-    more urgent than its key's. What is not an integer asks for nothing."""
-    band = key_band
-    for value in asked:
-        if isinstance(value, str):
-            try:
-                value = int(value.strip())
-            except ValueError:
-                continue
-        if isinstance(value, int) and not isinstance(value, bool):
-            band = max(band, min(value, max(LEAST_URGENT_BAND, key_band)))
-    return band
-
-
 def preemption_due(settings: SchedulingSettings, ticket: Ticket) -> float | None:
     """When ``ticket``, waiting, may pause a less urgent stream for itself: ``preempt_after``
     after it arrived; None when it never may (preemption off, or a paused request itself,
@@ -374,61 +341,3 @@ def vtc_bound(w_in: float, longest_input: int, w_out: float, batch_tokens: int) 
     ``2 * max(w_in * L_in, w_out * M)``, with ``L_in`` the longest input and ``M`` the most
     tokens one batch holds (Sheng et al., OSDI 2024)."""
     return 2 * max(w_in * longest_input, w_out * batch_tokens)
-
-
-class SharedCounters:
-    """The keys' counters shared between instances (through a store, such as Redis): the
-    arithmetic, sans-IO. Each sync sends the service each key received here since the last
-    sync the store took (:meth:`outgoing`), and the counter of each key lifted here since
-    (:attr:`floors`); the store adds the increments to its totals, raises each total to at least
-    its floor, and answers every key's total, which becomes the counter here, plus what was added
-    here meanwhile (:meth:`incoming`). A key flooding one instance is behind on every other, as
-    of the last sync.
-
-    A lift is a floor, never an increment: two instances that lift one key (it returns to both)
-    each to about the same counter would otherwise lift it twice in the store, and the key
-    would wait behind every other key's whole past service. Counters never go back: a store
-    that has lost its totals (Redis restarted) gets them again from the floors of the next
-    sync."""
-
-    def __init__(self, queue: FairQueue) -> None:
-        self._queue = queue
-        # Each key's total as the store last said it.
-        self._base: dict[str, float] = {}
-        # Each key's service here (FairQueue.served) when the store last took it, and when
-        # outgoing() last read it.
-        self._served_base: dict[str, float] = {}
-        self._served_sent: dict[str, float] = {}
-        # The keys lifted here since the last sync the store took, each with its counter:
-        # read with outgoing()'s increments.
-        self.floors: dict[str, float] = {}
-
-    def outgoing(self) -> dict[str, float]:
-        """Each key's service here since the last sync that the store took (a sync that failed
-        sends its increments again, with the later ones); :attr:`floors` is set with it."""
-        served, served_base, base = self._queue.served, self._served_base, self._base
-        self._served_sent = dict(served)
-        increments = {
-            key: value - served_base.get(key, 0.0)
-            for key, value in served.items()
-            if value != served_base.get(key, 0.0)
-        }
-        # A counter above the store's total plus the service here was lifted here (beyond
-        # what summing in another order leaves over).
-        self.floors = {
-            key: value
-            for key, value in self._queue.counters.items()
-            if value - base.get(key, 0.0) - increments.get(key, 0.0) > 1e-9 * max(1.0, value)
-        }
-        return increments
-
-    def incoming(self, shared: Mapping[str, float]) -> None:
-        """The store's totals after it took :meth:`outgoing`'s increments and floors."""
-        counters, served, sent = self._queue.counters, self._queue.served, self._served_sent
-        for key, total in shared.items():
-            since = served.get(key, 0.0) - sent.get(key, 0.0)
-            # A lift here meanwhile is kept, and so is a counter the store has lost.
-            counters[key] = max(total + since, counters.get(key, 0.0))
-            self._base[key] = total
-        self._served_base = sent
-        self.floors = {}

@@ -9,19 +9,17 @@ import random
 
 import pytest
 
+from proxy.protocol.request_priority import LEAST_URGENT_BAND, positive_seconds, request_band
 from proxy.protocol.scheduling import (
-    LEAST_URGENT_BAND,
     FairQueue,
     SchedulingSettings,
-    SharedCounters,
     Ticket,
     choose_preemption,
     expected_wait,
-    positive_seconds,
     preemption_due,
-    request_band,
     vtc_bound,
 )
+from proxy.protocol.shared_counters import SharedCounters
 
 FAIR = SchedulingSettings(policy="fair", w_in=1.0, w_out=2.0, starvation_seconds=60.0)
 

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from proxy.protocol.scheduling import (
     FairQueue,
     SchedulingSettings,
-    SharedCounters,
     Ticket,
     vtc_bound,
 )
+from proxy.protocol.shared_counters import SharedCounters
 
 W_IN, W_OUT = 1.0, 2.0
 # A request's input costs no more than its shortest output (W_IN * L_IN <= W_OUT * OUT_MIN):
