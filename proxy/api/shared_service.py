@@ -1,24 +1,40 @@
 """The fair scheduler's counters shared through Redis (``[limits] backend = "redis"``): a key
 that floods one instance is behind on every other too.
 
-One hash per process kind of queue (``<prefix>scheduling:upstream``): a field per key (``-``:
-requests with no key), its counter. Every ``[scheduling] share_seconds`` each instance sends
-what it added to each counter since its last sync and reads every total back, in one Lua script
-(atomic: a script runs alone on the server); the arithmetic is
-:class:`~proxy.protocol.shared_counters.SharedCounters`' (a lift is sent as a floor, not as
-service). Running requests' output is settled first, so what one instance served reaches
-another within two intervals and the script's round trip: it goes out at the first's next sync
-and comes back at the other's (one interval, with the syncs in phase). The service difference
-between two backlogged keys stays within the VTC bound plus what the instances serve in that
-time (``tests/protocol/test_scheduling_shared.py`` derives it).
+One hash per kind of queue (``<prefix>scheduling:upstream``): a field per key (``-``: requests
+with no key), its total. Beside it, one hash per instance, its record
+(``<prefix>scheduling:upstream:inst:<id>``, the id random per process): the largest service
+the store took from that instance for each key. Every ``[scheduling] share_seconds`` each
+instance sends its absolute service so far for each key served since its last answered sync,
+with the value that sync carried, and reads every total back, in one Lua script (atomic: a
+script runs alone on the server). The script adds only what the sent value exceeds the record
+by (the answered value stands in for a record it lacks), so what a script carried counts once
+when it still ran after the client gave up on it (``[limits] timeout``) and the next sync sends
+it again, grown; and a script run twice, or late (after a newer one), adds nothing. The
+arithmetic and the contract are :class:`~proxy.protocol.shared_counters.SharedCounters`' (a
+lift is sent as a floor, not as service).
+
+A record expires ``RECORD_SECONDS`` (or ten intervals, if longer) after the instance's last
+sync that reached Redis: what a process gone leaves behind goes, and a live instance loses its
+record only after that long without reaching Redis (even then, what counts twice is only what
+the store took from it without answering).
+
+Running requests' output is settled first, so what one instance served reaches another within
+two intervals and the script's round trip: it goes out at the first's next sync and comes back
+at the other's (one interval, with the syncs in phase). The service difference between two
+backlogged keys stays within the VTC bound plus what the instances serve in that time
+(``tests/protocol/test_scheduling_shared.py`` derives it).
 
 A local model's counters are not shared: each instance's own model is its own resource.
 Through :class:`~proxy.api.limits.RedisLimits`' client and its bounds (``[limits] timeout``,
-errors counted and logged): a sync that fails is sent again, with what follows, at the next.
+errors counted and logged): what a sync that fails carried goes again with the next (its
+values are absolute: the next carries them, grown).
 """
 
 from __future__ import annotations
 
+import math
+import uuid
 from collections.abc import Callable
 
 import trio
@@ -27,17 +43,28 @@ from proxy.api.limits import RedisLimits
 from proxy.protocol.shared_counters import SharedCounters
 from proxy.relay.admission import Dispatcher
 
-# KEYS: the hash. ARGV: key, increment, floor, key, increment, floor... (a lift is a floor: the
-# total is raised to it, never added to). Returns every field and its total.
+# KEYS: the totals, this instance's record. ARGV: the record's lifetime in seconds, then per key:
+# field, service sent, service answered (the record's stand-in), floor. Only what the record
+# has not taken is added; a lift is a floor: the total is raised to it, never added to. Returns
+# every field of the totals and its total.
 SYNC_SCRIPT = """
-for i = 1, #ARGV, 3 do
-  local total = tonumber(redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1]))
-  if total < tonumber(ARGV[i + 2]) then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
+for i = 2, #ARGV, 4 do
+  local sent = tonumber(ARGV[i + 1])
+  local taken = tonumber(redis.call('HGET', KEYS[2], ARGV[i]) or ARGV[i + 2])
+  if sent > taken then
+    redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], sent - taken)
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
+  if tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0') < tonumber(ARGV[i + 3]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 3])
   end
 end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
 return redis.call('HGETALL', KEYS[1])
 """
+# How long an instance's record outlives its last sync that reached Redis, at least (the
+# module's docstring).
+RECORD_SECONDS = 600
 # The store's name of requests with no key (the queue's "" tenant).
 _NO_KEY = "-"
 
@@ -59,7 +86,8 @@ class SharedService:
         self._store = store
         self._name = name
         self.interval = interval
-        self._script: object = None
+        # This process's name in the store: its record is its own.
+        self.instance = uuid.uuid4().hex
 
     async def run(self) -> None:
         """Sync every ``interval`` seconds, until cancelled."""
@@ -74,25 +102,28 @@ class SharedService:
             return False
         # What the running requests have put out so far is sent now, not when they end.
         self._dispatcher.settle()
-        outgoing = self._counters.outgoing()
-        floors = self._counters.floors
-        args: list[str] = []
-        for key in outgoing.keys() | floors.keys():
-            increment, floor = outgoing.get(key, 0.0), floors.get(key, 0.0)
-            args += [key or _NO_KEY, repr(increment), repr(floor)]
-        key = f"{store.limits.key_prefix}scheduling:{self._name}"
+        totals = self._counters.outgoing()
+        answered, floors = self._counters.answered, self._counters.floors
+        record = max(RECORD_SECONDS, math.ceil(10 * self.interval))
+        args: list[str] = [str(record)]
+        for key in totals.keys() | floors.keys():
+            taken = answered.get(key, 0.0)
+            sent, floor = totals.get(key, taken), floors.get(key, 0.0)
+            args += [key or _NO_KEY, repr(sent), repr(taken), repr(floor)]
+        prefix = f"{store.limits.key_prefix}scheduling:{self._name}"
+        keys = [prefix, f"{prefix}:inst:{self.instance}"]
         answer: list[object] = []
 
         async def call(client: object) -> None:
             script = client.register_script(SYNC_SCRIPT)  # type: ignore[attr-defined]
-            answer.extend(await script(keys=[key], args=args, client=client))
+            answer.extend(await script(keys=keys, args=args, client=client))
 
         if not await store.bounded("share", call):
             return False
-        totals: dict[str, float] = {}
+        shared: dict[str, float] = {}
         for field, value in zip(answer[::2], answer[1::2], strict=True):
             name = field.decode() if isinstance(field, bytes) else str(field)
             raw = value.decode() if isinstance(value, bytes) else str(value)
-            totals["" if name == _NO_KEY else name] = float(raw)
-        self._counters.incoming(totals)
+            shared["" if name == _NO_KEY else name] = float(raw)
+        self._counters.incoming(shared)
         return True

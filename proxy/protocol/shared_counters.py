@@ -1,5 +1,22 @@
 """The fair scheduler's counters shared between instances through a store (Redis), sans-IO:
 the arithmetic of one sync. The I/O (the script, its bounds) is ``proxy/api/shared_service.py``'s.
+
+The contract with the store, so that a sync taken twice (a script that ran although the client
+had given up on it, then sent again) or late (after a newer one) counts once:
+
+- An instance sends, for each key whose service here changed since the last sync the store
+  answered, its absolute service here so far (``FairQueue.served``, which only grows), and
+  with it the value sent in that answered sync (what the store took from it for sure).
+- The store keeps, per instance, the largest service it took from it for each key (its
+  *record*), and adds to the key's total only what a sent value exceeds the record by; the
+  record becomes the larger of the two. The same sync again, or an older one, adds nothing.
+- With no record of the key (a store that has never heard of this instance, that dropped the
+  record of an instance long silent, or that restarted empty), the value the instance says
+  was answered stands in for it: only what came since is added, never the instance's whole
+  past again. What can still count twice is what syncs the store took without answering
+  carried beyond that value, when the store then loses their record.
+- A floor (:attr:`SharedCounters.floors`) raises a key's total to at least it, never adds to
+  it; then the store answers every key's total.
 """
 
 from __future__ import annotations
@@ -11,57 +28,58 @@ from proxy.protocol.scheduling import FairQueue
 
 class SharedCounters:
     """The keys' counters shared between instances (through a store, such as Redis): the
-    arithmetic, sans-IO. Each sync sends the service each key received here since the last
-    sync the store took (:meth:`outgoing`), and the counter of each key lifted here since
-    (:attr:`floors`); the store adds the increments to its totals, raises each total to at least
-    its floor, and answers every key's total, which becomes the counter here, plus what was added
-    here meanwhile (:meth:`incoming`). A key flooding one instance is behind on every other, as
-    of the last sync.
+    arithmetic, sans-IO. Each sync sends each key's absolute service here (:meth:`outgoing`)
+    with the value the store last answered for (:attr:`answered`), and the counter of each key
+    lifted here since (:attr:`floors`); the store adds what it had not taken from this instance
+    yet (the module's docstring), raises each total to at least its floor, and answers every
+    key's total, which becomes the counter here, plus what was added here meanwhile
+    (:meth:`incoming`). A key flooding one instance is behind on every other, as of the last
+    sync.
 
     A lift is a floor, never an increment: two instances that lift one key (it returns to both)
     each to about the same counter would otherwise lift it twice in the store, and the key
     would wait behind every other key's whole past service. Counters never go back: a store
     that has lost its totals (Redis restarted) gets them again from the floors of the next
-    sync."""
+    syncs, since a counter here above the store's total is sent as one."""
 
     def __init__(self, queue: FairQueue) -> None:
         self._queue = queue
-        # Each key's total as the store last said it.
+        # Each key's total as the store last answered (a key it did not answer: 0).
         self._base: dict[str, float] = {}
-        # Each key's service here (FairQueue.served) when the store last took it, and when
-        # outgoing() last read it.
-        self._served_base: dict[str, float] = {}
-        self._served_sent: dict[str, float] = {}
-        # The keys lifted here since the last sync the store took, each with its counter:
-        # read with outgoing()'s increments.
+        # Each key's service here (FairQueue.served) when outgoing() last read it.
+        self._sent: dict[str, float] = {}
+        # Each key's service here as sent with the last sync the store answered: what the store
+        # took from this instance for sure.
+        self.answered: dict[str, float] = {}
+        # The keys lifted here beyond the store's total, each with its counter: read with
+        # outgoing()'s totals.
         self.floors: dict[str, float] = {}
 
     def outgoing(self) -> dict[str, float]:
-        """Each key's service here since the last sync that the store took (a sync that failed
-        sends its increments again, with the later ones); :attr:`floors` is set with it."""
-        served, served_base, base = self._queue.served, self._served_base, self._base
-        self._served_sent = dict(served)
-        increments = {
-            key: value - served_base.get(key, 0.0)
-            for key, value in served.items()
-            if value != served_base.get(key, 0.0)
-        }
-        # A counter above the store's total plus the service here was lifted here (beyond
-        # what summing in another order leaves over).
+        """Each key's service here so far, for the keys whose service changed since the last
+        sync the store answered (a sync that failed, or that the store took without answering,
+        is covered by the next: the values only grow); :attr:`floors` is set with it."""
+        served, answered, base = self._queue.served, self.answered, self._base
+        self._sent = dict(served)
+        totals = {key: value for key, value in served.items() if value != answered.get(key, 0.0)}
+        # A counter above the store's total plus the service here since was lifted here, or the
+        # store lost the total (beyond what summing in another order leaves over).
         self.floors = {
             key: value
             for key, value in self._queue.counters.items()
-            if value - base.get(key, 0.0) - increments.get(key, 0.0) > 1e-9 * max(1.0, value)
+            if value - base.get(key, 0.0) - (served.get(key, 0.0) - answered.get(key, 0.0))
+            > 1e-9 * max(1.0, value)
         }
-        return increments
+        return totals
 
     def incoming(self, shared: Mapping[str, float]) -> None:
-        """The store's totals after it took :meth:`outgoing`'s increments and floors."""
-        counters, served, sent = self._queue.counters, self._queue.served, self._served_sent
+        """The store's totals (every key it holds) after it took :meth:`outgoing`'s values and
+        floors."""
+        counters, served, sent = self._queue.counters, self._queue.served, self._sent
         for key, total in shared.items():
             since = served.get(key, 0.0) - sent.get(key, 0.0)
             # A lift here meanwhile is kept, and so is a counter the store has lost.
             counters[key] = max(total + since, counters.get(key, 0.0))
-            self._base[key] = total
-        self._served_base = sent
+        self._base = dict(shared)
+        self.answered = sent
         self.floors = {}

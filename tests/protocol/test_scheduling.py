@@ -20,6 +20,7 @@ from proxy.protocol.scheduling import (
     vtc_bound,
 )
 from proxy.protocol.shared_counters import SharedCounters
+from tests.protocol.test_scheduling_shared import Store, outgoing
 
 FAIR = SchedulingSettings(policy="fair", w_in=1.0, w_out=2.0, starvation_seconds=60.0)
 
@@ -237,23 +238,25 @@ def test_two_backlogged_tenants_stay_within_the_vtc_bound() -> None:
     assert math.isfinite(bound)
 
 
-def test_shared_counters_send_increments_and_take_the_stores_totals() -> None:
+def test_shared_counters_send_each_keys_service_so_far_and_take_the_stores_totals() -> None:
     queue = FairQueue(FAIR)
     shared = SharedCounters(queue)
-    store: dict[str, float] = {"a": 1000.0}  # another instance served a
+    store = Store({"a": 1000.0})  # another instance served a
     queue.charge("b", 1.0, input_tokens=30)
-    sent = shared.outgoing()
-    assert sent == {"b": 30.0}
-    for key, increment in sent.items():
-        store[key] = store.get(key, 0.0) + increment
+    sync = outgoing(shared)
+    assert (sync.sent, sync.answered, sync.floors) == ({"b": 30.0}, {}, {})
+    store.take(sync)
     queue.charge("b", 1.0, input_tokens=5)  # meanwhile, here
-    shared.incoming(store)
+    shared.incoming(store.totals)
     assert queue.counters == {"a": 1000.0, "b": 35.0}
-    # The next sync sends only what came after.
-    assert shared.outgoing() == {"b": 5.0}
-    # A sync that never reached the store: its increments go with the next one.
+    assert shared.answered == {"b": 30.0}
+    # The next sync sends b's service so far, with what the store answered for.
+    assert shared.outgoing() == {"b": 35.0}
+    # A sync that never reached the store: the next one carries its service, grown.
     queue.charge("b", 1.0, input_tokens=1)
-    assert shared.outgoing() == {"b": 6.0}
+    assert shared.outgoing() == {"b": 36.0}
+    store.take(outgoing(shared))
+    assert store.totals == {"a": 1000.0, "b": 36.0}
 
 
 def simulate_instances(
@@ -266,7 +269,7 @@ def simulate_instances(
     rng = random.Random(seed)
     instances = [FairQueue(SchedulingSettings(starvation_seconds=0)) for _ in demands]
     sharing = [SharedCounters(queue) for queue in instances]
-    store: dict[str, float] = {}
+    store = Store()
     served = {"a": 0.0, "b": 0.0}
     worst = 0.0
     for step in range(steps):
@@ -280,9 +283,7 @@ def simulate_instances(
             served[chosen.tenant] += chosen.input_tokens + 2.0 * OUTPUT
         if period is not None and step % period == 0:
             for counters in sharing:
-                for key, increment in counters.outgoing().items():
-                    store[key] = store.get(key, 0.0) + increment
-                counters.incoming(store)
+                counters.incoming(store.take(outgoing(counters)))
         worst = max(worst, abs(served["a"] - served["b"]))
     return served, worst
 

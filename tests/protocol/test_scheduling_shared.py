@@ -1,7 +1,7 @@
 """The keys' counters shared between instances (``[limits] backend = "redis"``), simulated sans-IO:
 two instances, each a :class:`FairQueue` with its slots and its own :class:`SharedCounters`, in
-front of a simulated store (a dict that adds increments and keeps floors, as the Lua script
-does), on a virtual clock of decode steps. No sockets, no trio.
+front of a simulated store (:class:`Store`: the totals and each instance's record, as the Lua
+script keeps them), on a virtual clock of decode steps. No sockets, no trio.
 
 **The model.** A step is one decode step: every running request puts out one token (its key's
 service grows by ``w_out``); a request that has put out all its tokens ends, and its slot is
@@ -9,7 +9,7 @@ filled in the same step from the queue (the input charged then: ``w_in`` per tok
 charged to the counters as the product's dispatcher does (``relay/admission.py``): before each
 decision, when a request ends, and before each sync (``SharedService`` settles what is running
 first). Instance ``i`` syncs at the steps ``phase[i] (mod P)`` (``P``: ``share_seconds`` in
-steps): it sends its increments and floors at once (the script is atomic) and takes the store's
+steps): it sends its service and floors at once (the script is atomic) and takes the store's
 totals ``lag`` steps later (the answer's way back; ``1 <= lag < P``). Within a step: answers
 arrive, tokens come out, requests end, arrivals, then each instance decides (instance 1 first),
 then the syncs go out (instance 1 first).
@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+
+import pytest
 
 from proxy.protocol.scheduling import (
     FairQueue,
@@ -111,15 +113,47 @@ class Instance:
             served[request.tenant] += W_IN * request.input_tokens
 
 
-def sync_out(instance: Instance, store: dict[str, float], step: int, lag: int) -> None:
-    """The script: increments added, floors kept, every total answered."""
+@dataclass(frozen=True)
+class Sync:
+    """What one sync sends (``SharedService``'s script arguments), kept to be run again."""
+
+    source: int
+    sent: dict[str, float]
+    answered: dict[str, float]
+    floors: dict[str, float]
+
+
+def outgoing(shared: SharedCounters) -> Sync:
+    sent = shared.outgoing()
+    return Sync(id(shared), sent, dict(shared.answered), dict(shared.floors))
+
+
+@dataclass
+class Store:
+    """The script, in Python: each key's total, and each instance's record (the largest service
+    taken from it for each key, the answered value standing in for a record it lacks)."""
+
+    totals: dict[str, float] = field(default_factory=dict)
+    records: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def take(self, sync: Sync) -> dict[str, float]:
+        """Only what the record has not taken added, floors kept, every total answered."""
+        record = self.records.setdefault(sync.source, {})
+        for key in sync.sent.keys() | sync.floors.keys():
+            taken = record.get(key, sync.answered.get(key, 0.0))
+            sent = sync.sent.get(key, sync.answered.get(key, 0.0))
+            if sent > taken:
+                self.totals[key] = self.totals.get(key, 0.0) + sent - taken
+                record[key] = sent
+            self.totals[key] = max(self.totals.get(key, 0.0), sync.floors.get(key, 0.0))
+        return dict(self.totals)
+
+
+def sync_out(instance: Instance, store: Store, step: int, lag: int) -> Sync:
     instance.settle()
-    increments = instance.shared.outgoing()
-    for key, increment in increments.items():
-        store[key] = store.get(key, 0.0) + increment
-    for key, floor in instance.shared.floors.items():
-        store[key] = max(store.get(key, 0.0), floor)
-    instance.answer = (step + lag, dict(store))
+    sync = outgoing(instance.shared)
+    instance.answer = (step + lag, store.take(sync))
+    return sync
 
 
 def staleness(instances: list[Instance], period: int, lag: int) -> float:
@@ -150,15 +184,22 @@ def simulate(
     steps: int = 3000,
     joins: dict[str, int] | None = None,
     seed: int = 0,
+    store: Store | None = None,
+    lost: float = 0.0,
 ) -> tuple[dict[str, float], float]:
     """Run ``steps`` steps. ``sends[key]`` lists the instances ``key`` keeps backlogged (at
     least twice their slots waiting) from step ``joins[key]`` (0 by default) on. ``period``
-    None: no sharing. The service each key got, and the largest difference between a's and
-    b's service over any interval after both have joined: ``max D - min D``, D = a - b."""
+    None: no sharing. ``lost``: the chance that the store takes a sync but its answer never
+    comes back (the client gave up), and, apart, that a sync runs in the store once more,
+    within two periods (late, perhaps after a newer one). The service each key got, and the
+    largest difference between a's and b's service over any interval after both have joined:
+    ``max D - min D``, D = a - b."""
     assert period is None or 1 <= lag < period
     rng = random.Random(seed)
+    losses = random.Random(seed + 1)
     joins = joins or {}
-    store: dict[str, float] = {}
+    store = store if store is not None else Store()
+    replays: list[tuple[int, Sync]] = []
     served = {key: 0.0 for key in sends}
     start = max(joins.get(key, 0) for key in sends)
     highest, lowest = -float("inf"), float("inf")
@@ -181,9 +222,16 @@ def simulate(
         for instance in instances:
             instance.dispatch(step, served)
         if period is not None:
+            for due, sync in replays:
+                if due == step:
+                    store.take(sync)
             for instance in instances:
                 if step % period == instance.phase:
-                    sync_out(instance, store, step, lag)
+                    sync = sync_out(instance, store, step, lag)
+                    if lost and losses.random() < lost:
+                        instance.answer = None
+                    if lost and losses.random() < lost:
+                        replays.append((step + losses.randint(1, 2 * period), sync))
         if step >= start:
             difference = served["a"] - served["b"]
             highest, lowest = max(highest, difference), min(lowest, difference)
@@ -264,3 +312,79 @@ def test_a_key_returning_on_both_instances_is_lifted_once() -> None:
         )
         FIGURES[("return", f"P={period} lag={lag} phases={phases}")] = (worst, single + stale)
         assert worst <= single + stale, (period, lag, phases, worst, single, stale)
+
+
+# -- a sync taken twice, or late ------------------------------------------------------------
+
+
+def test_a_sync_taken_but_never_answered_counts_once_and_a_late_one_adds_nothing() -> None:
+    """The client gives up on a sync (``[limits] timeout``) that the store still takes: the
+    next sync carries the same service again, grown, and the store adds only what it had not
+    taken. That sync, or the one before, run again (late, after the newer one) adds nothing:
+    the key's total is its real service, not twice it."""
+    queue = FairQueue(SETTINGS)
+    shared = SharedCounters(queue)
+    store = Store({"b": 1000.0})  # another instance served b
+    queue.charge("a", 1.0, input_tokens=30)
+    first = outgoing(shared)
+    store.take(first)  # its answer lost
+    queue.charge("a", 1.0, input_tokens=5)
+    second = outgoing(shared)
+    shared.incoming(store.take(second))
+    assert store.totals == {"a": 35.0, "b": 1000.0} and queue.served == {"a": 35.0}
+    assert queue.counters == {"a": 35.0, "b": 1000.0}
+    for late in (first, second, first):
+        store.take(late)
+    assert store.totals == {"a": 35.0, "b": 1000.0}
+    # What came after goes with the next sync, once.
+    queue.charge("a", 1.0, input_tokens=1)
+    shared.incoming(store.take(outgoing(shared)))
+    assert store.totals == {"a": 36.0, "b": 1000.0}
+    assert queue.counters == {"a": 36.0, "b": 1000.0}
+
+
+def test_a_store_without_the_instances_record_counts_only_what_came_since_the_answer() -> None:
+    """The store dropped the instance's record (silent past its lifetime): the service last
+    answered stands in for it, and the instance's past is not added again. A store that lost
+    everything (Redis restarted empty) gets the totals back from the floors: the counter here is
+    above the store's answer, and goes as a floor at the next sync."""
+    queue = FairQueue(SETTINGS)
+    shared = SharedCounters(queue)
+    store = Store()
+    queue.charge("a", 1.0, input_tokens=30)
+    shared.incoming(store.take(outgoing(shared)))
+    store.records.clear()
+    queue.charge("a", 1.0, input_tokens=5)
+    shared.incoming(store.take(outgoing(shared)))
+    assert store.totals == {"a": 35.0}
+    restarted = Store()
+    shared.incoming(restarted.take(outgoing(shared)))
+    assert restarted.totals == {} and queue.counters == {"a": 35.0}
+    shared.incoming(restarted.take(outgoing(shared)))
+    assert restarted.totals == {"a": 35.0}
+    queue.charge("a", 1.0, input_tokens=1)
+    shared.incoming(restarted.take(outgoing(shared)))
+    assert restarted.totals == {"a": 36.0} and queue.counters == {"a": 36.0}
+
+
+def test_with_answers_lost_and_syncs_run_again_each_total_is_the_real_service() -> None:
+    """The flood of the first test, with a third of the answers lost after the store took the
+    sync and a third of the syncs run once more, late: at the end (one clean sync each) every
+    key's total in the store is what both instances served it, and the two keys still got
+    about the same."""
+    for seed in range(3):
+        instances = [Instance(4, 0), Instance(8, 2)]
+        store = Store()
+        served, _ = simulate(
+            instances,
+            {"a": [0, 1], "b": [1]},
+            period=5,
+            lag=1,
+            seed=seed,
+            store=store,
+            lost=0.33,
+        )
+        for instance in instances:
+            sync_out(instance, store, 0, 0)
+        assert store.totals == pytest.approx(served), (seed, store.totals, served)
+        assert abs(served["a"] / served["b"] - 1) < 0.05, served
