@@ -40,7 +40,12 @@ from proxy.ops.metrics import Metrics
 from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.errors import SERVER_ERROR, ApiError, bad_request, model_not_found
 from proxy.protocol.openai import CompletionRequest, Endpoint
-from proxy.protocol.request_priority import positive_seconds, request_band
+from proxy.protocol.request_priority import (
+    PRIORITY_HEADER,
+    asked_priority,
+    positive_seconds,
+    request_band,
+)
 from proxy.protocol.rewrite import REMOVE, with_edits
 from proxy.protocol.scheduling import Schedule
 from proxy.protocol.shapes import error_shape
@@ -205,11 +210,17 @@ class RequestPipeline:
         """``request`` with what the scheduler knows of it: its key, band, weight and input,
         and its deadlines (the SDK's read timeout for its first byte; the earlier of
         ``x-sluice-deadline`` and the key's ``max_request_seconds`` for its end); with the
-        body's ``priority`` taken out, or set to the band where the upstream takes it."""
+        body's ``priority`` taken out, or set to the band where the upstream takes it.
+
+        A malformed priority (the body's or the header's) is its 400 here, first: nothing of
+        the request has been taken yet (its key's limits and the queue are entered inside the
+        relay), so a refusal leaves nothing behind."""
         get = headers.get if headers is not None else (lambda name: None)
         body = request.body
         asked = body.get("priority") if isinstance(body, dict) else None
-        band = request_band(0 if key is None else key.priority, asked, get("x-sluice-priority"))
+        band = request_band(
+            0 if key is None else key.priority, asked_priority(get(PRIORITY_HEADER), asked)
+        )
         now = access.started
         first_byte = positive_seconds(get("x-stainless-read-timeout")) or positive_seconds(
             get("x-stainless-timeout")

@@ -6,14 +6,16 @@ whatever else the fast path hands over), or the WebSocket (``ws.py``, one call p
 The order of the request pipeline's steps (``pipeline.py``) is written here, once:
 
 1. ``begin``: the request id, the access record, the trace;
-2. the answer's own headers (the request id, the trace, CORS);
-3. ``authenticate``: the client's key, before the body is read, so an unauthenticated client
+2. ``authenticate``: the client's key, before the body is read, so an unauthenticated client
    costs no reading (of a body the server has not read yet) and no parsing;
-4. the body, read (within ``max_body_bytes``) and ``parse``d, with one set of errors;
-5. ``relay``: the RelayBody that runs the request (its key's limits, the backend's admission,
-   the stall limit, the lifetime, metrics, drain tracking, the access line at its close);
-6. or, for a request refused before a relay exists, ``refused``: the same metric and the same
-   access line, and the refusal in the endpoint's own error shape.
+3. the body, read (within ``max_body_bytes``) and ``parse``d, with one set of errors;
+4. ``relay``: the RelayBody that runs the request (its band, checked and decided first; its
+   key's limits, the backend's admission, the stall limit, the lifetime, metrics, drain
+   tracking, the access line at its close);
+5. or, for a request refused before a relay exists, ``refused``: the same metric and the same
+   access line, and the refusal in the endpoint's own error shape;
+6. either way, the answer's own headers (the request id, the trace, CORS, and the band once
+   one was decided).
 
 The Quart hooks (``hooks.py``) use the same pieces for the routes that are not the API's.
 """
@@ -30,6 +32,7 @@ from proxy.config import Config, KeyConfig
 from proxy.ops.logs import AccessRecord
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import NATIVE_ENDPOINTS, Endpoint
+from proxy.protocol.request_priority import PRIORITY_HEADER
 from proxy.protocol.shapes import endpoint_of, error_shape
 from proxy.relay.body import JSON_CONTENT_TYPE
 from proxy.server.call import Answer, Call, HeaderLookup
@@ -84,7 +87,9 @@ class Responder:
         websocket = call.path == WS_PATH
         endpoint = Endpoint.CHAT if websocket else self._endpoints[call.path]
         pipeline, access = self.begin(call)
-        headers = self.response_headers(access, call.headers.get("Origin"))
+        # The answer's own headers are made once the pipeline has run, whichever way it ended,
+        # so that they can say what it decided (the band).
+        origin = call.headers.get("Origin")
         try:
             key = self.identify(pipeline, call.headers, access)
             raw = call.body
@@ -106,8 +111,10 @@ class Responder:
         except Exception as error:  # noqa: BLE001 - the boundary of one request: its 500
             refusal = unexpected(error)
         else:
-            return Answer(200, headers, body, access=access)
-        return self._refusal(pipeline, access, endpoint, refusal, headers)
+            return Answer(200, self.response_headers(access, origin), body, access=access)
+        return self._refusal(
+            pipeline, access, endpoint, refusal, self.response_headers(access, origin)
+        )
 
     def refuse(self, call: Call, error: ApiError) -> Answer:
         """A request refused by its transport before it reaches the pipeline (a second
@@ -148,8 +155,13 @@ class Responder:
 
     def response_headers(self, access: AccessRecord, origin: str | None) -> list[tuple[str, str]]:
         """The headers every answer carries, a relayed stream's included: its request id, its
-        trace (W3C Trace Context Level 2: the trace and this server span it is of), CORS."""
+        trace (W3C Trace Context Level 2: the trace and this server span it is of), CORS; and,
+        for a request that was scheduled, its band (``x-sluice-priority``), so that a client
+        sees the band it was served in, which is its key's when it asked for a more urgent one
+        (refusals after scheduling, such as its key's 429, say it too)."""
         headers = [("X-Request-ID", access.request_id)]
+        if access.band is not None:
+            headers.append((PRIORITY_HEADER, str(access.band)))
         if access.trace is not None:
             headers.append(("traceresponse", access.trace.traceresponse))
         headers.extend(self.cors_headers(origin))
