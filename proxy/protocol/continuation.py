@@ -21,6 +21,17 @@ the engine's; the split between prompt and answer assumes that the answer so far
 again, is as many tokens as were sent (one per content event, as vLLM streams them). Where a
 tokenizer merges them differently the split moves by that difference, never the total.
 
+**What it keeps.** Only the answer's text, and the events handed on since it last read them, at
+most :data:`PENDING_BYTES` (they are read into text then): a stream's memory is its text plus
+that bound, however long it runs. A splice exists only while the queue preempts; with
+preemption off nothing of an answer is kept.
+
+**Its token count.** A continuation asks for ``max_tokens`` less the tokens sent. Where the
+upstream reports usage on its events (vLLM's ``stream_options.continuous_usage_stats``), that
+is the exact count; otherwise one token per content event, as vLLM streams them. An upstream
+that puts several tokens in one event makes that count low, and the whole answer may then run
+over ``max_tokens`` by at most the tokens sent less the events that carried them.
+
 Only what can be continued is paused (:meth:`StreamSplice.of`): a streamed chat or completions
 request of one choice, with no echo and no structured output (a grammar would start over in
 the middle of its answer), whose answer so far is text (not a tool call, not reasoning), and
@@ -52,6 +63,8 @@ _STRUCTURED = (
 )
 # A delta that is not answer text: a continuation from the text would lose it.
 _NOT_TEXT = ("tool_calls", "function_call", "reasoning_content", "reasoning")
+# The events handed on and not read yet, at most (bytes): then they are read into text.
+PENDING_BYTES = 64 * 1024
 
 
 class StreamSplice:
@@ -62,7 +75,9 @@ class StreamSplice:
         "_ident",
         "_opening",
         "_parts",
+        "_pending",
         "_request",
+        "_usage_tokens",
         "before",
         "chat",
         "finished",
@@ -77,7 +92,12 @@ class StreamSplice:
         # What was handed to the client and not read yet: read only when a pause is asked for
         # (a list append per write until then).
         self._chunks: list[bytes] = []
+        self._pending = 0
         self._parts: list[str] = []
+        # The completion tokens the last usage block handed on counted (continuous usage
+        # stats; a continuation's are made the whole answer's by events()), or None: then
+        # content events are counted.
+        self._usage_tokens: int | None = None
         # Content events handed to the client (one token each, as vLLM streams them), and of
         # those, the ones sent before the piece now running.
         self.tokens = 0
@@ -123,20 +143,35 @@ class StreamSplice:
     def delivered(self, chunk: bytes) -> None:
         """``chunk`` (whole events) was handed to the client."""
         self._chunks.append(chunk)
+        self._pending += len(chunk)
+        if self._pending > PENDING_BYTES:
+            self._read()
 
     def _read(self) -> None:
         chunks, self._chunks = self._chunks, []
+        self._pending = 0
         for chunk in chunks:
             if b"[DONE]" in chunk:
                 self.finished = True
             for payload in sse_payloads(chunk):
                 self._take(payload)
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+
+    @property
+    def kept_bytes(self) -> int:
+        """What it holds of the answer now: the events not read yet and the text."""
+        return self._pending + sum(len(part) for part in self._parts)
 
     def _take(self, payload: dict[str, Any]) -> None:
         if self._ident is None and "id" in payload:
             self._ident = {
                 name: payload[name] for name in ("id", "created", "model") if name in payload
             }
+        usage = payload.get("usage")
+        if isinstance(usage, dict) and type(usage.get("completion_tokens")) is int:
+            # The answer's tokens so far, exactly.
+            self._usage_tokens = usage["completion_tokens"]
         choices = payload.get("choices")
         if not isinstance(choices, list):
             return
@@ -168,6 +203,8 @@ class StreamSplice:
         """The stream was paused: what its client holds is the answer so far."""
         self._read()
         self.pieces += 1
+        if self._usage_tokens is not None:
+            self.tokens = self._usage_tokens
         self.before = self.tokens
         self._opening = self._ident is not None
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.protocol.api_request import parse_api_request
-from proxy.protocol.continuation import StreamSplice
+from proxy.protocol.continuation import PENDING_BYTES, StreamSplice
 from proxy.protocol.openai import CompletionRequest, Endpoint
 
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
@@ -189,3 +189,55 @@ def test_a_second_pause_counts_every_token_sent_before_it() -> None:
     (out,) = payloads(splice.events([event({"id": "x", "choices": [], "usage": usage})]))
     assert out["usage"] == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
     assert out["id"] == "chatcmpl-1"
+
+
+def test_a_long_answer_is_kept_as_its_text_within_a_stated_bound() -> None:
+    # 10,000 events of one token each: the splice holds the text (10,000 characters) plus at
+    # most PENDING_BYTES of events not read yet, never the events themselves (~1.5 MB).
+    splice = StreamSplice.of(request())
+    assert splice is not None
+    splice.delivered(chunk({"role": "assistant", "content": ""}))
+    sent = 0
+    most = 0
+    for _ in range(10_000):
+        one = chunk({"content": "x"})
+        sent += len(one)
+        splice.delivered(one)
+        most = max(most, splice.kept_bytes)
+    assert sent > 1_000_000
+    assert most <= PENDING_BYTES + 10_000 + 200
+    assert splice.pausable()
+    splice.paused()
+    assert splice.tokens == 10_000
+    assert splice.continuation().body["messages"][-1]["content"] == "x" * 10_000
+    assert splice.kept_bytes == 10_000
+
+
+def test_usage_on_every_event_gives_the_exact_count_where_an_event_holds_several_tokens() -> None:
+    # An upstream with continuous usage stats that sends three tokens per event: the count is
+    # its usage's, so the continuation never asks for more than max_tokens allows.
+    splice = StreamSplice.of(request(max_tokens=30))
+    assert splice is not None
+    for n in range(1, 5):
+        usage = {"prompt_tokens": 10, "completion_tokens": 3 * n, "total_tokens": 10 + 3 * n}
+        splice.delivered(
+            event(
+                {
+                    "id": "chatcmpl-1",
+                    "created": 100,
+                    "model": "m",
+                    "choices": [{"index": 0, "delta": {"content": "abc"}, "finish_reason": None}],
+                    "usage": usage,
+                }
+            )
+        )
+    splice.paused()
+    assert splice.tokens == 12
+    assert splice.continuation().body["max_tokens"] == 18
+    # Without usage, one token per content event: 4 here, and the bound the docs state.
+    counted = StreamSplice.of(request(max_tokens=30))
+    assert counted is not None
+    for _ in range(4):
+        counted.delivered(chunk({"content": "abc"}))
+    counted.paused()
+    assert counted.continuation().body["max_tokens"] == 26

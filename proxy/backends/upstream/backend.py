@@ -35,7 +35,7 @@ from proxy.protocol.affinity import affinity_key
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.openai import CompletionRequest
 from proxy.protocol.scheduling import Ticket
-from proxy.relay.admission import Admission, Dispatcher
+from proxy.relay.admission import PAUSE_STOPS, Admission, Dispatcher
 from proxy.relay.body import Sink
 
 
@@ -99,6 +99,7 @@ class UpstreamBackend:
             self._choose,
             # A hedged request has two exchanges at once: not one stream to pause.
             resumable=model.resumable and model.hedge_after == 0,
+            no_replica=self._no_healthy_replica,
         )
         self._attempts: Retry | Hedge = (
             Hedge(
@@ -165,8 +166,13 @@ class UpstreamBackend:
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
         key = self.affinity_key(request)
-        with trio.move_on_after(self.model.total_timeout):
-            await self._attempts(request, request_id, sink, key)
+        with trio.move_on_after(self.model.total_timeout) as total:
+            # The upstream's bound: a paused stream's wait for a slot again is not counted.
+            stops = PAUSE_STOPS.set((*PAUSE_STOPS.get(), total))
+            try:
+                await self._attempts(request, request_id, sink, key)
+            finally:
+                PAUSE_STOPS.reset(stops)
             return
         error = upstream_error(
             504,

@@ -18,6 +18,7 @@ from proxy.backends.upstream.retry import Attempt, RetryPolicy, log_retry
 from proxy.backends.upstream.routing import ReplicaLoad
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
+from proxy.protocol.scheduling import Ticket
 from proxy.relay.body import Sink
 from proxy.relay.state import Phase
 
@@ -56,6 +57,9 @@ class Hedge:
         launched = 0
         outcomes_send, outcomes = trio.open_memory_channel[ApiError | None](max_attempts)
         final_error: ApiError | None = None
+        # The request's ticket, for its first attempt; a hedge, or a retry while another
+        # attempt may still hold it, waits with a companion, which pauses nothing.
+        ticket = request.schedule.ticket()
         async with trio.open_nursery() as nursery:
             running = 0
 
@@ -63,10 +67,18 @@ class Hedge:
                 nonlocal running, launched
                 if launched >= max_attempts or not self._attempt.candidates(tried):
                     return False
+                entrant_ticket = ticket if launched == 0 else ticket.companion()
                 launched += 1
                 running += 1
                 nursery.start_soon(
-                    self._enter, tried, key, request, request_id, race, outcomes_send
+                    self._enter,
+                    tried,
+                    key,
+                    request,
+                    request_id,
+                    race,
+                    outcomes_send,
+                    entrant_ticket,
                 )
                 return True
 
@@ -114,12 +126,13 @@ class Hedge:
         request_id: str,
         race: _Race,
         outcomes: trio.MemorySendChannel[ApiError | None],
+        ticket: Ticket,
     ) -> None:
         with trio.CancelScope() as scope:
             entrant = race.enter(scope)
             outcome: ApiError | None = None
             try:
-                await self._attempt(tried, key, request, request_id, entrant)
+                await self._attempt(tried, key, request, request_id, entrant, ticket)
             except ApiError as error:
                 outcome = error
             # Capacity max_attempts: never blocks. A loser was cancelled and reports nothing.

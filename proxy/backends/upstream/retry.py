@@ -21,6 +21,7 @@ from proxy.backends.upstream.routing import LeastBusyRouter, ReplicaLoad
 from proxy.protocol.continuation import StreamSplice
 from proxy.protocol.errors import ApiError
 from proxy.protocol.openai import CompletionRequest
+from proxy.protocol.scheduling import Ticket
 from proxy.protocol.token_usage import CURRENT_METER, UsageMeter
 from proxy.relay.admission import Admission, Lease, Room
 from proxy.relay.body import Sink
@@ -79,7 +80,8 @@ class Attempt:
     paused for a more urgent request: its exchange is cancelled at an event boundary (the
     upstream closed as for a client that left), its slot given up, and once it holds one again
     (on any replica of the model, the one it left first if it has room) its continuation goes
-    out and is spliced into the client's stream. Its client sees one answer with a pause."""
+    out and is spliced into the client's stream. Its client sees one answer with a pause.
+    Only while the queue preempts: otherwise nothing of the answer is kept."""
 
     def __init__(
         self,
@@ -92,8 +94,11 @@ class Attempt:
         choose: Choose,
         *,
         resumable: bool = False,
+        no_replica: Callable[[], ApiError] | None = None,
     ) -> None:
         self._resumable = resumable
+        # The refusal of a paused stream none of whose replicas can take it again.
+        self._no_replica = no_replica
         self._exchange = exchange
         self._policy = policy
         self._router = router
@@ -119,8 +124,10 @@ class Attempt:
         request: CompletionRequest,
         request_id: str,
         sink: Sink,
+        ticket: Ticket,
     ) -> None:
-        """Try once; the replica it went to is appended to ``tried`` as it is dispatched."""
+        """Try once, as ``ticket`` (the request's, kept across its attempts); the replica it
+        went to is appended to ``tried`` as it is dispatched."""
         candidates = self.candidates(tried)
         by_room = self._by_room
 
@@ -129,9 +136,13 @@ class Attempt:
             return None if load is None else next(r for r in open_rooms if by_room[r].load is load)
 
         sink.set_phase(Phase.QUEUED)
-        ticket = request.schedule.ticket()
         meter = CURRENT_METER.get()
-        splice = StreamSplice.of(request) if self._resumable and meter is not None else None
+        preempts = self._admission.dispatcher.queue.settings.preempts
+        splice = (
+            StreamSplice.of(request)
+            if self._resumable and preempts and meter is not None and ticket.may_preempt
+            else None
+        )
         try:
             lease = self._admission.lease(ticket, [replica.room for replica in candidates], choose)
             async with lease as held:
@@ -167,16 +178,7 @@ class Attempt:
         outgoing = request
         while True:
             assert lease.room is not None
-            pause_scope = trio.CancelScope()
-
-            def pause(scope: trio.CancelScope = pause_scope) -> bool:
-                # At an event boundary by construction: what the client was handed is
-                # recorded only once handed, and a cancelled hand-off hands nothing.
-                if not splice.pausable():
-                    return False
-                scope.cancel("paused for a more urgent request")
-                return True
-
+            pause = _PauseAtBoundary(splice)
             dispatcher.track(
                 ticket,
                 meter.output_so_far,
@@ -185,7 +187,7 @@ class Attempt:
                 counted=meter.output_so_far() if splice.pieces else 0,
             )
             continuing = splice.pieces > 0 and sink.started
-            with pause_scope:
+            with pause.scope:
                 await self._on(
                     self._by_room[lease.room],
                     tried,
@@ -194,7 +196,7 @@ class Attempt:
                     _Continuing(sink) if continuing else sink,
                     splice,
                 )
-            if not pause_scope.cancelled_caught:
+            if not pause.scope.cancelled_caught:
                 return
             splice.paused()
             sink.set_phase(Phase.PAUSED)
@@ -204,7 +206,14 @@ class Attempt:
             # Its own replica first when it has room (its prefix cache holds the answer so
             # far), else whichever of the model's replicas (not ejected) has room first.
             left = lease.room
-            rooms = [left, *(r.room for r in self.candidates(()) if r.room is not left)]
+            healthy = [r.room for r in self.candidates(())]
+            if not healthy and self._no_replica is not None:
+                # Every replica ejected: waiting for a slot would only send comments until a
+                # timeout; the client hears why now, in-band.
+                dispatcher.release(left, trio.current_time() - lease.since, ticket)
+                lease.room = None
+                raise self._no_replica()
+            rooms = [left, *(room for room in healthy if room is not left)]
             # Comments only into a stream that has begun: before its head, a failure may still
             # answer with a JSON error, which nothing may precede.
             await lease.pause(rooms, sink.offer if sink.started else _nothing)
@@ -251,6 +260,24 @@ class Attempt:
 
 def _nothing(_: bytes) -> None:
     pass
+
+
+class _PauseAtBoundary:
+    """How the dispatcher pauses one upstream exchange (a :class:`Pausable`): its scope is
+    cancelled, which is at an event boundary by construction (what the client was handed is
+    recorded only once handed, and a cancelled hand-off hands nothing)."""
+
+    __slots__ = ("scope", "splice")
+
+    def __init__(self, splice: StreamSplice) -> None:
+        self.splice = splice
+        self.scope = trio.CancelScope()
+
+    def ask(self) -> bool:
+        if not self.splice.pausable():
+            return False
+        self.scope.cancel("paused for a more urgent request")
+        return True
 
 
 class _Continuing:
@@ -317,12 +344,14 @@ class Retry:
         failures: list[str] = []
         last_error: ApiError | None = None
         attempts = self._attempts
+        # One ticket for all its attempts: a retry keeps its age and its pauses.
+        ticket = request.schedule.ticket()
         for _ in range(attempts):
             if not self._attempt.candidates(tried):
                 break
             before = len(tried)
             try:
-                await self._attempt(tried, key, request, request_id, sink)
+                await self._attempt(tried, key, request, request_id, sink, ticket)
                 return
             except ApiError as error:
                 # Refused by Sluice's own queue (no replica reached): nothing to retry.
