@@ -500,8 +500,14 @@ class SchedulingConfig:
     # The most times one request is paused, so that a batch job still finishes.
     max_preemptions: int = 1
     # While paused, a ": paused" SSE comment goes to the client at once and then every this
-    # many seconds: proxies and the client's read timeout see the stream alive.
+    # many seconds, or every half of the client's read timeout (x-stainless-read-timeout) when
+    # that is shorter: proxies and the client's read timeout see the stream alive.
     pause_keepalive: float = 5.0
+    # With preempt_after set: a request also pauses a stream of its own band, of a key that
+    # holds at least two more of the slots it could use than its own key and has been served
+    # at least as much (a flood gives a slot up to a light key at preempt_after; two keys
+    # holding one slot each never pause each other). false: only less urgent bands are paused.
+    preempt_within_band: bool = True
 
 
 # [tracing] exporter's values, as OTEL_TRACES_EXPORTER's.

@@ -48,7 +48,7 @@ _HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _MAX_REQUESTED_HEADERS = 32
 # Response headers a browser script may read besides the CORS-safelisted ones.
 CORS_EXPOSED_HEADERS = (
-    "X-Request-ID, Retry-After, traceresponse, "
+    "X-Request-ID, Retry-After, traceresponse, x-sluice-priority, "
     "x-ratelimit-limit-tokens, x-ratelimit-remaining-tokens, x-ratelimit-reset-tokens, "
     "x-ratelimit-limit-requests, x-ratelimit-remaining-requests, x-ratelimit-reset-requests"
 )

@@ -238,6 +238,7 @@ class RequestPipeline:
             1.0 if key is None else key.weight,
             estimate_input_tokens(body) if request.endpoint is not Endpoint.PASSTHROUGH else 0,
             first_byte_by=math.inf if first_byte is None else now + first_byte,
+            read_timeout=math.inf if first_byte is None else first_byte,
             done_by=math.inf if done is None else now + done,
             report=access.waited,
             paused=access.paused,

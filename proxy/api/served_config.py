@@ -90,6 +90,7 @@ def scheduling_settings(config: Config) -> SchedulingSettings:
         table.preempt_after,
         table.max_preemptions,
         table.pause_keepalive,
+        table.preempt_within_band,
     )
 
 

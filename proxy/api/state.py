@@ -284,6 +284,30 @@ class SluiceState:
         self.metrics.config_reloads.labels(outcome).inc()
         return outcome
 
+    def begin_drain(self, grace_end: float) -> None:
+        """SIGTERM (or a shutdown trigger): /readyz turns 503, and every queue drains by
+        ``grace_end`` (:meth:`~proxy.relay.admission.Dispatcher.drain`): no new preemption,
+        paused requests first, queued ones that cannot start in time refused now."""
+        self.draining = True
+        dispatchers = {id(self.scheduling.upstream): self.scheduling.upstream}
+        for local in self.local_backends.values():
+            dispatchers[id(local.admission.dispatcher)] = local.admission.dispatcher
+        for served in (self.current, *self.retiring):
+            for backend in served.backends.values():
+                admission = getattr(backend, "admission", None)
+                if admission is not None:
+                    dispatchers[id(admission.dispatcher)] = admission.dispatcher
+        for dispatcher in dispatchers.values():
+            dispatcher.drain(grace_end)
+
+    def end_grace(self) -> int:
+        """The drain's grace is about to end: every request still at work is stopped, and its
+        client told (``shutting_down``: a 503, or an in-band error); how many were."""
+        active = list(self.tracker.active)
+        for body in active:
+            body.shut_down()
+        return len(active)
+
     async def aclose(self) -> None:
         for served in (self.current, *self.retiring):
             await served.aclose()

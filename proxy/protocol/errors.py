@@ -82,6 +82,21 @@ def deadline_exceeded(*, before_first_byte: bool) -> ApiError:
     )
 
 
+# What a client refused during a drain is told to wait: another instance takes it.
+_SHUTDOWN_RETRY_AFTER = 1
+
+
+def shutting_down() -> ApiError:
+    """The refusal of a request the drain leaves no time for: another instance can take it."""
+    return ApiError(
+        503,
+        "the server is shutting down; retry the request (another instance will take it).",
+        type=SERVER_ERROR,
+        code="shutting_down",
+        headers={"Retry-After": str(_SHUTDOWN_RETRY_AFTER), "x-should-retry": "true"},
+    )
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,

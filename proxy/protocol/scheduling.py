@@ -15,21 +15,34 @@ Sheng et al. (OSDI 2024) prove that the service two backlogged tenants receive t
 at most ``2 * max(w_in * L_in, w_out * M)`` (:func:`vtc_bound`), while no slot idles.
 
 **Bands.** A request's band is an integer, lower first, as vLLM reads its ``priority``: a key's
-``priority``, which a request may raise (less urgent) but never lower (:func:`~proxy.protocol.request_priority.request_band`). A
-band is served strictly before the bands after it, and fairly within itself.
+``priority``, which a request may raise (less urgent) but never lower
+(:func:`~proxy.protocol.request_priority.request_band`). A band is served strictly before the
+bands after it, and fairly within itself.
 
 **The starvation guard.** A request that has waited ``starvation_seconds`` goes before every
-band (the oldest such first): a flood of urgent requests delays a batch job, never forever.
+band (the oldest such first): a flood of urgent requests delays a batch job, never forever. Its
+age counts from when it began waiting *this time*: a stream paused after an hour of batch work
+is not starved, and a retry keeps the age of the request's first wait.
 
 **FIFO** (``policy = "fifo"``): arrival order, bands ignored; what the fair order is measured
 against.
 
 **Preemption** (``preempt_after`` > 0, fair only): a request that has waited ``preempt_after``
-seconds while a less urgent band holds a slot it could use has one of those streams paused for
-it (:func:`choose_preemption`): of the least urgent band running, the one whose key has been
-served most. The paused request gives its slot up and waits again at the head of its band
-(:attr:`Ticket.resumed`), to be continued where it stopped; a request is paused at most
-``max_preemptions`` times, so that a batch job still finishes. Never within a band.
+seconds (:func:`preemption_due`) while a less urgent band holds a slot it could use has one of
+those streams paused for it (:func:`choose_preemption`): of the least urgent band running, the
+one whose key has been served most. Within its own band (``preempt_within_band``) it pauses a
+stream of a key that holds at least two more of those slots than its own key and has been
+served at least as much: after the pause that key still holds as many as the other, so two keys
+never pause each other back and forth (a flood holding every slot gives one up to a light key
+at ``preempt_after``; two keys holding one slot each never pause each other). The slot a pause
+frees goes to the request that asked for it, never to another ticket, and a pause is asked only
+where that slot can serve it at once (the shell checks the room). The paused request waits
+again at the head of its band (:attr:`Ticket.resumed`), to be continued where it stopped; a
+paused request never pauses another, a hedge never pauses anything, and a request is paused at
+most ``max_preemptions`` times, so that a batch job still finishes.
+
+**Drain** (:attr:`FairQueue.draining`, after SIGTERM): no new preemption, and paused requests
+go before every request that never started, so that admitted work finishes first.
 """
 
 from __future__ import annotations
@@ -57,8 +70,12 @@ class SchedulingSettings:
     preempt_after: float = 0.0
     # The most times one request is paused.
     max_preemptions: int = 1
-    # Seconds between two ": paused" comments to a paused request's client.
+    # Seconds between two ": paused" comments to a paused request's client (at most half its
+    # SDK's read timeout, when it sent one: see keepalive_interval).
     pause_keepalive: float = 5.0
+    # Whether a request may pause a stream of its own band, of a key that holds at least two
+    # more slots than its own key (see the module's docstring).
+    preempt_within_band: bool = True
 
     @property
     def preempts(self) -> bool:
@@ -81,6 +98,8 @@ class Schedule:
     # the event loop's clock; inf: no such deadline.
     first_byte_by: float = math.inf
     done_by: float = math.inf
+    # Its client's read timeout (x-stainless-read-timeout), seconds; inf: none said.
+    read_timeout: float = math.inf
     # Told each time the request leaves a queue: the seconds it waited (its access line).
     report: Callable[[float], None] | None = field(default=None, compare=False, repr=False)
     # Told each time the request resumes after a pause: the seconds it was paused.
@@ -95,6 +114,8 @@ class Schedule:
             self.input_tokens,
             # A request that cannot start before either deadline is of no use to its client.
             first_byte_by=min(self.first_byte_by, self.done_by),
+            by_read_timeout=self.first_byte_by <= self.done_by,
+            read_timeout=self.read_timeout,
             report=self.report,
             paused=self.paused,
         )
@@ -105,16 +126,26 @@ DEFAULT_SCHEDULE = Schedule()
 
 @dataclass(eq=False, slots=True)
 class Ticket:
-    """One request waiting for a slot, as the scheduler sees it."""
+    """One request waiting for a slot, as the scheduler sees it: one per request, kept across its
+    retries (a hedge's second attempt has a :meth:`companion`). Its fields change only through
+    the scheduler's steps: :meth:`begin_wait`, :meth:`FairQueue.add` and the rest."""
 
     tenant: str
     band: int = 0
     weight: float = 1.0
     # The request's input tokens (estimated), charged when it is dispatched.
     input_tokens: int = 0
+    # The origin of its age (the starvation guard's, preempt_after's): its first wait, or
+    # the wait after its last pause.
     arrived: float = 0.0
+    # When its present wait began (what it reports as waited).
+    waiting_since: float = 0.0
     # When it must have started at the latest (the earlier of its two deadlines): inf for none.
     first_byte_by: float = math.inf
+    # Whether first_byte_by is its client's read timeout (else its whole deadline's end).
+    by_read_timeout: bool = True
+    # Its client's read timeout: the pause's comments come at least twice within it.
+    read_timeout: float = math.inf
     # Its place in arrival order, given by the queue (once: a paused request keeps its place).
     seq: int = field(default=-1)
     report: Callable[[float], None] | None = field(default=None, repr=False)
@@ -124,6 +155,46 @@ class Ticket:
     resumed: bool = False
     # How many times it has been paused.
     preemptions: int = 0
+    # How many times it has asked for a slot (its first attempt, its retries).
+    attempts: int = 0
+    # Whether it may pause another request (a hedge may not: its request already runs).
+    may_preempt: bool = True
+
+    def begin_wait(self, now: float) -> None:
+        """It asks for a slot at ``now``: its age starts with its first attempt, and a retry
+        keeps it."""
+        if self.attempts == 0:
+            self.arrived = now
+        self.attempts += 1
+        self.waiting_since = now
+
+    def begin_pause(self, now: float) -> None:
+        """It was paused at ``now`` and waits again, at the head of its band: its age starts
+        over, so that the guard does not take a long stream's pause for starvation."""
+        self.resumed = True
+        self.preemptions += 1
+        self.arrived = self.waiting_since = now
+
+    def end_pause(self) -> None:
+        self.resumed = False
+
+    def companion(self) -> Ticket:
+        """A ticket for a hedge of this request: the same key, band, age and deadline, which
+        never pauses anything (its request has an attempt running already)."""
+        return Ticket(
+            self.tenant,
+            self.band,
+            self.weight,
+            self.input_tokens,
+            arrived=self.arrived,
+            first_byte_by=self.first_byte_by,
+            by_read_timeout=self.by_read_timeout,
+            read_timeout=self.read_timeout,
+            report=self.report,
+            paused=self.paused,
+            attempts=self.attempts,
+            may_preempt=False,
+        )
 
 
 class FairQueue:
@@ -142,6 +213,8 @@ class FairQueue:
         # is lifted to.
         self._last_dispatched = 0.0
         self.size = 0
+        # After SIGTERM: paused requests first, and no new preemption.
+        self.draining = False
 
     def configure(self, settings: SchedulingSettings) -> None:
         """New settings (a reload): the counters and the waiting requests stay."""
@@ -209,6 +282,11 @@ class FairQueue:
     def next(self, now: float, eligible: Callable[[Ticket], bool] | None = None) -> Ticket | None:
         """The ticket to dispatch next (not removed: :meth:`dispatched` does), among those
         ``eligible`` says may go (a slot free on a replica that can serve them), or None."""
+        if self.draining:
+            # Admitted work first: a paused request's client holds half an answer.
+            paused = self._oldest((t for t in self.waiting() if t.resumed), eligible)
+            if paused is not None:
+                return paused
         if self.settings.policy == "fifo":
             return self._oldest(self.waiting(), eligible)
         guard = self.settings.starvation_seconds
@@ -305,13 +383,26 @@ def expected_wait(ahead: int, free: int, slots: int, average_hold: float) -> flo
     return (ahead - free + 1) * average_hold / max(1, slots)
 
 
-def preemption_due(settings: SchedulingSettings, ticket: Ticket) -> float | None:
-    """When ``ticket``, waiting, may pause a less urgent stream for itself: ``preempt_after``
-    after it arrived; None when it never may (preemption off, or a paused request itself,
-    which waits its turn at the head of its band)."""
-    if not settings.preempts or ticket.resumed:
+def preemption_due(
+    settings: SchedulingSettings, ticket: Ticket, *, draining: bool = False
+) -> float | None:
+    """When ``ticket``, waiting, may pause another stream for itself: ``preempt_after`` after
+    its age began; None when it never may (preemption off, a drain, a paused request itself,
+    which waits its turn at the head of its band, or a hedge)."""
+    if not settings.preempts or ticket.resumed or not ticket.may_preempt or draining:
         return None
     return ticket.arrived + settings.preempt_after
+
+
+def keepalive_interval(settings: SchedulingSettings, ticket: Ticket) -> float:
+    """Seconds between two comments to a paused request's client: ``pause_keepalive``, or half
+    its SDK's read timeout when that is shorter (the SDK gives up and retries after it)."""
+    return min(settings.pause_keepalive, ticket.read_timeout / 2)
+
+
+# How many more slots a key must hold than the waiting request's key to have one paused for it
+# within a band: with two, it still holds at least as many afterwards (no back and forth).
+WITHIN_BAND_MARGIN = 2
 
 
 def choose_preemption(
@@ -319,21 +410,45 @@ def choose_preemption(
     waiting: Ticket,
     running: Iterable[Ticket],
     counters: Mapping[str, float],
+    held: Mapping[str, int] | None = None,
 ) -> Ticket | None:
-    """The running request to pause so that ``waiting`` takes its slot, or None. Only a less
-    urgent band is paused, never the waiting request's own nor a more urgent one; of the least
-    urgent band running, the request whose key has the largest counter (the most served), the
-    youngest on a tie (the least work to redo); and only a request paused fewer than
-    ``max_preemptions`` times. ``running`` holds only requests that can be continued."""
+    """The running request to pause so that ``waiting`` takes its slot, or None. A less urgent
+    band is paused first, never a more urgent one; of the least urgent band running, the
+    request whose key has the largest counter (the most served), the youngest on a tie (the
+    least work to redo). In ``waiting``'s own band (``preempt_within_band``), only a request of
+    a key holding at least :data:`WITHIN_BAND_MARGIN` more slots than ``waiting``'s key (by
+    ``held``: each key's slots in the rooms ``waiting`` could use) whose counter is at least
+    ``waiting``'s key's; without ``held``, never within the band. Only a request paused fewer
+    than ``max_preemptions`` times. ``running`` holds only requests that can be continued, in
+    rooms where the slot freed would serve ``waiting``."""
+    if not waiting.may_preempt or waiting.resumed:
+        return None
     chosen: Ticket | None = None
-    chosen_key = (-math.inf, -math.inf, -math.inf)
+    chosen_key = (-math.inf, -math.inf, -math.inf, -math.inf)
+    own = counters.get(waiting.tenant, 0.0)
+    own_slots = 0 if held is None else held.get(waiting.tenant, 0)
     for ticket in running:
-        if ticket.band <= waiting.band or ticket.preemptions >= settings.max_preemptions:
+        if ticket.band < waiting.band or ticket.preemptions >= settings.max_preemptions:
             continue
-        key = (float(ticket.band), counters.get(ticket.tenant, 0.0), float(ticket.seq))
+        served = counters.get(ticket.tenant, 0.0)
+        slots = 0 if held is None else held.get(ticket.tenant, 0)
+        if ticket.band == waiting.band and (
+            not settings.preempt_within_band
+            or held is None
+            or slots - own_slots < WITHIN_BAND_MARGIN
+            or served < own
+        ):
+            continue
+        key = (float(ticket.band), float(slots), served, float(ticket.seq))
         if key > chosen_key:
             chosen, chosen_key = ticket, key
     return chosen
+
+
+def retry_after(queued: int, slots: int, average_hold: float) -> int:
+    """Whole seconds (at least 1) until a place is likely free: the ``queued`` requests ahead
+    and this one, in turn, ``slots`` at a time, each slot held ``average_hold`` on average."""
+    return max(1, math.ceil(average_hold * (queued + 1) / max(1, slots)))
 
 
 def vtc_bound(w_in: float, longest_input: int, w_out: float, batch_tokens: int) -> float:

@@ -16,11 +16,22 @@ estimated from how long slots have recently been held. A client that leaves whil
 its place at once (the wait is cancelled with it). Refusals name the model, never an address.
 
 Preemption (``[scheduling] preempt_after``): a request that has waited that long while a less
-urgent band holds a slot it could use pauses one of those (the queue's choice,
-:func:`~proxy.protocol.scheduling.choose_preemption`), through the pause its producer registered
-(:meth:`Dispatcher.track`). The producer stops at an event boundary and gives its slot up
-(:meth:`Lease.pause`): the slot goes to the queue's next, the paused request waits at the head of
-its band, its client kept alive by comments, and it holds a slot again to be continued.
+urgent band (or, within its band, a key served well beyond its own) holds a slot it could use
+pauses one of those (the queue's choice, :func:`~proxy.protocol.scheduling.choose_preemption`),
+through the :class:`Pausable` its producer registered (:meth:`Dispatcher.track`), and only in a
+room where the slot freed would serve it at once (not full by its upstream's own queue, not
+ejected, not over a capacity a reload lowered). The producer stops at an event boundary and
+gives its slot up (:meth:`Lease.pause`): the slot goes to the request that asked for it, the
+paused request waits at the head of its band, its client kept alive by comments, and it holds a
+slot again to be continued.
+
+Drain (:meth:`Dispatcher.drain`, after SIGTERM): no new preemption; paused requests go first; a
+queued request that cannot start before the grace ends is refused at once (503
+``shutting_down`` with ``Retry-After``), and one still queued when it ends is refused then.
+
+State: a ticket's fields change only through the scheduler's steps
+(:class:`~proxy.protocol.scheduling.Ticket`'s methods, :class:`FairQueue`'s); the rooms' counts
+and the waiters change only here, in :class:`Dispatcher`.
 """
 
 from __future__ import annotations
@@ -28,25 +39,44 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from proxy.ops import tracing
-from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError
+from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError, shutting_down
 from proxy.protocol.scheduling import (
     FairQueue,
     SchedulingSettings,
     Ticket,
     choose_preemption,
     expected_wait,
+    keepalive_interval,
     preemption_due,
+    retry_after,
 )
 
 # Weight of the newest observation in the moving average of slot hold times.
 _EWMA_WEIGHT = 0.2
 # How often a waiting request looks again at its rooms, for room no event announced.
 _RECHECK_SECONDS = 1.0
+
+# The request's deadlines that stand still while it is paused: an upstream's total_timeout
+# bounds the upstream's work, and the time a paused stream waits for a slot is not that.
+PAUSE_STOPS: ContextVar[tuple[trio.CancelScope, ...]] = ContextVar("sluice_pause_stops", default=())
+
+
+class Pausable(Protocol):
+    """A running request that can be paused for a more urgent one: registered by its producer
+    with :meth:`Dispatcher.track`, asked by the dispatcher."""
+
+    def ask(self) -> bool:
+        """Pause at the next event boundary. True: it will, and gives its slot up soon
+        (:meth:`Lease.pause`); False: it cannot now (its last event is out, or it is ending),
+        and the dispatcher does not ask it again."""
+        ...
 
 
 class Room:
@@ -73,6 +103,15 @@ class Room:
             return 0
         return max(0, self.capacity - self.in_flight)
 
+    @property
+    def free_after_release(self) -> int:
+        """The slots free once one request here gives its own up: what a pause here frees for
+        a waiting request (none while the room is full whatever its count, or holds more than
+        a lowered capacity)."""
+        if self.full is not None and self.full():
+            return 0
+        return max(0, self.capacity - self.in_flight + 1)
+
     def resize(self, capacity: int) -> None:
         """A new capacity (a reload): more room is used at once."""
         self.capacity = capacity
@@ -88,7 +127,7 @@ class Room:
 
 
 class _Waiter:
-    __slots__ = ("admission", "event", "pausing", "room", "rooms")
+    __slots__ = ("admission", "event", "pausing", "room", "rooms", "scope", "shut_out")
 
     def __init__(self, admission: Admission, rooms: Sequence[Room]) -> None:
         self.admission = admission
@@ -98,25 +137,30 @@ class _Waiter:
         self.room: Room | None = None
         # The request it paused, until that one has given its slot up: one at a time.
         self.pausing: Ticket | None = None
+        # Its wait's bounds (a new request's: queue_timeout, its deadline, a drain's grace).
+        self.scope: trio.CancelScope | None = None
+        # Refused by a drain that leaves it no time to start.
+        self.shut_out = False
 
 
 class _Running:
-    __slots__ = ("charged", "pause", "pausing", "progress", "room")
+    __slots__ = ("charged", "for_ticket", "pause", "pausing", "progress", "room")
 
     def __init__(
         self,
         progress: Callable[[], int],
         room: Room | None,
-        pause: Callable[[], bool] | None,
+        pause: Pausable | None,
         counted: int,
     ) -> None:
         self.progress = progress
         self.charged = counted
         self.room = room
-        # Asks the request's producer to pause (True: it will, and gives its slot up soon);
         # None: it cannot be continued, so it is never paused.
         self.pause = pause
         self.pausing = False
+        # The waiting request it is being paused for: its slot goes to that one.
+        self.for_ticket: Ticket | None = None
 
 
 class Dispatcher:
@@ -129,6 +173,8 @@ class Dispatcher:
         self._running: dict[Ticket, _Running] = {}
         # Called at each dispatch, with the ticket and how long it waited (metrics).
         self.on_dispatch: Callable[[Ticket, float], None] | None = None
+        # When a drain's grace ends (inf: not draining).
+        self.grace_end = math.inf
 
     def room(self, room: Room) -> Room:
         """``room`` dispatched to by this dispatcher from now on."""
@@ -141,7 +187,7 @@ class Dispatcher:
         progress: Callable[[], int],
         *,
         room: Room | None = None,
-        pause: Callable[[], bool] | None = None,
+        pause: Pausable | None = None,
         counted: int = 0,
     ) -> None:
         """``ticket``'s request, dispatched to ``room``, has put out ``progress()`` output
@@ -154,23 +200,35 @@ class Dispatcher:
     def preempt_for(self, ticket: Ticket, rooms: Sequence[Room]) -> Ticket | None:
         """Pause a running request in one of ``rooms`` for waiting ``ticket``, as the queue
         chooses (:func:`~proxy.protocol.scheduling.choose_preemption`); the one paused, or
-        None. A request that declines (it has just sent its last event) is not asked again."""
+        None. Only a request in a room where the slot it frees would serve ``ticket`` at once;
+        none during a drain. A request that declines (it has just sent its last event) is not
+        asked again."""
+        if self.queue.draining:
+            return None
         self.settle()
         running = self._running
         candidates = {
             each: entry
             for each, entry in running.items()
-            if entry.pause is not None and not entry.pausing and entry.room in rooms
+            if entry.pause is not None
+            and not entry.pausing
+            and entry.room is not None
+            and entry.room in rooms
+            and entry.room.free_after_release > 0
         }
         settings = self.queue.settings
+        held: dict[str, int] = {}
+        for each, entry in running.items():
+            if entry.room is not None and entry.room in rooms:
+                held[each.tenant] = held.get(each.tenant, 0) + 1
         while candidates:
-            victim = choose_preemption(settings, ticket, candidates, self.queue.counters)
+            victim = choose_preemption(settings, ticket, candidates, self.queue.counters, held)
             if victim is None:
                 return None
             entry = candidates.pop(victim)
-            if entry.pause is not None and entry.pause():
+            if entry.pause is not None and entry.pause.ask():
                 entry.pausing = True
-                victim.preemptions += 1
+                entry.for_ticket = ticket
                 return victim
             entry.pause = None
         return None
@@ -212,16 +270,49 @@ class Dispatcher:
         room.in_flight += 1
         self.queue.dispatched(ticket)
         if self.on_dispatch is not None:
-            self.on_dispatch(ticket, now - ticket.arrived)
+            self.on_dispatch(ticket, now - ticket.waiting_since)
 
     def release(self, room: Room, held: float, ticket: Ticket | None = None) -> None:
+        handed_to: Ticket | None = None
         if ticket is not None:
             running = self._running.pop(ticket, None)
             if running is not None:
                 self._charge(ticket, running)
+                handed_to = running.for_ticket
         room.in_flight -= 1
         room.average_hold += _EWMA_WEIGHT * (held - room.average_hold)
+        if handed_to is not None:
+            self._hand(room, handed_to)
         self.dispatch(room)
+
+    def _hand(self, room: Room, ticket: Ticket) -> None:
+        """The slot a pause freed in ``room`` goes to the request it was paused for, whatever
+        the queue's order says (the starvation guard's included), if it still waits and can
+        go there."""
+        waiter = self._waiters.get(ticket)
+        if waiter is None or room not in waiter.rooms or room.free <= 0:
+            return
+        del self._waiters[ticket]
+        self._take(room, ticket, trio.current_time())
+        waiter.room = room
+        waiter.event.set()
+
+    def drain(self, grace_end: float) -> None:
+        """A drain has begun, and its grace ends at ``grace_end``: no new preemption, paused
+        requests first, and every new request still waiting refused at once when it cannot
+        start by then (and at ``grace_end`` if it is still waiting)."""
+        self.queue.draining = True
+        self.grace_end = min(self.grace_end, grace_end)
+        now = trio.current_time()
+        for ticket, waiter in list(self._waiters.items()):
+            scope = waiter.scope
+            if scope is None:
+                continue  # a paused request: it finishes, or the grace's end tells its client
+            scope.deadline = min(scope.deadline, self.grace_end)
+            expected = waiter.admission._expected_wait(ticket, waiter.rooms)
+            if now + expected > self.grace_end:
+                waiter.shut_out = True
+                scope.cancel()
 
     def waiting_for(self, admission: Admission) -> int:
         return sum(1 for waiter in self._waiters.values() if waiter.admission is admission)
@@ -290,10 +381,9 @@ class Admission:
         """Seconds until a place is likely free: the queue ahead, in turn, each slot held
         for its typical time."""
         rooms = self.rooms if rooms is None else rooms
-        slots = sum(room.capacity for room in rooms) or 1
+        slots = sum(room.capacity for room in rooms)
         hold = max((room.average_hold for room in rooms), default=1.0)
-        estimate = hold * (self.dispatcher.queue.size + 1) / slots
-        return max(1, math.ceil(estimate))
+        return retry_after(self.dispatcher.queue.size, slots, hold)
 
     @asynccontextmanager
     async def slot(
@@ -321,7 +411,7 @@ class Admission:
         rooms = self.rooms if rooms is None else rooms
         dispatcher = self.dispatcher
         now = trio.current_time()
-        ticket.arrived = now
+        ticket.begin_wait(now)
         if now >= ticket.first_byte_by:
             # Never started after its deadline: its client has stopped waiting.
             self._left(ticket, 0.0, "deadline")
@@ -371,26 +461,38 @@ class Admission:
                 headers={"Retry-After": str(self.retry_after(rooms))},
             )
         queue.add(ticket)
-        if now + self._expected_wait(ticket, rooms) > ticket.first_byte_by:
+        expected = self._expected_wait(ticket, rooms)
+        grace_end = dispatcher.grace_end
+        if now + expected > grace_end:
+            queue.remove(ticket)
+            self._left(ticket, 0.0, "shutting_down")
+            raise shutting_down()
+        if now + expected > ticket.first_byte_by:
             queue.remove(ticket)
             self._left(ticket, 0.0, "deadline")
             raise self._unmeetable(ticket, rooms)
         waiter = _Waiter(self, rooms)
         outcome = "cancelled"
         try:
-            with trio.move_on_at(min(now + self.queue_timeout, ticket.first_byte_by)):
+            with trio.move_on_at(
+                min(now + self.queue_timeout, ticket.first_byte_by, grace_end)
+            ) as waiter.scope:
                 await self._queued(ticket, waiter)
         finally:
             dispatched = waiter.room
             ended = trio.current_time()
             if dispatched is not None:
                 outcome = "admitted"
+            elif waiter.shut_out or ended >= dispatcher.grace_end:
+                outcome = "shutting_down"
             elif ended >= ticket.first_byte_by:
                 outcome = "deadline"
             elif ended >= now + self.queue_timeout:
                 outcome = "queue_timeout"
             self._left(ticket, ended - now, outcome)
         if dispatched is None:
+            if outcome == "shutting_down":
+                raise shutting_down()
             if outcome == "deadline":
                 raise self._unmeetable(ticket, rooms)
             raise ApiError(
@@ -426,8 +528,10 @@ class Admission:
 
     async def _until_dispatched(self, ticket: Ticket, waiter: _Waiter) -> None:
         dispatcher = self.dispatcher
-        preempt_at = preemption_due(dispatcher.queue.settings, ticket)
         while not waiter.event.is_set():
+            # Read each time round: a reload may change preempt_after, or a drain begin.
+            queue = dispatcher.queue
+            preempt_at = preemption_due(queue.settings, ticket, draining=queue.draining)
             # A room may get room with nothing to say so (an ejection that ends): look again
             # now and then, and when this request may pause a less urgent one.
             wake = trio.current_time() + _RECHECK_SECONDS
@@ -465,11 +569,16 @@ class Admission:
         return expected_wait(self.dispatcher.queue.ahead_of(ticket), free, slots, hold)
 
     def _unmeetable(self, ticket: Ticket, rooms: Sequence[Room]) -> ApiError:
+        why = (
+            "its client's read timeout (it stops waiting for a first byte then)"
+            if ticket.by_read_timeout
+            else "its deadline (x-sluice-deadline, or its key's max_request_seconds)"
+        )
         return ApiError(
             503,
-            f"model '{self.model}' cannot start this request before its deadline (its "
-            "client stops waiting for a first byte by then): every slot is in use and the "
-            "requests ahead of it would take longer; retry later, or with a longer timeout.",
+            f"model '{self.model}' cannot start this request before {why}: every slot is in "
+            "use and the requests ahead of it would take longer; retry later, or with a "
+            "longer timeout.",
             type=SERVER_ERROR,
             code="deadline_unmeetable",
             # Worth a retry once the queue ahead has moved on: the SDKs wait Retry-After (up to
@@ -516,6 +625,7 @@ class Lease:
         room, self.room = self.room, None
         assert room is not None
         self.pauses += 1
+        ticket.begin_pause(paused_at)
         dispatcher.release(room, paused_at - self.since, ticket)
         admission._notify()
         if admission.on_preempt is not None:
@@ -523,16 +633,21 @@ class Lease:
         trace = tracing.current()
         if trace is not None:
             trace.event("preempted", paused_at, {"sluice.band": ticket.band})
-        ticket.resumed = True
+        # The deadlines that stand still while paused: each keeps what it had left.
+        stopped = [(scope, scope.deadline - paused_at) for scope in PAUSE_STOPS.get()]
+        for scope, _ in stopped:
+            scope.deadline = math.inf
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    _keep_alive, keep_alive, dispatcher.queue.settings.pause_keepalive
-                )
+                interval = keepalive_interval(dispatcher.queue.settings, ticket)
+                nursery.start_soon(_keep_alive, keep_alive, interval)
                 self.room = await admission._wait_resumed(ticket, rooms)
                 nursery.cancel_scope.cancel()
         finally:
-            ticket.resumed = False
+            ticket.end_pause()
+            now = trio.current_time()
+            for scope, left in stopped:
+                scope.deadline = now + left
         self.since = trio.current_time()
         seconds = self.since - paused_at
         if trace is not None:

@@ -43,7 +43,7 @@ from quart.wrappers.response import ResponseBody
 from proxy.ops.logs import AccessRecord
 from proxy.ops.metrics import Metrics
 from proxy.ops.tracing import RequestTrace
-from proxy.protocol.errors import ApiError, deadline_exceeded, internal_error
+from proxy.protocol.errors import ApiError, deadline_exceeded, internal_error, shutting_down
 from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
 from proxy.protocol.shapes import ErrorShape
 from proxy.protocol.sse import FIRST_TOKEN
@@ -329,6 +329,8 @@ class RelayBody(ResponseBody):
         self._first_byte_by, self._done_by = deadlines
         self._deadline_scope: trio.CancelScope | None = None
         self.deadline_passed = False
+        # The server's drain has ended this request's grace (shut_down).
+        self.drain_ended = False
         # Whether the upstream (or the local model) had the prompt when a deadline cut the
         # request before its first byte: that prefill was work for nobody.
         self.cut_in_prefill = False
@@ -493,15 +495,17 @@ class RelayBody(ResponseBody):
 
     async def _produce_within_deadlines(self) -> None:
         first, done = self._first_byte_by, self._done_by
-        if first == math.inf and done == math.inf:
-            await self._produce(RelaySink(self))
-            return
+        # One scope for the request's deadlines and for a drain's end (shut_down).
         with trio.CancelScope() as scope:
             self._deadline_scope = scope
             if self.account.phase is not Phase.QUEUED:
                 self.dispatched()
             await self._produce(RelaySink(self))
         self._deadline_scope = None
+        if scope.cancelled_caught and self.drain_ended:
+            # The drain's grace is over: the work is cancelled as for a client that left, and
+            # the client hears why (a 503 before the head, an in-band error after it).
+            raise shutting_down()
         if scope.cancelled_caught:
             # The work is gone (its scope cancelled, its upstream closed as for a client that
             # left); the client hears why, in the head or in-band.
@@ -632,6 +636,16 @@ class RelayBody(ResponseBody):
         closes as soon as it has read Content-Length bytes)."""
         length = self.content_length
         return length is not None and self._handed >= length
+
+    def shut_down(self) -> None:
+        """The drain's grace is about to end and this request is still at work: stop it now,
+        so that its client is told (``shutting_down``) before the server cuts the connection.
+        Nothing to do once the producer is done (what is queued still goes out)."""
+        scope = self._deadline_scope
+        if scope is None or self.producer_state is RelayState.DONE or self.drain_ended:
+            return
+        self.drain_ended = True
+        scope.cancel("the server is shutting down")
 
     def abandon(self, error: ApiError) -> None:
         """The consumer ends the response itself (a WebSocket's translator met an upstream

@@ -413,12 +413,21 @@ class RelayWebsocketConnection(TrioASGIWebsocketConnection):
 
 class ServedState(Protocol):
     """What the server layer needs of the app's per-process state (api.state.SluiceState): the
-    drain flag /readyz reports, the upstream pools to close at shutdown, a failure (a model
-    that would not load) that must stop the server, and the reload SIGHUP asks for."""
+    drain flag /readyz reports, the drain's start and the end of its grace, the upstream pools
+    to close at shutdown, a failure (a model that would not load) that must stop the server,
+    and the reload SIGHUP asks for."""
 
     draining: bool
     failed: trio.Event
     load_error: BaseException | None
+
+    def begin_drain(self, grace_end: float) -> None:
+        """The drain has begun; its grace ends at ``grace_end`` (trio's clock)."""
+        ...
+
+    def end_grace(self) -> int:
+        """Stop every request still at work, telling its client; how many were."""
+        ...
 
     async def aclose(self) -> None: ...
 

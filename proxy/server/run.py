@@ -21,6 +21,9 @@ _CLEANUP_SECONDS = 5.0
 # After hypercorn's graceful deadline, the connections still open are dropped this much later
 # (hypercorn's own cancellation ends the others first).
 _DROP_AFTER_GRACE = 0.25
+# The requests still at work this long before the grace ends (at most half of it) are stopped
+# and their clients told, in the time left, before hypercorn cancels what remains.
+_GRACE_NOTICE = 0.5
 log = logging.getLogger("sluice.server")
 
 # Young-generation collections every 20,000 net allocations instead of CPython's 700: a relay
@@ -117,6 +120,12 @@ async def serve(
             dropped = connections.drop_all()
             log.warning("graceful timeout: dropped %d connection(s) stuck in a write", dropped)
 
+    async def tell_clients_before_the_cut(grace_end: float) -> None:
+        await trio.sleep_until(grace_end - min(_GRACE_NOTICE, hyper.graceful_timeout / 2))
+        stopped = app.served_state.end_grace()
+        if stopped:
+            log.warning("graceful timeout: stopped %d request(s) still at work", stopped)
+
     async def drop_connections_if_cancelled() -> None:
         # Cancelled (a second signal, or our caller): stop now, whatever the clients do.
         try:
@@ -132,8 +141,10 @@ async def serve(
                 await trio.sleep_forever()
             else:
                 await shutdown_trigger()
-            deadline = trio.current_time() + hyper.graceful_timeout + _DROP_AFTER_GRACE
-            nursery.start_soon(drop_stuck_connections, deadline)
+            grace_end = trio.current_time() + hyper.graceful_timeout
+            app.served_state.begin_drain(grace_end)
+            nursery.start_soon(tell_clients_before_the_cut, grace_end)
+            nursery.start_soon(drop_stuck_connections, grace_end + _DROP_AFTER_GRACE)
             # Both servers' idle connections close now; busy ones after their answer, which
             # says so.
             connections.drain()
@@ -213,7 +224,9 @@ async def serve_until_signalled(
                         log.warning("second signal: cancelling in-flight requests now")
                         nursery.cancel_scope.cancel()
                         return
-                    app.served_state.draining = True
+                    app.served_state.begin_drain(
+                        trio.current_time() + server.drain_delay + server.graceful_timeout
+                    )
                     log.info(
                         "%s: draining; listeners close in %gs, in-flight requests then have %gs",
                         signal.Signals(signum).name,

@@ -4,11 +4,14 @@ finish within its deadline, cancels the rest as a client leaving would, and exit
 
 SIGTERM: /readyz turns 503 at once; after drain_delay the listeners close; streams that finish
 within graceful_timeout finish; the rest are cancelled (their upstream connections closed) and
-the process exits 0.
+the process exits 0. Every client is told: a stream still running as the grace ends gets an
+in-band ``shutting_down`` error before the cut, and a queued request that cannot start in time a
+503 with ``Retry-After``; paused streams go first, and nothing is paused during the drain.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -65,10 +68,12 @@ async def test_sigterm_drains_then_cancels_the_rest(nursery: trio.Nursery, tmp_p
                 assert await process.wait() == 0
                 exited_after = trio.current_time() - signalled_at
             assert sse_payloads(results["short"])[-1] == "[DONE]"
-            assert results["long"].endswith("<cut>")
+            # Told before the cut: an in-band error, and the stream's end (no [DONE]).
+            assert not results["long"].endswith("<cut>")
             long_payloads = sse_payloads(results["long"])
             assert "[DONE]" not in long_payloads
             assert 5 < len(long_payloads) < 1000
+            assert json.loads(long_payloads[-1])["error"]["code"] == "shutting_down"
             # drain_delay + graceful_timeout, then the long stream's upstream was closed.
             long_record = next(r for r in fake.recorder.records if r.tokens_sent > 10)
             await fake.recorder.wait_for(lambda r: long_record.disconnected_at is not None)
@@ -100,5 +105,76 @@ async def test_workers_share_the_port(tmp_path: Path) -> None:
             assert process.pid not in pids and os.getpid() not in pids
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
+        finally:
+            await stop(process)
+
+
+async def test_sigterm_with_queued_paused_and_running_requests_tells_every_client(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # Two slots held by batch streams (band 5), an urgent stream that paused one of them,
+    # three requests queued behind: SIGTERM with a 3 s grace. Each ends with a whole answer, a
+    # 503 with Retry-After, or an in-band shutting_down error; the process exits in the grace.
+    fake = await start_fake(nursery, ttft=0, interval=0.01, tokens=1000)
+    config = tmp_path / "drain.toml"
+    config.write_text(
+        "[server]\nport = 0\ngraceful_timeout = 3.0\n"
+        "[scheduling]\npreempt_after = 0.5\n"
+        f'[models.fake-model]\nupstreams = ["{fake.url}"]\nmax_connections = 2\n'
+        "max_queue = 10\n"
+    )
+    batch = {"x-sluice-priority": "5"}
+    with trio.fail_after(40):
+        process, url = await start_sluice(config)
+        try:
+            async with httpx.AsyncClient(timeout=20, trust_env=False) as client:
+                ends: dict[str, str] = {}
+
+                async def stream(name: str, headers: dict[str, str]) -> None:
+                    text = ""
+                    try:
+                        async with client.stream(
+                            "POST", url + CHAT, json=chat_body(), headers=headers
+                        ) as response:
+                            if response.status_code != 200:
+                                await response.aread()
+                                error = response.json()["error"]
+                                assert response.headers["retry-after"] == "1"
+                                ends[name] = f"{response.status_code} {error['code']}"
+                                return
+                            async for chunk in response.aiter_text():
+                                text += chunk
+                    except httpx.RemoteProtocolError:
+                        ends[name] = "cut"
+                        return
+                    payloads = sse_payloads(text)
+                    if payloads[-1] == "[DONE]":
+                        ends[name] = "whole"
+                    else:
+                        ends[name] = "in-band " + json.loads(payloads[-1])["error"]["code"]
+
+                async with trio.open_nursery() as clients:
+                    for name in ("batch1", "batch2"):
+                        clients.start_soon(stream, name, batch)
+                    await fake.recorder.wait_for(lambda r: len(r.records) == 2)
+                    clients.start_soon(stream, "urgent", {})
+                    # The urgent stream pauses a batch stream and takes its slot.
+                    await fake.recorder.wait_for(lambda r: len(r.records) == 3)
+                    for name in ("queued1", "queued2", "queued3"):
+                        clients.start_soon(stream, name, batch)
+                    await trio.sleep(0.3)
+                    signalled_at = trio.current_time()
+                    process.send_signal(signal.SIGTERM)
+                assert await process.wait() == 0
+                exited_after = trio.current_time() - signalled_at
+            assert exited_after < 3.0 + 1.0, exited_after
+            assert "cut" not in ends.values(), ends
+            assert ends["urgent"] == "in-band shutting_down"
+            assert {ends["batch1"], ends["batch2"]} == {"in-band shutting_down"}
+            for name in ("queued1", "queued2", "queued3"):
+                assert ends[name] == "503 shutting_down", ends
+            # Nothing was paused during the drain: three upstream requests in all (the paused
+            # batch stream was not resumed, since no slot was free before the grace ended).
+            assert len(fake.recorder.records) == 3
         finally:
             await stop(process)

@@ -613,3 +613,48 @@ async def test_the_local_model_pauses_every_endpoint_s_stream_and_resumes_it_who
         await proxy.state.tracker.wait_idle()
     assert ": paused\n\n" in body
     assert uninterrupted and text_of(body) == uninterrupted
+
+
+async def test_paused_time_does_not_count_against_the_upstreams_total_timeout(
+    nursery: trio.Nursery, access: pytest.LogCaptureFixture
+) -> None:
+    # The batch stream streams for 0.8 s in all, and is paused for ~0.8 s (the urgent answer)
+    # in its middle: 1.6 s of wall time, over total_timeout = 1.2, which bounds the upstream's
+    # work, not the time a paused stream waits for a slot again.
+    with trio.fail_after(DEADLINE):
+        _, proxy = await one_slot(nursery, total_timeout=1.2)
+        batch = await start_batch(proxy)
+        started = trio.current_time()
+        urgent = await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer("urgent"))
+        await read_to_the_end(urgent)
+        body = await read_to_the_end(batch)
+        took = trio.current_time() - started
+        await batch.close()
+        await proxy.state.tracker.wait_idle()
+    assert took > 1.2
+    assert stream_text(events_of(body)) == answer_text(BATCH_TOKENS)
+    lines = {line["key"]: line for line in access_lines(access)}
+    assert lines["batch"]["outcome"] == "completed" and lines["batch"]["pauses"] == 1
+
+
+async def test_the_pause_comments_come_twice_within_the_clients_read_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    # pause_keepalive is 5 s, but this client's SDK gives up after 0.4 s without a byte: the
+    # comments come every 0.2 s while it is paused (~0.8 s, the urgent answer).
+    with trio.fail_after(DEADLINE):
+        _, proxy = await one_slot(nursery)
+        batch = await RawClient.post(
+            proxy,
+            CHAT,
+            chat_body(MODEL),
+            headers={**bearer("batch"), "x-stainless-read-timeout": "0.4"},
+        )
+        await batch.read_until(b"data: ", 4)
+        urgent = await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer("urgent"))
+        await read_to_the_end(urgent)
+        body = await read_to_the_end(batch)
+        await batch.close()
+        await proxy.state.tracker.wait_idle()
+    assert body.count(": paused\n\n") >= 3
+    assert stream_text(events_of(body)) == answer_text(BATCH_TOKENS)

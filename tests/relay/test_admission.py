@@ -6,6 +6,7 @@ leaves. The order itself is tests/protocol/test_scheduling.py's."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -14,6 +15,16 @@ import trio.testing
 from proxy.protocol.errors import ApiError
 from proxy.protocol.scheduling import SchedulingSettings, Ticket
 from proxy.relay.admission import Admission, Dispatcher, Room, Scheduling
+
+
+class Asks:
+    """A producer's :class:`~proxy.relay.admission.Pausable`, from a function."""
+
+    def __init__(self, ask: Callable[[], bool]) -> None:
+        self._ask = ask
+
+    def ask(self) -> bool:
+        return self._ask()
 
 
 def model_queue(
@@ -290,7 +301,7 @@ async def test_a_waiting_urgent_request_pauses_a_batch_one_which_then_takes_a_sl
                 scope.cancel()
                 return True
 
-            dispatcher.track(batch, lambda: 0, room=lease.room, pause=pause)
+            dispatcher.track(batch, lambda: 0, room=lease.room, pause=Asks(pause))
             with scope:
                 await trio.sleep_forever()
             events.append("batch gave its slot up")
@@ -345,7 +356,7 @@ async def test_a_request_that_declines_is_not_paused_and_the_urgent_one_waits(
 
     async def run_declining() -> None:
         async with admission.lease(batch) as lease:
-            dispatcher.track(batch, lambda: 0, room=lease.room, pause=decline)
+            dispatcher.track(batch, lambda: 0, room=lease.room, pause=Asks(decline))
             await trio.sleep(5.0)
 
     async with trio.open_nursery() as nursery:
@@ -372,7 +383,10 @@ async def test_a_client_that_leaves_while_paused_leaves_nothing_queued(
             async with admission.lease(batch) as lease:
                 scope = trio.CancelScope()
                 dispatcher.track(
-                    batch, lambda: 0, room=lease.room, pause=lambda: bool(scope.cancel()) or True
+                    batch,
+                    lambda: 0,
+                    room=lease.room,
+                    pause=Asks(lambda: bool(scope.cancel()) or True),
                 )
                 with scope:
                     await trio.sleep_forever()
