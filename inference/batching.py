@@ -32,11 +32,13 @@ Per sequence:
   takes a sequence out wherever it is (decoding, parked, or part-way through its prefill) and
   keeps its KV aside; unlike a parked one, a paused sequence does not count toward capacity.
   :meth:`BatchEngine.resume` puts it back, ahead of waiting newcomers, where it left off, so
-  its client sees one answer with a gap in it. The KV kept for paused sequences is bounded
-  (``paused_bytes``): past it, the KV of those paused longest ago is dropped (logged), and
-  such a sequence is prefilled again (its prompt and answer so far) when it resumes, without
-  drawing a token, so no text is repeated or lost; a recomputed KV is not bit-identical to
-  the one decoding built, so its answer may differ from an uninterrupted one.
+  its client sees one answer with a gap in it. Every pause asked gets one notice (or the
+  sequence ends): one asked after a resume the engine has not taken yet withdraws that resume.
+  The KV kept for paused sequences is bounded (``paused_bytes``): past it, the KV of those
+  paused longest ago is dropped (logged), and such a sequence is prefilled again (its prompt
+  and answer so far) when it resumes, without drawing a token, so no text is repeated or lost;
+  a recomputed KV is not bit-identical to the one decoding built, so its answer may differ
+  from an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class Generation:
         self.paused = False
         # What pause()/resume() last asked for, written under the engine's lock.
         self._pause_wanted = False
+        # Whether resume() was asked since this sequence's last pause notice (under the
+        # engine's lock): a pause asked after it is owed a notice of its own.
+        self._resume_asked = False
         # Bytes of the KV kept aside while paused (0 when none is kept or it was dropped).
         self.kept_bytes = 0
         # A paused sequence whose KV was dropped is prefilled again: these ids (its prompt and
@@ -226,8 +231,11 @@ class BatchEngine:
     def pause(self, sequence: Generation) -> None:
         """Take ``sequence`` out of the batch at the start of the next step, keeping its KV
         aside and its slot free; ``deliver`` then hands over a ``Piece(paused=True)`` for it.
-        A sequence that finishes in the step already running when this is called finishes (it
-        gets no notice); one that has left, or is paused already, is left as it is."""
+        Asked after :meth:`resume`, it gets a notice of its own even while that resume is
+        still pending (the sequence then stays out, the resume withdrawn). A sequence that
+        finishes in the step already running when this is called finishes (it gets no notice);
+        one that has left, or is paused with no resume asked since its notice, is left as it
+        is."""
         with self._wakeup:
             sequence._pause_wanted = True
             self._wakeup.notify()
@@ -237,6 +245,7 @@ class BatchEngine:
         newcomers; asked before its pause took effect, the pause does not happen."""
         with self._wakeup:
             sequence._pause_wanted = False
+            sequence._resume_asked = True
             self._wakeup.notify()
 
     def stop(self) -> None:
@@ -295,7 +304,10 @@ class BatchEngine:
         for sequence in self._paused:
             if sequence.cancelled:
                 return True
-            if not sequence._pause_wanted and (self._prefills(sequence) or self._room()):
+            if sequence._pause_wanted:
+                if sequence._resume_asked:
+                    return True  # paused again before its resume was taken: a notice is due
+            elif self._prefills(sequence) or self._room():
                 return True
         if self._waiting and self._room():
             return True
@@ -348,7 +360,21 @@ class BatchEngine:
         """Pause every sequence asked to pause (its notice returned), then put back those asked
         to resume, oldest pause first, while there is room."""
         notices: list[tuple[Generation, Piece]] = []
-        pausing = [index for index, seq in enumerate(self._rows) if seq._pause_wanted]
+        # The asks, read at one moment. A pause asked after a resume is owed a notice even
+        # when the resume is still pending here: whoever asked to resume has taken its slot
+        # back already, and only a notice makes it give the slot up again. Answering it here,
+        # rather than refusing such a pause on the requests' side, keeps where a paused
+        # sequence stands known to this thread alone, and every pause asked is answered (a
+        # notice, or the sequence's end).
+        with self._lock:
+            taking = {
+                seq for seq in (*self._rows, *self._parked, *self._waiting) if seq._pause_wanted
+            }
+            again = [seq for seq in self._paused if seq._pause_wanted and seq._resume_asked]
+            resuming = [seq for seq in self._paused if not seq._pause_wanted]
+            for sequence in (*taking, *again):
+                sequence._resume_asked = False
+        pausing = [index for index, seq in enumerate(self._rows) if seq in taking]
         for index in pausing:
             sequence = self._rows[index]
             if self.batching:
@@ -360,15 +386,17 @@ class BatchEngine:
         if pausing:
             self._remove_rows(set(pausing))
         for holder in (self._parked, self._waiting):
-            for sequence in [seq for seq in holder if seq._pause_wanted]:
+            for sequence in [seq for seq in holder if seq in taking]:
                 holder.remove(sequence)
                 if sequence.cache is not None and self.batching:
                     # Its rows, copied: exactly its KV (a cache's buffer has spare columns).
                     sequence.parked_rows = cache_rows.take_row(sequence.cache, 0, 0)
                     sequence.cache = None
                 notices.append(self._paused_now(sequence))
+        # Out already, its KV kept as it is: only the notice.
+        notices.extend((sequence, Piece(paused=True)) for sequence in again)
         to_prefill: list[Generation] = []
-        for sequence in [seq for seq in self._paused if not seq._pause_wanted]:
+        for sequence in resuming:
             if not self._prefills(sequence) and not self._room():
                 continue
             self._paused.remove(sequence)

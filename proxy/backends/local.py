@@ -80,10 +80,11 @@ _TALLY: ContextVar[_Tally | None] = ContextVar("sluice_local_tally", default=Non
 
 
 class _Pausing:
-    """A streamed request's way to be paused: its slot's lease, its sink (the comments while
-    paused), and the sequence the engine runs for it now."""
+    """A streamed request's way to be paused (the :class:`~proxy.relay.admission.Pausable` its
+    producer registers): its slot's lease, its sink (the comments while paused), and the
+    sequence the engine runs for it now."""
 
-    __slots__ = ("engine", "lease", "progress", "sequence", "sink", "wanted")
+    __slots__ = ("done", "engine", "lease", "progress", "sequence", "sink", "wanted")
 
     def __init__(
         self, lease: Lease, sink: Sink, engine: BatchEngine, progress: Callable[[], int]
@@ -96,11 +97,18 @@ class _Pausing:
         # Asked before its sequence was submitted (its prompt still being tokenized): the
         # sequence is paused as soon as it is.
         self.wanted = False
+        # Its sequence has left the engine, or is leaving it: no notice comes any more.
+        self.done = False
 
     def ask(self) -> bool:
-        """The dispatcher asks (see Dispatcher.track): the engine takes the sequence out at
-        its next step and says so with a notice piece; one that ends in the step already
-        running simply ends, and its slot frees then."""
+        """The dispatcher asks: the engine takes the sequence out at its next step and says so
+        with a notice piece, one for each pause asked, even one asked while a resume it has
+        not taken yet is pending (see :meth:`BatchEngine.pause`); one that ends in the step
+        already running simply ends, and its slot frees then. Once its sequence has left (or
+        is leaving) it declines: nothing would make it give its slot up before its end, and
+        the dispatcher asks another."""
+        if self.done:
+            return False
         sequence = self.sequence
         if sequence is None:
             self.wanted = True
@@ -116,6 +124,11 @@ class _Pausing:
         if self.wanted:
             self.wanted = False
             self.engine.pause(sequence)
+
+    def finished(self) -> None:
+        """Its sequence is out of the engine (or is leaving it), for good."""
+        self.sequence = None
+        self.done = True
 
 
 # The pausing of the request the current task produces (None: it is never paused).
@@ -305,7 +318,7 @@ class LocalBackend:
                     ticket,
                     generated.count,
                     room=lease.room,
-                    pause=None if pausing is None else pausing.ask,
+                    pause=pausing,
                 )
                 _TALLY.set(generated)
                 _PAUSING.set(pausing)
@@ -418,7 +431,7 @@ class LocalBackend:
             raise ApiError(503, "the server is shutting down", code="shutting_down")
         finally:
             if pausing is not None:
-                pausing.sequence = None
+                pausing.finished()
             for_nobody = 0
             if not left.is_set():
                 # Read before the flag is set: a pass that starts after it is one too many.
@@ -463,14 +476,16 @@ class LocalBackend:
         kept = sequence.kept_bytes > 0
         ticket.input_tokens = 0 if kept else len(sequence.prompt_ids) + len(sequence.generated)
         await lease.pause([self.room], sink.offer)
+        # Resumed before the dispatcher may ask again, so that any pause it asks comes after
+        # the resume, and the engine owes it a notice whether or not it has taken the resume.
+        self.engine.resume(sequence)
         self.admission.dispatcher.track(
             ticket,
             pausing.progress,
             room=lease.room,
-            pause=pausing.ask,
+            pause=pausing,
             counted=pausing.progress(),
         )
-        self.engine.resume(sequence)
         sink.set_phase(Phase.MID_STREAM if sequence.produced else Phase.FIRST_TOKEN)
 
     async def _generate_one(

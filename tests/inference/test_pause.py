@@ -1,8 +1,9 @@
 """Pausing in the batch engine, over the tiny random Llama (float32) with the real SmolLM2
 tokenizer, stepped by hand: a paused sequence frees its slot, and once resumed it makes token for
-token what it makes uninterrupted; its notice comes once and is not a token; it can be cancelled
-or shut down while paused; and the KV kept for paused sequences stays under its bound, the
-oldest pause prefilling again when it resumes."""
+token what it makes uninterrupted; its notice comes once and is not a token; a pause asked after
+a resume the engine has not taken yet gets a notice of its own; it can be cancelled or shut down
+while paused; and the KV kept for paused sequences stays under its bound, the oldest pause
+prefilling again when it resumes."""
 
 from __future__ import annotations
 
@@ -233,6 +234,84 @@ def test_a_pause_withdrawn_before_the_step_or_asked_after_the_end_does_nothing(
     rig.engine.pause(sequence)  # it has left
     rig.engine.step()
     assert rig.notices == {} and rig.engine.sequences == 0
+
+
+def test_a_pause_asked_before_the_engine_takes_a_resume_gets_a_notice_of_its_own(
+    generator: Generator, reference: dict[str, tuple[list[int], str]]
+) -> None:
+    rig = Rig(generator, max_batch=1)
+    first = rig.start(PROMPTS[0])
+    rig.until(lambda: rig.tokens(first) == 5)
+    rig.engine.pause(first)
+    rig.engine.step()
+    # Asked again with no resume between: its one notice stands for both.
+    rig.engine.pause(first)
+    rig.engine.step()
+    assert rig.notices == {first: 1}
+    # Its request holds a slot again and asks to resume; a more urgent request's pause comes
+    # before the engine's next step has taken that resume.
+    rig.engine.resume(first)
+    rig.engine.pause(first)
+    assert rig.engine._has_work()  # an engine thread waiting for work wakes for it
+    rig.until(lambda: rig.notices[first] == 2, limit=5)
+    assert first.paused and rig.engine.batch_size == 0 and rig.tokens(first) == 5
+    assert first.kept_bytes > 0 and rig.engine.paused_kv_bytes == first.kept_bytes
+    # The resume was withdrawn: it stays out until asked again, its notice not repeated.
+    for _ in range(3):
+        rig.engine.step()
+    assert not rig.engine._has_work()
+    assert rig.notices == {first: 2} and rig.tokens(first) == 5
+    rig.engine.resume(first)
+    rig.run([first])
+    same_as_uninterrupted(rig, first, PROMPTS[0], reference)
+    assert rig.notices == {first: 2} and rig.engine.sequences == 0
+
+
+def test_a_resume_waiting_for_room_is_withdrawn_by_a_pause_with_a_notice(
+    generator: Generator, reference: dict[str, tuple[list[int], str]]
+) -> None:
+    rig = Rig(generator, max_batch=1)
+    first = rig.start(PROMPTS[0])
+    rig.until(lambda: rig.tokens(first) == 3)
+    rig.engine.pause(first)
+    rig.engine.step()
+    second = rig.start(PROMPTS[2])
+    rig.until(lambda: rig.tokens(second) == 2)
+    # max_batch=1: its resume waits for the second one's row.
+    rig.engine.resume(first)
+    rig.engine.step()
+    assert first.paused and rig.tokens(first) == 3
+    rig.engine.pause(first)
+    rig.until(lambda: rig.notices[first] == 2, limit=5)
+    rig.run([second])
+    # The row is free now, but its resume was withdrawn: it stays out.
+    for _ in range(3):
+        rig.engine.step()
+    assert first.paused and rig.tokens(first) == 3 and rig.engine.sequences == 1
+    rig.engine.resume(first)
+    rig.run([first])
+    same_as_uninterrupted(rig, first, PROMPTS[0], reference)
+    same_as_uninterrupted(rig, second, PROMPTS[2], reference)
+    assert rig.notices == {first: 2}
+
+
+def test_a_sequence_resumed_then_paused_again_gets_one_notice_a_pause(
+    generator: Generator, reference: dict[str, tuple[list[int], str]]
+) -> None:
+    rig = Rig(generator, max_batch=2)
+    first = rig.start(PROMPTS[0])
+    rig.until(lambda: rig.tokens(first) == 2)
+    for pauses in (1, 2, 3):
+        rig.engine.pause(first)
+        rig.engine.step()
+        assert rig.notices[first] == pauses and first.paused
+        made = rig.tokens(first)
+        rig.engine.resume(first)
+        rig.until(lambda made=made: rig.tokens(first) > made, limit=5)
+        assert not first.paused
+    rig.run([first])
+    same_as_uninterrupted(rig, first, PROMPTS[0], reference)
+    assert rig.notices == {first: 3}
 
 
 def test_a_paused_sequence_cancelled_leaves_at_once(generator: Generator) -> None:

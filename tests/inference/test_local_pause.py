@@ -1,0 +1,133 @@
+"""The local backend's pause at the request level, with the engine's thread held between two
+steps: a stream asked to pause again just after its request asked to resume it, before the
+engine has taken that resume, gives its slot up again, and once resumed ends whole (the text of
+an uninterrupted run), its slot given back and nothing of it left in the engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+import trio
+
+from proxy.ops.logs import ACCESS_LOGGER
+from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
+from tests.support import (
+    DEADLINE,
+    RawClient,
+    access_lines,
+    chat_body,
+    chunked_body,
+    local_model,
+    slowed,
+    sse_payloads,
+    start_proxy,
+    stream_text,
+)
+
+__all__ = ["smol_tokenizer", "tiny_loaded_model"]
+
+CHAT = "/v1/chat/completions"
+# One decode step of the slowed tiny model: a stream of TOKENS lasts a fraction of a second.
+STEP = 0.01
+TOKENS = 40
+
+
+def body() -> dict[str, Any]:
+    return chat_body(
+        "tiny",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=TOKENS,
+        ignore_eos=True,
+    )
+
+
+async def read_to_the_end(client: RawClient) -> str:
+    await client.read_until(b"data: [DONE]")
+    await client.read_until(b"\r\n0\r\n\r\n")
+    return chunked_body(client.received)
+
+
+def text_of(stream: str) -> str:
+    return stream_text(sse_payloads(stream.replace(": paused\n\n", "")))
+
+
+async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_up_and_ends_whole(
+    nursery: trio.Nursery,
+    tiny_loaded_model: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    proxy = await start_proxy(
+        nursery,
+        {"tiny": local_model(slots=1)},
+        local_models={"tiny": slowed(tiny_loaded_model, STEP)},
+    )
+    local = proxy.state.local_backends["tiny"]
+    engine = local.engine
+    dispatcher = local.admission.dispatcher
+    # What the dispatcher would ask: the pause each admitted stream registers.
+    pausables: list[Any] = []
+    track = dispatcher.track
+
+    def tracked(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("pause") is not None:
+            pausables.append(kwargs["pause"])
+        track(*args, **kwargs)
+
+    # The engine's steps pass through a gate: held from the first resume until the test has
+    # asked its pause, the engine cannot take that resume before the pause comes.
+    gate = threading.Lock()
+    held = [False]
+    step = engine.step
+
+    def gated_step() -> None:
+        with gate:
+            step()
+
+    resume = engine.resume
+    resumed = [trio.Event(), trio.Event()]
+
+    def held_resume(sequence: Any) -> None:
+        if not resumed[0].is_set():
+            gate.acquire()
+            held[0] = True
+        resume(sequence)
+        (resumed[1] if resumed[0].is_set() else resumed[0]).set()
+
+    monkeypatch.setattr(dispatcher, "track", tracked)
+    monkeypatch.setattr(engine, "step", gated_step)
+    monkeypatch.setattr(engine, "resume", held_resume)
+    try:
+        with trio.fail_after(DEADLINE):
+            alone = await RawClient.post(proxy, CHAT, body())
+            uninterrupted = text_of(await read_to_the_end(alone))
+            client = await RawClient.post(proxy, CHAT, body())
+            await client.read_until(b'"content":"', 4)
+            pausable = pausables[-1]
+            assert pausable.ask()
+            # Paused: its request gave the slot up, took it back at once (nothing waits for
+            # it), and asked to resume; the engine's next step waits at the gate.
+            await resumed[0].wait()
+            await client.read_until(b": paused")
+            assert pausable.ask()
+            gate.release()
+            held[0] = False
+            # The second pause is noticed too: its request gives the slot up once more, and
+            # resumes again.
+            await resumed[1].wait()
+            stream = await read_to_the_end(client)
+            await proxy.state.tracker.wait_idle()
+    finally:
+        if held[0]:
+            gate.release()
+    assert stream.count(": paused\n\n") >= 2 and text_of(stream) == uninterrupted
+    [line] = [line for line in access_lines(caplog) if line["pauses"]]
+    assert line["pauses"] == 2 and line["outcome"] == "completed"
+    assert engine.sequences == 0 and engine.paused_kv_bytes == 0
+    assert local.room.in_flight == 0 and local.admission.waiting == 0
+    # Its stream over, it declines: no notice could come any more.
+    assert not pausable.ask()
