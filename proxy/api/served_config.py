@@ -238,10 +238,27 @@ class ServedConfig:
                 replicas,
                 self.config.relay,
                 dispatcher=self.scheduling.upstream,
+                admission=self.scheduling.admission(
+                    model.name,
+                    max_queue=model.max_queue,
+                    queue_timeout=model.queue_timeout,
+                    rooms=[replica.room for replica in replicas],
+                ),
                 api_key=self.api_keys.get(model.name),
                 policy=self.health_policy,
                 metrics=self.metrics,
             )
+
+        # What the previous config had and this one has not: its rooms retired, its queues
+        # let go (their waiters go on, to this config's rooms).
+        self.scheduling.keep_only(
+            self.replicas,
+            [
+                name
+                for name, backend in self.backends.items()
+                if isinstance(backend, UpstreamBackend)
+            ],
+        )
 
     def watch_upstreams(self, nursery: trio.Nursery) -> None:
         """The upstreams' background work, each task in ``nursery`` until it is cancelled."""

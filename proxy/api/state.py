@@ -69,6 +69,8 @@ class SluiceState:
         # The queues of the upstreams (their rooms and order), and each key's service: the
         # process's, kept across reloads.
         self.scheduling = Scheduling(scheduling_settings(config))
+        # The keys' counters shared through Redis, once serving with [limits] backend = redis.
+        self.shared_service: SharedService | None = None
         # The config's keys, upstreams and pipeline (api/served_config.py): replaced whole by a
         # reload, in one assignment; the previous ones retire once their relays end.
         self.current = self.build_served(config)
@@ -103,6 +105,9 @@ class SluiceState:
         # Once the config is accepted: a refused reload changes nothing.
         for local in self.local_backends.values():
             local.configure(scheduling_settings(config))
+        if self.shared_service is not None:
+            # From its next sync on.
+            self.shared_service.interval = config.scheduling.share_seconds
         return served
 
     # What the current served config serves with: each request reads these once (the pipeline
@@ -209,6 +214,7 @@ class SluiceState:
                 lambda: self.current.keys.shared,
                 interval=self.config.scheduling.share_seconds,
             )
+            self.shared_service = shared
             nursery.start_soon(shared.run, name="sluice scheduler counters (Redis)")
         # The shared limits' Redis client and the upstreams' work live in the app's nursery.
         await nursery.start(self.current.run)
@@ -289,16 +295,9 @@ class SluiceState:
         ``grace_end`` (:meth:`~proxy.relay.admission.Dispatcher.drain`): no new preemption,
         paused requests first, queued ones that cannot start in time refused now."""
         self.draining = True
-        dispatchers = {id(self.scheduling.upstream): self.scheduling.upstream}
+        self.scheduling.upstream.drain(grace_end)
         for local in self.local_backends.values():
-            dispatchers[id(local.admission.dispatcher)] = local.admission.dispatcher
-        for served in (self.current, *self.retiring):
-            for backend in served.backends.values():
-                admission = getattr(backend, "admission", None)
-                if admission is not None:
-                    dispatchers[id(admission.dispatcher)] = admission.dispatcher
-        for dispatcher in dispatchers.values():
-            dispatcher.drain(grace_end)
+            local.admission.dispatcher.drain(grace_end)
 
     def end_grace(self) -> int:
         """The drain's grace is about to end: every request still at work is stopped, and its

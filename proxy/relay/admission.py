@@ -37,7 +37,7 @@ and the waiters change only here, in :class:`Dispatcher`.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -83,7 +83,16 @@ class Room:
     """Slots requests are dispatched to: one upstream replica's connections (shared by every
     model it serves), or one local model's slots."""
 
-    __slots__ = ("_dispatcher", "average_hold", "capacity", "full", "in_flight", "name")
+    __slots__ = (
+        "_dispatcher",
+        "average_hold",
+        "capacity",
+        "full",
+        "in_flight",
+        "name",
+        "owner",
+        "retired",
+    )
 
     def __init__(self, name: str, capacity: int, *, full: Callable[[], bool] | None = None) -> None:
         # For logs and diagnostics only: a replica's address never reaches a client.
@@ -96,10 +105,15 @@ class Room:
         self.full = full
         self.average_hold = 1.0
         self._dispatcher: Dispatcher | None = None
+        # What serves its slots now (an upstream replica, as the config now served built it),
+        # for a request dispatched here by a backend of an earlier config.
+        self.owner: object = None
+        # Its replica is no longer in the config (a reload): nothing more is dispatched here.
+        self.retired = False
 
     @property
     def free(self) -> int:
-        if self.full is not None and self.full():
+        if self.retired or (self.full is not None and self.full()):
             return 0
         return max(0, self.capacity - self.in_flight)
 
@@ -108,7 +122,7 @@ class Room:
         """The slots free once one request here gives its own up: what a pause here frees for
         a waiting request (none while the room is full whatever its count, or holds more than
         a lowered capacity)."""
-        if self.full is not None and self.full():
+        if self.retired or (self.full is not None and self.full()):
             return 0
         return max(0, self.capacity - self.in_flight + 1)
 
@@ -116,6 +130,14 @@ class Room:
         """A new capacity (a reload): more room is used at once."""
         self.capacity = capacity
         self.poke()
+
+    def retire(self) -> None:
+        """Its replica left the config: what runs here finishes, nothing more comes, and what
+        waits for it alone waits for the model's rooms now (:meth:`Admission._until_dispatched`)."""
+        self.retired = True
+        self.poke()
+        if self._dispatcher is not None:
+            self._dispatcher.wake_all()
 
     def poke(self) -> None:
         """The room may have room now (a scrape, a resize): dispatch what it can take."""
@@ -132,6 +154,7 @@ class _Waiter:
     def __init__(self, admission: Admission, rooms: Sequence[Room]) -> None:
         self.admission = admission
         self.rooms = rooms
+        # Set when it is dispatched (room set first), or to make it look again (a reload).
         self.event = trio.Event()
         # The room it was dispatched to, once it is.
         self.room: Room | None = None
@@ -313,6 +336,12 @@ class Dispatcher:
             if now + expected > self.grace_end:
                 waiter.shut_out = True
                 scope.cancel()
+
+    def wake_all(self) -> None:
+        """Every waiter looks again at its rooms now (a reload retired some, or changed the
+        settings that say when it may pause another)."""
+        for waiter in self._waiters.values():
+            waiter.event.set()
 
     def waiting_for(self, admission: Admission) -> int:
         return sum(1 for waiter in self._waiters.values() if waiter.admission is admission)
@@ -528,7 +557,15 @@ class Admission:
 
     async def _until_dispatched(self, ticket: Ticket, waiter: _Waiter) -> None:
         dispatcher = self.dispatcher
-        while not waiter.event.is_set():
+        while waiter.room is None:
+            if all(room.retired for room in waiter.rooms):
+                # Every replica it could go to left the config: the model's rooms now.
+                fresh = [room for room in self.rooms if not room.retired]
+                if fresh:
+                    waiter.rooms = fresh
+                    for each in fresh:
+                        dispatcher.dispatch(each)
+                    continue
             # Read each time round: a reload may change preempt_after, or a drain begin.
             queue = dispatcher.queue
             preempt_at = preemption_due(queue.settings, ticket, draining=queue.draining)
@@ -539,11 +576,15 @@ class Admission:
                 wake = min(wake, preempt_at)
             with trio.move_on_at(wake):
                 await waiter.event.wait()
+            if waiter.room is None and waiter.event.is_set():
+                waiter.event = trio.Event()  # a nudge: look again, and wait anew
             for each in waiter.rooms:
                 dispatcher.dispatch(each)
+            queue = dispatcher.queue  # as it stands now: a reload or a drain may have come
+            preempt_at = preemption_due(queue.settings, ticket, draining=queue.draining)
             if (
                 preempt_at is not None
-                and not waiter.event.is_set()
+                and waiter.room is None
                 and trio.current_time() >= preempt_at
                 and (waiter.pausing is None or not dispatcher.running(waiter.pausing))
             ):
@@ -678,9 +719,42 @@ class Scheduling:
     def __init__(self, settings: SchedulingSettings | None = None) -> None:
         self.upstream = Dispatcher(settings)
         self._rooms: dict[str, Room] = {}
+        # Each upstream model's queue: one across reloads (one bound, one gauge), whose
+        # waiters a reload leaves in place.
+        self._admissions: dict[str, Admission] = {}
 
     def configure(self, settings: SchedulingSettings) -> None:
+        """New settings (a reload): for the requests waiting already too."""
         self.upstream.queue.configure(settings)
+        self.upstream.wake_all()
+
+    def admission(
+        self, model: str, *, max_queue: int, queue_timeout: float, rooms: Sequence[Room]
+    ) -> Admission:
+        """Upstream model ``model``'s queue, with the config's bounds and rooms: the same
+        :class:`Admission` at every reload (a new request's bounds are the new ones)."""
+        admission = self._admissions.get(model)
+        if admission is None:
+            admission = Admission(
+                model, self.upstream, max_queue=max_queue, queue_timeout=queue_timeout
+            )
+            self._admissions[model] = admission
+        admission.max_queue = max_queue
+        admission.queue_timeout = queue_timeout
+        admission.rooms = list(rooms)
+        return admission
+
+    def keep_only(self, replicas: Collection[str], models: Collection[str]) -> None:
+        """A reload serves only ``replicas`` and ``models`` from now on: the other replicas'
+        rooms are retired (what waits for them goes to its model's other rooms, paused
+        requests included), and the other models' queues are let go once their waiters end."""
+        for name in [name for name in self._rooms if name not in replicas]:
+            self._rooms.pop(name).retire()
+        for model in [model for model in self._admissions if model not in models]:
+            del self._admissions[model]
+
+    def admissions(self) -> list[Admission]:
+        return list(self._admissions.values())
 
     def room(self, name: str, capacity: int) -> Room:
         """The room of the replica named ``name``, with ``capacity`` slots (a reload may

@@ -615,3 +615,113 @@ async def test_the_scheduler_keeps_its_counters_queue_and_in_flight_across_a_rel
             await poll_until(lambda: len(finished) == 2)
     assert finished == [200, 200]
     assert renewed.room.in_flight == 0
+
+
+async def test_one_queue_per_model_across_reloads_and_removed_replicas_send_waiters_elsewhere(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A reload keeps the model's one queue (one max_queue, one gauge): the requests queued
+    before it count against the bound after it. A replica the reload removes takes nothing
+    more, and what waited for it goes to the model's replicas now."""
+    old_fake = await start_fake(nursery, ttft=0, interval=0.02, tokens=100)
+    new_fake = await start_fake(nursery, ttft=0, interval=0.02, tokens=3)
+
+    def config(upstream: str) -> str:
+        return toml(upstream, "a").replace(
+            "[models.fake-model]\n", "[models.fake-model]\nmax_connections = 1\nmax_queue = 2\n"
+        )
+
+    path = tmp_path / "sluice.toml"
+    path.write_text(config(old_fake.url))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        admission = state.current.backends["fake-model"].admission
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            finished: list[tuple[str, int]] = []
+
+            async def ask(name: str, stream: bool) -> None:
+                body = chat_body(stream=stream)
+                response = await client.post(url + CHAT, json=body, headers=bearer("a"))
+                finished.append((name, response.status_code))
+
+            nursery.start_soon(ask, "holder", True)  # holds the old replica's slot ~2 s
+            await poll_until(lambda: len(old_fake.recorder.records) == 1)
+            nursery.start_soon(ask, "queued1", False)
+            nursery.start_soon(ask, "queued2", False)
+            await poll_until(lambda: admission.waiting == 2)
+            (old_replica,) = state.current.replicas.values()
+
+            path.write_text(config(new_fake.url))
+            assert await state.reload_config() == "applied"
+            backend = state.current.backends["fake-model"]
+            assert backend.admission is admission  # one queue, one bound, one gauge
+            assert old_replica.room.retired
+            # The two queued before the reload went to the new replica, one at a time, while
+            # the holder still streams from the old one.
+            await poll_until(lambda: sum(name != "holder" for name, _ in finished) == 2)
+            assert ("queued1", 200) in finished and ("queued2", 200) in finished
+            assert len(new_fake.recorder.records) == 2
+            assert not any(name == "holder" for name, _ in finished)
+            assert len(old_fake.recorder.records) == 1
+            await poll_until(lambda: len(finished) == 3)
+    assert sorted(finished) == [("holder", 200), ("queued1", 200), ("queued2", 200)]
+    assert admission.waiting == 0 and old_replica.room.in_flight == 0
+
+
+async def test_a_reload_that_turns_preemption_off_applies_to_requests_already_waiting(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    fake = await start_fake(nursery, ttft=0, interval=0.02, tokens=150)
+    keys = "".join(
+        f'[[keys]]\nname = "{name}"\nsha256 = "{hash_key(name)}"\npriority = {band}\n'
+        for name, band in (("urgent", 0), ("batch", 5))
+    )
+
+    def config(preempt_after: float) -> str:
+        return (
+            f"[server]\nport = 0\n[scheduling]\npreempt_after = {preempt_after}\n"
+            f'[models.fake-model]\nupstreams = ["{fake.url}"]\nmax_connections = 1\n{keys}'
+        )
+
+    path = tmp_path / "sluice.toml"
+    path.write_text(config(1.0))
+    with trio.fail_after(DEADLINE):
+        url, state = await serve_file(nursery, path)
+        admission = state.current.backends["fake-model"].admission
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            done: list[str] = []
+
+            async def ask(name: str) -> None:
+                response = await client.post(url + CHAT, json=chat_body(), headers=bearer(name))
+                assert response.status_code == 200
+                done.append(name)
+
+            nursery.start_soon(ask, "batch")  # ~3 s of streaming
+            await poll_until(lambda: len(fake.recorder.records) == 1)
+            nursery.start_soon(ask, "urgent")
+            await poll_until(lambda: admission.waiting == 1)
+            # Waiting already, with preempt_after 1 s: the reload turns preemption off.
+            path.write_text(config(0.0))
+            assert await state.reload_config() == "applied"
+            await trio.sleep(1.5)
+            # Nothing paused: the urgent request waits for the batch stream's end.
+            assert len(fake.recorder.records) == 1
+            await poll_until(lambda: len(done) == 2)
+    assert done == ["batch", "urgent"]
+
+
+async def test_a_reload_applies_share_seconds(nursery: trio.Nursery, tmp_path: Path) -> None:
+    fake = await start_fake(nursery, ttft=0, interval=0.01, tokens=3)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(fake.url, "a"))
+    with trio.fail_after(DEADLINE):
+        _, state = await serve_file(nursery, path)
+        from proxy.api.shared_service import SharedService
+
+        shared = SharedService(state.scheduling.upstream, lambda: None, interval=1.0)
+        state.shared_service = shared
+        path.write_text(
+            toml(fake.url, "a").replace("[server]", "[scheduling]\nshare_seconds = 0.25\n[server]")
+        )
+        assert await state.reload_config() == "applied"
+        assert shared.interval == 0.25

@@ -49,6 +49,7 @@ class UpstreamBackend:
         relay: RelayConfig,
         *,
         dispatcher: Dispatcher | None = None,
+        admission: Admission | None = None,
         api_key: str | None = None,
         policy: HealthPolicy | None = None,
         metrics: Metrics | None = None,
@@ -72,17 +73,23 @@ class UpstreamBackend:
                 dispatcher.room(replica.room)
         for replica in self.replicas:
             replica.room.full = partial(self._no_room, replica.load)
+            # A request a backend of an earlier config dispatches here runs on this replica.
+            replica.room.owner = replica
         # Sluice's queue for this model: its requests wait there, in the scheduler's order,
         # for a slot on one of its replicas (each replica's slots shared by every model it
-        # serves), and are dispatched to the first with room.
-        self.admission = Admission(
-            model.name,
-            dispatcher,
-            max_queue=model.max_queue,
-            queue_timeout=model.queue_timeout,
-            on_leave=None if metrics is None else self._left_queue,
-            rooms=[replica.room for replica in self.replicas],
-        )
+        # serves), and are dispatched to the first with room. The process's (Scheduling),
+        # the same across reloads, where one is given.
+        rooms = [replica.room for replica in self.replicas]
+        if admission is None:
+            admission = Admission(
+                model.name,
+                dispatcher,
+                max_queue=model.max_queue,
+                queue_timeout=model.queue_timeout,
+                rooms=rooms,
+            )
+        self.admission = admission
+        admission.on_leave = None if metrics is None else self._left_queue
         if metrics is not None:
             # Read at scrape time, as the local model's.
             metrics.queue_depth.labels(model.name).set_function(lambda: self.queued)

@@ -108,6 +108,27 @@ class Attempt:
         self._count_error = count_error
         self._choose = choose
 
+    def _replica(self, room: Room) -> UpstreamReplica:
+        """The replica behind ``room``: this backend's, or (a room it did not know: a paused
+        stream continued after a reload) the one the config now served built for it."""
+        replica = self._by_room.get(room)
+        if replica is None:
+            assert isinstance(room.owner, UpstreamReplica)
+            replica = room.owner
+        return replica
+
+    def _healthy_rooms(self) -> list[Room]:
+        """The rooms of the model as the config now served has it (a reload may have changed
+        its replicas) whose replica is not ejected: where a paused stream may go on."""
+        now = trio.current_time()
+        return [
+            room
+            for room in self._admission.rooms
+            if not room.retired
+            and isinstance(room.owner, UpstreamReplica)
+            and not room.owner.load.ejected(now)
+        ]
+
     def candidates(self, tried: Sequence[ReplicaLoad]) -> list[UpstreamReplica]:
         """The replicas an attempt may still go to: not tried, and not ejected."""
         now = trio.current_time()
@@ -153,7 +174,7 @@ class Attempt:
                         self._admission.dispatcher.track(
                             ticket, meter.output_so_far, room=held.room
                         )
-                    await self._on(by_room[held.room], tried, request, request_id, sink)
+                    await self._on(self._replica(held.room), tried, request, request_id, sink)
                     return
                 await self._pausable(held, tried, request, request_id, sink, splice, meter)
         except ApiError as error:
@@ -189,7 +210,7 @@ class Attempt:
             continuing = splice.pieces > 0 and sink.started
             with pause.scope:
                 await self._on(
-                    self._by_room[lease.room],
+                    self._replica(lease.room),
                     tried,
                     outgoing,
                     request_id,
@@ -206,14 +227,17 @@ class Attempt:
             # Its own replica first when it has room (its prefix cache holds the answer so
             # far), else whichever of the model's replicas (not ejected) has room first.
             left = lease.room
-            healthy = [r.room for r in self.candidates(())]
+            healthy = self._healthy_rooms()
             if not healthy and self._no_replica is not None:
                 # Every replica ejected: waiting for a slot would only send comments until a
                 # timeout; the client hears why now, in-band.
                 dispatcher.release(left, trio.current_time() - lease.since, ticket)
                 lease.room = None
                 raise self._no_replica()
-            rooms = [left, *(room for room in healthy if room is not left)]
+            rooms = [
+                *([left] if not left.retired else []),
+                *(room for room in healthy if room is not left),
+            ]
             # Comments only into a stream that has begun: before its head, a failure may still
             # answer with a JSON error, which nothing may precede.
             await lease.pause(rooms, sink.offer if sink.started else _nothing)
