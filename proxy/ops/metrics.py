@@ -270,8 +270,9 @@ class Metrics:
         "Time a request waited in Sluice's queue for a local model's slot or an upstream "
         "replica's, observed when it left the queue, by model, key ('-': none), band, and "
         "outcome: admitted, queue_timeout (503), deadline (503 deadline_unmeetable: it could "
-        "not start before its client stops waiting), cancelled (the client left), or "
-        "queue_full (429 at once, 0 s).",
+        "not start before its client stops waiting), cancelled (the client left), "
+        "queue_full (429 at once, 0 s), or shutting_down (503: the drain's grace leaves it "
+        "no time to start).",
         ["model", "outcome", "key", "band"],
         _QUEUE_BUCKETS,
     )
