@@ -658,3 +658,46 @@ async def test_the_pause_comments_come_twice_within_the_clients_read_timeout(
         await proxy.state.tracker.wait_idle()
     assert body.count(": paused\n\n") >= 3
     assert stream_text(events_of(body)) == answer_text(BATCH_TOKENS)
+
+
+async def test_past_the_starvation_guard_the_slot_a_pause_frees_still_goes_to_the_urgent_request(
+    nursery: trio.Nursery,
+) -> None:
+    """The flood older than the guard: 2 slots, 4 batch streams (2 queued), and an urgent chat
+    sent after the queued batch tickets have waited past starvation_seconds (1 s here; 60 s by
+    default, where the same held 65 s in). The slot its pause frees is the chat's, not a
+    "starved" batch ticket's, and every batch stream completes whole."""
+    slots, batch_tokens, interval = 2, 300, 0.01
+    with trio.fail_after(DEADLINE * 2):
+        fake = await start_fake(
+            nursery, ttft=0, interval=interval, tokens=batch_tokens, max_running=slots
+        )
+        proxy = await start_proxy(
+            nursery,
+            {MODEL: {"upstreams": [fake.url], "max_connections": slots}},
+            keys=KEYS,
+            scheduling={"preempt_after": PREEMPT_AFTER, "starvation_seconds": 1.0},
+        )
+        urgent_body = chat_body(MODEL, max_tokens=3, fake={"ttft": 0.05})
+
+        async def ttft() -> float:
+            asked = trio.current_time()
+            client = await RawClient.post(proxy, CHAT, urgent_body, headers=bearer("urgent"))
+            await client.read_until(b'"content":"')
+            seconds = trio.current_time() - asked
+            await read_to_the_end(client)
+            return seconds
+
+        idle = await ttft()
+        batches = [
+            await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer(name))
+            for name in ("batch", "batch2", "batch", "batch2")
+        ]
+        await batches[0].read_until(b"data: ", 3)
+        await trio.sleep(1.5)  # the two queued batch tickets are past the guard now
+        flooded = await ttft()
+        bodies = [await read_to_the_end(batch) for batch in batches]
+        await proxy.state.tracker.wait_idle()
+    assert flooded <= PREEMPT_AFTER + 2 * idle, (flooded, idle)
+    for body in bodies:
+        assert stream_text(events_of(body)) == answer_text(batch_tokens)
