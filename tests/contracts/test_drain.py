@@ -11,16 +11,32 @@ in-band ``shutting_down`` error before the cut, and a queued request that cannot
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import trio
+from trio_websocket import open_websocket_url
 
-from tests.support import chat_body, sse_payloads, start_fake, start_sluice, stop
+from proxy.server.run import serve
+from tests.api.test_websocket import answer, ws_url
+from tests.support import (
+    DEADLINE,
+    RawClient,
+    chat_body,
+    local_model,
+    slowed,
+    sse_payloads,
+    start_fake,
+    start_proxy,
+    start_sluice,
+    stop,
+)
 
 # At the server seam: each contract holds whichever server reads the request.
 pytestmark = pytest.mark.usefixtures("each_server_path")
@@ -178,3 +194,60 @@ async def test_sigterm_with_queued_paused_and_running_requests_tells_every_clien
             assert len(fake.recorder.records) == 3
         finally:
             await stop(process)
+
+
+def shutdown_trigger(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """The next proxy started begins its graceful shutdown when the event is set."""
+    shutdown = trio.Event()
+    monkeypatch.setattr(
+        "tests.support.serve", functools.partial(serve, shutdown_trigger=shutdown.wait)
+    )
+    return shutdown
+
+
+async def test_a_local_stream_still_running_as_the_grace_ends_is_told_in_band(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, tiny_loaded_model: Any
+) -> None:
+    # What a new user sees on Ctrl-C during the chat page's answer: an error event, not a cut.
+    shutdown = shutdown_trigger(monkeypatch)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery,
+            {"tiny": local_model()},
+            local_models={"tiny": slowed(tiny_loaded_model, step_seconds=0.02)},
+            server={"graceful_timeout": 1.0},
+        )
+        body = chat_body("tiny", max_tokens=5000, ignore_eos=True)
+        raw = await RawClient.post(proxy, "/v1/chat/completions", body)
+        await raw.read_until(b"data: ", count=3)
+        shutdown.set()
+        told_at = trio.current_time()
+        await raw.read_until(b"shutting_down")
+        await raw.read_until(b"\r\n0\r\n\r\n")  # the stream's end, not a cut
+        await proxy.state.tracker.wait_idle()
+        assert trio.current_time() - told_at < 1.0
+    assert b"[DONE]" not in raw.received
+
+
+async def test_a_websocket_answer_still_running_as_the_grace_ends_is_told(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shutdown = shutdown_trigger(monkeypatch)
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery, ttft=0, interval=0.02, tokens=1000)
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url]}, server={"graceful_timeout": 1.0}
+        )
+        async with open_websocket_url(ws_url(proxy)) as ws:
+            await ws.send_message(
+                json.dumps(
+                    {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+                )
+            )
+            await fake.recorder.wait_for(lambda r: len(r.records) == 1)
+            shutdown.set()
+            text, final = await answer(ws)
+        await proxy.state.tracker.wait_idle()
+    assert text
+    assert final["type"] == "error", final
+    assert "shutting_down" in json.dumps(final)
