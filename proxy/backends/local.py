@@ -474,8 +474,8 @@ class LocalBackend:
         # What it prefills again on resuming: nothing while its KV is kept, else its prompt and
         # answer so far (its key's counter is charged for that, as for any input).
         kept = sequence.kept_bytes > 0
-        ticket.input_tokens = 0 if kept else len(sequence.prompt_ids) + len(sequence.generated)
-        await lease.pause([self.room], sink.offer)
+        reprefill = 0 if kept else len(sequence.prompt_ids) + len(sequence.generated)
+        await lease.pause([self.room], sink.offer, input_tokens=reprefill)
         # Resumed before the dispatcher may ask again, so that any pause it asks comes after
         # the resume, and the engine owes it a notice whether or not it has taken the resume.
         self.engine.resume(sequence)

@@ -168,9 +168,12 @@ class Ticket:
         self.attempts += 1
         self.waiting_since = now
 
-    def begin_pause(self, now: float) -> None:
+    def begin_pause(self, now: float, input_tokens: int | None = None) -> None:
         """It was paused at ``now`` and waits again, at the head of its band: its age starts
-        over, so that the guard does not take a long stream's pause for starvation."""
+        over, so that the guard does not take a long stream's pause for starvation.
+        ``input_tokens``: what it prefills again on resuming (charged at its dispatch)."""
+        if input_tokens is not None:
+            self.input_tokens = input_tokens
         self.resumed = True
         self.preemptions += 1
         self.arrived = self.waiting_since = now

@@ -653,7 +653,19 @@ class Lease:
         self.since = trio.current_time()
         self.pauses = 0
 
-    async def pause(self, rooms: Sequence[Room], keep_alive: Callable[[bytes], object]) -> float:
+    def give_up(self) -> None:
+        """Give the slot up for good (the request ends while paused, before it waits)."""
+        room, self.room = self.room, None
+        if room is not None:
+            self.admission.dispatcher.release(room, trio.current_time() - self.since, self.ticket)
+
+    async def pause(
+        self,
+        rooms: Sequence[Room],
+        keep_alive: Callable[[bytes], object],
+        *,
+        input_tokens: int | None = None,
+    ) -> float:
         """The request was paused (its producer has stopped at an event boundary): give the
         slot up to the queue's next, wait at the head of its band for a slot in one of
         ``rooms``, hold it, and return the seconds paused. Meanwhile ``keep_alive`` is handed
@@ -666,7 +678,7 @@ class Lease:
         room, self.room = self.room, None
         assert room is not None
         self.pauses += 1
-        ticket.begin_pause(paused_at)
+        ticket.begin_pause(paused_at, input_tokens)
         dispatcher.release(room, paused_at - self.since, ticket)
         admission._notify()
         if admission.on_preempt is not None:

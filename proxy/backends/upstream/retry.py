@@ -221,9 +221,6 @@ class Attempt:
                 return
             splice.paused()
             sink.set_phase(Phase.PAUSED)
-            # Its prompt is prefilled again on resuming, the answer so far with it: its key's
-            # counter is charged for that, as for any input.
-            ticket.input_tokens = request.schedule.input_tokens + splice.tokens
             # Its own replica first when it has room (its prefix cache holds the answer so
             # far), else whichever of the model's replicas (not ejected) has room first.
             left = lease.room
@@ -231,8 +228,7 @@ class Attempt:
             if not healthy and self._no_replica is not None:
                 # Every replica ejected: waiting for a slot would only send comments until a
                 # timeout; the client hears why now, in-band.
-                dispatcher.release(left, trio.current_time() - lease.since, ticket)
-                lease.room = None
+                lease.give_up()
                 raise self._no_replica()
             rooms = [
                 *([left] if not left.retired else []),
@@ -240,7 +236,13 @@ class Attempt:
             ]
             # Comments only into a stream that has begun: before its head, a failure may still
             # answer with a JSON error, which nothing may precede.
-            await lease.pause(rooms, sink.offer if sink.started else _nothing)
+            # Its prompt is prefilled again on resuming, the answer so far with it: its key's
+            # counter is charged for that, as for any input.
+            await lease.pause(
+                rooms,
+                sink.offer if sink.started else _nothing,
+                input_tokens=request.schedule.input_tokens + splice.tokens,
+            )
             if splice.started:
                 sink.set_phase(Phase.MID_STREAM)
             outgoing = splice.continuation()
