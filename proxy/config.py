@@ -497,8 +497,9 @@ class SchedulingConfig:
     # (its client sees one answer with a pause in it). 0 turns preemption off. Only streamed
     # chat and completions requests to a resumable model are paused (docs/scheduling.md).
     preempt_after: float = 0.0
-    # The most times one request is paused, so that a batch job still finishes.
-    max_preemptions: int = 1
+    # The most times one request is paused, so that a batch job still finishes (each of its
+    # streams waits at most this many urgent answers); the stream paused least goes first.
+    max_preemptions: int = 3
     # While paused, a ": paused" SSE comment goes to the client at once and then every this
     # many seconds, or every half of the client's read timeout (x-stainless-read-timeout) when
     # that is shorter: proxies and the client's read timeout see the stream alive.

@@ -30,16 +30,17 @@ against.
 **Preemption** (``preempt_after`` > 0, fair only): a request that has waited ``preempt_after``
 seconds (:func:`preemption_due`) while a less urgent band holds a slot it could use has one of
 those streams paused for it (:func:`choose_preemption`): of the least urgent band running, the
-one whose key has been served most. Within its own band (``preempt_within_band``) it pauses a
-stream of a key that holds at least two more of those slots than its own key and has been
-served at least as much: after the pause that key still holds as many as the other, so two keys
-never pause each other back and forth (a flood holding every slot gives one up to a light key
-at ``preempt_after``; two keys holding one slot each never pause each other). The slot a pause
-frees goes to the request that asked for it, never to another ticket, and a pause is asked only
-where that slot can serve it at once (the shell checks the room). The paused request waits
-again at the head of its band (:attr:`Ticket.resumed`), to be continued where it stopped; a
-paused request never pauses another, a hedge never pauses anything, and a request is paused at
-most ``max_preemptions`` times, so that a batch job still finishes.
+one whose key has been served most (of its streams, the one paused least). Within its own band
+(``preempt_within_band``) it pauses a stream of a key that holds at least two more of those
+slots than its own key and has been served at least as much: after the pause that key still
+holds as many as the other, so two keys never pause each other back and forth (a flood holding
+every slot gives one up to a light key at ``preempt_after``; two keys holding one slot each
+never pause each other). The slot a pause frees goes to the request that asked for it, never to
+another ticket, and a pause is asked only where that slot can serve it at once (the shell
+checks the room). The paused request waits again at the head of its band
+(:attr:`Ticket.resumed`), to be continued where it stopped; a paused request never pauses
+another, a hedge never pauses anything, and a request is paused at most ``max_preemptions``
+times, so that a batch job still finishes.
 
 **Drain** (:attr:`FairQueue.draining`, after SIGTERM): no new preemption, and paused requests
 go before every request that never started, so that admitted work finishes first.
@@ -69,7 +70,7 @@ class SchedulingSettings:
     # less urgent one (0: never).
     preempt_after: float = 0.0
     # The most times one request is paused.
-    max_preemptions: int = 1
+    max_preemptions: int = 3
     # Seconds between two ": paused" comments to a paused request's client (at most half its
     # SDK's read timeout, when it sent one: see keepalive_interval).
     pause_keepalive: float = 5.0
@@ -415,19 +416,20 @@ def choose_preemption(
     counters: Mapping[str, float],
     held: Mapping[str, int] | None = None,
 ) -> Ticket | None:
-    """The running request to pause so that ``waiting`` takes its slot, or None. A less urgent
-    band is paused first, never a more urgent one; of the least urgent band running, the
-    request whose key has the largest counter (the most served), the youngest on a tie (the
-    least work to redo). In ``waiting``'s own band (``preempt_within_band``), only a request of
-    a key holding at least :data:`WITHIN_BAND_MARGIN` more slots than ``waiting``'s key (by
-    ``held``: each key's slots in the rooms ``waiting`` could use) whose counter is at least
-    ``waiting``'s key's; without ``held``, never within the band. Only a request paused fewer
-    than ``max_preemptions`` times. ``running`` holds only requests that can be continued, in
+    """The running request to pause so that ``waiting`` takes its slot, or None. A less urgent band
+    is paused first, never a more urgent one; of the least urgent band running, the request
+    whose key has the largest counter (the most served); of its streams the one paused
+    least, the youngest on a tie (the least work to redo). In ``waiting``'s own band
+    (``preempt_within_band``), only a request of a key holding at least
+    :data:`WITHIN_BAND_MARGIN` more slots than ``waiting``'s key (by ``held``: each key's
+    slots in the rooms ``waiting`` could use) whose counter is at least ``waiting``'s key's;
+    without ``held``, never within the band. Only a request paused fewer than
+    ``max_preemptions`` times. ``running`` holds only requests that can be continued, in
     rooms where the slot freed would serve ``waiting``."""
     if not waiting.may_preempt or waiting.resumed:
         return None
     chosen: Ticket | None = None
-    chosen_key = (-math.inf, -math.inf, -math.inf, -math.inf)
+    chosen_key = (-math.inf, -math.inf, -math.inf, -math.inf, -math.inf)
     own = counters.get(waiting.tenant, 0.0)
     own_slots = 0 if held is None else held.get(waiting.tenant, 0)
     for ticket in running:
@@ -442,7 +444,15 @@ def choose_preemption(
             or served < own
         ):
             continue
-        key = (float(ticket.band), float(slots), served, float(ticket.seq))
+        # Its key first (the least urgent band, the most slots, the most served), then of
+        # that key's streams the one paused least, the youngest on a tie.
+        key = (
+            float(ticket.band),
+            float(slots),
+            served,
+            -float(ticket.preemptions),
+            float(ticket.seq),
+        )
         if key > chosen_key:
             chosen, chosen_key = ticket, key
     return chosen

@@ -701,3 +701,50 @@ async def test_past_the_starvation_guard_the_slot_a_pause_frees_still_goes_to_th
     assert flooded <= PREEMPT_AFTER + 2 * idle, (flooded, idle)
     for body in bodies:
         assert stream_text(events_of(body)) == answer_text(batch_tokens)
+
+
+async def test_within_one_band_a_light_key_waits_preempt_after_not_a_whole_answer(
+    nursery: trio.Nursery,
+) -> None:
+    """Every key in band 0, as most teams run: one key's flood holds both slots with long
+    answers; another key's TTFT stays within preempt_after + 2 x its idle TTFT, and every
+    flooded answer completes whole."""
+    slots, flood_tokens = 2, 100
+    band0 = [{**key, "priority": 0} for key in KEYS]
+    with trio.fail_after(DEADLINE * 2):
+        fake = await start_fake(
+            nursery, ttft=0, interval=INTERVAL, tokens=flood_tokens, max_running=slots
+        )
+        proxy = await start_proxy(
+            nursery,
+            {MODEL: {"upstreams": [fake.url], "max_connections": slots}},
+            keys=band0,
+            scheduling={"preempt_after": PREEMPT_AFTER},
+        )
+        light_body = chat_body(MODEL, max_tokens=3, fake={"ttft": 0.05})
+
+        async def ttft() -> float:
+            asked = trio.current_time()
+            client = await RawClient.post(proxy, CHAT, light_body, headers=bearer("urgent"))
+            await client.read_until(b'"content":"')
+            seconds = trio.current_time() - asked
+            await read_to_the_end(client)
+            return seconds
+
+        idle = max([await ttft() for _ in range(2)])
+        # A flood of 2 s answers, eight deep: each stream is paused at most once
+        # (max_preemptions), and fresh ones keep coming, as in a real flood.
+        flood = [
+            await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer("batch"))
+            for _ in range(8)
+        ]
+        await flood[0].read_until(b"data: ", 3)
+        flooded = []
+        for _ in range(3):
+            flooded.append(await ttft())
+            await trio.sleep(0.2)
+        bodies = [await read_to_the_end(client) for client in flood]
+        await proxy.state.tracker.wait_idle()
+    assert max(flooded) <= PREEMPT_AFTER + 2 * idle, (flooded, idle)
+    for body in bodies:
+        assert stream_text(events_of(body)) == answer_text(flood_tokens)
