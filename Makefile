@@ -201,6 +201,9 @@ bench: $(STAMP)
 	# Sluice with [scheduling] policy fifo and fair alternating in one run, then requests whose
 	# SDK read timeout is shorter than their wait in the queue; two rounds. About 4 minutes.
 	$(BIN)/python -m proxy.bench --fairness --markdown docs/benchmarks.md
+	# The same mix for 10 minutes through one fair Sluice with preemption (A's flood in the
+	# batch band, B in it too, C in a more urgent one): TTFT minute by minute, flat or not.
+	$(BIN)/python -m proxy.bench --fairness --long 10 --markdown docs/benchmarks.md
 	# The local model: one stream vs model.generate, and 1/2/4/8 streams batched vs one at a time.
 	$(BIN)/python -m proxy.bench.local --markdown docs/benchmarks.md
 	# What happens when a client leaves (docs/cancellation.md, linked from docs/benchmarks.md).

@@ -1,6 +1,7 @@
 """The fairness bench (proxy/bench/fairness/): its pure figures (backlogs, service differences,
-the bound, the checks, the preemption phase's), its plans and configs, and one tiny run of the
-whole command against real subprocesses."""
+the bound, the checks, the preemption phase's, the long run's minute by minute), its plans and
+configs, and one tiny run of each command (the phases, and --long) against real
+subprocesses."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import trio
 
 from proxy.bench import cli as bench_cli
 from proxy.bench.fairness import cli as fairness_cli
-from proxy.bench.fairness import load, report, run, stats
-from proxy.bench.fairness.settings import IDLE_SPACING, URGENT_LEAD, FairnessSettings
+from proxy.bench.fairness import load, long_report, minutes, report, run, stats
+from proxy.bench.fairness.long_run import LongRun
+from proxy.bench.fairness.settings import IDLE_SPACING, LONG, URGENT_LEAD, FairnessSettings
 from proxy.bench.fairness.stats import Request
 from proxy.bench.settings import BenchError
 from proxy.config import load_config
-from proxy.protocol.scheduling import vtc_bound
+from proxy.protocol.scheduling import SchedulingSettings, vtc_bound
 from proxy.testing.fake_upstream import token_text
 
 
@@ -601,3 +603,318 @@ def test_make_bench_runs_the_fairness_bench_into_the_benchmarks_doc() -> None:
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
     assert "-m proxy.bench --fairness --markdown docs/benchmarks.md" in recipe
+
+
+def test_make_bench_runs_the_long_fairness_bench_for_ten_minutes() -> None:
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    recipe = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert "-m proxy.bench --fairness --long 10 --markdown docs/benchmarks.md" in recipe
+
+
+# --------------------------------------------------------------------------- the long run
+
+
+def test_buckets_are_minutes_from_the_start_the_last_one_shorter_when_it_must_be() -> None:
+    assert minutes.bucket_edges(180.0, 60.0) == [0.0, 60.0, 120.0, 180.0]
+    assert minutes.bucket_edges(150.0, 60.0) == [0.0, 60.0, 120.0, 150.0]
+    # 0.1 minute in floating point is a hair over 6 s: no bucket of that hair.
+    assert minutes.bucket_edges(0.1 * 60, 2.0) == [0.0, 2.0, 4.0, 0.1 * 60]
+    assert minutes.bucket_edges(30.0, 60.0) == [0.0, 30.0]
+    with pytest.raises(ValueError):
+        minutes.bucket_edges(0.0, 60.0)
+    edges = [0.0, 60.0, 120.0, 150.0]
+    assert [minutes.bucket_of(t, edges) for t in (0.0, 59.9, 60.0, 149.9)] == [0, 0, 1, 2]
+    assert minutes.bucket_of(-0.1, edges) is None and minutes.bucket_of(150.0, edges) is None
+
+
+def _served(key: str, sent: float, ttft: float, ended: float, **fields: Any) -> Request:
+    return req(
+        key,
+        sent=sent,
+        first_token=sent + ttft,
+        ended_at=ended,
+        status=200,
+        done=True,
+        tokens_seen=10,
+        **fields,
+    )
+
+
+def test_each_request_counts_in_the_bucket_it_was_sent_in_and_the_one_it_ended_in() -> None:
+    origin = 1000.0
+    requests = [
+        # B's first: sent in bucket 0, ended in bucket 1.
+        _served("B", 1009.0, 0.5, 1011.0, upstream_received=1009.4),
+        _served("B", 1001.0, 0.1, 1001.2, upstream_received=1001.05),
+        _served("B", 1015.0, 0.2, 1015.3),
+        # A's, ended after the load's end: in no bucket's throughput.
+        _served("A", 1019.0, 0.3, 1021.0),
+        # C's, refused: in its bucket's sent, not its served or completed.
+        req("C", sent=1002.0, ended_at=1002.01, status=503, error_code="queue_full"),
+    ]
+    samples = [
+        minutes.Sample(0, 1000.0, cpu_s=5.0, rss_bytes=100, preemptions=0.0, loadavg_1m=1.0),
+        minutes.Sample(1, 1010.5, cpu_s=6.0, rss_bytes=200, preemptions=2.0, loadavg_1m=1.5),
+        minutes.Sample(2, 1020.0, cpu_s=None, rss_bytes=300, preemptions=3.0, loadavg_1m=2.0),
+    ]
+    edges = [0.0, 10.0, 20.0]
+    first, second = minutes.buckets(
+        requests, samples, origin=origin, edges=edges, keys=("A", "B", "C")
+    )
+    assert (first.keys["B"].sent, first.keys["B"].served) == (2, 2)
+    assert first.keys["B"].ttft_p50_s == pytest.approx(0.3)
+    assert first.keys["B"].ttft_p99_s == pytest.approx(0.496)
+    assert first.keys["B"].wait_p99_s == pytest.approx(0.05 + 0.35 * 0.99)
+    assert (first.keys["C"].sent, first.keys["C"].served, first.keys["C"].ttft_p99_s) == (
+        1,
+        0,
+        None,
+    )
+    assert first.keys["A"] == minutes.KeyBucket(0, 0, None, None, None)
+    assert first.completed == {"A": 0, "B": 1, "C": 0}
+    assert second.completed == {"A": 0, "B": 2, "C": 0}
+    assert (second.keys["A"].sent, second.keys["B"].sent) == (1, 1)
+    assert (first.tokens, second.tokens, second.tokens_per_s) == (10, 20, 2.0)
+    # What the samples at its two edges say.
+    assert (first.cpu_s, first.sampled_s, first.preemptions) == (1.0, 10.5, 2.0)
+    assert first.cpu_share == pytest.approx(1.0 / 10.5)
+    assert first.cpu_ms_per_request == pytest.approx(1000.0)
+    assert (first.rss_bytes, first.loadavg_1m) == (200, 1.5)
+    assert second.cpu_s is None and second.cpu_share is None  # unread at its end
+    assert second.preemptions == 1.0
+    assert minutes.ended_after(requests, origin, 20.0) == 1
+    assert minutes.not_served(requests) == {"C": {"HTTP 503 queue_full": 1}}
+    # A sample missing at an edge leaves its buckets' differences unknown, nothing else.
+    alone = minutes.buckets(requests, samples[1:], origin=origin, edges=edges, keys=("B",))
+    assert alone[0].cpu_s is None and alone[0].rss_bytes == 200
+
+
+def test_flat_means_the_last_buckets_p99_within_one_and_a_half_times_the_firsts() -> None:
+    check = minutes.FlatCheck("B", first_p99_s=0.4, last_p99_s=0.6)
+    assert check.ratio == pytest.approx(1.5) and check.passed  # at the limit exactly
+    assert not minutes.FlatCheck("B", 0.4, 0.61).passed
+    assert minutes.FlatCheck("B", 0.4, 0.1).passed  # faster at the end is flat enough
+    for unmeasured in (minutes.FlatCheck("B", None, 0.1), minutes.FlatCheck("B", 0.1, None)):
+        assert unmeasured.ratio is None and not unmeasured.passed
+    assert minutes.FlatCheck("B", 0.0, 0.0).ratio is None
+
+    def bucket(index: int, p99: float | None) -> minutes.Bucket:
+        key = minutes.KeyBucket(1, 1, p99, p99, None)
+        return minutes.Bucket(index, index * 60.0, index * 60.0 + 60, {"B": key}, {}, 0)
+
+    figures = [bucket(0, 0.5), bucket(1, 5.0), bucket(2, 0.7)]
+    # Only the first and the last are compared: a bad minute between is in the table.
+    assert minutes.flat_checks(figures, ["B"]) == [minutes.FlatCheck("B", 0.5, 0.7)]
+    assert minutes.flat_checks(figures[:1], ["B"]) == [minutes.FlatCheck("B", None, None)]
+
+
+def test_the_long_figures_pass_only_flat_and_with_every_request_served() -> None:
+    requests = [_served(key, 1.0 + 10 * i, 0.1, 1.5 + 10 * i) for key in "BC" for i in range(3)]
+    kwargs: dict[str, Any] = {"origin": 0.0, "edges": [0.0, 10.0, 20.0, 30.0]}
+    figures = minutes.long_figures(requests, [], keys="ABC", interactive="BC", **kwargs)
+    assert [c.ratio for c in figures.checks] == pytest.approx([1.0, 1.0])
+    assert figures.passed and figures.drained == 0
+    requests.append(req("A", sent=25.0, error="timeout"))
+    figures = minutes.long_figures(requests, [], keys="ABC", interactive="BC", **kwargs)
+    assert figures.errors == {"A": {"timeout": 1}} and not figures.passed
+    assert minutes.loadavg("1.52 1.10 0.90 2/300 1234\n") == 1.52
+    assert minutes.loadavg("") is None and minutes.loadavg("x") is None
+
+
+def test_long_settings_are_checked_and_keyed_apart() -> None:
+    settings = FairnessSettings(long_minutes=10)
+    assert settings.long_seconds == 600.0 and settings.long_flood_outstanding == 8
+    assert settings.key().startswith("bench=fairness-long minutes=10 slots=4 ")
+    assert "preempt_after=0.5" in settings.key() and "bucket=" not in settings.key()
+    assert FairnessSettings(long_minutes=0.1, bucket_seconds=2).key().endswith(" bucket=2")
+    assert FairnessSettings().key() == FairnessSettings(bucket_seconds=2).key()
+    assert "for 10 minutes" in settings.describe_long()
+    assert FairnessSettings().long_seconds == 0.0
+    for bad in (
+        {"long_minutes": 1.0},  # one bucket: nothing to compare its first with
+        {"long_minutes": 0.0},
+        {"long_minutes": float("inf")},
+        {"long_minutes": 1.0, "bucket_seconds": 0.0},
+    ):
+        with pytest.raises(BenchError):
+            FairnessSettings(**bad)
+
+
+def test_the_long_runs_sluice_is_fair_with_preemption_and_the_default_otherwise(
+    tmp_path: Path,
+) -> None:
+    settings = FairnessSettings(long_minutes=10, slots=3, max_preemptions=5)
+    path = tmp_path / "long.toml"
+    path.write_text(run.proxy_config(8081, "http://127.0.0.1:9", LONG, settings))
+    config = load_config(path)
+    assert config.scheduling.policy == "fair" and config.scheduling.preempt_after == 0.5
+    # The phases' --max-preemptions is not the long run's: Sluice's default.
+    assert config.scheduling.max_preemptions == SchedulingSettings().max_preemptions
+    assert config.upstream.max_connections == 3
+    assert {k.name: k.priority for k in config.keys} == {"A": 5, "B": 5, "C": 0}
+
+
+def test_the_long_plan_is_b_and_c_for_the_whole_run_and_a_loops_bounded() -> None:
+    settings = FairnessSettings(long_minutes=2.5, rate=2.0)
+    plan = load.long_interactive_plan(settings, "long")
+    assert sum(r.key == "B" for r in plan) == sum(r.key == "C" for r in plan) == 300
+    assert max(r.at for r in plan) < settings.long_seconds
+    assert len({r.tag for r in plan}) == len(plan)
+    # One request per answer's duration (0.8 s), and one more.
+    assert load.flood_cap(settings, 150.0) == 189
+
+
+async def test_a_closed_loop_sends_the_next_as_one_ends_until_its_time_is_up(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.abc.Clock
+) -> None:
+    # Answers of exactly 1 s (0.5 s to the first token, 128 tokens of 2**-8 s).
+    settings = FairnessSettings(flood_tokens=128, interval=2**-8, ttft=0.5)
+    address = ("127.0.0.1", 9)
+    starts: list[float] = []
+
+    async def answer(address: Any, data: bytes, request: Request, *, start_at: float) -> None:
+        starts.append(trio.current_time())
+        await trio.sleep(1.0)
+        request.status, request.done, request.arrivals = 200, True, [(0.0, 1)]
+
+    monkeypatch.setattr(load, "send", answer)
+    out: list[Request] = []
+    t0 = trio.current_time()
+    await load.closed_loop(settings, address, "w", start_at=t0, until=t0 + 3.5, out=out)
+    assert [s - t0 for s in starts] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    assert [r.at for r in out] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+    assert {r.key for r in out} == {"A"} and all(r.arrivals == [] for r in out)
+
+    # Refused at once: a pause as long as an answer after each, never a spin.
+    async def refuse(address: Any, data: bytes, request: Request, *, start_at: float) -> None:
+        starts.append(trio.current_time())
+        request.status = 429
+
+    monkeypatch.setattr(load, "send", refuse)
+    out.clear()
+    starts.clear()
+    t0 = trio.current_time()
+    await load.closed_loop(settings, address, "w", start_at=t0, until=t0 + 3.5, out=out)
+    assert [s - t0 for s in starts] == pytest.approx([0.0, 1.0, 2.0, 3.0])
+
+    # Answered faster than the answers planned: the count is bounded too.
+    async def instant(address: Any, data: bytes, request: Request, *, start_at: float) -> None:
+        request.status, request.done = 200, True
+
+    monkeypatch.setattr(load, "send", instant)
+    out.clear()
+    t0 = trio.current_time()
+    await load.closed_loop(settings, address, "w", start_at=t0, until=t0 + 100, out=out)
+    assert len(out) == load.flood_cap(settings, 100.0) == 101
+
+
+def _long_run(samples: list[minutes.Sample], requests: list[Request]) -> LongRun:
+    settings = FairnessSettings(long_minutes=2.5)
+    return LongRun(
+        settings,
+        requests,
+        samples,
+        origin=0.0,
+        edges=minutes.bucket_edges(settings.long_seconds, settings.bucket_seconds),
+        machine={"cores": 2, "cpu": "Test CPU", "loadavg_1m": 0.5},
+        command="python -m proxy.bench --fairness --long 2.5",
+        commit="abc1234",
+        date="2026-12-06 00:00 UTC",
+        seconds=160.0,
+    )
+
+
+def test_the_long_section_is_a_table_per_minute_and_the_verdicts() -> None:
+    requests = [
+        _served(key, sent, ttft, sent + 1.0)
+        for key, ttft in (("A", 2.0), ("B", 0.2), ("C", 0.1))
+        for sent in (10.0, 70.0, 130.0)
+    ]
+    requests.append(_served("B", 140.0, 0.4, 141.0))  # the last minute's p99 rises
+    samples = [
+        minutes.Sample(i, at, cpu_s=i * 6.0, rss_bytes=(50 + i) * 2**20, preemptions=i * 2.0)
+        for i, at in enumerate((0.0, 60.0, 120.0, 150.0))
+    ]
+    result = long_report.make_long_report(_long_run(samples, requests))
+    text = long_report.long_markdown(result)
+    assert text.startswith("## Fair share for 2.5 minutes: TTFT minute by minute, 4 slots")
+    assert "- Machine: 2 cores (Test CPU)" in text
+    lines = text.splitlines()
+    ttft_head = next(line for line in lines if line.startswith("| minute | A (band 5)"))
+    assert "B (band 5): TTFT p50 / p99 (ms)" in ttft_head and "C (band 0)" in ttft_head
+    assert "| 1 | 2000 / 2000 | 200 / 200 | 100 / 100 | n/a | n/a |" in lines
+    assert "| 3 (30 s) | 2000 / 2000 | 300 / 398 | 100 / 100 | n/a | n/a |" in lines
+    assert "| 1 | 3 (1 / 1 / 1) | 0 | 2 | 10.0 | 2000.00 | 51.0 | n/a | 1 / 1, 1 / 1 |" in lines
+    assert "| 3 (30 s) | 4 (1 / 2 / 1) | 1 | 2 | 20.0 | 1500.00 | 53.0 | n/a | 2 / 2, 1 / 1 |" in (
+        lines
+    )
+    checks = long_report.long_check_lines(result)
+    assert checks[0] == (
+        "Flat, B (band 5): TTFT p99 in the last minute 398 ms <= 1.5 x 200 ms in the first "
+        "(ratio 1.99): **FAIL**"
+    )
+    assert checks[1].startswith("Flat, C (band 0)") and checks[1].endswith("**pass**")
+    assert checks[2] == "Every request served as planned (not served: none): **pass**"
+    assert not fairness_cli.all_passed(result)
+    saved = json.loads(json.dumps(result.to_json()))
+    assert [b["completed_total"] for b in saved["buckets"]] == [3, 3, 4]
+    assert saved["checks"][0]["passed"] is False and saved["passed"] is False
+    assert saved["settings"]["long_minutes"] == 2.5 and saved["bands"]["C"] == 0
+
+
+def test_the_long_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = fairness_cli.argparse.ArgumentParser()
+    fairness_cli.add_arguments(parser)
+    args = parser.parse_args(["--fairness", "--long", "10"])
+    settings = fairness_cli.settings_from_args(args)
+    assert settings.long_minutes == 10.0 and settings.bucket_seconds == 60.0
+    args = parser.parse_args(["--fairness", "--long", "0.1", "--bucket-seconds", "2"])
+    assert fairness_cli.settings_from_args(args).bucket_seconds == 2.0
+    assert fairness_cli.settings_from_args(parser.parse_args(["--fairness"])).long_minutes is None
+    parser.print_help()
+    shown = capsys.readouterr().out
+    assert "--long MINUTES" in shown and "--bucket-seconds" not in shown  # for tests only
+
+
+LONG_TINY = [
+    "--fairness", "--long", "0.1", "--bucket-seconds", "2", "--slots", "2", "--rate", "4",
+    "--flood-tokens", "30", "--short-tokens", "4", "--interval", "0.005", "--ttft", "0.02",
+    "--preempt-after", "0.3", "--timeout", "20", "--quiet",
+]  # fmt: skip
+
+
+async def test_a_tiny_long_run_against_real_subprocesses(tmp_path: Path) -> None:
+    markdown = tmp_path / "benchmarks.md"
+    markdown.write_text("# Benchmarks\n")
+    argv = [*LONG_TINY, "--markdown", str(markdown), "--json", str(tmp_path / "long.json")]
+    parser = fairness_cli.argparse.ArgumentParser()
+    fairness_cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    with trio.fail_after(40):
+        result = await fairness_cli.run_from_args(args, "test")
+    assert isinstance(result, long_report.LongReport)
+    figures = result.figures
+    assert figures.errors == {}
+    # Three buckets of 2 s, each with B's and C's 8 requests (4/s; one sent late may fall in
+    # the next), all served, and A's flood throughout (4 outstanding requests of 0.17 s on
+    # two slots: several a second).
+    assert len(figures.buckets) == 3
+    for key in ("B", "C"):
+        sent = [bucket.keys[key].sent for bucket in figures.buckets]
+        assert sum(sent) == 24 and min(sent) >= 6, (key, sent)  # 8 each, as planned
+        assert [bucket.keys[key].served for bucket in figures.buckets] == sent
+    for bucket in figures.buckets:
+        assert bucket.keys["A"].sent >= 4 and bucket.completed["A"] >= 4
+        assert bucket.cpu_share is not None and bucket.cpu_share > 0
+        assert bucket.rss_bytes is not None and bucket.preemptions is not None
+    assert len(result.run.samples) == 4
+    assert [c.key for c in figures.checks] == ["B", "C"]
+    assert all(c.ratio is not None for c in figures.checks)
+    for pid in result.run.pids.values():
+        assert not alive(pid), "a child outlived the bench"
+    text = markdown.read_text()
+    assert "<!-- bench:begin bench=fairness-long minutes=0.1 slots=2 " in text
+    assert "## Fair share for 0.1 minutes: TTFT per bucket of 2 s, 2 slots" in text
+    assert "Flat, C (band 0): TTFT p99 in the last bucket of 2 s" in text
+    saved = json.loads((tmp_path / "long.json").read_text())
+    assert saved["bench"] == "fairness-long" and len(saved["buckets"]) == 3

@@ -47,8 +47,14 @@ event at most 5% over FIFO's; no deadline broken, every cancel seen upstream wit
 with preemption, the interactive TTFT p99 at most ``preempt_after`` plus twice its p99 on an
 idle upstream; every batch stream whole; pauses with preemption, none without.
 
+**--long MINUTES** runs none of the phases: the flood's mix for MINUTES through ONE Sluice,
+fair with preemption (A's flood in the batch band, B in A's band, C in a more urgent one), its
+TTFT per key, its throughput and the proxy's cost minute by minute; the check: each
+interactive key's TTFT p99 in the last minute at most 1.5 x its p99 in the first.
+
 The modules: ``settings``, ``stats`` (the figures, pure), ``load`` (the phases' requests and
-the client), ``run`` (the processes and the phases), ``report``, ``cli``.
+the client), ``run`` (the processes and the phases), ``report``, ``cli``; for the long run,
+``minutes`` (its figures per minute, pure), ``long_run`` and ``long_report``.
 """
 
 from proxy.bench.fairness.cli import main, wants_fairness

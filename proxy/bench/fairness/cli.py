@@ -10,6 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from proxy.bench.children import run_stoppable
+from proxy.bench.fairness.long_report import (
+    LongReport,
+    long_check_lines,
+    long_markdown,
+    make_long_report,
+)
+from proxy.bench.fairness.long_run import run_long_bench
 from proxy.bench.fairness.report import FairnessReport, check_lines, make_report, markdown
 from proxy.bench.fairness.run import run_fairness_bench
 from proxy.bench.fairness.settings import FairnessSettings
@@ -22,7 +29,8 @@ DESCRIPTION = (
     "The fairness bench: one key floods a saturated upstream while two others send short "
     "requests, through Sluice with [scheduling] policy fifo and fair, alternating; then a "
     "batch key holds every slot while an interactive key's requests arrive, through fair "
-    "Sluice with preemption off and on."
+    "Sluice with preemption off and on. With --long MINUTES instead: the flood's mix for that "
+    "long through one fair Sluice with preemption, its TTFT minute by minute."
 )
 
 
@@ -88,6 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--repeat", type=int, default=d.repeat, help="rounds of every phase (order reversed)")
     add("--timeout", type=float, default=d.timeout, help="seconds a phase may run past its load")
+    add(
+        "--long",
+        type=float,
+        metavar="MINUTES",
+        help="instead of the phases: A's flood beside B (A's band) and C (a more urgent one) "
+        "for MINUTES through one fair Sluice with preemption; TTFT per minute, flat or not",
+    )
+    # The long run's bucket, a minute; shorter only for a test that runs it in seconds.
+    add("--bucket-seconds", type=float, default=d.bucket_seconds, help=argparse.SUPPRESS)
     add("--json", type=Path, help="write every figure as JSON here")
     add("--markdown", type=Path, help="write (or replace) this bench's section in this file")
     add("--check", action="store_true", help="exit 1 when a check fails")
@@ -115,18 +132,25 @@ def settings_from_args(args: argparse.Namespace) -> FairnessSettings:
         repeat=args.repeat,
         timeout=args.timeout,
         progress=not args.quiet,
+        long_minutes=args.long,
+        bucket_seconds=args.bucket_seconds,
     )
 
 
-def all_passed(report: FairnessReport) -> bool:
-    return not any("**FAIL**" in line for line in check_lines(report))
+def all_passed(report: FairnessReport | LongReport) -> bool:
+    lines = long_check_lines(report) if isinstance(report, LongReport) else check_lines(report)
+    return not any("**FAIL**" in line for line in lines)
 
 
-async def run_from_args(args: argparse.Namespace, command: str) -> FairnessReport:
+async def run_from_args(args: argparse.Namespace, command: str) -> FairnessReport | LongReport:
     settings = settings_from_args(args)
-    run = await run_fairness_bench(settings, command=command)
-    report = make_report(run)
-    section = markdown(report)
+    report: FairnessReport | LongReport
+    if settings.long_minutes is not None:
+        report = make_long_report(await run_long_bench(settings, command=command))
+        section = long_markdown(report)
+    else:
+        report = make_report(await run_fairness_bench(settings, command=command))
+        section = markdown(report)
     print(section)
     # Small local files, written once at the end.
     if args.json is not None:

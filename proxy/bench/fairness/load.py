@@ -241,6 +241,18 @@ def preempt_plan(settings: FairnessSettings, label: str) -> list[Request]:
     return [*batch, *urgent]
 
 
+def long_interactive_plan(settings: FairnessSettings, label: str) -> list[Request]:
+    """The long run's interactive requests: B's and C's, each at ``rate``, C half a period
+    after B, for the whole run (their bands are the long run's Sluice's: ``LONG_BANDS``)."""
+    return interactive(settings, settings.long_seconds, label)
+
+
+def flood_cap(settings: FairnessSettings, seconds: float) -> int:
+    """The most requests one of A's closed-loop workers sends in ``seconds``: one per answer's
+    duration (a failed one is followed by a pause as long), and one more."""
+    return math.ceil(seconds / max(settings.flood_duration, 1e-3)) + 1
+
+
 def longest_input(requests: Iterable[Request]) -> int:
     return max((r.input_tokens for r in requests), default=0)
 
@@ -317,3 +329,39 @@ async def send(address: tuple[str, int], data: bytes, request: Request, *, start
             request.text, request.paused_comments = stream_text(bytes(body))
         if request.status not in (None, 200):
             request.error_code = error_code(kept)
+
+
+async def closed_loop(
+    settings: FairnessSettings,
+    address: tuple[str, int],
+    label: str,
+    *,
+    start_at: float,
+    until: float,
+    out: list[Request],
+) -> None:
+    """One of A's outstanding requests in the long run: from ``start_at`` (trio clock) each
+    request sent as the one before it ends, until ``until``, at most ``flood_cap`` of them;
+    each appended to ``out`` as it is sent."""
+    await trio.sleep_until(start_at)
+    for i in range(flood_cap(settings, until - start_at)):
+        now = trio.current_time()
+        if now >= until:
+            return
+        request = Request(
+            FLOODER,
+            "flood",
+            f"{label}-{i}",
+            now - start_at,
+            settings.flood_tokens,
+            settings.ttft,
+            settings.interval,
+        )
+        out.append(request)
+        await send(address, request_bytes(settings, request, address), request, start_at=now)
+        # Each read's tokens are the service figures' material, which the long run has no
+        # use for: thousands of A's answers would hold hundreds of thousands of them.
+        request.arrivals.clear()
+        if not request.ok:
+            # Whatever went wrong may go wrong at once again: never a loop that spins.
+            await trio.sleep(settings.flood_duration)

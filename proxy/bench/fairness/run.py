@@ -37,6 +37,8 @@ from proxy.bench.fairness.load import (
 from proxy.bench.fairness.settings import (
     BATCH,
     KEYS,
+    LONG,
+    LONG_BANDS,
     POLICIES,
     PREEMPT_BANDS,
     PREEMPT_VARIANTS,
@@ -93,7 +95,7 @@ class Phase:
 
 
 @dataclass
-class _Proxy:
+class Proxy:
     policy: str
     address: tuple[str, int]
     pid: int
@@ -104,6 +106,8 @@ def proxy_keys(policy: str) -> dict[str, int]:
     """The keys a process knows, each with its ``priority`` (band)."""
     if policy in PREEMPT_VARIANTS:
         return dict(PREEMPT_BANDS)
+    if policy == LONG:
+        return dict(LONG_BANDS)
     return dict.fromkeys(KEYS, 0)
 
 
@@ -112,7 +116,8 @@ def proxy_config(port: int, upstream: str, policy: str, settings: FairnessSettin
     and patient enough that FIFO's backlog is served rather than refused (the comparison is
     of the order, not of the limits); the three keys, each weight 1. ``policy`` is also one of
     PREEMPT_VARIANTS: fair, the batch and interactive keys in their bands, and preempt_after
-    the bench's (on) or 0 (off), all else the same."""
+    the bench's (on) or 0 (off), all else the same; or LONG: fair, LONG_BANDS, the bench's
+    preempt_after, every other [scheduling] setting Sluice's default."""
     keys = "".join(
         "[[keys]]\n"
         f'name = "{key}"\n'
@@ -129,6 +134,8 @@ def proxy_config(port: int, upstream: str, policy: str, settings: FairnessSettin
             f"preempt_after = {after!r}\n"
             f"max_preemptions = {settings.max_preemptions}\n"
         )
+    elif policy == LONG:
+        scheduling = f'policy = "fair"\npreempt_after = {settings.preempt_after!r}\n'
     return keys + (
         "# Written by proxy.bench (fairness) for one run.\n"
         "[server]\n"
@@ -179,7 +186,7 @@ def fake_idle(metrics: str) -> bool:
     return gauges.get("running", 1.0) == 0 and gauges.get("waiting", 1.0) == 0
 
 
-async def _settle(fake: tuple[str, int]) -> None:
+async def settle(fake: tuple[str, int]) -> None:
     """Until the fake is idle (bounded: a fake that never is fails the bench)."""
     with trio.move_on_after(SETTLE_SECONDS):
         while True:
@@ -255,11 +262,11 @@ def access_pauses(log: str, key: str) -> list[tuple[int, float]]:
 # --------------------------------------------------------------------------- one phase
 
 
-class _Bench:
+class Bench:
     """The systems, started; runs one phase at a time and keeps the fake's cursor."""
 
     def __init__(
-        self, settings: FairnessSettings, fake: tuple[str, int], proxies: dict[str, _Proxy]
+        self, settings: FairnessSettings, fake: tuple[str, int], proxies: dict[str, Proxy]
     ) -> None:
         self.settings = settings
         self.fake = fake
@@ -283,7 +290,7 @@ class _Bench:
         elif name == PREEMPT:
             requests = idle_plan(settings, label)
             await self.run(proxy, requests, label + "-idle")
-            await _settle(self.fake)
+            await settle(self.fake)
             loaded = preempt_plan(settings, label)
             await self.run(proxy, loaded, label)
             requests += loaded
@@ -291,12 +298,12 @@ class _Bench:
             requests = queued_deadline_plan(settings, label)
             await self.run(proxy, requests, label + "-queued")
             for n, wave in enumerate(running_deadline_waves(settings, label)):
-                await _settle(self.fake)
+                await settle(self.fake)
                 await self.run(proxy, wave, f"{label}-running{n}")
                 requests += wave
         seconds = time.monotonic() - started
         cpu1 = process_cpu_seconds(proxy.pid)
-        await _settle(self.fake)
+        await settle(self.fake)
         metrics = (await http_get(proxy.address, "/metrics"))[1].decode()
         after, paused_after = queue_outcomes(metrics), pause_metrics(metrics)
         await self.collect(requests)
@@ -315,7 +322,7 @@ class _Bench:
             access_pauses=access_pauses(written, BATCH) if name == PREEMPT else [],
         )
 
-    async def run(self, proxy: _Proxy, requests: list[Request], label: str) -> None:
+    async def run(self, proxy: Proxy, requests: list[Request], label: str) -> None:
         """Each request at its time (from a short lead on), all cut at the phase's timeout."""
         t0 = trio.current_time() + LEAD
         data = [request_bytes(self.settings, r, proxy.address) for r in requests]
@@ -377,23 +384,17 @@ async def run_fairness_bench(settings: FairnessSettings, *, command: str = "") -
     with tempfile.TemporaryDirectory(prefix="sluice-fairness-") as tmp:
         workdir = Path(tmp)
         async with trio.open_nursery() as nursery:
-            fake = ("127.0.0.1", free_port("127.0.0.1"))
-            log = workdir / "fake-upstream.log"
-            process = await nursery.start(
-                supervise, "fake upstream", fake_argv(fake[1], settings), log
-            )
-            pids["fake_upstream"] = process.pid
-            await wait_ready("fake upstream", fake, "/health", log)
+            fake, pids["fake_upstream"] = await start_fake(nursery, workdir, settings)
             proxies = {}
             for policy in (*POLICIES, *PREEMPT_VARIANTS):
-                proxies[policy] = await _start_proxy(
+                proxies[policy] = await start_proxy(
                     nursery, workdir, policy, f"http://{fake[0]}:{fake[1]}", settings
                 )
                 pids[f"proxy_{policy}"] = proxies[policy].pid
-            bench = _Bench(settings, fake, proxies)
+            bench = Bench(settings, fake, proxies)
             for policy in proxies:
                 # One unmeasured request each: first-request costs are no phase's.
-                await _warm_up(bench, policy)
+                await warm_up(bench, policy)
             for round_, name, policy in schedule(settings.repeat):
                 phases.append(await bench.phase(name, policy, round_))
             nursery.cancel_scope.cancel()
@@ -409,7 +410,18 @@ async def run_fairness_bench(settings: FairnessSettings, *, command: str = "") -
     )
 
 
-async def _warm_up(bench: _Bench, policy: str) -> None:
+async def start_fake(
+    nursery: trio.Nursery, workdir: Path, settings: FairnessSettings
+) -> tuple[tuple[str, int], int]:
+    """The fake upstream, ready: its address and its pid."""
+    fake = ("127.0.0.1", free_port("127.0.0.1"))
+    log = workdir / "fake-upstream.log"
+    process = await nursery.start(supervise, "fake upstream", fake_argv(fake[1], settings), log)
+    await wait_ready("fake upstream", fake, "/health", log)
+    return fake, process.pid
+
+
+async def warm_up(bench: Bench, policy: str) -> None:
     settings = bench.settings
     warm = [
         Request(key, "warm-up", f"warm-{policy}-{key}", 0.0, 3, settings.ttft, settings.interval)
@@ -423,17 +435,17 @@ async def _warm_up(bench: _Bench, policy: str) -> None:
             f"warm-up request through the {policy} proxy failed: HTTP {r.status} "
             f"{r.error_code or r.error or ''}".rstrip()
         )
-    await _settle(bench.fake)
+    await settle(bench.fake)
     await bench.collect(warm)
 
 
-async def _start_proxy(
+async def start_proxy(
     nursery: trio.Nursery,
     workdir: Path,
     policy: str,
     upstream: str,
     settings: FairnessSettings,
-) -> _Proxy:
+) -> Proxy:
     address = ("127.0.0.1", free_port("127.0.0.1"))
     config = workdir / f"proxy-{policy}.toml"
     write_text(config, proxy_config(address[1], upstream, policy, settings))
@@ -441,4 +453,4 @@ async def _start_proxy(
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
     process = await nursery.start(supervise, f"proxy ({policy})", argv, log)
     await wait_ready(f"proxy ({policy})", address, "/healthz", log)
-    return _Proxy(policy, address, process.pid, log)
+    return Proxy(policy, address, process.pid, log)

@@ -39,6 +39,19 @@ URGENT_LEAD: Final = 0.5
 URGENT_TAIL: Final = 1.0
 # Their idle step: the same requests alone, this far apart (each alone on the upstream).
 IDLE_SPACING: Final = 0.25
+# The long run (--long): one fair Sluice with preemption, for minutes. A floods in the batch
+# band; B is interactive in the same band (served against A by the fair share, and by a pause
+# of A's within the band); C is interactive in a more urgent band (served first, and by a pause).
+LONG: Final = "long"
+LONG_BANDS: Final = {FLOODER: 5, "B": 5, "C": 0}
+# A's flood in the long run is a closed loop: this many requests per slot always outstanding,
+# each sent as the one before it ends. A fixed rate above the slots would grow Sluice's queue
+# for the whole run and leave minutes of backlog at its end; this one keeps the upstream
+# saturated and about S of A's requests waiting in Sluice's queue, from the first minute to
+# the last.
+LONG_FLOOD_PER_SLOT: Final = 2
+# A bucket of the long run's figures: a minute.
+MINUTE: Final = 60.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,10 @@ class FairnessSettings:
     timeout: float = 120.0  # seconds a phase may run after its last request is sent
     model: str = "fake-model"
     progress: bool = True
+    # --long: run the long bench instead, for this many minutes, its figures per bucket of
+    # bucket_seconds (a minute; less only so that a test can run it in seconds).
+    long_minutes: float | None = None
+    bucket_seconds: float = MINUTE
 
     def __post_init__(self) -> None:
         for name in ("slots", "flood_tokens", "short_tokens", "repeat", "batch_tokens"):
@@ -88,6 +105,15 @@ class FairnessSettings:
         for name in ("baseline_seconds", "ttft", "interval"):
             if not (0 <= getattr(self, name) < math.inf):
                 raise BenchError(f"--{name.replace('_', '-')} must be a finite number >= 0")
+        if not (0 < self.bucket_seconds < math.inf):
+            raise BenchError("--bucket-seconds must be a finite number > 0")
+        if self.long_minutes is not None and not (
+            self.bucket_seconds < self.long_seconds < math.inf
+        ):
+            raise BenchError(
+                f"--long must be finite and longer than one bucket ({self.bucket_seconds:g} s): "
+                "its check compares the first bucket with the last"
+            )
         if not (URGENT_LEAD + URGENT_TAIL < self.batch_seconds < math.inf):
             raise BenchError(
                 f"--batch-seconds must be a finite number > {URGENT_LEAD + URGENT_TAIL:g} "
@@ -130,8 +156,24 @@ class FairnessSettings:
         window = self.batch_seconds - URGENT_LEAD - URGENT_TAIL
         return max(1, math.floor(window * self.urgent_rate))
 
+    @property
+    def long_seconds(self) -> float:
+        """The long run's load, in seconds (0 when it is not one)."""
+        return (self.long_minutes or 0.0) * MINUTE
+
+    @property
+    def long_flood_outstanding(self) -> int:
+        return self.slots * LONG_FLOOD_PER_SLOT
+
     def key(self) -> str:
-        """The markers' key of its section in docs/benchmarks.md."""
+        """The markers' key of its section in docs/benchmarks.md (the long run's its own)."""
+        if self.long_minutes is not None:
+            return (
+                f"bench=fairness-long minutes={self.long_minutes:g} slots={self.slots} "
+                f"rate={self.rate:g} tokens={self.flood_tokens}/{self.short_tokens} "
+                f"interval={self.interval:g} preempt_after={self.preempt_after:g}"
+                + ("" if self.bucket_seconds == MINUTE else f" bucket={self.bucket_seconds:g}")
+            )
         return (
             f"bench=fairness slots={self.slots} rate={self.rate:g} flood={self.flood_factor:g}x "
             f"seconds={self.flood_seconds:g} tokens={self.flood_tokens}/{self.short_tokens} "
@@ -155,4 +197,16 @@ class FairnessSettings:
             f"{self.urgent_requests} requests of {self.short_tokens} tokens meanwhile, "
             f"{self.urgent_rate:g}/s; preempt_after = {self.preempt_after:g} s, max_preemptions "
             f"= {self.max_preemptions} (at most {self.slots * self.max_preemptions} pauses)"
+        )
+
+    def describe_long(self) -> str:
+        bands = LONG_BANDS
+        return (
+            f"{self.slots} slots (the fake's max_running, Sluice's max_connections); A (band "
+            f"{bands[FLOODER]}) keeps {self.long_flood_outstanding} requests of "
+            f"{self.flood_tokens} tokens outstanding for the whole run, each sent as the one "
+            f"before it ends; B (band {bands['B']}, A's) and C (band {bands['C']}) send "
+            f"{self.rate:g}/s each of {self.short_tokens} tokens, C half a period "
+            f"after B; for {self.long_minutes:g} minutes; TTFT {self.ttft * 1000:g} ms, a "
+            f"token every {self.interval * 1000:g} ms"
         )
