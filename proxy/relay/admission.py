@@ -149,7 +149,16 @@ class Room:
 
 
 class _Waiter:
-    __slots__ = ("admission", "event", "pausing", "room", "rooms", "scope", "shut_out")
+    __slots__ = (
+        "admission",
+        "event",
+        "fail_if",
+        "pausing",
+        "room",
+        "rooms",
+        "scope",
+        "shut_out",
+    )
 
     def __init__(self, admission: Admission, rooms: Sequence[Room]) -> None:
         self.admission = admission
@@ -164,6 +173,8 @@ class _Waiter:
         self.scope: trio.CancelScope | None = None
         # Refused by a drain that leaves it no time to start.
         self.shut_out = False
+        # A paused request's check, at each look: why it can never be served (raised), or None.
+        self.fail_if: Callable[[], ApiError | None] | None = None
 
 
 class _Running:
@@ -578,6 +589,10 @@ class Admission:
                 await waiter.event.wait()
             if waiter.room is None and waiter.event.is_set():
                 waiter.event = trio.Event()  # a nudge: look again, and wait anew
+            if waiter.room is None and waiter.fail_if is not None:
+                failure = waiter.fail_if()
+                if failure is not None:
+                    raise failure
             for each in waiter.rooms:
                 dispatcher.dispatch(each)
             queue = dispatcher.queue  # as it stands now: a reload or a drain may have come
@@ -590,7 +605,12 @@ class Admission:
             ):
                 waiter.pausing = dispatcher.preempt_for(ticket, waiter.rooms)
 
-    async def _wait_resumed(self, ticket: Ticket, rooms: Sequence[Room]) -> Room:
+    async def _wait_resumed(
+        self,
+        ticket: Ticket,
+        rooms: Sequence[Room],
+        fail_if: Callable[[], ApiError | None] | None = None,
+    ) -> Room:
         """A paused request waits again for a slot, at the head of its band: neither the
         queue's bound nor its timeout applies (it was admitted already, and its client holds
         half an answer); its deadline, kept by its relay, still does."""
@@ -599,6 +619,7 @@ class Admission:
             return room
         self.dispatcher.queue.add(ticket)
         waiter = _Waiter(self, rooms)
+        waiter.fail_if = fail_if
         await self._queued(ticket, waiter)
         assert waiter.room is not None
         return waiter.room
@@ -665,12 +686,16 @@ class Lease:
         keep_alive: Callable[[bytes], object],
         *,
         input_tokens: int | None = None,
+        fail_if: Callable[[], ApiError | None] | None = None,
     ) -> float:
         """The request was paused (its producer has stopped at an event boundary): give the
-        slot up to the queue's next, wait at the head of its band for a slot in one of
-        ``rooms``, hold it, and return the seconds paused. Meanwhile ``keep_alive`` is handed
-        :data:`PAUSED_COMMENT` at once and every ``pause_keepalive`` seconds. A client that
-        leaves cancels the wait, and nothing of the request is left queued."""
+        slot up (to the request it was paused for), wait at the head of its band for a slot in
+        one of ``rooms``, hold it, and return the seconds paused. Meanwhile ``keep_alive`` is
+        handed :data:`PAUSED_COMMENT` at once and then every
+        :func:`~proxy.protocol.scheduling.keepalive_interval`. ``input_tokens``: what it
+        prefills again on resuming. ``fail_if``, asked at each look while it waits: an error
+        to end it with (none of its replicas can serve it any more). A client that leaves
+        cancels the wait, and nothing of the request is left queued."""
         admission = self.admission
         dispatcher = admission.dispatcher
         ticket = self.ticket
@@ -690,17 +715,24 @@ class Lease:
         stopped = [(scope, scope.deadline - paused_at) for scope in PAUSE_STOPS.get()]
         for scope, _ in stopped:
             scope.deadline = math.inf
+        failure: ApiError | None = None
         try:
             async with trio.open_nursery() as nursery:
                 interval = keepalive_interval(dispatcher.queue.settings, ticket)
                 nursery.start_soon(_keep_alive, keep_alive, interval)
-                self.room = await admission._wait_resumed(ticket, rooms)
+                try:
+                    self.room = await admission._wait_resumed(ticket, rooms, fail_if)
+                except ApiError as error:
+                    # Raised below, as itself: not in the nursery's exception group.
+                    failure = error
                 nursery.cancel_scope.cancel()
         finally:
             ticket.end_pause()
             now = trio.current_time()
             for scope, left in stopped:
                 scope.deadline = now + left
+        if failure is not None:
+            raise failure
         self.since = trio.current_time()
         seconds = self.since - paused_at
         if trace is not None:

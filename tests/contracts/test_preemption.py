@@ -38,6 +38,7 @@ from tests.support import (
     chat_body,
     chunked_body,
     local_model,
+    only_replica,
     poll_until,
     producer_tasks,
     slowed,
@@ -748,3 +749,26 @@ async def test_within_one_band_a_light_key_waits_preempt_after_not_a_whole_answe
     assert max(flooded) <= PREEMPT_AFTER + 2 * idle, (flooded, idle)
     for body in bodies:
         assert stream_text(events_of(body)) == answer_text(flood_tokens)
+
+
+async def test_a_paused_stream_whose_every_replica_is_ejected_fails_at_once_in_band(
+    nursery: trio.Nursery,
+) -> None:
+    with trio.fail_after(DEADLINE):
+        _, proxy = await one_slot(nursery)
+        batch = await start_batch(proxy)
+        urgent = await RawClient.post(
+            proxy, CHAT, chat_body(MODEL, fake={"tokens": 200}), headers=bearer("urgent")
+        )
+        await urgent.read_until(b"data: ", 3)
+        await batch.read_until(b": paused")
+        # The one replica is ejected while the batch stream waits: it can never go on.
+        only_replica(proxy).load.ejected_until = trio.current_time() + 600.0
+        ejected_at = trio.current_time()
+        await batch.read_until(b"no_healthy_upstream")
+        failed_after = trio.current_time() - ejected_at
+        await batch.close()
+        await urgent.close()
+        await proxy.state.tracker.wait_idle()
+    # At the next look (each second), not at total_timeout, nor once the urgent answer ends.
+    assert failed_after < 1.5

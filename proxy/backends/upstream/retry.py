@@ -129,6 +129,14 @@ class Attempt:
             and not room.owner.load.ejected(now)
         ]
 
+    def _unservable(self) -> ApiError | None:
+        """Why a paused stream can never go on (every replica of the model ejected, or gone),
+        or None: checked at each look while it waits, so that it fails at once rather than
+        sending comments until a timeout."""
+        if self._no_replica is None or self._healthy_rooms():
+            return None
+        return self._no_replica()
+
     def candidates(self, tried: Sequence[ReplicaLoad]) -> list[UpstreamReplica]:
         """The replicas an attempt may still go to: not tried, and not ejected."""
         now = trio.current_time()
@@ -242,6 +250,7 @@ class Attempt:
                 rooms,
                 sink.offer if sink.started else _nothing,
                 input_tokens=request.schedule.input_tokens + splice.tokens,
+                fail_if=self._unservable,
             )
             if splice.started:
                 sink.set_phase(Phase.MID_STREAM)
