@@ -772,3 +772,48 @@ async def test_a_paused_stream_whose_every_replica_is_ejected_fails_at_once_in_b
         await proxy.state.tracker.wait_idle()
     # At the next look (each second), not at total_timeout, nor once the urgent answer ends.
     assert failed_after < 1.5
+
+
+@pytest.mark.slow
+async def test_an_urgent_request_sent_65_s_into_a_batch_flood_gets_its_slot_at_preempt_after(
+    nursery: trio.Nursery,
+) -> None:
+    """The case as users meet it, in real time, with the default settings but preempt_after
+    (0.5 s): 2 slots held by batch streams of 70 s and an urgent chat sent 65 s in, past the
+    60 s starvation guard (a batch request queued behind them would have met queue_timeout,
+    30 s, by then). The stream paused for it is not "starved" at once, and the slot is the
+    chat's: its first token within preempt_after + 2 x its idle TTFT (it waited 86 s before);
+    every batch stream completes whole."""
+    long_tokens, interval = 3500, 0.02
+    with trio.fail_after(200):
+        fake = await start_fake(nursery, ttft=0, interval=interval, tokens=long_tokens)
+        proxy = await start_proxy(
+            nursery,
+            {MODEL: {"upstreams": [fake.url], "max_connections": 2}},
+            keys=KEYS,
+            scheduling={"preempt_after": 0.5},
+        )
+        urgent_body = chat_body(MODEL, max_tokens=3, fake={"ttft": 0.05})
+
+        async def ttft() -> float:
+            asked = trio.current_time()
+            client = await RawClient.post(proxy, CHAT, urgent_body, headers=bearer("urgent"))
+            await client.read_until(b'"content":"')
+            seconds = trio.current_time() - asked
+            await read_to_the_end(client)
+            return seconds
+
+        idle = await ttft()
+        batches = [
+            await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer(name))
+            for name in ("batch", "batch2")
+        ]
+        await batches[0].read_until(b"data: ", 3)
+        await trio.sleep(65.0)
+        flooded = await ttft()
+        bodies = [await read_to_the_end(batch) for batch in batches]
+        await proxy.state.tracker.wait_idle()
+    print(f"\nurgent TTFT idle {idle * 1000:.0f} ms; 65 s into the flood {flooded * 1000:.0f} ms")
+    assert flooded <= 0.5 + 2 * idle, (flooded, idle)
+    for body in bodies:
+        assert stream_text(events_of(body)) == answer_text(long_tokens)

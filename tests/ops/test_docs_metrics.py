@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from proxy.backends.upstream.replica import routing_counter
-from proxy.ops.metrics import MetricSpec, Metrics
+from proxy.ops.metrics import Metrics, MetricSpec
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 # A metric's name, and the braces that may follow it: {model, band} or {band="10"}.
