@@ -206,16 +206,7 @@ class SluiceState:
         """Start serving (the app's before_serving): the backends, then their background work
         in ``nursery`` (the app's), which runs until the server stops."""
         self.nursery = nursery
-        if self.config.limits.backend == "redis":
-            # The keys' counters shared with the other instances, through the current
-            # config's store (nothing to share while a reloaded config counts in memory).
-            shared = SharedService(
-                self.scheduling.upstream,
-                lambda: self.current.keys.shared,
-                interval=self.config.scheduling.share_seconds,
-            )
-            self.shared_service = shared
-            nursery.start_soon(shared.run, name="sluice scheduler counters (Redis)")
+        self._share_counters_if_redis(self.config, nursery)
         # The shared limits' Redis client and the upstreams' work live in the app's nursery.
         await nursery.start(self.current.run)
         for model in self.config.models:
@@ -226,6 +217,20 @@ class SluiceState:
             # In the background: the port answers while the weights load (/healthz says
             # "loading", requests to the model get 503 model_loading with Retry-After).
             nursery.start_soon(self.load_local_models, nursery)
+
+    def _share_counters_if_redis(self, config: Config, nursery: trio.Nursery) -> None:
+        """With ``[limits] backend = "redis"`` (at start, or from a reload on), the keys'
+        counters are shared with the other instances through the current config's store
+        (nothing is sent while a reloaded config counts in memory); started once."""
+        if config.limits.backend != "redis" or self.shared_service is not None:
+            return
+        shared = SharedService(
+            self.scheduling.upstream,
+            lambda: self.current.keys.shared,
+            interval=config.scheduling.share_seconds,
+        )
+        self.shared_service = shared
+        nursery.start_soon(shared.run, name="sluice scheduler counters (Redis)")
 
     async def serve_config(self, served: ServedConfig) -> None:
         """Serve the config ``served`` from now on: its work started in the app's nursery, then one
@@ -242,6 +247,7 @@ class SluiceState:
         # A local model that finished loading while this one started.
         served.backends.update(self.local_backends)
         previous, self.current = self.current, served
+        self._share_counters_if_redis(served.config, self.nursery)
         self.retiring.add(previous)
         self.nursery.start_soon(self._retire, previous)
 

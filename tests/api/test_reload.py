@@ -710,6 +710,32 @@ async def test_a_reload_that_turns_preemption_off_applies_to_requests_already_wa
     assert done == ["batch", "urgent"]
 
 
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed (make redis)")
+async def test_a_reload_to_redis_limits_starts_sharing_the_keys_counters(
+    nursery: trio.Nursery, tmp_path: Path, slow_fake: Fake
+) -> None:
+    redis = RedisServer()
+    redis.start()
+    try:
+        path = tmp_path / "sluice.toml"
+        path.write_text(toml(slow_fake.url, "a"))
+        with trio.fail_after(DEADLINE):
+            _, state = await serve_file(nursery, path)
+            assert state.shared_service is None  # in memory: nothing to share
+            path.write_text(
+                toml(slow_fake.url, "a")
+                + f'[limits]\nbackend = "redis"\nurl = "{redis.url}"\n'
+                + "[scheduling]\nshare_seconds = 0.1\n"
+            )
+            assert await state.reload_config() == "applied"
+            shared = state.shared_service
+            assert shared is not None and shared.interval == 0.1
+            # It syncs with the reloaded config's store.
+            assert await shared.sync()
+    finally:
+        redis.stop()
+
+
 async def test_a_reload_applies_share_seconds(nursery: trio.Nursery, tmp_path: Path) -> None:
     fake = await start_fake(nursery, ttft=0, interval=0.01, tokens=3)
     path = tmp_path / "sluice.toml"
