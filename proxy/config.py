@@ -504,10 +504,10 @@ class SchedulingConfig:
     # many seconds, or every half of the client's read timeout (x-stainless-read-timeout) when
     # that is shorter: proxies and the client's read timeout see the stream alive.
     pause_keepalive: float = 5.0
-    # With preempt_after set: a request also pauses a stream of its own band, of a key that
-    # holds at least two more of the slots it could use than its own key and has been served
-    # at least as much (a flood gives a slot up to a light key at preempt_after; two keys
-    # holding one slot each never pause each other). false: only less urgent bands are paused.
+    # With preempt_after set: a request of a key holding none of the slots it could use also
+    # pauses a stream of its own band, of a key holding at least two of them and served at
+    # least as much (a flood gives a slot up to a light key at preempt_after; a key running a
+    # stream already never pauses one of its band). false: only less urgent bands are paused.
     preempt_within_band: bool = True
 
 

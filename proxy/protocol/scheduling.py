@@ -31,16 +31,18 @@ against.
 seconds (:func:`preemption_due`) while a less urgent band holds a slot it could use has one of
 those streams paused for it (:func:`choose_preemption`): of the least urgent band running, the
 one whose key has been served most (of its streams, the one paused least). Within its own band
-(``preempt_within_band``) it pauses a stream of a key that holds at least two more of those
-slots than its own key and has been served at least as much: after the pause that key still
-holds as many as the other, so two keys never pause each other back and forth (a flood holding
-every slot gives one up to a light key at ``preempt_after``; two keys holding one slot each
-never pause each other). The slot a pause frees goes to the request that asked for it, never to
-another ticket, and a pause is asked only where that slot can serve it at once (the shell
-checks the room). The paused request waits again at the head of its band
-(:attr:`Ticket.resumed`), to be continued where it stopped; a paused request never pauses
-another, a hedge never pauses anything, and a request is paused at most ``max_preemptions``
-times, so that a batch job still finishes.
+(``preempt_within_band``), a request of a key that holds none of those slots pauses a stream of
+a key that holds at least two of them and has been served at least as much: a flood holding
+every slot gives one up to a light key at ``preempt_after``, and the flood keeps at least as
+many as the light key. A key that runs a stream already never pauses one of its band, so two
+flooding keys never pause each other back and forth (the fair order balances them as slots
+free). The slot a pause frees goes to the request that asked for it, never to another ticket,
+and a pause is asked only where that slot can serve it at once (the shell checks the room). The
+paused request waits again at the head of its band (:attr:`Ticket.resumed`; one paused within
+its band, at the head of its key's requests, the fair order deciding between keys), to be
+continued where it stopped; a paused request never pauses another, a hedge never pauses
+anything, and a request is paused at most ``max_preemptions`` times, so that a batch job still
+finishes.
 
 **Drain** (:attr:`FairQueue.draining`, after SIGTERM): no new preemption, and paused requests
 go before every request that never started, so that admitted work finishes first.
@@ -160,6 +162,13 @@ class Ticket:
     attempts: int = 0
     # Whether it may pause another request (a hedge may not: its request already runs).
     may_preempt: bool = True
+    # Paused for a request of its own band (for the fair share): resumed, it waits in the
+    # fair order between keys, not before them, or the next free slot would undo the pause.
+    paused_for_share: bool = False
+
+    def pause_asked(self, by: Ticket) -> None:
+        """It was asked to pause for ``by``."""
+        self.paused_for_share = by.band == self.band
 
     def begin_wait(self, now: float) -> None:
         """It asks for a slot at ``now``: its age starts with its first attempt, and a retry
@@ -181,6 +190,7 @@ class Ticket:
 
     def end_pause(self) -> None:
         self.resumed = False
+        self.paused_for_share = False
 
     def companion(self) -> Ticket:
         """A ticket for a hedge of this request: the same key, band, age and deadline, which
@@ -315,13 +325,15 @@ class FairQueue:
         return None
 
     def _order(self, tenant: str, ticket: Ticket) -> tuple[float, float, float, float]:
-        """Where ``tenant``'s next ``ticket`` stands: a paused request first (its client holds
-        half an answer); then the smallest counter; on equal counters (a tenant just lifted to
-        the smallest among those waiting) the one actually served less, so that a key
-        returning from idleness takes the next slot rather than waiting behind a flooder's
-        older request; then the older ticket."""
+        """Where ``tenant``'s next ``ticket`` stands: a request paused for a more urgent band first
+        (its client holds half an answer; one paused for the fair share within its band
+        waits in the fair order, first among its own key's); then the smallest counter;
+        on equal counters (a tenant just lifted to the smallest among those waiting) the
+        one actually served less, so that a key returning from idleness takes the next
+        slot rather than waiting behind a flooder's older request; then the older
+        ticket."""
         return (
-            0.0 if ticket.resumed else 1.0,
+            0.0 if ticket.resumed and not ticket.paused_for_share else 1.0,
             self.counters.get(tenant, 0.0),
             self.served.get(tenant, 0.0),
             ticket.seq,
@@ -404,8 +416,8 @@ def keepalive_interval(settings: SchedulingSettings, ticket: Ticket) -> float:
     return min(settings.pause_keepalive, ticket.read_timeout / 2)
 
 
-# How many more slots a key must hold than the waiting request's key to have one paused for it
-# within a band: with two, it still holds at least as many afterwards (no back and forth).
+# How many slots a key must hold to have one paused within its band, for a key holding none:
+# with two, it still holds at least as many afterwards.
 WITHIN_BAND_MARGIN = 2
 
 
@@ -420,10 +432,10 @@ def choose_preemption(
     is paused first, never a more urgent one; of the least urgent band running, the request
     whose key has the largest counter (the most served); of its streams the one paused
     least, the youngest on a tie (the least work to redo). In ``waiting``'s own band
-    (``preempt_within_band``), only a request of a key holding at least
-    :data:`WITHIN_BAND_MARGIN` more slots than ``waiting``'s key (by ``held``: each key's
-    slots in the rooms ``waiting`` could use) whose counter is at least ``waiting``'s key's;
-    without ``held``, never within the band. Only a request paused fewer than
+    (``preempt_within_band``), and only while ``waiting``'s key holds none of the slots (by
+    ``held``: each key's slots in the rooms ``waiting`` could use), a request of a key holding
+    at least :data:`WITHIN_BAND_MARGIN` of them whose counter is at least ``waiting``'s
+    key's; without ``held``, never within the band. Only a request paused fewer than
     ``max_preemptions`` times. ``running`` holds only requests that can be continued, in
     rooms where the slot freed would serve ``waiting``."""
     if not waiting.may_preempt or waiting.resumed:
@@ -440,7 +452,8 @@ def choose_preemption(
         if ticket.band == waiting.band and (
             not settings.preempt_within_band
             or held is None
-            or slots - own_slots < WITHIN_BAND_MARGIN
+            or own_slots > 0
+            or slots < WITHIN_BAND_MARGIN
             or served < own
         ):
             continue

@@ -254,7 +254,11 @@ class Dispatcher:
         held: dict[str, int] = {}
         for each, entry in running.items():
             if entry.room is not None and entry.room in rooms:
-                held[each.tenant] = held.get(each.tenant, 0) + 1
+                # A slot whose pause is under way is its preemptor's already: several waiters
+                # looking at one instant see the slots as they will be.
+                paused_for = entry.for_ticket if entry.pausing else None
+                owner = each.tenant if paused_for is None else paused_for.tenant
+                held[owner] = held.get(owner, 0) + 1
         while candidates:
             victim = choose_preemption(settings, ticket, candidates, self.queue.counters, held)
             if victim is None:
@@ -263,6 +267,7 @@ class Dispatcher:
             if entry.pause is not None and entry.pause.ask():
                 entry.pausing = True
                 entry.for_ticket = ticket
+                victim.pause_asked(by=ticket)
                 return victim
             entry.pause = None
         return None
