@@ -7,6 +7,7 @@ Testing policy (after trio-websocket's): real sockets on loopback only, port 0, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -501,3 +502,36 @@ def decode_to_the_end(
     while len(done) < len(sequences):
         engine.step()
     return [list(sequence.generated) for sequence in sequences]
+
+
+def shutdown_trigger(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """The next proxy :func:`start_proxy` starts begins its graceful shutdown when the event is
+    set."""
+    shutdown = trio.Event()
+    monkeypatch.setattr(
+        "tests.support.serve", functools.partial(serve, shutdown_trigger=shutdown.wait)
+    )
+    return shutdown
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident set size now, in MiB (/proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+class Pauser:
+    """A running piece of work's :class:`~proxy.relay.admission.Pausable`: a pause asked cancels
+    its scope (the event boundary), and it counts how often it was asked."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.asked = 0
+
+    def ask(self) -> bool:
+        self.asked += 1
+        self.scope.cancel()
+        return True

@@ -13,20 +13,12 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from proxy.server.ws_buffer import BoundedWebsocketBuffer
-from tests.support import start_sluice, stop
+from tests.support import rss_mb, start_sluice, stop
 
 KEY = "ws-memory-key"
 LIMIT = 1024 * 1024
 CLIENTS = 8
 MESSAGE = 16 * LIMIT
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 class Piece:

@@ -11,7 +11,6 @@ in-band ``shutting_down`` error before the cut, and a queued request that cannot
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -23,13 +22,13 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from proxy.server.run import serve
 from tests.api.test_websocket import answer, ws_url
 from tests.support import (
     DEADLINE,
     RawClient,
     chat_body,
     local_model,
+    shutdown_trigger,
     slowed,
     sse_payloads,
     start_fake,
@@ -194,15 +193,6 @@ async def test_sigterm_with_queued_paused_and_running_requests_tells_every_clien
             assert len(fake.recorder.records) == 3
         finally:
             await stop(process)
-
-
-def shutdown_trigger(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
-    """The next proxy started begins its graceful shutdown when the event is set."""
-    shutdown = trio.Event()
-    monkeypatch.setattr(
-        "tests.support.serve", functools.partial(serve, shutdown_trigger=shutdown.wait)
-    )
-    return shutdown
 
 
 async def test_a_local_stream_still_running_as_the_grace_ends_is_told_in_band(

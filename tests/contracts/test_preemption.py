@@ -114,6 +114,16 @@ async def read_to_the_end(client: RawClient) -> str:
     return chunked_body(client.received)
 
 
+async def first_token_seconds(proxy: Proxy, body: dict[str, Any]) -> float:
+    """An urgent key's request: the seconds to its first token (its answer then read whole)."""
+    asked = trio.current_time()
+    client = await RawClient.post(proxy, CHAT, body, headers=bearer("urgent"))
+    await client.read_until(b'"content":"')
+    seconds = trio.current_time() - asked
+    await read_to_the_end(client)
+    return seconds
+
+
 def events_of(body: str) -> list[str]:
     """The data payloads, once the pause's comments are taken out."""
     assert body.count(": paused\n\n") == body.count(": paused")
@@ -506,15 +516,7 @@ async def test_under_a_batch_flood_holding_every_slot_an_urgent_request_waits_pr
         )
         urgent_body = chat_body(MODEL, max_tokens=3, fake={"ttft": urgent_ttft})
 
-        async def ttft() -> float:
-            asked = trio.current_time()
-            client = await RawClient.post(proxy, CHAT, urgent_body, headers=bearer("urgent"))
-            await client.read_until(b'"content":"')
-            seconds = trio.current_time() - asked
-            await read_to_the_end(client)
-            return seconds
-
-        idle = max([await ttft() for _ in range(3)])
+        idle = max([await first_token_seconds(proxy, urgent_body) for _ in range(3)])
         batches = [
             await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer(name))
             for name in ("batch", "batch2")
@@ -523,7 +525,7 @@ async def test_under_a_batch_flood_holding_every_slot_an_urgent_request_waits_pr
             await batch.read_until(b"data: ", 3)
         flooded = []
         for _ in range(4):
-            flooded.append(await ttft())
+            flooded.append(await first_token_seconds(proxy, urgent_body))
             await trio.sleep(0.1)
         bodies = [await read_to_the_end(batch) for batch in batches]
         await proxy.state.tracker.wait_idle()
@@ -681,22 +683,14 @@ async def test_past_the_starvation_guard_the_slot_a_pause_frees_still_goes_to_th
         )
         urgent_body = chat_body(MODEL, max_tokens=3, fake={"ttft": 0.05})
 
-        async def ttft() -> float:
-            asked = trio.current_time()
-            client = await RawClient.post(proxy, CHAT, urgent_body, headers=bearer("urgent"))
-            await client.read_until(b'"content":"')
-            seconds = trio.current_time() - asked
-            await read_to_the_end(client)
-            return seconds
-
-        idle = await ttft()
+        idle = await first_token_seconds(proxy, urgent_body)
         batches = [
             await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer(name))
             for name in ("batch", "batch2", "batch", "batch2")
         ]
         await batches[0].read_until(b"data: ", 3)
         await trio.sleep(1.5)  # the two queued batch tickets are past the guard now
-        flooded = await ttft()
+        flooded = await first_token_seconds(proxy, urgent_body)
         bodies = [await read_to_the_end(batch) for batch in batches]
         await proxy.state.tracker.wait_idle()
     assert flooded <= PREEMPT_AFTER + 2 * idle, (flooded, idle)
@@ -724,15 +718,7 @@ async def test_within_one_band_a_light_key_waits_preempt_after_not_a_whole_answe
         )
         light_body = chat_body(MODEL, max_tokens=3, fake={"ttft": 0.05})
 
-        async def ttft() -> float:
-            asked = trio.current_time()
-            client = await RawClient.post(proxy, CHAT, light_body, headers=bearer("urgent"))
-            await client.read_until(b'"content":"')
-            seconds = trio.current_time() - asked
-            await read_to_the_end(client)
-            return seconds
-
-        idle = max([await ttft() for _ in range(2)])
+        idle = max([await first_token_seconds(proxy, light_body) for _ in range(2)])
         # A flood of 2 s answers, eight deep: each stream is paused at most once
         # (max_preemptions), and fresh ones keep coming, as in a real flood.
         flood = [
@@ -742,7 +728,7 @@ async def test_within_one_band_a_light_key_waits_preempt_after_not_a_whole_answe
         await flood[0].read_until(b"data: ", 3)
         flooded = []
         for _ in range(3):
-            flooded.append(await ttft())
+            flooded.append(await first_token_seconds(proxy, light_body))
             await trio.sleep(0.2)
         bodies = [await read_to_the_end(client) for client in flood]
         await proxy.state.tracker.wait_idle()
@@ -795,22 +781,14 @@ async def test_an_urgent_request_sent_65_s_into_a_batch_flood_gets_its_slot_at_p
         )
         urgent_body = chat_body(MODEL, max_tokens=3, fake={"ttft": 0.05})
 
-        async def ttft() -> float:
-            asked = trio.current_time()
-            client = await RawClient.post(proxy, CHAT, urgent_body, headers=bearer("urgent"))
-            await client.read_until(b'"content":"')
-            seconds = trio.current_time() - asked
-            await read_to_the_end(client)
-            return seconds
-
-        idle = await ttft()
+        idle = await first_token_seconds(proxy, urgent_body)
         batches = [
             await RawClient.post(proxy, CHAT, chat_body(MODEL), headers=bearer(name))
             for name in ("batch", "batch2")
         ]
         await batches[0].read_until(b"data: ", 3)
         await trio.sleep(65.0)
-        flooded = await ttft()
+        flooded = await first_token_seconds(proxy, urgent_body)
         bodies = [await read_to_the_end(batch) for batch in batches]
         await proxy.state.tracker.wait_idle()
     print(f"\nurgent TTFT idle {idle * 1000:.0f} ms; 65 s into the flood {flooded * 1000:.0f} ms")

@@ -14,19 +14,11 @@ import httpx
 import pytest
 import trio
 
-from tests.support import chat_body, sse_payloads, start_fake, start_sluice, stop
+from tests.support import chat_body, rss_mb, sse_payloads, start_fake, start_sluice, stop
 
 STREAMS = 20
 TOKENS = 10_000
 CHAT = "/v1/chat/completions"
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 async def read_answers(url: str, count: int) -> None:

@@ -16,20 +16,7 @@ import trio.testing
 from proxy.protocol.errors import ApiError
 from proxy.protocol.scheduling import SchedulingSettings, Ticket, keepalive_interval
 from proxy.relay.admission import Admission, Dispatcher, Room
-
-
-class Pauser:
-    """A running stream's :class:`~proxy.relay.admission.Pausable`: a pause asked cancels its
-    work's scope (an event boundary), and it counts how often it was asked."""
-
-    def __init__(self) -> None:
-        self.scope = trio.CancelScope()
-        self.asked = 0
-
-    def ask(self) -> bool:
-        self.asked += 1
-        self.scope.cancel()
-        return True
+from tests.support import Pauser
 
 
 def settings(**changes: object) -> SchedulingSettings:

@@ -79,6 +79,7 @@ import trio.testing
 from proxy.protocol.errors import ApiError
 from proxy.protocol.scheduling import SchedulingSettings, Ticket, vtc_bound
 from proxy.relay.admission import Admission, Dispatcher, Lease, Room
+from tests.support import Pauser
 
 SEED = 20261207
 HOUR = 3600.0
@@ -112,20 +113,6 @@ AFTER_RELOAD = dataclasses.replace(BEFORE_RELOAD, preempt_after=1.0)
 def in_force(at: float) -> float:
     """The preempt_after in force at ``at``."""
     return (BEFORE_RELOAD if at < RELOAD_AT else AFTER_RELOAD).preempt_after
-
-
-class Pauser:
-    """A running piece of work's :class:`~proxy.relay.admission.Pausable`: a pause asked
-    cancels its scope (the event boundary)."""
-
-    def __init__(self) -> None:
-        self.scope = trio.CancelScope()
-        self.asked = 0
-
-    def ask(self) -> bool:
-        self.asked += 1
-        self.scope.cancel()
-        return True
 
 
 @dataclass(eq=False)

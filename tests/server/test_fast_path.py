@@ -12,7 +12,6 @@ that leaves and one that stops reading.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from proxy.api.auth import hash_key
 from proxy.server import fast_path
 from proxy.server.adapters.hypercorn_adapter import HypercornConfig
 from proxy.server.call import Call
-from proxy.server.run import serve
 from tests.contracts.test_lifetime import assert_request_gone
 from tests.support import (
     DEADLINE,
@@ -36,6 +34,7 @@ from tests.support import (
     chat_body,
     connect_client,
     poll_until,
+    shutdown_trigger,
     sse_payloads,
     start_fake,
     start_proxy,
@@ -587,15 +586,6 @@ async def test_an_idle_connection_is_closed_after_keep_alive_timeout(
         assert await closed(raw)
         assert 0.99 < trio.current_time() - idle_since < 1.1
         assert served_fast == [CHAT] * 2
-
-
-def shutdown_trigger(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
-    """The next proxy started begins its graceful shutdown when the event is set."""
-    shutdown = trio.Event()
-    monkeypatch.setattr(
-        "tests.support.serve", functools.partial(serve, shutdown_trigger=shutdown.wait)
-    )
-    return shutdown
 
 
 async def test_graceful_shutdown_closes_idle_connections_and_finishes_streams(

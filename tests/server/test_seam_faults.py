@@ -19,7 +19,6 @@ within ``CANCEL_BOUND``) is measured with the test's own loop idle, as the fault
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
@@ -33,7 +32,6 @@ import trio
 from proxy.api.auth import hash_key
 from proxy.ops.logs import ACCESS_LOGGER
 from proxy.server.adapters.hypercorn_adapter import HypercornConfig
-from proxy.server.run import serve
 from tests.contracts.test_lifetime_matrix import (
     CANCEL_BOUND,
     connection_handlers,
@@ -51,6 +49,7 @@ from tests.support import (
     chat_body,
     connect_client,
     poll_until,
+    shutdown_trigger,
     sse_payloads,
     start_fake,
     start_proxy,
@@ -297,15 +296,6 @@ async def test_the_last_answer_at_keep_alive_max_requests_arrives_whole(
         await raw.stream.send_all(JUNK)
         await fake.recorder.wait_for(lambda _: record.outcome != "pending")
         await assert_answered_whole_then_closed(raw, transport)
-
-
-def shutdown_trigger(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
-    """The next proxy started begins its graceful shutdown when the event is set."""
-    shutdown = trio.Event()
-    monkeypatch.setattr(
-        "tests.support.serve", functools.partial(serve, shutdown_trigger=shutdown.wait)
-    )
-    return shutdown
 
 
 @pytest.mark.parametrize("fast_path", SERVER_PATHS)
