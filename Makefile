@@ -201,6 +201,12 @@ bench: $(STAMP)
 	# Sluice with [scheduling] policy fifo and fair alternating in one run, then requests whose
 	# SDK read timeout is shorter than their wait in the queue; two rounds. About 4 minutes.
 	$(BIN)/python -m proxy.bench --fairness --markdown docs/benchmarks.md
+	# The same phases with A's answers about 2 s (offered load about 1.6x the slots) and the
+	# fair process preempting within the one band (preempt_after 0.5 s, the rest default):
+	# B's and C's TTFT p99 against 0.5 s + 2 x their idle TTFT, throughput against FIFO's.
+	# About 4 minutes.
+	$(BIN)/python -m proxy.bench --fairness --flood-tokens 800 --flood-factor 3 \
+	  --fair-preempt-after 0.5 --markdown docs/benchmarks.md
 	# The same mix for 10 minutes through one fair Sluice with preemption (A's flood in the
 	# batch band, B in it too, C in a more urgent one): TTFT minute by minute, flat or not.
 	$(BIN)/python -m proxy.bench --fairness --long 10 --markdown docs/benchmarks.md

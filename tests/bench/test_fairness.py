@@ -317,6 +317,26 @@ def test_the_preemption_target_is_preempt_after_plus_twice_the_idle_p99() -> Non
     assert stats.PreemptCheck(0.1, None, 0.5).limit_s is None
 
 
+def test_within_one_band_the_same_target_names_its_key() -> None:
+    check = stats.PreemptCheck(p99_s=0.61, idle_p99_s=0.055, preempt_after=0.5, key="B")
+    assert check.key == "B" and check.limit_s == pytest.approx(0.61)
+    assert check.passed
+    assert not stats.PreemptCheck(0.611, 0.055, 0.5, "B").passed
+
+
+def test_fair_with_preemption_keeps_at_least_095_of_fifos_throughput() -> None:
+    assert stats.ThroughputCheck(fair=950.0, fifo=1000.0).ratio == pytest.approx(0.95)
+    assert stats.ThroughputCheck(950.0, 1000.0).passed  # at the floor exactly
+    assert not stats.ThroughputCheck(949.0, 1000.0).passed
+    assert stats.ThroughputCheck(1100.0, 1000.0).passed
+    for missing in (
+        stats.ThroughputCheck(None, 1000.0),
+        stats.ThroughputCheck(1000.0, None),
+        stats.ThroughputCheck(1000.0, 0.0),
+    ):
+        assert missing.ratio is None and not missing.passed
+
+
 def test_readers_of_the_pauses_sluice_counted_and_logged() -> None:
     metrics = (
         'sluice_preemptions_total{band="5",model="m"} 3.0\n'
@@ -412,6 +432,13 @@ def test_settings_are_checked_and_keyed() -> None:
     assert d.offered_load > 1  # the default load saturates the slots
     assert d.key().startswith("bench=fairness slots=4 ")
     assert FairnessSettings(repeat=1).key() != d.key()
+    # A fair process that preempts is another bench: its own section.
+    assert d.fair_preempt_after is None and "preempt" not in d.key()
+    within = FairnessSettings(fair_preempt_after=0.5).key()
+    assert within == d.key() + " fair_preempt_after=0.5"
+    for bad_after in (0.0, -1.0, float("inf")):
+        with pytest.raises(BenchError):
+            FairnessSettings(fair_preempt_after=bad_after)
 
 
 def test_the_flood_is_eight_times_b_and_c_who_alternate() -> None:
@@ -469,6 +496,28 @@ def test_the_proxies_config_loads_with_the_slots_the_keys_and_the_policy(tmp_pat
     assert "--max-running" in run.fake_argv(9, settings)
 
 
+def test_only_the_fair_process_preempts_and_only_with_fair_preempt_after(tmp_path: Path) -> None:
+    settings = FairnessSettings(slots=3, fair_preempt_after=0.5, max_preemptions=2)
+    configs = {}
+    for policy in ("fifo", "fair"):
+        path = tmp_path / f"{policy}.toml"
+        path.write_text(run.proxy_config(8081, "http://127.0.0.1:9", policy, settings))
+        configs[policy] = load_config(path).scheduling
+        assert {k.priority for k in load_config(path).keys} == {0}  # one band
+    assert configs["fifo"].preempt_after == 0.0
+    fair = configs["fair"]
+    # preempt_after alone: everything else Sluice's default, not the preemption phase's.
+    assert fair.policy == "fair" and fair.preempt_after == 0.5
+    assert fair.max_preemptions == SchedulingSettings().max_preemptions
+    assert fair.preempt_within_band
+    plain = run.proxy_config(1, "http://x", "fair", FairnessSettings(slots=3))
+    within = run.proxy_config(1, "http://x", "fair", settings)
+    assert set(within.splitlines()) - set(plain.splitlines()) == {"preempt_after = 0.5"}
+    assert run.proxy_config(1, "http://x", "fifo", settings) == run.proxy_config(
+        1, "http://x", "fifo", FairnessSettings(slots=3)
+    )
+
+
 def test_phases_alternate_and_reverse_each_round() -> None:
     assert run.schedule(2) == [
         (0, "baseline", "fifo"), (0, "baseline", "fair"),
@@ -512,6 +561,66 @@ def test_the_bound_is_vtc_bound_of_the_loads_longest_input_and_a_full_batch() ->
     assert bound.value == vtc_bound(1.0, 20, 2.0, 1200) == 4800
 
 
+def _served_phase(name: str, policy: str, round_: int, ttfts: dict[str, float]) -> run.Phase:
+    """A phase whose every request, one per key in ``ttfts``, was served: sent at 0, its
+    first token after its TTFT, 100 tokens, ended at 10 s."""
+    requests = [
+        req(key, tag=f"{name}-{policy}-{round_}-{key}", sent=0.0, first_token=ttft, ended_at=10.0,
+            status=200, done=True, tokens_seen=100, upstream_received=0.0, upstream_records=1)
+        for key, ttft in ttfts.items()
+    ]  # fmt: skip
+    return run.Phase(name, policy, round_, requests)
+
+
+def test_the_one_band_figures_per_system_and_their_checks() -> None:
+    settings = FairnessSettings(fair_preempt_after=0.5, repeat=1)
+    idle = {"B": 0.05, "C": 0.06}
+    fair_flood = _served_phase("flood", "fair", 0, {"A": 2.0, "B": 0.55, "C": 0.7})
+    fair_flood.requests[0].upstream_records = 3  # A's stream paused twice
+    fair_flood.pause_metrics = {"preemptions_total": 2.0}
+    fair_flood.requests[0].ended_at = 10.4  # 300 tokens over 10.4 s against 10 s
+    phases = [
+        _served_phase("baseline", "fifo", 0, idle),
+        _served_phase("baseline", "fair", 0, idle),
+        _served_phase("flood", "fifo", 0, {"A": 2.0, "B": 3.0, "C": 3.1}),
+        fair_flood,
+    ]
+    result = report.make_report(run.FairnessRun(settings, phases))
+    fifo, fair = result.policies["fifo"], result.policies["fair"]
+    assert result.within_band
+    # The same bound for both systems, each with its own idle p99.
+    assert [c.key for c in fair.band_checks] == ["B", "C"]
+    assert [c.limit_s for c in fair.band_checks] == pytest.approx([0.6, 0.62])
+    assert [c.passed for c in fair.band_checks] == [True, False]
+    assert [c.passed for c in fifo.band_checks] == [False, False]
+    assert (fair.pauses, fair.continuations, fifo.pauses, fifo.continuations) == (2, 2, 0, 0)
+    assert result.throughput_check.ratio == pytest.approx(10.0 / 10.4)
+    assert result.throughput_check.passed
+    assert result.throughput_rounds() == pytest.approx([10.0 / 10.4])
+    lines = report.check_lines(result)
+    assert any(
+        line.startswith("One band, fair, preempt_after 0.5 s, key B: TTFT p99 550 ms")
+        and "= 600 ms: **pass** (FIFO: 3000 ms)" in line
+        for line in lines
+    ), lines
+    assert any("key C" in line and "**FAIL**" in line for line in lines if "One band" in line)
+    assert any(line.startswith("Throughput under the flood") and "0.962" in line for line in lines)
+    text = report.markdown(result)
+    assert "FIFO vs fair with preemption within one band (preempt_after 0.5 s), 4 slots" in text
+    assert "| one band (every key in band 0) | FIFO | fair, preempt_after 0.5 s |" in text
+    assert "| B: bound, preempt_after + 2 x idle p99 (ms); p99 within it | 600; **over** |" in text
+    assert "`preempt_after = 0.5`" in text
+    saved = result.to_json()
+    assert saved["within_band"]["throughput_passed"] is True
+    assert [c["passed"] for c in saved["policies"]["fair"]["band_checks"]] == [True, False]
+    # Without --fair-preempt-after: none of it.
+    plain = report.make_report(run.FairnessRun(FairnessSettings(repeat=1), phases))
+    assert not plain.within_band and plain.policies["fair"].band_checks == []
+    assert plain.to_json()["within_band"] is None
+    assert not any("One band" in line for line in report.check_lines(plain))
+    assert "one band" not in report.markdown(plain)
+
+
 def test_the_main_bench_hands_fairness_to_its_own_command(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Any] = []
     monkeypatch.setattr(fairness_cli, "run_stoppable", lambda fn, args, command: seen.append(args))
@@ -534,7 +643,7 @@ TINY = [
     "--interval", "0.005", "--ttft", "0.02", "--deadline-requests", "6",
     "--running-requests", "2", "--repeat", "1", "--timeout", "30", "--quiet",
     "--batch-seconds", "2.5", "--batch-tokens", "100", "--urgent-rate", "2",
-    "--preempt-after", "0.3",
+    "--preempt-after", "0.3", "--fair-preempt-after", "0.1",
 ]  # fmt: skip
 
 
@@ -570,6 +679,16 @@ async def test_a_tiny_fairness_run_against_real_subprocesses(tmp_path: Path) -> 
         fifo_p99, fair_p99 = fifo.flood[key].ttft_p99_s, fair.flood[key].ttft_p99_s
         assert fifo_p99 is not None and fair_p99 is not None and fair_p99 < fifo_p99
     assert result.bound.value == vtc_bound(1.0, result.bound.longest_input, 2.0, 2 * 30)
+    # Within the one band: only the fair process paused A's streams (B and C wait longer than
+    # its preempt_after for a slot), each pause continued once upstream; both systems have
+    # the figures the criterion reads.
+    assert result.within_band
+    assert fifo.pauses == fifo.continuations == 0
+    assert fair.pauses >= 1 and fair.continuations == fair.pauses
+    for figures in (fifo, fair):
+        assert [c.key for c in figures.band_checks] == ["B", "C"]
+        assert all(c.limit_s is not None and c.p99_s is not None for c in figures.band_checks)
+    assert result.throughput_check.ratio is not None
     # Preemption: the interactive requests got a slot preempt_after in, the batch kept
     # every slot from them without it, and every batch stream ended with its whole text.
     off, on = result.preemption["preempt-off"], result.preemption["preempt-on"]
@@ -589,7 +708,10 @@ async def test_a_tiny_fairness_run_against_real_subprocesses(tmp_path: Path) -> 
         assert not alive(pid), "a child outlived the bench"
     text = markdown.read_text()
     assert "<!-- bench:begin bench=fairness slots=2 " in text
-    assert "## Fair share under a flood: FIFO vs fair, 2 slots" in text
+    assert " fair_preempt_after=0.1 -->" in text
+    assert "## Fair share under a flood: FIFO vs fair with preemption within one band" in text
+    assert "One band, fair, preempt_after 0.1 s, key B" in text
+    assert "Throughput under the flood, fair, preempt_after 0.1 s / FIFO" in text
     assert "TTFT target, fair, key B" in text and "VTC bound, fair, A vs B" in text
     assert "| preemption (fair) | off | on |" in text
     assert "Preemption, interactive TTFT p99" in text
@@ -597,12 +719,23 @@ async def test_a_tiny_fairness_run_against_real_subprocesses(tmp_path: Path) -> 
     assert set(saved["policies"]) == {"fifo", "fair"}
     assert set(saved["preemption"]) == {"preempt-off", "preempt-on"}
     assert saved["preempt_check"]["passed"] is True
+    assert saved["within_band"]["preempt_after"] == 0.1
 
 
 def test_make_bench_runs_the_fairness_bench_into_the_benchmarks_doc() -> None:
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
     assert "-m proxy.bench --fairness --markdown docs/benchmarks.md" in recipe
+
+
+def test_make_bench_runs_the_one_band_preemption_comparison() -> None:
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    recipe = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    words = " ".join(recipe.replace("\\\n", " ").split())
+    assert (
+        "-m proxy.bench --fairness --flood-tokens 800 --flood-factor 3 "
+        "--fair-preempt-after 0.5 --markdown docs/benchmarks.md"
+    ) in words
 
 
 def test_make_bench_runs_the_long_fairness_bench_for_ten_minutes() -> None:

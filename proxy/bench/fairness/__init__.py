@@ -41,11 +41,20 @@ The phases:
   batch's makespan; the pauses, from ``/metrics`` (``sluice_preemptions_total``,
   ``sluice_pause_seconds``), the access lines and the fake's records.
 
+With ``--fair-preempt-after SECONDS`` the fair process of the comparison also has that
+``[scheduling] preempt_after`` (every other setting Sluice's default). Its keys are all in band
+0, so every pause it makes is within the band: a waiting request of B's or C's pauses one of
+A's streams. The flood phase then also reports, per process, B's and C's TTFT p99 against
+``preempt_after`` plus twice their TTFT p99 with no flood (the baseline phase, through the same
+process), the pauses, and the throughput over FIFO's (at least 0.95).
+
 The checks it prints: under the flood, B's and C's TTFT p99 at most ``1.5 x (A's request
 duration / S)`` plus their TTFT p99 with no flood; every pair within the bound; fair's CPU per
 event at most 5% over FIFO's; no deadline broken, every cancel seen upstream within 10 ms p99;
 with preemption, the interactive TTFT p99 at most ``preempt_after`` plus twice its p99 on an
-idle upstream; every batch stream whole; pauses with preemption, none without.
+idle upstream; every batch stream whole; pauses with preemption, none without; with
+``--fair-preempt-after``, B's and C's TTFT p99 under the flood through the fair process within
+``preempt_after + 2 x`` their p99 with no flood, and its throughput at least 0.95 x FIFO's.
 
 **--long MINUTES** runs none of the phases: the flood's mix for MINUTES through ONE Sluice,
 fair with preemption (A's flood in the batch band, B in A's band, C in a more urgent one), its

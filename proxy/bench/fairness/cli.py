@@ -76,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="[scheduling] preempt_after of the process that preempts (seconds)",
     )
     add(
+        "--fair-preempt-after",
+        type=float,
+        metavar="SECONDS",
+        help="[scheduling] preempt_after of the fair process of the FIFO/fair comparison "
+        "(every key in band 0: preemption within one band); unset, it never preempts",
+    )
+    add(
         "--max-preemptions",
         type=int,
         default=d.max_preemptions,
@@ -125,6 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> FairnessSettings:
         deadline_requests=args.deadline_requests,
         running_requests=args.running_requests,
         preempt_after=args.preempt_after,
+        fair_preempt_after=args.fair_preempt_after,
         max_preemptions=args.max_preemptions,
         batch_seconds=args.batch_seconds,
         batch_tokens=args.batch_tokens,

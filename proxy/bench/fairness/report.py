@@ -20,12 +20,14 @@ from proxy.bench.fairness.settings import (
 from proxy.bench.fairness.stats import (
     CANCEL_TARGET_S,
     CPU_LIMIT,
+    THROUGHPUT_FLOOR,
     TTFT_SLACK,
     BatchFigures,
     DeadlineFigures,
     KeyFigures,
     PairFigure,
     PreemptCheck,
+    ThroughputCheck,
     TtftCheck,
     batch_figures,
     batch_tokens,
@@ -88,6 +90,14 @@ class PolicyFigures:
     errors: dict[str, int]  # baseline and flood requests that did not end as planned, by kind
     queue_outcomes: dict[str, dict[str, float]] = field(default_factory=dict)
     upstream_queued_max_s: float | None = None  # the longest wait in the fake's own queue
+    # Under the flood: the pauses Sluice counted (sluice_preemptions_total), and the requests
+    # the upstream received past each flood request's first (its continuations).
+    pauses: float = 0.0
+    continuations: int = 0
+    # With --fair-preempt-after: B's and C's TTFT p99 under the flood against that
+    # preempt_after plus twice their p99 with no flood through the same process (for FIFO
+    # too, with the fair process's preempt_after: the same bound, for comparison).
+    band_checks: list[PreemptCheck] = field(default_factory=list)
 
 
 def _phases(run: FairnessRun, name: str, policy: str) -> list[Phase]:
@@ -157,6 +167,15 @@ def policy_figures(run: FairnessRun, policy: str, bound: Bound) -> PolicyFigures
         if r.read_timeout is not None or r.deadline is not None
     ]
     throughputs = [t for t in (throughput(p.requests) for p in floods) if t is not None]
+    preempt_after = run.settings.fair_preempt_after
+    band_checks = (
+        []
+        if preempt_after is None
+        else [
+            PreemptCheck(keyed[key].ttft_p99_s, base[key].ttft_p99_s, preempt_after, key)
+            for key in INTERACTIVE
+        ]
+    )
     queued = [r.upstream_queued_s for r in flood if r.upstream_queued_s is not None]
     outcomes: dict[str, dict[str, float]] = {}
     for phase in run.phases:
@@ -179,6 +198,9 @@ def policy_figures(run: FairnessRun, policy: str, bound: Bound) -> PolicyFigures
         errors=errors,
         queue_outcomes=outcomes,
         upstream_queued_max_s=max(queued) if queued else None,
+        pauses=sum(p.pause_metrics.get("preemptions_total", 0.0) for p in floods),
+        continuations=sum(max(0, r.upstream_records - 1) for r in flood),
+        band_checks=band_checks,
     )
 
 
@@ -286,6 +308,27 @@ class FairnessReport:
             self.policies["fair"].cpu_us_per_event, self.policies["fifo"].cpu_us_per_event
         )
 
+    @property
+    def within_band(self) -> bool:
+        """Whether the fair process of the comparison preempts (--fair-preempt-after)."""
+        return self.run.settings.fair_preempt_after is not None
+
+    @property
+    def throughput_check(self) -> ThroughputCheck:
+        return ThroughputCheck(self.policies["fair"].throughput, self.policies["fifo"].throughput)
+
+    def throughput_rounds(self) -> list[float | None]:
+        """Fair over FIFO, throughput under the flood, round by round."""
+        out = []
+        for round_ in range(self.run.settings.repeat):
+            by = {
+                p.policy: throughput(p.requests)
+                for p in self.run.phases
+                if p.name == "flood" and p.round == round_
+            }
+            out.append(ThroughputCheck(by.get("fair"), by.get("fifo")).ratio)
+        return out
+
     def cpu_rounds(self) -> list[float | None]:
         """Fair over FIFO, CPU per event, round by round."""
         out = []
@@ -332,6 +375,10 @@ class FairnessReport:
                         for c in figures.checks
                     ],
                     "pairs": [asdict(p) | {"within": p.within} for p in figures.pairs],
+                    "band_checks": [
+                        asdict(c) | {"limit_s": c.limit_s, "passed": c.passed}
+                        for c in figures.band_checks
+                    ],
                     "deadline": asdict(figures.deadline)
                     | {
                         "close_p50_s": figures.deadline.close_p50_s,
@@ -351,6 +398,14 @@ class FairnessReport:
             else asdict(self.preempt_check)
             | {"limit_s": self.preempt_check.limit_s, "passed": self.preempt_check.passed},
             "pauses_passed": self.pauses_passed if self.preemption else None,
+            "within_band": None
+            if not self.within_band
+            else {
+                "preempt_after": run.settings.fair_preempt_after,
+                "throughput_ratio": self.throughput_check.ratio,
+                "throughput_rounds": self.throughput_rounds(),
+                "throughput_passed": self.throughput_check.passed,
+            },
         }
 
 
@@ -380,9 +435,15 @@ def _verdict(ok: bool) -> str:
     return "**pass**" if ok else "**FAIL**"
 
 
+def fair_label(report: FairnessReport) -> str:
+    """The fair process's column: with its preempt_after when it preempts."""
+    after = report.run.settings.fair_preempt_after
+    return "fair" if after is None else f"fair, preempt_after {after:g} s"
+
+
 def flood_table(report: FairnessReport) -> list[str]:
     fifo, fair = report.policies["fifo"], report.policies["fair"]
-    rows = ["| under A's flood | FIFO | fair |", "|---|---:|---:|"]
+    rows = [f"| under A's flood | FIFO | {fair_label(report)} |", "|---|---:|---:|"]
 
     def row(label: str, fifo_value: str, fair_value: str) -> None:
         rows.append(f"| {label} | {fifo_value} | {fair_value} |")
@@ -475,6 +536,69 @@ def _errors(errors: dict[str, int]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in sorted(errors.items())) or "0"
 
 
+def within_band_table(report: FairnessReport) -> list[str]:
+    """With --fair-preempt-after: per system, B's and C's TTFT p99 under the flood against
+    preempt_after plus twice their idle p99, the pauses, and the throughput."""
+    if not report.within_band:
+        return []
+    fifo, fair = report.policies["fifo"], report.policies["fair"]
+    rows = [
+        f"| one band (every key in band 0) | FIFO | {fair_label(report)} |",
+        "|---|---:|---:|",
+    ]
+
+    def row(label: str, pick: Any) -> None:
+        rows.append(f"| {label} | {pick(fifo)} | {pick(fair)} |")
+
+    for i, key in enumerate(INTERACTIVE):
+        row(f"{key}: TTFT p99 under A's flood (ms)", lambda f, i=i: _ms(f.band_checks[i].p99_s))
+        row(
+            f"{key}: idle TTFT (no flood) p50 / p99 (ms)",
+            lambda f, key=key: (
+                f"{_ms(f.baseline[key].ttft_p50_s)} / {_ms(f.baseline[key].ttft_p99_s)}"
+            ),
+        )
+        row(
+            f"{key}: bound, preempt_after + 2 x idle p99 (ms); p99 within it",
+            lambda f, i=i: (
+                f"{_ms(f.band_checks[i].limit_s)}; "
+                + ("within" if f.band_checks[i].passed else "**over**")
+            ),
+        )
+    row("pauses under the flood (sluice_preemptions_total)", lambda f: f"{f.pauses:.0f}")
+    row("continuations the upstream received", lambda f: f.continuations)
+    row("throughput, all keys (tokens/s), mean of rounds", lambda f: _num(f.throughput, ",.0f"))
+    check = report.throughput_check
+    rounds = ", ".join(_num(r, ".3f") for r in report.throughput_rounds())
+    rows.append(
+        f"| throughput over FIFO's (round by round) | 1 | {_num(check.ratio, '.3f')} ({rounds}) |"
+    )
+    return rows
+
+
+def within_band_check_lines(report: FairnessReport) -> list[str]:
+    if not report.within_band:
+        return []
+    fifo, fair = report.policies["fifo"], report.policies["fair"]
+    label = fair_label(report)
+    lines = []
+    for check, versus in zip(fair.band_checks, fifo.band_checks, strict=True):
+        lines.append(
+            f"One band, {label}, key {check.key}: TTFT p99 {_ms(check.p99_s)} ms under A's "
+            f"flood <= preempt_after {_ms(check.preempt_after)} ms + 2 x "
+            f"{_ms(check.idle_p99_s)} ms (its p99 with no flood) = {_ms(check.limit_s)} ms: "
+            + _verdict(check.passed)
+            + f" (FIFO: {_ms(versus.p99_s)} ms)"
+        )
+    ratio = report.throughput_check
+    rounds = ", ".join(_num(r, ".3f") for r in report.throughput_rounds())
+    lines.append(
+        f"Throughput under the flood, {label} / FIFO: {_num(ratio.ratio, '.3f')} (round by "
+        f"round: {rounds}) >= {THROUGHPUT_FLOOR:g}: " + _verdict(ratio.passed)
+    )
+    return lines
+
+
 def check_lines(report: FairnessReport) -> list[str]:
     settings = report.run.settings
     lines = []
@@ -502,6 +626,7 @@ def check_lines(report: FairnessReport) -> list[str]:
             f"Order, {policy}: {passed} of A's requests went upstream while one of B's or C's "
             "waited (0: each took the next slot to free): " + _verdict(passed == 0)
         )
+    lines += within_band_check_lines(report)
     ratio = report.cpu_ratio
     rounds = ", ".join(_num(r, ".3f") for r in report.cpu_rounds())
     lines.append(
@@ -606,7 +731,7 @@ def preempt_check_lines(report: FairnessReport) -> list[str]:
 
 def deadline_table(report: FairnessReport) -> list[str]:
     fifo, fair = report.policies["fifo"].deadline, report.policies["fair"].deadline
-    rows = ["| deadlines | FIFO | fair |", "|---|---:|---:|"]
+    rows = [f"| deadlines | FIFO | {fair_label(report)} |", "|---|---:|---:|"]
 
     def row(label: str, pick: Any) -> None:
         rows.append(f"| {label} | {pick(fifo)} | {pick(fair)} |")
@@ -652,8 +777,14 @@ def queue_lines(report: FairnessReport) -> list[str]:
 def markdown(report: FairnessReport) -> str:
     run, settings, bound = report.run, report.run.settings, report.bound
     machine = run.machine
+    after = settings.fair_preempt_after
+    title = (
+        "FIFO vs fair"
+        if after is None
+        else f"FIFO vs fair with preemption within one band (preempt_after {after:g} s)"
+    )
     lines = [
-        f"## Fair share under a flood: FIFO vs fair, {settings.slots} slots",
+        f"## Fair share under a flood: {title}, {settings.slots} slots",
         "",
         f"- Machine: {machine.get('cores')} cores ({machine.get('cpu') or 'unknown CPU'}), "
         f"{machine.get('system')}, Python {machine.get('python')}; load average "
@@ -665,8 +796,14 @@ def markdown(report: FairnessReport) -> str:
         "- Systems: one fake upstream (`--max-running "
         f"{settings.slots}`) and two Sluice processes in front of it, the same config "
         f"(`max_connections = {settings.slots}`, keys A, B and C of weight 1) but for "
-        '`[scheduling] policy` ("fifo", "fair"); every phase ran through one and then the '
-        "other"
+        '`[scheduling] policy` ("fifo", "fair")'
+        + (
+            ""
+            if after is None
+            else f", and the fair one's `preempt_after = {after:g}` (every other `[scheduling]` "
+            "setting Sluice's default; every key in band 0, so its pauses are within the band)"
+        )
+        + "; every phase ran through one and then the other"
         + (", the order reversed each round" if settings.repeat > 1 else "")
         + ", each phase's requests all served before the next began",
         f"- Bound: `2 * max(w_in * L_in, w_out * M)` with w_in = {bound.w_in:g}, w_out = "
@@ -676,6 +813,7 @@ def markdown(report: FairnessReport) -> str:
         "",
         *flood_table(report),
         "",
+        *(line for line in (*within_band_table(report), "") if report.within_band),
         *deadline_table(report),
         "",
         f"Preemption: {settings.describe_preemption()}. Two more Sluice processes, both fair "

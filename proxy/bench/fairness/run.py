@@ -117,7 +117,9 @@ def proxy_config(port: int, upstream: str, policy: str, settings: FairnessSettin
     of the order, not of the limits); the three keys, each weight 1. ``policy`` is also one of
     PREEMPT_VARIANTS: fair, the batch and interactive keys in their bands, and preempt_after
     the bench's (on) or 0 (off), all else the same; or LONG: fair, LONG_BANDS, the bench's
-    preempt_after, every other [scheduling] setting Sluice's default."""
+    preempt_after, every other [scheduling] setting Sluice's default. The fair process of the
+    FIFO/fair comparison also sets ``preempt_after`` when the bench has ``fair_preempt_after``
+    (its keys all in band 0: a pause it makes is within the band)."""
     keys = "".join(
         "[[keys]]\n"
         f'name = "{key}"\n'
@@ -136,6 +138,8 @@ def proxy_config(port: int, upstream: str, policy: str, settings: FairnessSettin
         )
     elif policy == LONG:
         scheduling = f'policy = "fair"\npreempt_after = {settings.preempt_after!r}\n'
+    elif policy == "fair" and settings.fair_preempt_after is not None:
+        scheduling += f"preempt_after = {settings.fair_preempt_after!r}\n"
     return keys + (
         "# Written by proxy.bench (fairness) for one run.\n"
         "[server]\n"

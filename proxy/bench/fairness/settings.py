@@ -78,6 +78,11 @@ class FairnessSettings:
     batch_seconds: float = 6.0
     batch_tokens: int = 300
     urgent_rate: float = 1.5
+    # The fair process of the FIFO/fair comparison: its [scheduling] preempt_after (None: not
+    # set, so it never preempts). Every key of that comparison is in band 0, so what it
+    # measures is preemption within one band; its other [scheduling] settings stay Sluice's
+    # defaults.
+    fair_preempt_after: float | None = None
     timeout: float = 120.0  # seconds a phase may run after its last request is sent
     model: str = "fake-model"
     progress: bool = True
@@ -105,6 +110,8 @@ class FairnessSettings:
         for name in ("baseline_seconds", "ttft", "interval"):
             if not (0 <= getattr(self, name) < math.inf):
                 raise BenchError(f"--{name.replace('_', '-')} must be a finite number >= 0")
+        if self.fair_preempt_after is not None and not (0 < self.fair_preempt_after < math.inf):
+            raise BenchError("--fair-preempt-after must be a finite number > 0")
         if not (0 < self.bucket_seconds < math.inf):
             raise BenchError("--bucket-seconds must be a finite number > 0")
         if self.long_minutes is not None and not (
@@ -178,6 +185,11 @@ class FairnessSettings:
             f"bench=fairness slots={self.slots} rate={self.rate:g} flood={self.flood_factor:g}x "
             f"seconds={self.flood_seconds:g} tokens={self.flood_tokens}/{self.short_tokens} "
             f"interval={self.interval:g} repeat={self.repeat}"
+            + (
+                ""
+                if self.fair_preempt_after is None
+                else f" fair_preempt_after={self.fair_preempt_after:g}"
+            )
         )
 
     def describe(self) -> str:

@@ -32,6 +32,9 @@ from proxy.bench.summary import percentile
 TTFT_SLACK: Final = 1.5
 # Fair may cost at most this much more proxy CPU per event than FIFO.
 CPU_LIMIT: Final = 1.05
+# Fair with preemption must complete at least this share of FIFO's throughput under the flood:
+# a pause costs the stream's continuation a prefill upstream, and its slot an answer's start.
+THROUGHPUT_FLOOR: Final = 0.95
 # A request cancelled at its deadline while running: its upstream connection closed within
 # this many seconds of the deadline, p99.
 CANCEL_TARGET_S: Final = 0.010
@@ -581,13 +584,16 @@ def batch_figures(rounds: Sequence[Sequence[Request]], expected: str) -> BatchFi
 
 @dataclass(frozen=True)
 class PreemptCheck:
-    """With preemption, the interactive TTFT p99 against ``preempt_after`` plus twice its
-    TTFT p99 on an idle upstream: its wait for the pause, then an answer as if alone (twice:
-    the pause and the slot's hand-over cost about a TTFT of their own)."""
+    """With preemption, an interactive key's TTFT p99 while another holds every slot, against
+    ``preempt_after`` plus twice its TTFT p99 on an idle upstream: its wait for the pause, then
+    an answer as if alone (twice: the pause and the slot's hand-over cost about a TTFT of their
+    own). The holder is a less urgent band's (the preemption phase) or, within one band, a
+    flooding key's (``key`` names the interactive one there)."""
 
     p99_s: float | None
     idle_p99_s: float | None
     preempt_after: float
+    key: str = ""
 
     @property
     def limit_s(self) -> float | None:
@@ -599,3 +605,23 @@ class PreemptCheck:
     def passed(self) -> bool:
         limit = self.limit_s
         return limit is not None and self.p99_s is not None and self.p99_s <= limit
+
+
+@dataclass(frozen=True)
+class ThroughputCheck:
+    """Under the flood, fair with preemption's throughput over FIFO's, at least
+    ``THROUGHPUT_FLOOR``."""
+
+    fair: float | None
+    fifo: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.fair is None or self.fifo is None or self.fifo <= 0:
+            return None
+        return self.fair / self.fifo
+
+    @property
+    def passed(self) -> bool:
+        ratio = self.ratio
+        return ratio is not None and ratio >= THROUGHPUT_FLOOR
