@@ -21,8 +21,17 @@ Per sequence:
   taken out of the batch (its cache kept aside) and it is not stepped, so it neither grows
   memory nor slows the others; it rejoins when its reader has caught up to half the window.
   The request pipeline's stall limit is what finally evicts one whose client stops reading;
-* **a joining prompt** is prefilled ``prefill_chunk`` tokens per step while others decode, so
-  a running stream's next token waits for one chunk, not for a whole long prompt;
+* **a joining prompt** is always prefilled in chunks, one chunk per step, so that every step is
+  short: a cancel lands within one chunk, and a request that arrives meanwhile is prefilled
+  between two chunks. Beside others (a running stream, a parked one, another prompt waiting)
+  a chunk is ``prefill_chunk`` tokens, so their next token or chunk waits for a short one; alone,
+  ``prefill_chunk_alone`` (larger: a forward pass has a fixed cost, and small chunks alone would
+  give up prefill throughput for no one's sake). Waiting prompts are prefilled in the order
+  they got their slots, except that one with more left than a chunk alone is passed over for
+  those with less: a short prompt that arrives while a long one is being prefilled gets its
+  first token within a few chunks (the long one still gets one turn in
+  ``_MAX_PASSED_OVER + 1``). A resumed sequence whose KV was dropped is prefilled again the
+  same way;
 * **a shared prefix**: with a :class:`inference.prefix_cache.PrefixCache`, a joining prompt
   starts from the KV of the longest prefix it shares with a prompt or a sequence the engine
   finished before, and prefills only the rest. A prompt's KV is stored when its prefill is
@@ -31,9 +40,10 @@ Per sequence:
 * **pausing**: so that an urgent request can take a running one's slot, :meth:`BatchEngine.pause`
   takes a sequence out wherever it is (decoding, parked, or part-way through its prefill) and
   keeps its KV aside; unlike a parked one, a paused sequence does not count toward capacity.
-  :meth:`BatchEngine.resume` puts it back, ahead of waiting newcomers, where it left off, so
-  its client sees one answer with a gap in it. Every pause asked gets one notice (or the
-  sequence ends): one asked after a resume the engine has not taken yet withdraws that resume.
+  :meth:`BatchEngine.resume` puts it back, ahead of waiting newcomers (first in the waiting
+  line, when its prefill is not done), where it left off, so its client sees one answer with
+  a gap in it. Every pause asked gets one notice (or the sequence ends): one asked after a
+  resume the engine has not taken yet withdraws that resume.
   The KV kept for paused sequences is bounded (``paused_bytes``): past it, the KV of those
   paused longest ago is dropped (logged), and such a sequence is prefilled again (its prompt
   and answer so far) when it resumes, without drawing a token, so no text is repeated or lost;
@@ -65,6 +75,16 @@ log = logging.getLogger("sluice.inference")
 # parked. Small enough that a parked sequence holds little; large enough that an event loop
 # busy for a few steps never parks anyone.
 DEFAULT_WINDOW = 8
+
+# A prefill chunk when nothing else runs or waits. Measured on SmolLM2-135M (int4, AMD EPYC, two
+# threads; docs/local-model.md has the table): 128-token chunks prefill a 3,000-token prompt at
+# 411 tokens/s, where the curve flattens (64: 392, 256: 402, 512: about 4% more; one pass over
+# the whole prompt: 291), and each takes 0.20 s at the prompt's start, 0.34 s 2,000 tokens in.
+# A larger chunk is a longer wait for a cancel or a newcomer (256: 0.41 to 0.68 s).
+DEFAULT_PREFILL_CHUNK_ALONE = 128
+# Prefill turns the first in the waiting line may be passed over in a row for shorter prompts
+# (BatchEngine._next_to_prefill): a long prompt still gets one chunk in this many and one.
+_MAX_PASSED_OVER = 4
 
 # The KV kept for paused sequences, all together: SmolLM2-135M's KV is 30 layers x 2 x 3 heads
 # x 64 x 4 bytes = 45 KiB a position in float32, so this keeps about 5,800 positions (a few
@@ -129,6 +149,8 @@ class Generation:
         # its answer but the last token, which the next decode step feeds), up to _refilled.
         self._refill: list[int] | None = None
         self._refilled = 0
+        # Prefill turns that went to another while this one was first in the waiting line.
+        self._passed_over = 0
         self.generated: list[int] = []
         self.completion_tokens = 0
         self.step_seconds: list[float] = []
@@ -178,6 +200,7 @@ class BatchEngine:
         max_batch: int,
         deliver: Deliver,
         prefill_chunk: int = 32,
+        prefill_chunk_alone: int = DEFAULT_PREFILL_CHUNK_ALONE,
         batching: bool = True,
         on_step: StepHook | None = None,
         on_prefill: Callable[[float], None] | None = None,
@@ -191,6 +214,7 @@ class BatchEngine:
         self.batching = batching
         self.capacity = max_batch if batching else 1
         self.prefill_chunk = max(1, prefill_chunk)
+        self.prefill_chunk_alone = max(self.prefill_chunk, prefill_chunk_alone)
         self.deliver = deliver
         self.on_step = on_step
         self.on_prefill = on_prefill
@@ -324,7 +348,8 @@ class BatchEngine:
 
     def step(self) -> None:
         """One iteration: drop the cancelled, park and resume, one decode step of the batch,
-        then one prefill chunk of the first waiting sequence; deliver what it made."""
+        then one prefill chunk of the waiting sequence whose turn it is; deliver what it
+        made."""
         pieces: list[tuple[Generation, Piece]] = []
         gone: list[Generation] = []
         self._drop_cancelled(gone)
@@ -645,19 +670,44 @@ class BatchEngine:
                     len(self._rows),
                 )
 
+    def _chunk_size(self) -> int:
+        """The next prefill chunk's tokens: larger when no other sequence waits for this step
+        (none decoding, parked or waiting for its own prefill)."""
+        if self._rows or self._parked or len(self._waiting) > 1:
+            return self.prefill_chunk
+        return self.prefill_chunk_alone
+
+    def _next_to_prefill(self) -> Generation:
+        """The waiting sequence whose chunk is next. The waiting line is in the order the
+        requests got their slots (the scheduler's), and its first goes on, unless it has more
+        left to prefill than one chunk alone: then the one with the least left (the first among
+        equals), so that a short prompt arriving while a long one is being prefilled goes
+        between two of its chunks rather than after them all. The first is passed over at most
+        ``_MAX_PASSED_OVER`` turns in a row, so that short prompts arriving one after another
+        cannot hold a long one back for ever."""
+        waiting = self._waiting
+        first = waiting[0]
+        if (
+            _left_to_prefill(first) <= self.prefill_chunk_alone
+            or first._passed_over >= _MAX_PASSED_OVER
+        ):
+            chosen = first
+        else:
+            chosen = min(waiting, key=_left_to_prefill)
+        first._passed_over = 0 if chosen is first else first._passed_over + 1
+        return chosen
+
     def _prefill(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
         import torch
 
-        sequence = self._waiting[0]
+        sequence = self._next_to_prefill()
         if sequence._refill is not None:
             self._prefill_again(sequence, gone, pieces)
             return
         prompt = sequence.prompt_ids
         if sequence._detokenizer is None:
             self._start_prefill(sequence)
-        # Alone, the whole prompt at once; beside running streams, a chunk per step.
-        size = self.prefill_chunk if self._rows else len(prompt)
-        chunk = prompt[sequence.prefilled : sequence.prefilled + size]
+        chunk = prompt[sequence.prefilled : sequence.prefilled + self._chunk_size()]
         try:
             with torch.inference_mode():
                 output = self._forward_chunk(sequence, chunk)
@@ -667,12 +717,12 @@ class BatchEngine:
                 if sequence.prefilled < len(prompt):
                     sequence.progress = (sequence.forward_passes, sequence.produced)
                     return
-                self._waiting.popleft()
+                self._waiting.remove(sequence)
                 piece = self._advance(sequence, output.logits[0, -1])
                 sequence.progress = (sequence.forward_passes, sequence.produced)
         except Exception as error:  # noqa: BLE001 - the engine thread: no trio.Cancelled here
-            if self._waiting and self._waiting[0] is sequence:
-                self._waiting.popleft()
+            if sequence in self._waiting:
+                self._waiting.remove(sequence)
             sequence.cache = None
             self._fail([sequence], error, pieces, gone)
             return
@@ -708,13 +758,12 @@ class BatchEngine:
             if rows is not None:
                 sequence.cache = cache_rows.cache_from_rows(self.model.config, rows)
                 sequence._refilled = shared
-        size = self.prefill_chunk if self._rows else len(ids)
-        chunk = ids[sequence._refilled : sequence._refilled + size]
+        chunk = ids[sequence._refilled : sequence._refilled + self._chunk_size()]
         try:
             with torch.inference_mode():
                 output = self._forward_chunk(sequence, chunk)
         except Exception as error:  # noqa: BLE001 - the engine thread: no trio.Cancelled here
-            self._waiting.popleft()
+            self._waiting.remove(sequence)
             sequence.cache = None
             self._fail([sequence], error, pieces, gone)
             return
@@ -724,7 +773,7 @@ class BatchEngine:
         sequence.progress = (sequence.forward_passes, sequence.produced)
         if sequence._refilled < len(ids):
             return
-        self._waiting.popleft()
+        self._waiting.remove(sequence)
         sequence._refill, sequence._refilled = None, 0
         cache, sequence.cache = sequence.cache, None
         self._join(sequence, cache=cache)
@@ -800,6 +849,12 @@ class BatchEngine:
             stop_sequence=stops.matched if stop_hit else None,
         )
         return piece
+
+
+def _left_to_prefill(sequence: Generation) -> int:
+    if sequence._refill is not None:
+        return len(sequence._refill) - sequence._refilled
+    return len(sequence.prompt_ids) - sequence.prefilled
 
 
 def _bytes_held(sequence: Generation) -> int:

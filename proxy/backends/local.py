@@ -183,6 +183,7 @@ class LocalBackend:
             self.generator,
             max_batch=model.slots,
             prefill_chunk=model.prefill_chunk_tokens,
+            prefill_chunk_alone=model.prefill_chunk_alone_tokens,
             batching=unbatchable is None,
             deliver=self._deliver,
             on_step=self._on_step,

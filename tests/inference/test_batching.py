@@ -128,6 +128,67 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(generator: Gen
     assert harness.text(joining) == alone(generator, PROMPTS[3])
 
 
+def test_a_prompt_alone_is_prefilled_in_chunks_and_a_cancel_lands_after_one(
+    generator: Generator,
+) -> None:
+    harness = Harness(generator, prefill_chunk=4, prefill_chunk_alone=16)
+    long = Generation(generator.text_prompt(PROMPTS[3]), GREEDY)
+    assert len(long.prompt_ids) > 3 * 16
+    harness.engine.add(long)
+    harness.engine.step()
+    harness.engine.step()
+    # Two steps, two chunks of the larger size: no token yet.
+    assert long.prefilled == 32 and long.forward_passes == 2 and long not in harness.texts
+    long.cancelled = True
+    harness.engine.step()
+    assert harness.gone == [long] and long.forward_passes == 2
+    assert harness.engine.sequences == 0
+
+
+def test_a_short_prompt_arriving_mid_prefill_is_let_in_between_two_chunks(
+    generator: Generator,
+) -> None:
+    harness = Harness(generator, prefill_chunk=4, prefill_chunk_alone=16)
+    long = Generation(generator.text_prompt(PROMPTS[3]), GREEDY)
+    harness.engine.add(long)
+    harness.engine.step()
+    short = Generation(generator.text_prompt(PROMPTS[2]), GREEDY)
+    assert len(short.prompt_ids) <= 4
+    harness.engine.add(short)
+    harness.engine.step()
+    # The newcomer had the next chunk, and its first token, before the long prompt's next.
+    assert len(harness.texts[short]) == 1 and harness.engine.batch_size == 1
+    assert long.prefilled == 16 and long.produced == 0
+    harness.engine.step()
+    # Beside a running stream the long prompt goes on, a smaller chunk a step.
+    assert long.prefilled == 16 + 4 and len(harness.texts[short]) == 2
+    harness.run([long, short])
+    assert harness.text(long) == alone(generator, PROMPTS[3])
+    assert harness.text(short) == alone(generator, PROMPTS[2])
+
+
+def test_shorter_prompts_arriving_one_after_another_do_not_hold_a_long_one_back(
+    generator: Generator,
+) -> None:
+    harness = Harness(generator, max_batch=8, prefill_chunk=4, prefill_chunk_alone=16)
+    long = Generation(generator.text_prompt(PROMPTS[3]), GREEDY)
+    harness.engine.add(long)
+    harness.engine.step()
+    shorts = [Generation(generator.text_prompt(PROMPTS[2]), GREEDY) for _ in range(6)]
+    for short in shorts:
+        harness.engine.add(short)
+    prefilled = []
+    for _ in range(6):
+        harness.engine.step()
+        prefilled.append(long.prefilled)
+    # Four turns to the shorter ones, then one to the long prompt (first in the line), then
+    # the shorter ones again.
+    assert prefilled == [16, 16, 16, 16, 20, 20]
+    assert [len(harness.texts.get(short, [])) > 0 for short in shorts] == [True] * 5 + [False]
+    harness.run([long, *shorts])
+    assert harness.text(long) == alone(generator, PROMPTS[3])
+
+
 def test_a_cancelled_sequence_leaves_at_the_next_step_and_the_others_are_untouched(
     generator: Generator,
 ) -> None:

@@ -187,7 +187,7 @@ def test_a_sequence_paused_part_way_through_its_prefill_goes_on_from_there(
     rig.engine.resume(long)
     rig.run([running, newcomer, long])
     # Its prefill went on from where it stopped: no chunk was fed twice (once alone, the rest
-    # of a prompt goes in one pass).
+    # of this prompt goes in one larger chunk).
     chunks = -(-len(long.prompt_ids) // 8)
     assert long.prefilled == len(long.prompt_ids)
     assert long.forward_passes <= chunks + GREEDY.max_tokens - 1
@@ -423,6 +423,30 @@ def test_a_pause_alone_over_the_bound_drops_its_own_kv(
         assert result is not None
         assert result.usage.prompt_tokens == len(sequence.prompt_ids)
         assert result.usage.completion_tokens == GREEDY.max_tokens == rig.tokens(sequence)
+
+
+def test_a_resumed_sequence_whose_kv_was_dropped_is_prefilled_again_in_chunks(
+    generator: Generator,
+) -> None:
+    rig = Rig(generator, max_batch=1, paused_bytes=1)
+    rig.engine.prefill_chunk_alone = 16
+    sequence = rig.start(PROMPTS[3])
+    rig.until(lambda: rig.tokens(sequence) == 4)
+    rig.engine.pause(sequence)
+    rig.engine.step()
+    assert sequence.paused and sequence.kept_bytes == 0 and rig.engine.paused_dropped == 1
+    rig.engine.resume(sequence)
+    passes = sequence.forward_passes
+    rig.engine.step()
+    # Its prompt and answer but the last token, a chunk a step, alone as it is.
+    again = len(sequence.prompt_ids) + 3
+    assert again > 2 * 16
+    assert sequence.forward_passes == passes + 1 and rig.tokens(sequence) == 4
+    rig.until(lambda: rig.tokens(sequence) == 5)
+    assert sequence.forward_passes - passes == -(-again // 16) + 1
+    rig.run([sequence])
+    assert rig.results[sequence].result is not None
+    assert rig.tokens(sequence) == GREEDY.max_tokens
 
 
 def test_without_cache_editing_a_pause_keeps_the_sequences_own_cache(

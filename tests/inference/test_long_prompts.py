@@ -1,0 +1,179 @@
+"""Long prompts on the local model, through real sockets: a prompt of 3,000 tokens is prefilled in
+chunks, so that a client who leaves mid-prefill is let go within one chunk and a short request
+sent meanwhile gets its first token within a few.
+
+The model is a tiny random Llama with SmolLM2's tokenizer and its 8,192-token context, slowed
+per token of prefill (a forward pass over a chunk costs in proportion to its tokens, as a real
+model's does) so that a chunk's time is known and a whole prompt in one pass would be long.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import trio
+
+from inference.batching import DEFAULT_PREFILL_CHUNK_ALONE
+from inference.llama_forward import serving_forward
+from inference.loading import LoadedModel, eos_ids_of
+from proxy.backends.local import LocalBackend
+from tests.model_fixtures import smol_tokenizer
+from tests.support import (
+    Proxy,
+    RawClient,
+    chat_body,
+    poll_until,
+    start_local_proxy,
+)
+
+__all__ = ["smol_tokenizer"]
+
+CHAT = "/v1/chat/completions"
+CONTEXT = 8192  # SmolLM2's
+PROMPT_TOKENS = 3000
+# Each prompt token a chunk prefills costs this much: a chunk alone (DEFAULT_PREFILL_CHUNK_ALONE
+# tokens) takes about half a second, the whole prompt in one pass 12 s.
+PER_TOKEN = 0.004
+CHUNK = DEFAULT_PREFILL_CHUNK_ALONE * PER_TOKEN
+# A decode step of the slowed model.
+STEP = 0.005
+DEADLINE = 30
+
+
+class PerTokenSlowModel:
+    """The serving forward, slowed: a prefill chunk (a call without position ids) sleeps
+    ``PER_TOKEN`` per token it feeds, a decode step ``STEP``. Records each chunk's size."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.config = inner.config
+        self.chunks: list[int] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if kwargs.get("position_ids") is None:
+            # Recorded before the sleep: a test that sees it knows the chunk is running.
+            tokens = int(kwargs["input_ids"].shape[1])
+            self.chunks.append(tokens)
+            time.sleep(PER_TOKEN * tokens)
+        else:
+            time.sleep(STEP)
+        return self.inner(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def long_context_model(smol_tokenizer: Any) -> LoadedModel:
+    """The tiny random Llama with SmolLM2's context, so that a 3,000-token prompt fits."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=CONTEXT,
+        bos_token_id=smol_tokenizer.bos_token_id,
+        eos_token_id=smol_tokenizer.eos_token_id,
+        pad_token_id=smol_tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    forward, _ = serving_forward(model, "auto")
+    return LoadedModel(
+        name="tiny",
+        model=model,
+        tokenizer=smol_tokenizer,
+        source="random tiny llama, long context",
+        eos_token_ids=eos_ids_of(model, smol_tokenizer),
+        forward=PerTokenSlowModel(forward),
+    )
+
+
+def long_body(tokenizer: Any) -> tuple[dict[str, Any], int]:
+    """A chat of about PROMPT_TOKENS tokens, and its exact count (its template included)."""
+    text = "The river runs to the sea. " * (PROMPT_TOKENS // 7)
+    messages = [{"role": "user", "content": text}]
+    template = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tokens = len(tokenizer.encode(template, add_special_tokens=False))
+    assert PROMPT_TOKENS - 100 <= tokens <= PROMPT_TOKENS + 100, tokens
+    return chat_body("tiny", messages=messages, max_tokens=20), tokens
+
+
+def short_body() -> dict[str, Any]:
+    """A short chat whose answer is one token: its end is its first token."""
+    return chat_body("tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+
+
+class LongPrompt:
+    """A proxy with two slots, and a client whose 3,000-token prompt is being prefilled."""
+
+    def __init__(self, proxy: Proxy, model: PerTokenSlowModel, client: RawClient, tokens: int):
+        self.proxy = proxy
+        self.local: LocalBackend = proxy.state.local_backends["tiny"]
+        self.model = model
+        self.client = client
+        self.tokens = tokens
+
+    @classmethod
+    async def start(cls, nursery: trio.Nursery, loaded: LoadedModel) -> LongPrompt:
+        """Returns one and a half chunks into the prompt's prefill."""
+        proxy = await start_local_proxy(nursery, loaded, slots=2)
+        model = loaded.forward
+        model.chunks.clear()
+        body, tokens = long_body(loaded.tokenizer)
+        client = await RawClient.post(proxy, CHAT, body)
+        await poll_until(lambda: model.chunks)
+        long = cls(proxy, model, client, tokens)
+        await trio.sleep(1.5 * CHUNK)
+        return long
+
+    def prefilling(self) -> bool:
+        """Whether the long prompt's prefill is still going on: its sequence has no token."""
+        (sequence,) = [seq for seq in self.local._listeners if len(seq.prompt_ids) == self.tokens]
+        return sequence.produced == 0
+
+    async def leave(self) -> float:
+        """The client leaves mid-prefill: seconds until its sequence is out of the engine and
+        its slot free, after checking that no chunk was fed after the one running at the
+        close."""
+        local, model = self.local, self.model
+        chunks = len(model.chunks)
+        assert self.prefilling()
+        closed_at = await self.client.close()
+        await poll_until(lambda: local.active_generations == 0, interval=0.002)
+        await local.admission.wait_free()
+        seconds = trio.current_time() - closed_at
+        assert len(model.chunks) <= chunks + 1
+        assert local.engine.sequences == 0 and local.admission.waiting == 0
+        return seconds
+
+
+async def test_a_client_that_leaves_mid_prefill_is_let_go_within_a_chunk(
+    nursery: trio.Nursery, long_context_model: LoadedModel
+) -> None:
+    with trio.fail_after(DEADLINE):
+        long = await LongPrompt.start(nursery, long_context_model)
+        seconds = await long.leave()
+    assert seconds < 2 * CHUNK, f"let go {seconds:.2f} s after its client left"
+    # Alone, every chunk is the larger one.
+    assert set(long.model.chunks) == {DEFAULT_PREFILL_CHUNK_ALONE}
+
+
+async def test_a_short_request_gets_its_first_token_while_a_long_prompt_is_prefilled(
+    nursery: trio.Nursery, long_context_model: LoadedModel
+) -> None:
+    with trio.fail_after(DEADLINE):
+        long = await LongPrompt.start(nursery, long_context_model)
+        sent_at = trio.current_time()
+        short = await RawClient.post(long.proxy, CHAT, short_body())
+        await short.read_until(b"data: [DONE]")
+        first_token = trio.current_time() - sent_at
+        assert first_token < 3 * CHUNK, f"first token after {first_token:.2f} s"
+        # Let in between two chunks of the long prompt, whose prefill goes on.
+        assert long.prefilling()
+        seconds = await long.leave()
+    assert seconds < 2 * CHUNK, f"let go {seconds:.2f} s after its client left"
