@@ -308,10 +308,7 @@ class SluiceState:
     def end_grace(self) -> int:
         """The drain's grace is about to end: every request still at work is stopped, and its
         client told (``shutting_down``: a 503, or an in-band error); how many were."""
-        active = list(self.tracker.active)
-        for body in active:
-            body.shut_down()
-        return len(active)
+        return sum(body.shut_down() for body in list(self.tracker.active))
 
     async def aclose(self) -> None:
         for served in (self.current, *self.retiring):

@@ -637,15 +637,17 @@ class RelayBody(ResponseBody):
         length = self.content_length
         return length is not None and self._handed >= length
 
-    def shut_down(self) -> None:
+    def shut_down(self) -> bool:
         """The drain's grace is about to end and this request is still at work: stop it now,
-        so that its client is told (``shutting_down``) before the server cuts the connection.
-        Nothing to do once the producer is done (what is queued still goes out)."""
+        so that its client is told (``shutting_down``) before the server cuts the connection;
+        whether it was. Nothing to do once the producer is done (what is queued still goes
+        out)."""
         scope = self._deadline_scope
         if scope is None or self.producer_state is RelayState.DONE or self.drain_ended:
-            return
+            return False
         self.drain_ended = True
         scope.cancel("the server is shutting down")
+        return True
 
     def abandon(self, error: ApiError) -> None:
         """The consumer ends the response itself (a WebSocket's translator met an upstream
