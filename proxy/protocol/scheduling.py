@@ -11,8 +11,9 @@ stream, each divided by the key's ``weight``. The waiting request of the tenant 
 smallest counter goes next (a tenant's own requests in arrival order). A tenant that becomes
 backlogged again is lifted to the smallest counter among those waiting in its band (or, with
 nobody waiting, to the counter of the last tenant dispatched): being idle is not banked.
-Sheng et al. (OSDI 2024) prove that the service two backlogged tenants receive then differs by
-at most ``2 * max(w_in * L_in, w_out * M)`` (:func:`vtc_bound`), while no slot idles.
+Sheng et al. (OSDI 2024) prove that the service two tenants receive in any interval in which
+both are backlogged then differs by at most ``2 * max(w_in * L_in, w_out * M)``
+(:func:`vtc_bound`), while no slot idles.
 
 **Bands.** A request's band is an integer, lower first, as vLLM reads its ``priority``: a key's
 ``priority``, which a request may raise (less urgent) but never lower

@@ -46,10 +46,14 @@ The invariants:
   ``test_a_pause_is_spent_for_nothing_when_its_waiter_takes_another_slot_first``);
 - a refusal (503 ``deadline_unmeetable``) comes only at the request's arrival or at its
   ``first_byte_by``, and a request dispatched is dispatched before it;
-- the service batch-a and batch-b received (``dispatcher.queue.served``, and the exact service
-  of this rig's own ledger, which counts the tokens out up to the instant) differs by at most
-  ``vtc_bound(w_in, 400, w_out, 4 * 1000)`` at every sample: the flood's input, and, as the
-  most tokens one batch holds, every slot running a flood stream of 1000 tokens to its end;
+- over every stretch of time in which both batch-a and batch-b have a request waiting (VTC's
+  premise: a key whose every stream runs is not backlogged, and rejoins lifted), the service
+  each received in it (``dispatcher.queue.served``, and the exact service of this rig's own
+  ledger, which counts the tokens out up to the instant) differs by at most
+  ``vtc_bound(w_in, 400, w_out, 4 * 1000)``: the flood's input, and, as the most tokens one
+  batch holds, every slot running a flood stream of 1000 tokens to its end. Since the start
+  the difference is no such invariant: each time one key's streams all run, the other gains
+  on it, and that drift adds up over hours (past 20,000 in some of trio's orders);
 - every paused stream was resumed or its client left; every request whose client stayed did all
   its work;
 - at every step no room holds more than its capacity; at the end no slot, ticket or waiter is
@@ -77,7 +81,7 @@ import trio
 import trio.testing
 
 from proxy.protocol.errors import ApiError
-from proxy.protocol.scheduling import SchedulingSettings, Ticket, vtc_bound
+from proxy.protocol.scheduling import FairQueue, SchedulingSettings, Ticket, vtc_bound
 from proxy.relay.admission import Admission, Dispatcher, Lease, Room
 from tests.support import Pauser
 
@@ -169,12 +173,52 @@ class Asked:
     room: Room
 
 
+class Stretch:
+    """The difference between the flood keys' service over the present stretch of time in
+    which both have a request waiting: its highest and lowest values since the stretch began,
+    and the widest gap seen in any stretch (the service the two received in some interval
+    where both were backlogged differs by that much)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.high = self.low = 0.0
+        self.widest = 0.0
+
+    def sample(self, difference: float, both_waiting: bool) -> None:
+        if self.on or both_waiting:
+            if not self.on:
+                self.high = self.low = difference
+            self.high, self.low = max(self.high, difference), min(self.low, difference)
+            self.widest = max(self.widest, self.high - self.low)
+        self.on = both_waiting
+
+
+class RecordingQueue(FairQueue):
+    """The real queue; the rig samples the flood keys' service each time a key may start or
+    stop waiting."""
+
+    def __init__(self, sim: Simulation, settings: SchedulingSettings) -> None:
+        super().__init__(settings)
+        self.sim = sim
+
+    def add(self, ticket: Ticket) -> None:
+        self.sim.sample_service()
+        super().add(ticket)
+        self.sim.sample_service()
+
+    def remove(self, ticket: Ticket) -> None:
+        self.sim.sample_service()
+        super().remove(ticket)
+        self.sim.sample_service()
+
+
 class RecordingDispatcher(Dispatcher):
     """The real dispatcher; each time a waiting request looks for a stream to pause, what it
     found is checked against the rig's own reading of the rules."""
 
     def __init__(self, sim: Simulation, settings: SchedulingSettings) -> None:
         super().__init__(settings)
+        self.queue = RecordingQueue(sim, settings)
         self.sim = sim
         self.asked: list[Asked] = []
         # Looks where the dispatcher and the rules disagreed: (when, who, paused, allowed).
@@ -231,8 +275,11 @@ class Simulation:
         # The exact service of each flood key: what ended, and (at a sample) what runs.
         self.served_base = dict.fromkeys(FLOOD_KEYS, 0.0)
         self.checks = 0
-        self.vtc_served = 0.0
-        self.vtc_exact = 0.0
+        # The flood keys' service, by the queue and by this rig's ledger, over the stretches
+        # in which both have a request waiting; and, for a reader, since the start.
+        self.vtc_served = Stretch()
+        self.vtc_exact = Stretch()
+        self.since_start = 0.0
         self.over_capacity: list[tuple[float, str, int]] = []
         self.dispatcher.on_dispatch = self._on_dispatch
         self.admission.on_preempt = self._on_preempt
@@ -301,15 +348,22 @@ class Simulation:
         for room in self.rooms:
             if not 0 <= room.in_flight <= room.capacity:
                 self.over_capacity.append((now, room.name, room.in_flight))
+        self.sample_service()
+
+    def sample_service(self) -> None:
         a, b = FLOOD_KEYS
-        served = self.dispatcher.queue.served
-        self.vtc_served = max(self.vtc_served, abs(served.get(a, 0.0) - served.get(b, 0.0)))
+        queue = self.dispatcher.queue
+        waiting = {ticket.tenant for ticket in queue.waiting()}
+        both = a in waiting and b in waiting
+        served = queue.served.get(a, 0.0) - queue.served.get(b, 0.0)
+        self.vtc_served.sample(served, both)
+        self.since_start = max(self.since_start, abs(served))
         exact = dict(self.served_base)
-        w_out = self.dispatcher.queue.settings.w_out
+        w_out = queue.settings.w_out
         for each in self.holding | self.paused:
             if each.kind == "flood":
                 exact[each.ticket.tenant] += w_out * each.tokens()
-        self.vtc_exact = max(self.vtc_exact, abs(exact[a] - exact[b]))
+        self.vtc_exact.sample(exact[a] - exact[b], both)
 
     def _on_dispatch(self, ticket: Ticket, seconds: float) -> None:
         self.slot_of[self.by_ticket[ticket]] = ticket.tenant
@@ -500,8 +554,9 @@ class Simulation:
             "worst_wait_per_hour": worst,
             "over_preempt_after_plus_recheck": over,
             "served": {k: sum(1 for r in self.requests if r.kind == k) for k in worst},
-            "vtc_served": self.vtc_served,
-            "vtc_exact": self.vtc_exact,
+            "vtc_served": self.vtc_served.widest,
+            "vtc_exact": self.vtc_exact.widest,
+            "flood_difference_since_start": self.since_start,
             "pauses": pairs,
             "raced_pauses": sum(1 for asked in self.dispatcher.asked if self.raced(asked)),
             "margin_breaches": len(self.dispatcher.margin_breaches),
@@ -594,14 +649,16 @@ async def test_hours_of_traffic_keep_the_schedulers_promises(
         if request.dispatched_at is not None:
             assert request.dispatched_at <= deadline
 
-    # Fair share between the flood keys: within VTC's bound at every sample. The longest
-    # input is the flood's; the most tokens one batch holds: every slot running a flood
-    # stream to its end (a key charged as it streams can be dispatched every slot at once).
+    # Fair share between the flood keys: within VTC's bound over every stretch in which both
+    # were backlogged. The longest input is the flood's; the most tokens one batch holds:
+    # every slot running a flood stream to its end (a key charged as it streams can be
+    # dispatched every slot at once).
     settings = BEFORE_RELOAD
     batch_tokens = ROOMS * SLOTS_PER_ROOM * round(FLOOD_WORK * RATE)
     bound = vtc_bound(settings.w_in, FLOOD_INPUT, settings.w_out, batch_tokens)
     assert sim.checks > sim.end
-    assert sim.vtc_served <= bound and sim.vtc_exact <= bound, (sim.vtc_served, sim.vtc_exact)
+    widest = (sim.vtc_served.widest, sim.vtc_exact.widest)
+    assert 0 < widest[0] <= bound and 0 < widest[1] <= bound, widest
 
 
 # -- what the long run shows, one instant at a time --------------------------------------------
