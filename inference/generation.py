@@ -108,8 +108,19 @@ class Generator:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(i) for i in ids]
 
-    def check_length(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
-        """Refuse prompts that leave no room; clamp max_tokens to the context that is left."""
+    def check_length(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        asked: str | None = None,
+        prompt_param: str = "messages",
+    ) -> SamplingParams:
+        """Refuse a prompt that leaves no room, and one whose asked output limit (the field
+        named ``asked``; None when the request set none) would run past the context: vLLM's
+        check, ``prompt + max_tokens > max_model_len``, up front rather than an answer cut at
+        the context's end. A default limit, which the client never chose, is clamped to the
+        context that is left, as vLLM fills what is left when none is asked."""
         if not prompt_ids:
             raise PromptError("The prompt is empty.", param="prompt")
         room = self.context_length - len(prompt_ids)
@@ -118,11 +129,22 @@ class Generator:
                 f"The prompt is {len(prompt_ids)} tokens; this model's context is "
                 f"{self.context_length} tokens.",
                 code="context_length_exceeded",
-                param="messages",
+                param=prompt_param,
             )
-        if params.max_tokens > room:
+        if params.max_tokens <= room:
+            return params
+        if asked is None:
             return dataclasses.replace(params, max_tokens=room)
-        return params
+        # OpenAI's own wording, which clients and libraries recognise.
+        raise PromptError(
+            f"This model's maximum context length is {self.context_length} tokens. However, "
+            f"you requested {len(prompt_ids) + params.max_tokens} tokens "
+            f"({len(prompt_ids)} in the {prompt_param}, {params.max_tokens} in the "
+            f"completion). Please reduce the length of the {prompt_param} or completion "
+            f"('{asked}' may be at most {room}).",
+            code="context_length_exceeded",
+            param=asked,
+        )
 
     def generate(
         self,

@@ -301,6 +301,10 @@ class LocalBackend:
                 code="model_not_supported",
             )
         check_local_parameters(request.body, request.endpoint)
+        # Templating and tokenizing a long prompt takes milliseconds: off the loop. Before the
+        # queue, so that a prompt this model cannot take (past its context, with the output
+        # asked for) is refused without holding a queue place or a slot.
+        prepared = await trio.to_thread.run_sync(self._prepare, request)
         trace = tracing.current()
         queued = trio.current_time()
         admitted = False
@@ -325,16 +329,22 @@ class LocalBackend:
                 _PAUSING.set(pausing)
                 if trace is not None:
                     trace.stage("queue wait", queued, trio.current_time())
-                await self._answer(request, request_id, sink)
+                await self._answer(request, request_id, sink, *prepared)
         finally:
             if trace is not None and not admitted:
                 trace.stage("queue wait", queued, trio.current_time(), {"sluice.admitted": False})
 
-    async def _answer(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+    async def _answer(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        sink: Sink,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        body: dict[str, Any],
+    ) -> None:
         """The request, once it holds a slot of the model."""
         sink.set_phase(Phase.FIRST_TOKEN)
-        # Templating and tokenizing a long prompt takes milliseconds: off the loop.
-        prompt_ids, params, body = await trio.to_thread.run_sync(self._prepare, request)
         wire = _wire(request, self.model.name, len(prompt_ids), params.logprobs is not None)
         endpoint = request.endpoint
         choices = (body.get("n") or 1) if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS) else 1
@@ -379,6 +389,8 @@ class LocalBackend:
                     default_temperature=model.default_temperature,
                     default_repetition_penalty=model.default_repetition_penalty,
                 ),
+                asked=_asked_max_tokens(endpoint, body),
+                prompt_param=_PROMPT_PARAM[endpoint],
             )
         except PromptError as error:
             raise ApiError(400, str(error), param=error.param, code=error.code) from None
@@ -599,6 +611,25 @@ class LocalBackend:
 
 # The endpoints a local model answers from its own generation.
 _GENERATED = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES})
+# Each endpoint's field that holds the prompt, named by a refusal for its length.
+_PROMPT_PARAM = {
+    Endpoint.CHAT: "messages",
+    Endpoint.COMPLETIONS: "prompt",
+    Endpoint.RESPONSES: "input",
+    Endpoint.MESSAGES: "messages",
+}
+
+
+def _asked_max_tokens(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """The field in which the client set the output limit (as the client spelled it), or None
+    when the model's default applies. ``body`` is in chat-completions terms (the Responses and
+    Messages requests' sampling body); a zero or null counts as unset, as
+    :func:`inference.sampling_from_body` reads it."""
+    if endpoint is Endpoint.CHAT and body.get("max_completion_tokens"):
+        return "max_completion_tokens"
+    if not body.get("max_tokens"):
+        return None
+    return "max_output_tokens" if endpoint is Endpoint.RESPONSES else "max_tokens"
 
 
 class _Stages:

@@ -135,6 +135,9 @@ SETTLE = 2.0
 PREFILL = 0.3
 # A decode step, for "mid_stream" and for a request that holds the only slot.
 STEP = 0.05
+# A local answer that runs for as long as any cell needs, and fits the tiny model's 512-token
+# context beside a short chat's prompt (a request past the context is refused before it queues).
+LONG_ANSWER = 400
 # A long upstream stream: the client always leaves before its end.
 LONG_STREAM = {"ttft": 0, "interval": 0.02, "tokens": 1000}
 # How long a band-0 request waits before it pauses a less urgent stream (the paused phase's).
@@ -871,7 +874,7 @@ async def upstream_after_last_token(rig: Rig, transport: str) -> Left:
 
 async def local_queued(rig: Rig, transport: str) -> Left:
     rig.model.step_seconds = STEP
-    holder = await rig.post("local", "sse", max_tokens=10_000)
+    holder = await rig.post("local", "sse", max_tokens=LONG_ANSWER)
     await holder.read_until(b'"content":"')
     raw = await rig.post("local", transport)
     await rig.local.admission.wait_queued(1)
@@ -958,11 +961,11 @@ async def upstream_paused(rig: Rig, transport: str) -> Left:
 async def local_paused(rig: Rig, transport: str) -> Left:
     assert transport == "sse"
     rig.model.step_seconds = STEP
-    raw = await rig.post("local", transport, max_tokens=10_000, priority=BATCH_BAND)
+    raw = await rig.post("local", transport, max_tokens=LONG_ANSWER, priority=BATCH_BAND)
     await raw.read_until(b'"content":"', count=3)
     # A band-0 request waits for the one slot, then pauses the trial (its sequence out of the
     # batch, its KV kept aside) and takes it.
-    urgent = await rig.post("local", "sse", max_tokens=10_000)
+    urgent = await rig.post("local", "sse", max_tokens=LONG_ANSWER)
     await raw.read_until(b": paused")
     await urgent.read_until(b'"content":"')
     await rig.local.admission.wait_queued(1)  # paused: waiting to be continued

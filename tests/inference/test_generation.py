@@ -293,6 +293,20 @@ def test_check_length_refuses_prompts_that_leave_no_room(generator: Generator, l
     assert "512" in str(caught.value)
 
 
+def test_check_length_refuses_an_asked_limit_past_the_context(generator: Generator) -> None:
+    # vLLM's check: prompt + max_tokens > the context is refused, not cut short.
+    with pytest.raises(PromptError) as caught:
+        generator.check_length([65] * 500, SamplingParams(max_tokens=13), asked="max_tokens")
+    assert caught.value.code == "context_length_exceeded"
+    assert caught.value.param == "max_tokens"
+    assert "512" in str(caught.value) and "513" in str(caught.value)
+    edge = generator.check_length([65] * 500, SamplingParams(max_tokens=12), asked="max_tokens")
+    assert edge.max_tokens == 12
+    with pytest.raises(PromptError) as caught:
+        generator.check_length([65] * 512, SamplingParams(max_tokens=1), prompt_param="prompt")
+    assert caught.value.param == "prompt"
+
+
 def test_check_length_refuses_an_empty_prompt(generator: Generator) -> None:
     # Generating from no tokens at all would fail inside the model.
     with pytest.raises(PromptError):
@@ -300,6 +314,7 @@ def test_check_length_refuses_an_empty_prompt(generator: Generator) -> None:
 
 
 def test_check_length_clamps_max_tokens(generator: Generator) -> None:
+    # The model's default limit (none asked) is cut to the context that is left.
     params = SamplingParams(max_tokens=100, temperature=0.5, top_p=0.9, seed=3, stop=("x",))
     clamped = generator.check_length([65] * 500, params)
     assert clamped == replace(params, max_tokens=12)

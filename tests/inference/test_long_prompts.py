@@ -1,6 +1,8 @@
 """Long prompts on the local model, through real sockets: a prompt of 3,000 tokens is prefilled in
 chunks, so that a client who leaves mid-prefill is let go within one chunk and a short request
-sent meanwhile gets its first token within a few.
+sent meanwhile gets its first token within a few; and a request that cannot fit the model's
+context with the output it asks for is refused with 400 ``context_length_exceeded`` before it
+takes a queue place or a slot.
 
 The model is a tiny random Llama with SmolLM2's tokenizer and its 8,192-token context, slowed
 per token of prefill (a forward pass over a chunk costs in proportion to its tokens, as a real
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -19,16 +22,17 @@ from inference.batching import DEFAULT_PREFILL_CHUNK_ALONE
 from inference.llama_forward import serving_forward
 from inference.loading import LoadedModel, eos_ids_of
 from proxy.backends.local import LocalBackend
-from tests.model_fixtures import smol_tokenizer
+from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
 from tests.support import (
     Proxy,
     RawClient,
     chat_body,
     poll_until,
+    slowed,
     start_local_proxy,
 )
 
-__all__ = ["smol_tokenizer"]
+__all__ = ["smol_tokenizer", "tiny_loaded_model"]
 
 CHAT = "/v1/chat/completions"
 CONTEXT = 8192  # SmolLM2's
@@ -177,3 +181,78 @@ async def test_a_short_request_gets_its_first_token_while_a_long_prompt_is_prefi
         assert long.prefilling()
         seconds = await long.leave()
     assert seconds < 2 * CHUNK, f"let go {seconds:.2f} s after its client left"
+
+
+# --- past the context ------------------------------------------------------------------------
+
+TINY_CONTEXT = 512  # tiny_loaded_model's
+# Each refused request: where it goes, its body, and the field the refusal names.
+PAST_THE_CONTEXT = [
+    (CHAT, chat_body("tiny", stream=False, max_tokens=TINY_CONTEXT), "max_tokens"),
+    (
+        CHAT,
+        chat_body("tiny", stream=True, max_completion_tokens=TINY_CONTEXT - 5),
+        "max_completion_tokens",
+    ),
+    (
+        "/v1/responses",
+        {"model": "tiny", "input": "Hi", "max_output_tokens": TINY_CONTEXT},
+        "max_output_tokens",
+    ),
+    # The prompt alone leaves no room.
+    ("/v1/completions", {"model": "tiny", "prompt": "word " * 600, "max_tokens": 1}, "prompt"),
+]
+
+
+async def test_a_request_past_the_context_is_refused_before_it_takes_a_queue_place(
+    nursery: trio.Nursery, tiny_loaded_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = slowed(tiny_loaded_model, 0.01)
+    proxy = await start_local_proxy(nursery, slow, slots=1)
+    local = proxy.state.local_backends["tiny"]
+    leases: list[Any] = []
+    lease = local.admission.lease
+
+    def counted(ticket: Any, *args: Any, **kwargs: Any) -> Any:
+        leases.append(ticket)
+        return lease(ticket, *args, **kwargs)
+
+    monkeypatch.setattr(local.admission, "lease", counted)
+    with trio.fail_after(DEADLINE):
+        # The only slot is held by a stream of a few seconds.
+        holder = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=400))
+        await holder.read_until(b'"content":"', 3)
+        assert len(leases) == 1
+        async with httpx.AsyncClient(timeout=DEADLINE, trust_env=False) as client:
+            for path, body, param in PAST_THE_CONTEXT:
+                # Answered at once: it waits for no slot.
+                response = None
+                with trio.move_on_after(2):
+                    response = await client.post(proxy.url + path, json=body)
+                assert response is not None, f"{path}: no answer in 2 s (queued for the slot?)"
+                assert response.status_code == 400, (path, response.text)
+                error = response.json()["error"]
+                assert error["code"] == "context_length_exceeded", error
+                assert error["type"] == "invalid_request_error"
+                assert error["param"] == param
+                assert str(TINY_CONTEXT) in error["message"]
+                # Nothing of it was queued or held: the holder is alone.
+                assert len(leases) == 1
+                assert local.admission.waiting == 0 and local.room.in_flight == 1
+                assert local.engine.sequences == 1
+            await holder.close()
+            await local.admission.wait_free()
+            # At the context's edge, it fits; with no max_tokens asked, the model's default
+            # (512) is cut to what the context leaves, as vLLM fills what is left.
+            slow.forward.step_seconds = 0.0
+            body = chat_body("tiny", stream=False, ignore_eos=True)
+            prompt_tokens = await client.post(proxy.url + CHAT, json={**body, "max_tokens": 1})
+            prompt_tokens = prompt_tokens.json()["usage"]["prompt_tokens"]
+            room = TINY_CONTEXT - prompt_tokens
+            edge = await client.post(proxy.url + CHAT, json={**body, "max_tokens": room})
+            default = await client.post(proxy.url + CHAT, json=body)
+    assert edge.status_code == 200, edge.text
+    assert edge.json()["usage"]["completion_tokens"] == room
+    assert default.status_code == 200, default.text
+    assert default.json()["usage"]["completion_tokens"] == room
+    assert default.json()["choices"][0]["finish_reason"] == "length"
