@@ -142,7 +142,9 @@ class UpstreamRequestConfig:
     # the scrape; a stale or failed scrape falls back to least_busy. "prefix_affinity":
     # rendezvous hashing of the prompt's first affinity_prefix_bytes (or of the
     # affinity_header's value), bounded: a replica over affinity_max_load x the mean load
-    # gives way to the least loaded.
+    # gives way to the least loaded. "cache_aware": the replica holding most of the prompt's
+    # leading tokens in its KV cache, as its vLLM KV events say (kv_events_port), weighed
+    # against its load (kv_cache_weight; upstream_metrics' score), bounded by affinity_max_load.
     balance: str = "least_busy"
     # The replicas' Prometheus path, scraped with balance = "upstream_metrics".
     metrics_path: str = "/metrics"
@@ -155,9 +157,28 @@ class UpstreamRequestConfig:
     # With balance = "prefix_affinity": how much of the prompt's beginning picks the replica
     # (the system prompt and first messages: what a replica's prefix cache holds).
     affinity_prefix_bytes: int = 1024
-    # With balance = "prefix_affinity": a replica holding more than this x the mean load + 1
-    # gives the request to the least busy one, so one hot conversation cannot overload it.
+    # With balance = "prefix_affinity" or "cache_aware": a replica holding more than this x the
+    # mean load + 1 gives the request to the least busy one, so one hot conversation (or one
+    # hot cached prefix) cannot overload it.
     affinity_max_load: float = 1.5
+    # With balance = "cache_aware": the port of each replica's vLLM KV-event publisher
+    # (--kv-events-config's "endpoint", e.g. "tcp://*:5557"), on the replica URL's host;
+    # kv_events_endpoints in a model's table names each replica's instead.
+    kv_events_port: int = 0
+    # With balance = "cache_aware": the port of vLLM's replay socket ("replay_endpoint"), on
+    # the same host as the events. 0: none, and a gap in the events empties that replica's
+    # index until new blocks arrive.
+    kv_events_replay_port: int = 0
+    # With balance = "cache_aware": blocks indexed per replica at most; past it the oldest
+    # stored are forgotten. About 250 bytes each (2**17 blocks: ~32 MiB, 2M tokens at
+    # vLLM's 16-token blocks).
+    kv_index_max_blocks: int = 131072
+    # With balance = "cache_aware": how many requests of load 1,000 cached prompt tokens are
+    # worth. Higher follows the cache further into load; 0 is load alone.
+    kv_cache_weight: float = 1.0
+    # With balance = "cache_aware": seconds to wait for a replica's /tokenize (the prompt's
+    # tokens, as its engine makes them) before routing the request by load alone.
+    kv_tokenize_timeout: float = 0.5
     # With balance = "upstream_metrics": a replica whose scraped queue (vLLM's
     # num_requests_waiting) is over this many has no room, whatever its count in flight.
     max_upstream_waiting: int = 0
@@ -172,7 +193,7 @@ class UpstreamRequestConfig:
 
 
 TRANSPORTS = ("auto", "lean", "httpx")
-BALANCES = ("least_busy", "upstream_metrics", "prefix_affinity")
+BALANCES = ("least_busy", "upstream_metrics", "prefix_affinity", "cache_aware")
 # The `proxy` that means a direct connection whatever the environment says.
 PROXY_DIRECT = "none"
 
@@ -240,6 +261,9 @@ class UpstreamModel(UpstreamRequestConfig, ModelBase):
     # table's own: requests are sent with it, answers come back with the table's name. By
     # default the table's name, and the client's bytes are forwarded as they came.
     upstream_model: str = ""
+    # With balance = "cache_aware": each replica's KV-event publisher, in the order of
+    # upstreams ("tcp://10.0.0.5:5557"), where kv_events_port on its host is not it.
+    kv_events_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.upstream_model:
@@ -810,6 +834,7 @@ def _validate_upstream_model(model: UpstreamModel, fake_enabled: bool) -> None:
                 f"'passthrough' in {where}: {path} is served by Sluice itself, not passed through"
             )
     _check_request_settings(where, model)
+    _check_kv_events(where, model)
 
 
 def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None:
@@ -900,6 +925,44 @@ def _check_balance(where: str, settings: UpstreamRequestConfig) -> None:
     )
     if settings.affinity_max_load < 1:
         raise ConfigError(f"'affinity_max_load' in {where} must be at least 1 (x the mean load)")
+    _check_positive(
+        where,
+        kv_index_max_blocks=settings.kv_index_max_blocks,
+        kv_tokenize_timeout=settings.kv_tokenize_timeout,
+    )
+    _check_not_negative(where, kv_cache_weight=settings.kv_cache_weight)
+    for name in ("kv_events_port", "kv_events_replay_port"):
+        if not 0 <= getattr(settings, name) <= 65535:
+            raise ConfigError(f"'{name}' in {where} must be a port, 1..65535 (0: none)")
+
+
+def _check_kv_events(where: str, model: UpstreamModel) -> None:
+    """A cache_aware model's KV-event publishers: one per replica, by port or by endpoint."""
+    endpoints = model.kv_events_endpoints
+    if endpoints and len(endpoints) != len(model.upstreams):
+        raise ConfigError(
+            f"'kv_events_endpoints' in {where} names {len(endpoints)} publishers for "
+            f"{len(model.upstreams)} upstreams: one per upstream, in the same order"
+        )
+    for endpoint in endpoints:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("tcp", "ipc") or not (parts.netloc or parts.path):
+            raise ConfigError(
+                f"'kv_events_endpoints' in {where}: {endpoint!r} is not a ZeroMQ endpoint "
+                '("tcp://host:5557" or "ipc:///path")'
+            )
+    if model.balance != "cache_aware":
+        return
+    if not endpoints and not model.kv_events_port:
+        raise ConfigError(
+            f'{where}: balance = "cache_aware" needs the replicas\' KV events: '
+            "kv_events_port (on each upstream's host) or kv_events_endpoints"
+        )
+    if not endpoints and FAKE_UPSTREAM_URL in model.upstreams:
+        raise ConfigError(
+            f"{where}: '{FAKE_UPSTREAM_URL}' has no host for kv_events_port; "
+            "name its publisher in kv_events_endpoints"
+        )
 
 
 def _check_connection_settings(where: str, settings: UpstreamRequestConfig) -> None:

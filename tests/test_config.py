@@ -486,3 +486,30 @@ def test_a_keys_scheduling_settings() -> None:
     ):
         with pytest.raises(ConfigError, match=named):
             build({"keys": [{**key, **bad}]})
+
+
+def test_cache_aware_needs_each_replicas_kv_events() -> None:
+    two = {"upstreams": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]}
+    model = build({"models": {"m": {**two, "balance": "cache_aware", "kv_events_port": 5557}}})
+    settings = model.models[0]
+    assert isinstance(settings, UpstreamModel)
+    assert (settings.kv_events_port, settings.kv_events_replay_port) == (5557, 0)
+    assert (settings.kv_index_max_blocks, settings.kv_cache_weight) == (131072, 1.0)
+    with pytest.raises(ConfigError, match="needs the replicas' KV events"):
+        build({"models": {"m": {**two, "balance": "cache_aware"}}})
+    with pytest.raises(ConfigError, match="names 1 publishers for 2 upstreams"):
+        build(
+            {
+                "models": {
+                    "m": {**two, "balance": "cache_aware", "kv_events_endpoints": ["tcp://a:1"]}
+                }
+            }
+        )
+    with pytest.raises(ConfigError, match="is not a ZeroMQ endpoint"):
+        build({"models": {"m": {**two, "kv_events_endpoints": ["http://a:1", "tcp://b:2"]}}})
+    with pytest.raises(ConfigError, match="'kv_events_replay_port' .* must be a port"):
+        build({"upstream": {"kv_events_replay_port": 70000}, "models": {"m": MODEL}})
+    with pytest.raises(ConfigError, match="'kv_cache_weight' .* >= 0"):
+        build({"models": {"m": {**MODEL, "kv_cache_weight": -1}}})
+    with pytest.raises(ConfigError, match="'kv_index_max_blocks' .* > 0"):
+        build({"models": {"m": {**MODEL, "kv_index_max_blocks": 0}}})
