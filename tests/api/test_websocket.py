@@ -98,7 +98,7 @@ async def test_closing_the_socket_cancels(nursery: trio.Nursery, tiny_loaded_mod
         backend = proxy.state.local_backends["tiny"]
         for model in ("fake-model", "tiny"):
             async with open_websocket_url(ws_url(proxy)) as ws:
-                await ws.send_message(chat(model, max_tokens=500))
+                await ws.send_message(chat(model, max_tokens=400))
                 for _ in range(3):
                     assert (await receive(ws))["type"] == "token"
             closed_at = trio.current_time()

@@ -131,7 +131,7 @@ async def test_a_client_leaving_takes_only_its_sequence_out_of_the_batch(
         proxy = await start_local_proxy(nursery, loaded, slots=3)
         backend = proxy.state.local_backends["tiny"]
         alone = [await streamed_answer(client, proxy, question(q)) for q in QUESTIONS[:2]]
-        leaving = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        leaving = await RawClient.post(proxy, CHAT, chat_body("tiny"))
         await leaving.read_until(b'"content":"', count=3)
         answers: dict[int, str] = {}
 
@@ -172,7 +172,7 @@ async def test_a_stalled_reader_is_parked_then_evicted_and_the_others_finish(
         backend = proxy.state.local_backends["tiny"]
         expected = await streamed_answer(client, proxy, question(QUESTIONS[0], max_tokens=200))
         stalled = await RawClient.post(
-            proxy, CHAT, chat_body("tiny", max_tokens=100_000), rcvbuf=4096
+            proxy, CHAT, chat_body("tiny"), rcvbuf=4096
         )
         await stalled.read_until(b'"content":"', count=2)
         (relay,) = proxy.state.tracker.active

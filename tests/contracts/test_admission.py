@@ -123,7 +123,7 @@ async def test_admission_queue_full_is_429_and_deadline_is_503(
     with trio.fail_after(DEADLINE):
         proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=1, queue_timeout=0.5)
         backend = proxy.state.local_backends["tiny"]
-        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        running = await RawClient.post(proxy, CHAT, chat_body("tiny"))
         await running.read_until(b'"content":"')
         queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=2))
         await backend.admission.wait_queued(1)
@@ -147,7 +147,7 @@ async def test_a_client_leaving_the_queue_frees_its_place_at_once(
     with trio.fail_after(DEADLINE):
         proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=1, queue_timeout=30)
         backend = proxy.state.local_backends["tiny"]
-        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        running = await RawClient.post(proxy, CHAT, chat_body("tiny"))
         await running.read_until(b'"content":"')
         queued = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=2))
         await backend.admission.wait_queued(1)

@@ -158,7 +158,7 @@ async def test_slow_reader_blocks_the_model_itself(
             nursery, loaded, relay={"channel_capacity": capacity, "stall_timeout": 2.0}
         )
         backend = proxy.state.local_backends["tiny"]
-        raw = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=100_000), rcvbuf=4096)
+        raw = await RawClient.post(proxy, CHAT, chat_body("tiny"), rcvbuf=4096)
         await raw.read_until(b'"content":"', count=2)
         (relay,) = proxy.state.tracker.active
         await poll_until(lambda: relay.buffered() == capacity)

@@ -207,7 +207,7 @@ async def test_a_local_stream_still_running_as_the_grace_ends_is_told_in_band(
             local_models={"tiny": slowed(tiny_loaded_model, step_seconds=0.02)},
             server={"graceful_timeout": 1.0},
         )
-        body = chat_body("tiny", max_tokens=5000, ignore_eos=True)
+        body = chat_body("tiny", ignore_eos=True)
         raw = await RawClient.post(proxy, "/v1/chat/completions", body)
         await raw.read_until(b"data: ", count=3)
         shutdown.set()

@@ -425,7 +425,7 @@ async def test_a_local_client_that_leaves_while_paused_frees_its_sequence_at_onc
         proxy = await local_one_slot(nursery, tiny_loaded_model)
         local = proxy.state.local_backends["tiny"]
         batch = await RawClient.post(
-            proxy, CHAT, local_body(max_tokens=2000), headers=bearer("batch")
+            proxy, CHAT, local_body(max_tokens=400), headers=bearer("batch")
         )
         await batch.read_until(b'"content":"', 3)
         urgent = await RawClient.post(

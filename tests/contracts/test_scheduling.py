@@ -833,7 +833,7 @@ async def test_a_local_models_slots_keep_deadlines_as_an_upstreams_do(
         proxy = await start_local_proxy(nursery, loaded, slots=1, max_queue=4)
         backend = proxy.state.local_backends["tiny"]
         url = proxy.url + CHAT
-        running = await RawClient.post(proxy, CHAT, chat_body("tiny", max_tokens=10_000))
+        running = await RawClient.post(proxy, CHAT, chat_body("tiny"))
         await running.read_until(b'"content":"')
         # Behind a held slot, a wait longer than its deadline: refused at once.
         refused = await client.post(
@@ -846,7 +846,7 @@ async def test_a_local_models_slots_keep_deadlines_as_an_upstreams_do(
         async with client.stream(
             "POST",
             url,
-            json=chat_body("tiny", max_tokens=10_000),
+            json=chat_body("tiny"),
             headers={"x-sluice-deadline": "0.5"},
         ) as response:
             text = (await response.aread()).decode()

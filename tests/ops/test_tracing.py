@@ -457,7 +457,7 @@ async def test_a_local_generation_stopped_for_a_client_that_left(
 ) -> None:
     with trio.fail_after(DEADLINE):
         proxy = await start_local_traced(nursery, receiver, tiny_loaded_model)
-        body = chat_body("tiny", max_tokens=1000, stream=True)
+        body = chat_body("tiny", stream=True)
         body["ignore_eos"] = True
         raw = await RawClient.post(proxy, CHAT, body)
         await raw.read_until(b"data: ", count=4)
