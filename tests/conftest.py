@@ -11,7 +11,7 @@ import pytest
 
 from proxy.ops.logs import ACCESS_LOGGER
 from tests import processes
-from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
+from tests.model_fixtures import long_context_loaded_model, smol_tokenizer, tiny_loaded_model
 from tests.support import (
     client,
     close_raw_clients,
@@ -28,6 +28,7 @@ __all__ = [
     "close_raw_clients",
     "each_server_path",
     "fake",
+    "long_context_loaded_model",
     "proxy",
     "quiet_collector",
     "smol_tokenizer",

@@ -94,8 +94,15 @@ def smol_tokenizer(request: pytest.FixtureRequest) -> Any:
     return _memo["tokenizer"]
 
 
-def make_tiny_loaded_model(tokenizer: Any, *, seed: int = 0) -> LoadedModel:
-    """A randomly initialised two-layer Llama over ``tokenizer``'s vocabulary (context 512)."""
+# SmolLM2's context: a prompt of several thousand tokens fits.
+LONG_CONTEXT = 8192
+
+
+def make_tiny_loaded_model(
+    tokenizer: Any, *, seed: int = 0, context: int = 512, source: str = "random tiny llama"
+) -> LoadedModel:
+    """A randomly initialised two-layer Llama over ``tokenizer``'s vocabulary (context 512, or
+    ``context``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -106,7 +113,7 @@ def make_tiny_loaded_model(tokenizer: Any, *, seed: int = 0) -> LoadedModel:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -120,7 +127,7 @@ def make_tiny_loaded_model(tokenizer: Any, *, seed: int = 0) -> LoadedModel:
         name="tiny",
         model=model,
         tokenizer=tokenizer,
-        source="random tiny llama",
+        source=source,
         eos_token_ids=eos_ids_of(model, tokenizer),
         forward=forward,
     )
@@ -133,3 +140,15 @@ def tiny_loaded_model(smol_tokenizer: Any) -> LoadedModel:
     if "tiny" not in _memo or _memo["tiny"].tokenizer is not smol_tokenizer:
         _memo["tiny"] = make_tiny_loaded_model(smol_tokenizer)
     return _memo["tiny"]
+
+
+@pytest.fixture(scope="session")
+def long_context_loaded_model(smol_tokenizer: Any) -> LoadedModel:
+    """The tiny random Llama with SmolLM2's 8,192-token context (``LoadedModel(name="tiny")``),
+    so that a prompt of several thousand tokens fits. Do not mutate it: slow a copy
+    (``tests.support.per_token_slowed``)."""
+    if "long" not in _memo or _memo["long"].tokenizer is not smol_tokenizer:
+        _memo["long"] = make_tiny_loaded_model(
+            smol_tokenizer, context=LONG_CONTEXT, source="random tiny llama, long context"
+        )
+    return _memo["long"]

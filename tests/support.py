@@ -365,6 +365,37 @@ def slowed(loaded: Any, step_seconds: float = 0.0, prefill_seconds: float | None
     return dataclasses.replace(loaded, model=slow, forward=slow)
 
 
+class PerTokenSlowModel:
+    """A loaded model's network, slowed as a real model is: a prefill chunk (a call without
+    position ids) sleeps ``per_token`` for each token it feeds, so that a chunk costs in
+    proportion to its size and a whole long prompt in one pass would be long; a decode step
+    sleeps ``step_seconds``. Records each chunk's size."""
+
+    def __init__(self, inner: Any, per_token: float, step_seconds: float) -> None:
+        self.inner = inner
+        self.config = inner.config
+        self.per_token = per_token
+        self.step_seconds = step_seconds
+        self.chunks: list[int] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if kwargs.get("position_ids") is None:
+            # Recorded before the sleep: a test that sees it knows the chunk is running.
+            tokens = int(kwargs["input_ids"].shape[1])
+            self.chunks.append(tokens)
+            time.sleep(self.per_token * tokens)
+        else:
+            time.sleep(self.step_seconds)
+        return self.inner(**kwargs)
+
+
+def per_token_slowed(loaded: Any, per_token: float, step_seconds: float) -> Any:
+    """A copy of ``loaded`` whose network is a :class:`PerTokenSlowModel` (its ``.forward``)."""
+    return dataclasses.replace(
+        loaded, forward=PerTokenSlowModel(loaded.serving, per_token, step_seconds)
+    )
+
+
 async def poll_until(predicate: Callable[[], object], *, interval: float = 0.005) -> None:
     """Poll ``predicate`` until it is true, for state that has no event to wait on (a worker
     thread's counters, a semaphore's queue, health set by a background check). No deadline of

@@ -94,6 +94,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import proxy.server.run
+from inference.batching import DEFAULT_PREFILL_CHUNK_ALONE
 from proxy.backends.local import LocalBackend
 from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.backends.upstream.replica import UpstreamReplica
@@ -109,6 +110,7 @@ from tests.support import (
     RawClient,
     SlowModel,
     chat_body,
+    per_token_slowed,
     poll_until,
     producer_tasks,
     slowed,
@@ -584,6 +586,8 @@ async def start_rig(
     loaded: Any,
     traced: Traced | None,
     server: dict[str, Any] | None = None,
+    *,
+    local_slots: int = 1,
     **more_models: Any,
 ) -> Rig:
     fake = await start_fake(nursery, ttft=0.02, interval=0.01, tokens=5)
@@ -601,7 +605,7 @@ async def start_rig(
                 "backend": "local",
                 "path": "unused-preloaded",
                 "default_temperature": 0.0,
-                "slots": 1,
+                "slots": local_slots,
                 "queue_timeout": 30,
             },
             **more_models,
@@ -984,6 +988,83 @@ async def local_paused(rig: Rig, transport: str) -> Left:
     closed_at = await urgent.close()
     await assert_local_stopped(rig, closed_at, STEP, steps)
     return Left(set(), 2, raw)
+
+
+# A prompt of several thousand tokens on a model with SmolLM2's context, whose prefill chunks
+# cost in proportion to their tokens (a chunk alone about 0.4 s): the client leaves in the
+# middle of the prefill, while a short chat sent meanwhile has had its answer.
+LONG_PROMPT = "The river runs to the sea. " * 430
+PER_PROMPT_TOKEN = 0.003
+LONG_CHUNK = DEFAULT_PREFILL_CHUNK_ALONE * PER_PROMPT_TOKEN
+
+
+async def local_long_prompt(rig: Rig, transport: str, tokenizer: Any) -> Left:
+    """The client of a 3,000-token prompt leaves mid-prefill: it is let go within two chunks'
+    time, with at most the chunk in progress fed after the close; a short request sent while
+    the prompt is prefilled gets its first token (here its whole one-token answer) within three
+    chunks' time, the long prefill still going on."""
+    chunked = rig.model.inner
+    messages = [{"role": "user", "content": LONG_PROMPT}]
+    template = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_tokens = len(tokenizer.encode(template, add_special_tokens=False))
+    assert prompt_tokens > 2500, prompt_tokens
+    chunked.chunks.clear()
+    raw = await rig.post("local", transport, messages=messages, max_tokens=20)
+    await poll_until(lambda: len(chunked.chunks) >= 2)
+    sent_at = trio.current_time()
+    short = await rig.post("local", "sse", messages=[{"role": "user", "content": "Hi"}])
+    await read_to_end(short, "sse")
+    first_token = trio.current_time() - sent_at
+    assert first_token < 3 * LONG_CHUNK, f"first token after {first_token:.2f} s"
+    await short.close()
+    # The long prompt's prefill is still under way (the short one's chunks counted too).
+    assert sum(chunked.chunks) < prompt_tokens, chunked.chunks
+    await raw.ready_to_leave()
+    fed = len(chunked.chunks)
+    closed_at = await raw.close()
+    with trio.fail_after(SETTLE):
+        await rig.local.admission.wait_free()
+    let_go = trio.current_time() - closed_at
+    assert let_go < 2 * LONG_CHUNK, f"let go {let_go:.2f} s after its client left"
+    assert len(chunked.chunks) <= fed + 1, chunked.chunks
+    assert rig.local.engine.sequences == 0
+    return Left(set(), 1, raw)
+
+
+def _long_prompt_matrix() -> list[Any]:
+    """Both transports on both server paths; the fast subset is SSE on the fast path."""
+    return [
+        pytest.param(
+            fast_path,
+            transport,
+            marks=() if fast_path and transport == "sse" else (pytest.mark.slow,),
+            id=f"{'fast_path' if fast_path else 'hypercorn'}-{transport}",
+        )
+        for fast_path in (True, False)
+        for transport in TRANSPORTS
+    ]
+
+
+@pytest.mark.parametrize(("fast_path", "transport"), _long_prompt_matrix())
+async def test_a_long_prompt_left_mid_prefill_leaves_nothing_behind(
+    fast_path: bool,
+    transport: str,
+    nursery: trio.Nursery,
+    long_context_loaded_model: Any,
+    traced: Traced,
+) -> None:
+    """The local backend's prefill phase at real length: two slots (so that a short request
+    can run beside the long prompt), the model slowed per prompt token; the bounds in
+    :func:`local_long_prompt`, then the matrix's own checks."""
+    loaded = per_token_slowed(long_context_loaded_model, PER_PROMPT_TOKEN, 0.0)
+    with trio.fail_after(DEADLINE):
+        rig = await start_rig(nursery, loaded, traced, {"fast_path": fast_path}, local_slots=2)
+        left = await local_long_prompt(rig, transport, loaded.tokenizer)
+        await assert_nothing_left(rig, left.connections)
+        assert rig.proxy.state.tracker.cancelled - rig.cancelled == left.cancelled
+        expected = expected_outcome(Phase.FIRST_TOKEN, transport, "local", "chat")
+        await assert_traces_say_what_happened(rig, left.trial, expected)
+        await assert_next_request_works(rig, "local", transport)
 
 
 Driver = Callable[[Rig, str], Awaitable[Left]]

@@ -11,7 +11,6 @@ model's does) so that a chunk's time is known and a whole prompt in one pass wou
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
@@ -19,23 +18,20 @@ import pytest
 import trio
 
 from inference.batching import DEFAULT_PREFILL_CHUNK_ALONE
-from inference.llama_forward import serving_forward
-from inference.loading import LoadedModel, eos_ids_of
+from inference.loading import LoadedModel
 from proxy.backends.local import LocalBackend
-from tests.model_fixtures import smol_tokenizer, tiny_loaded_model
 from tests.support import (
+    PerTokenSlowModel,
     Proxy,
     RawClient,
     chat_body,
+    per_token_slowed,
     poll_until,
     slowed,
     start_local_proxy,
 )
 
-__all__ = ["smol_tokenizer", "tiny_loaded_model"]
-
 CHAT = "/v1/chat/completions"
-CONTEXT = 8192  # SmolLM2's
 PROMPT_TOKENS = 3000
 # Each prompt token a chunk prefills costs this much: a chunk alone (DEFAULT_PREFILL_CHUNK_ALONE
 # tokens) takes about half a second, the whole prompt in one pass 12 s.
@@ -46,55 +42,10 @@ STEP = 0.005
 DEADLINE = 30
 
 
-class PerTokenSlowModel:
-    """The serving forward, slowed: a prefill chunk (a call without position ids) sleeps
-    ``PER_TOKEN`` per token it feeds, a decode step ``STEP``. Records each chunk's size."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.config = inner.config
-        self.chunks: list[int] = []
-
-    def __call__(self, **kwargs: Any) -> Any:
-        if kwargs.get("position_ids") is None:
-            # Recorded before the sleep: a test that sees it knows the chunk is running.
-            tokens = int(kwargs["input_ids"].shape[1])
-            self.chunks.append(tokens)
-            time.sleep(PER_TOKEN * tokens)
-        else:
-            time.sleep(STEP)
-        return self.inner(**kwargs)
-
-
-@pytest.fixture(scope="module")
-def long_context_model(smol_tokenizer: Any) -> LoadedModel:
-    """The tiny random Llama with SmolLM2's context, so that a 3,000-token prompt fits."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(smol_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=CONTEXT,
-        bos_token_id=smol_tokenizer.bos_token_id,
-        eos_token_id=smol_tokenizer.eos_token_id,
-        pad_token_id=smol_tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    forward, _ = serving_forward(model, "auto")
-    return LoadedModel(
-        name="tiny",
-        model=model,
-        tokenizer=smol_tokenizer,
-        source="random tiny llama, long context",
-        eos_token_ids=eos_ids_of(model, smol_tokenizer),
-        forward=PerTokenSlowModel(forward),
-    )
+@pytest.fixture
+def long_context_model(long_context_loaded_model: LoadedModel) -> LoadedModel:
+    """The tiny random Llama with SmolLM2's context, slowed per prompt token."""
+    return per_token_slowed(long_context_loaded_model, PER_TOKEN, STEP)
 
 
 def long_body(tokenizer: Any) -> tuple[dict[str, Any], int]:
