@@ -360,6 +360,16 @@ class FakeUpstreamConfig:
     tokens: int = 60
 
 
+# Between a key's name and a subject in an account (KeyConfig.account): the limits', budgets'
+# and fair share's key for one subject of a key mapped per subject.
+ACCOUNT_SEPARATOR = "\x1f"
+
+
+def key_of_account(account: str) -> str:
+    """The key's name in an account (a scheduler tenant): what metrics label it with."""
+    return account.partition(ACCOUNT_SEPARATOR)[0]
+
+
 @dataclass(frozen=True)
 class KeyConfig:
     """One client API key, one ``[[keys]]`` table. Only the key's SHA-256 is stored, so a leaked
@@ -370,7 +380,8 @@ class KeyConfig:
     # name is reported as the typo rather than as a missing key.
     name: str = ""
     # The SHA-256 of the key, 64 hex digits (`sluice hash-key` prints it): the key itself
-    # never belongs in the config.
+    # never belongs in the config. Left out, the entry is a profile only: no static key
+    # presents it, and [auth] (JWT claims, forward auth) maps identities onto it.
     sha256: str = ""
     # Completion requests the key may start in any 60 s (0 = unlimited). Counted per process
     # ([limits] backend = "memory": with several workers each counts on its own) or across
@@ -416,6 +427,12 @@ class KeyConfig:
             raise ConfigError(f"'weight' in {where} must be a positive number")
         if self.max_request_seconds < 0:
             raise ConfigError(f"'max_request_seconds' in {where} must be >= 0 (0: none)")
+
+    @property
+    def account(self) -> str:
+        """Whose limits, budget and fair share a request of this key is counted in: the key's
+        own name (an identity mapped per subject counts each subject apart: api/identity.py)."""
+        return self.name
 
     @property
     def token_budgeted(self) -> bool:
@@ -541,6 +558,111 @@ class SchedulingConfig:
     preempt_within_band: bool = True
 
 
+@dataclass(frozen=True)
+class ClaimMapConfig:
+    """One ``[[auth.jwt.map]]`` table: a token whose ``claim`` holds ``value`` (the claim a
+    string, or a list of strings containing it) is a request of the key profile ``key``."""
+
+    # The claim read from the verified token ("groups", "roles", "repository_owner"...).
+    claim: str = ""
+    # The value the claim must hold (exactly; in a list, as one of its items).
+    value: str = ""
+    # The [[keys]] entry whose name, limits, budget, priority and weight the token gets.
+    key: str = ""
+    # The key's limits, budget and fair share count each subject (the token's subject_claim)
+    # apart; metrics still name the key.
+    per_subject: bool = False
+
+
+@dataclass(frozen=True)
+class JwtIssuerConfig:
+    """One ``[[auth.jwt]]`` table: bearer JWTs of one issuer, verified against its key set."""
+
+    # The token's "iss", exactly (and the base of the OIDC discovery document when jwks_url
+    # is not set).
+    issuer: str = ""
+    # The token's "aud" must name one of these: a token minted for another service is refused.
+    audiences: tuple[str, ...] = ()
+    # The issuer's JWKS. Empty: read from {issuer}/.well-known/openid-configuration. https://,
+    # or plain http:// to a loopback address only (a sidecar, a test).
+    jwks_url: str = ""
+    # The signing algorithms accepted (an allow-list of asymmetric ones: "none" and HS* are
+    # refused, so a public key can never be used as an HMAC secret).
+    algorithms: tuple[str, ...] = ("RS256", "ES256")
+    # Seconds of clock skew allowed on exp, nbf and iat.
+    leeway: float = 30.0
+    # A token whose "kid" is not in the cached key set refetches the set at most once per this
+    # many seconds; between two, such a token is refused at once (a flood of made-up kids is
+    # one fetch per cooldown).
+    cooldown: float = 60.0
+    # The key set is fetched again every this many seconds in the background, so that keys an
+    # issuer publishes ahead of using them (Keycloak, Entra ID, Google do) are known in time.
+    refresh_seconds: float = 600.0
+    # A fetch of the discovery document or the key set is abandoned after this many seconds.
+    fetch_timeout: float = 5.0
+    # The claim naming the caller, for per_subject.
+    subject_claim: str = "sub"
+    # Every key this issuer maps onto counts each subject apart (as a map's per_subject).
+    per_subject: bool = False
+    # The [[keys]] profile of a valid token that no map matches; empty: such a token is 403.
+    default_key: str = ""
+    # The [[auth.jwt.map]] tables, in order: the first that matches decides.
+    map: tuple[ClaimMapConfig, ...] = ()
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """Identities besides the static [[keys]]: bearer JWTs of the [[auth.jwt]] issuers, and a
+    forward-auth service (api/identity.py). Each identity becomes one of the [[keys]]."""
+
+    # A bearer token longer than this is refused before any decoding.
+    max_token_bytes: int = 8192
+    # An auth service asked about each request (nginx's auth_request, Traefik's forward
+    # auth): 2xx admits, 401 and 403 refuse with its status. Empty: off.
+    forward_url: str = ""
+    # The request's headers sent to it (with X-Forwarded-Method and X-Forwarded-Uri).
+    forward_headers: tuple[str, ...] = ("authorization", "x-api-key", "cookie")
+    # Its answer's header naming the [[keys]] profile of the request.
+    forward_key_header: str = "x-sluice-key"
+    # Its answer's header naming the subject: the key then counts each subject apart.
+    forward_subject_header: str = "x-sluice-subject"
+    # Its decisions are kept this many seconds, by a hash of the headers sent (0: ask each
+    # time).
+    forward_cache_seconds: float = 5.0
+    # Its answer's bound, in seconds.
+    forward_timeout: float = 2.0
+    # When it fails (no answer in time, an answer not 2xx, 401 or 403): "deny" refuses with
+    # 503, "allow" admits as default_key.
+    on_error: str = "deny"
+    # The [[keys]] profile of a request the service admits without naming one; empty: 403.
+    default_key: str = ""
+    # The RFC 9728 "resource" at /.well-known/oauth-protected-resource (served when an
+    # issuer is configured); empty: this server's own origin, as the request reached it.
+    resource: str = ""
+    # The [[auth.jwt]] tables, one per issuer (set in the file only).
+    jwt: tuple[JwtIssuerConfig, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.jwt or self.forward_url)
+
+
+AUTH_ON_ERROR = ("deny", "allow")
+# What [[auth.jwt]] algorithms may hold: asymmetric signatures only.
+JWT_ALGORITHMS = (
+    "RS256",
+    "RS384",
+    "RS512",
+    "PS256",
+    "PS384",
+    "PS512",
+    "ES256",
+    "ES384",
+    "ES512",
+    "EdDSA",
+)
+
+
 # [tracing] exporter's values, as OTEL_TRACES_EXPORTER's.
 TRACE_EXPORTERS = ("otlp", "console", "none")
 SCHEDULING_POLICIES = ("fair", "fifo")
@@ -557,6 +679,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     models: tuple[ModelConfig, ...] = ()
     keys: tuple[KeyConfig, ...] = ()
     source: str = "<defaults>"
@@ -576,6 +699,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "limits": LimitsConfig,
     "tracing": TracingConfig,
     "scheduling": SchedulingConfig,
+    "auth": AuthConfig,
 }
 
 T = TypeVar("T")
@@ -712,7 +836,8 @@ def _validate(config: Config) -> None:
     )
     for origin in server.cors_origins:
         _validate_origin(origin)
-    _validate_keys(config.keys)
+    _validate_keys(config.keys, config.auth)
+    _validate_auth(config.auth, config.keys)
     for model in config.models:
         if isinstance(model, LocalModel):
             _validate_local_model(model)
@@ -750,13 +875,17 @@ def placeholder_keys(config: Config) -> list[str]:
     return [key.name for key in config.keys if key.sha256 == PLACEHOLDER_SHA256]
 
 
-def _validate_keys(keys: tuple[KeyConfig, ...]) -> None:
+def _validate_keys(keys: tuple[KeyConfig, ...], auth: AuthConfig) -> None:
     names: set[str] = set()
     digests: set[str] = set()
     for index, key in enumerate(keys, start=1):
         where = f"[[keys]] number {index}" + (f" ({key.name!r})" if key.name else "")
         if not key.name:
             raise ConfigError(f"{where} needs 'name', which logs and errors use for the key")
+        if not key.sha256 and auth.enabled:
+            # A profile only: [auth] maps identities onto it (checked in _validate_auth).
+            names.add(key.name)
+            continue
         if not _SHA256_HEX.match(key.sha256):
             raise ConfigError(
                 f"'sha256' in {where} must be 64 hex digits, the SHA-256 of the key (print it "
@@ -774,6 +903,102 @@ def _validate_keys(keys: tuple[KeyConfig, ...]) -> None:
             requests_per_minute=key.requests_per_minute,
             max_concurrent_streams=key.max_concurrent_streams,
         )
+
+
+def _check_fetch_url(where: str, name: str, url: str) -> None:
+    """An identity's URL: https://, or plain http:// to this machine only (a sidecar, a test):
+    key sets fetched in the clear from elsewhere could be anyone's."""
+    parts = urlsplit(url)
+    if not parts.hostname or not (
+        parts.scheme == "https" or (parts.scheme == "http" and is_loopback(parts.hostname))
+    ):
+        raise ConfigError(
+            f"'{name}' in {where} must be an https:// URL (or http:// to a loopback address), "
+            f"not {url!r}"
+        )
+
+
+def _validate_auth(auth: AuthConfig, keys: tuple[KeyConfig, ...]) -> None:
+    names = {key.name for key in keys}
+
+    def profile(where: str, name: str, value: str) -> None:
+        if value and value not in names:
+            raise ConfigError(
+                f"'{name}' in {where} names {value!r}, which is no [[keys]] entry's name"
+            )
+
+    if isinstance(auth.jwt, tuple) and not all(isinstance(j, JwtIssuerConfig) for j in auth.jwt):
+        raise ConfigError("[[auth.jwt]] tables are set in the config file, not the environment")
+    _check_positive(
+        "[auth]",
+        max_token_bytes=auth.max_token_bytes,
+        forward_timeout=auth.forward_timeout,
+    )
+    _check_not_negative("[auth]", forward_cache_seconds=auth.forward_cache_seconds)
+    _check_choice("[auth]", on_error=(auth.on_error, AUTH_ON_ERROR))
+    profile("[auth]", "default_key", auth.default_key)
+    if auth.forward_url:
+        parts = urlsplit(auth.forward_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"'forward_url' in [auth] must be an http:// or https:// URL, "
+                f"not {auth.forward_url!r}"
+            )
+        if not keys:
+            raise ConfigError(
+                "[auth] forward_url needs [[keys]]: the service's answer names one of them"
+            )
+        if auth.on_error == "allow" and not auth.default_key:
+            raise ConfigError(
+                '[auth] on_error = "allow" admits as default_key when the service fails: '
+                "set default_key"
+            )
+    if auth.resource:
+        _check_fetch_url("[auth]", "resource", auth.resource)
+    issuers: set[str] = set()
+    for index, issuer in enumerate(auth.jwt, start=1):
+        where = f"[[auth.jwt]] number {index}"
+        if not issuer.issuer:
+            raise ConfigError(f"{where} needs 'issuer', the tokens' \"iss\" exactly")
+        if issuer.issuer in issuers:
+            raise ConfigError(f"{where}: the issuer {issuer.issuer!r} is configured twice")
+        issuers.add(issuer.issuer)
+        where = f"[[auth.jwt]] {issuer.issuer!r}"
+        if not issuer.audiences or not all(issuer.audiences):
+            raise ConfigError(
+                f"{where} needs 'audiences': a token is accepted only when its \"aud\" names "
+                "one of them (without, a token minted for any other service would pass)"
+            )
+        if issuer.jwks_url:
+            _check_fetch_url(where, "jwks_url", issuer.jwks_url)
+        else:
+            # Its discovery document is fetched from the issuer's URL.
+            _check_fetch_url(where, "issuer", issuer.issuer)
+        if not issuer.algorithms:
+            raise ConfigError(f"'algorithms' in {where} must name at least one algorithm")
+        for algorithm in issuer.algorithms:
+            if algorithm not in JWT_ALGORITHMS:
+                raise ConfigError(
+                    f"'algorithms' in {where}: {algorithm!r} is not accepted; asymmetric "
+                    f"signatures only ({', '.join(JWT_ALGORITHMS)}): 'none' is no signature, and "
+                    "an HMAC algorithm would make the issuer's public key a shared secret"
+                )
+        _check_not_negative(where, leeway=issuer.leeway)
+        _check_positive(
+            where,
+            cooldown=issuer.cooldown,
+            refresh_seconds=issuer.refresh_seconds,
+            fetch_timeout=issuer.fetch_timeout,
+        )
+        if not issuer.subject_claim:
+            raise ConfigError(f"'subject_claim' in {where} must name a claim (\"sub\")")
+        profile(where, "default_key", issuer.default_key)
+        for number, mapping in enumerate(issuer.map, start=1):
+            at = f"[[auth.jwt.map]] number {number} of {where}"
+            for name in ("claim", "value", "key"):
+                if not getattr(mapping, name):
+                    raise ConfigError(f"{at} needs '{name}'")
+            profile(at, "key", mapping.key)
 
 
 def _validate_local_model(model: LocalModel) -> None:
@@ -1088,6 +1313,27 @@ def _build_keys(keys_table: Any, source: str) -> tuple[KeyConfig, ...]:
     return tuple(keys)
 
 
+def _build_jwt(tables: Any, source: str) -> tuple[JwtIssuerConfig, ...]:
+    if not isinstance(tables, list):
+        raise ConfigError(f"'jwt' in [auth] ({source}) must be [[auth.jwt]] tables, one per issuer")
+    issuers = []
+    for index, table in enumerate(tables, start=1):
+        where = f"[[auth.jwt]] number {index} ({source})"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table")
+        table = dict(table)
+        maps = table.pop("map", [])
+        if not isinstance(maps, list) or not all(isinstance(each, dict) for each in maps):
+            raise ConfigError(f"'map' in {where} must be [[auth.jwt.map]] tables")
+        issuer = _build(JwtIssuerConfig, table, where)
+        built = tuple(
+            _build(ClaimMapConfig, each, f"[[auth.jwt.map]] number {n} of {where}")
+            for n, each in enumerate(maps, start=1)
+        )
+        issuers.append(dataclasses.replace(issuer, map=built))
+    return tuple(issuers)
+
+
 def config_from_mapping(
     data: Mapping[str, Any], source: str = "<mapping>", env: Mapping[str, str] | None = None
 ) -> Config:
@@ -1102,10 +1348,15 @@ def config_from_mapping(
         if not isinstance(table, dict):
             raise ConfigError(f"[{name}] in {source} must be a table")
         sections[name] = dict(table)
+    # Arrays of tables, built apart (an environment variable cannot set them).
+    jwt_tables = sections["auth"].pop("jwt", [])
     for name, cls in _SECTIONS.items():
         _build(cls, sections[name], f"[{name}] ({source})")  # key errors name the file
     _apply_env(sections, os.environ if env is None else env)
+    if "jwt" in sections["auth"]:
+        raise ConfigError("[[auth.jwt]] tables are set in the config file, not the environment")
     built = {name: _build(cls, sections[name], f"[{name}]") for name, cls in _SECTIONS.items()}
+    built["auth"] = dataclasses.replace(built["auth"], jwt=_build_jwt(jwt_tables, source))
     models = _build_models(data.get("models", {}), built["upstream"], source)
     keys = _build_keys(data.get("keys", []), source)
     config = Config(models=models, keys=keys, source=source, **built)
