@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,7 @@ from proxy.api.limits import (
     rate_limited,
 )
 from proxy.api.token_budget import Charge, KeyBudget, Metered, metered_producer
-from proxy.config import KeyConfig, LimitsConfig
+from proxy.config import KeyConfig, LimitsConfig, key_of_account
 from proxy.protocol.errors import INVALID_REQUEST, ApiError
 
 if TYPE_CHECKING:
@@ -144,11 +145,19 @@ class Lease:
             state.budget.settle(charge, tokens)
 
 
+# A subject's counters (a key mapped per subject) that hold nothing any more are let go once
+# this many subjects are kept: no stream in flight, nothing admitted within the longest window
+# (a day's token budget).
+_SUBJECTS_KEPT = 1024
+_SUBJECT_IDLE_SECONDS = 24 * 3600 + RATE_PERIOD
+
+
 class _KeyState:
-    __slots__ = ("budget", "config", "streams", "window")
+    __slots__ = ("budget", "config", "last_admitted", "streams", "window")
 
     def __init__(self, config: KeyConfig) -> None:
         self.config = config
+        self.last_admitted = -math.inf
         self.window = RateWindow(config.requests_per_minute) if config.requests_per_minute else None
         self.streams = 0
         budgeted = config.tokens_per_minute or config.tokens_per_day
@@ -170,12 +179,16 @@ class KeyRing:
         self.shared: RedisLimits | None = None
         if self.limits.backend == "redis":
             self.shared = RedisLimits(self.limits, metrics)
-        self._digests = [(bytes.fromhex(key.sha256), key) for key in keys]
+        # A key without sha256 is a profile that [auth] maps identities onto: no static key.
+        self._digests = [(bytes.fromhex(key.sha256), key) for key in keys if key.sha256]
         self._states = {key.name: _KeyState(key) for key in keys}
+        # The counters of each subject of a key mapped per subject, by account.
+        self._subjects: dict[str, _KeyState] = {}
+        self._subjects_kept = _SUBJECTS_KEPT
 
     @property
     def enabled(self) -> bool:
-        return bool(self._digests)
+        return bool(self._states)
 
     def identify(self, authorization: str | None) -> KeyConfig:
         """The key an ``Authorization`` header presents; a 401 :class:`ApiError` otherwise."""
@@ -184,6 +197,13 @@ class KeyRing:
             raise invalid_api_key(
                 "Missing API key: send it as the header 'Authorization: Bearer <key>'."
             )
+        found = self.match(token)
+        if found is None:
+            raise invalid_api_key("Incorrect API key provided.")
+        return found
+
+    def match(self, token: str) -> KeyConfig | None:
+        """The static key ``token`` is, if any."""
         # Header values reach us decoded as latin-1 (ASGI): encoding back to latin-1 recovers
         # the bytes on the wire, which are the UTF-8 bytes `sluice hash-key` hashed.
         presented = hashlib.sha256(token.encode("latin-1", errors="replace")).digest()
@@ -192,8 +212,6 @@ class KeyRing:
             # No break: every digest is compared, whichever one matches (digests are unique).
             if hmac.compare_digest(presented, digest):
                 found = key
-        if found is None:
-            raise invalid_api_key("Incorrect API key provided.")
         return found
 
     def reidentify(self, key: KeyConfig | None) -> KeyConfig | None:
@@ -223,7 +241,7 @@ class KeyRing:
         Every limit is checked before any is charged: a request refused for concurrency
         does not use up the key's requests per minute, nor its tokens.
         """
-        state = self._states[key.name]
+        state = self._state(key, now)
         if state.window is not None:
             wait = state.window.wait(now)
             if wait > 0:
@@ -236,7 +254,36 @@ class KeyRing:
         if state.window is not None:
             state.window.admit(now)
         state.streams += 1
+        state.last_admitted = now
         return Lease(state, None if budget is None else budget.reserve(now, reservation))
+
+    def _state(self, key: KeyConfig, now: float) -> _KeyState:
+        """The counters ``key`` is held to: its own, or its subject's (one of its identities
+        mapped per subject: api/identity.py), made at the subject's first request."""
+        account = key.account
+        if account == key.name:
+            return self._states[key.name]
+        state = self._subjects.get(account)
+        if state is None:
+            if len(self._subjects) >= self._subjects_kept:
+                self._let_go_idle_subjects(now)
+            state = self._subjects[account] = _KeyState(self._states[key.name].config)
+        return state
+
+    def _let_go_idle_subjects(self, now: float) -> None:
+        idle = [
+            account
+            for account, state in self._subjects.items()
+            if not state.streams and now - state.last_admitted > _SUBJECT_IDLE_SECONDS
+        ]
+        for account in idle:
+            del self._subjects[account]
+        # Amortized: the next sweep waits until as many subjects again are kept.
+        self._subjects_kept = max(_SUBJECTS_KEPT, 2 * len(self._subjects))
+
+    def subjects(self) -> int:
+        """Subjects whose counters are kept now (tests, diagnostics)."""
+        return len(self._subjects)
 
     def carry_over(self, previous: KeyRing) -> None:
         """After a reload: a key that kept its name keeps its counters (its streams in flight,
@@ -246,25 +293,35 @@ class KeyRing:
             kept = previous._states.get(name)
             if kept is None:
                 continue
-            rpm = state.config.requests_per_minute
-            if not rpm:
-                kept.window = None
-            elif kept.window is None:
-                kept.window = state.window
-            elif kept.window.limit != rpm:
-                kept.window = kept.window.resized(rpm)
-            if state.budget is None:
-                kept.budget = None
-            elif kept.budget is None:
-                kept.budget = state.budget
-            else:
-                kept.budget.resized(state.config)
-            kept.config = state.config
-            self._states[name] = kept
+            self._states[name] = self._carried(kept, state)
+        for account, kept in previous._subjects.items():
+            profile = self._states.get(key_of_account(account))
+            if profile is not None:
+                self._subjects[account] = self._carried(kept, _KeyState(profile.config))
+
+    @staticmethod
+    def _carried(kept: _KeyState, state: _KeyState) -> _KeyState:
+        """``kept``'s counters under ``state``'s (new) limits."""
+        rpm = state.config.requests_per_minute
+        if not rpm:
+            kept.window = None
+        elif kept.window is None:
+            kept.window = state.window
+        elif kept.window.limit != rpm:
+            kept.window = kept.window.resized(rpm)
+        if state.budget is None:
+            kept.budget = None
+        elif kept.budget is None:
+            kept.budget = state.budget
+        else:
+            kept.budget.resized(state.config)
+        kept.config = state.config
+        return kept
 
     def streams(self, name: str) -> int:
-        """Requests of the key ``name`` in flight now (tests, diagnostics)."""
-        return self._states[name].streams
+        """Requests of the key or account ``name`` in flight now (tests, diagnostics)."""
+        state = self._states.get(name) or self._subjects.get(name)
+        return 0 if state is None else state.streams
 
 
 def limited_producer(

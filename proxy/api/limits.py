@@ -447,8 +447,9 @@ class RedisLimits:
         """Admit one request for ``key``, reserving ``reservation`` tokens of a budgeted key:
         its lease (None when it holds no concurrency slot nor reservation, or was admitted
         uncounted under ``on_error = "allow"``), or a 429 / 503 ApiError."""
-        rate, streams = self._keys(key.name)
-        budget = self._token_keys(key.name)
+        # Its account: the key's name, or the key and one subject (a key mapped per subject).
+        rate, streams = self._keys(key.account)
+        budget = self._token_keys(key.account)
         budgeted = bool(key.tokens_per_minute or key.tokens_per_day)
         lease_id = os.urandom(9).hex()
         reply: Any = None

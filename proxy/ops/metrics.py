@@ -20,6 +20,8 @@ from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.utils import floatToGoString
 
+from proxy.config import key_of_account
+
 # How prometheus-client spells a bucket bound in "le" (untyped upstream).
 _le_text = cast(Callable[[float], str], floatToGoString)
 # What a MetricSpec builds: a Counter, Gauge, Histogram or BucketHistogram.
@@ -234,6 +236,24 @@ class Metrics:
         "scheduler's counters go with the next sync, ordered by this instance's meanwhile).",
         ["operation", "outcome"],
     )
+    auth_refusals = MetricSpec(
+        Counter,
+        "sluice_auth_refusals",
+        "Credentials refused ([auth]: JWTs, forward auth; and static keys beside them), by "
+        "method (key, jwt, forward) and reason: too_large, malformed, issuer, algorithm, "
+        "unknown_kid, signature, audience, expired, not_yet_valid, issued_in_future, "
+        "missing_claim, unmapped (403), refused (by the forward-auth service), unavailable "
+        '(forward auth failed under on_error = "deny": 503).',
+        ["method", "reason"],
+    )
+    jwks_fetches = MetricSpec(
+        Counter,
+        "sluice_jwks_fetches",
+        "Fetches of an [[auth.jwt]] issuer's key set (at start, every refresh_seconds, and for "
+        "an unknown kid at most once per cooldown), by issuer and outcome (ok, error: the "
+        "cached keys stay in use).",
+        ["issuer", "outcome"],
+    )
     key_tokens = MetricSpec(
         Counter,
         "sluice_key_tokens",
@@ -391,7 +411,8 @@ class Metrics:
     ) -> None:
         """A request left Sluice's queue (``ticket``: proxy.protocol.scheduling.Ticket), its
         key's counter then at ``service``."""
-        key = ticket.tenant or "-"
+        # The key's name: a key mapped per subject is one series, whatever its subjects.
+        key = key_of_account(ticket.tenant) or "-"
         band = str(ticket.band)
         self.queue_wait.labels(model, outcome, key, band).observe(seconds)
         if outcome == "admitted":

@@ -29,7 +29,7 @@ from proxy.backends.upstream.routing import (
     router_for,
 )
 from proxy.backends.upstream.scrape import scrape_replicas
-from proxy.config import RelayConfig, UpstreamModel
+from proxy.config import RelayConfig, UpstreamModel, key_of_account
 from proxy.ops.metrics import Metrics
 from proxy.protocol.affinity import affinity_key
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
@@ -200,7 +200,7 @@ class UpstreamBackend:
         if self._metrics is not None:
             schedule = request.schedule
             self._metrics.tokens_for_nobody.labels(
-                schedule.tenant or "-", self.model.name, "hedge_loser"
+                key_of_account(schedule.tenant) or "-", self.model.name, "hedge_loser"
             ).inc(schedule.input_tokens)
 
     def _left_queue(self, ticket: Ticket, seconds: float, outcome: str) -> None:
