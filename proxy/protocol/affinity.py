@@ -12,6 +12,8 @@ belongs to.
   hash of (key, replica); the key goes to the highest. A replica that leaves moves only its own
   keys, and every process (each instance of Sluice) computes the same answer with no shared
   state.
+- :func:`overloaded`: the load bound that keeps a key (or a cached prefix) from piling onto one
+  replica.
 """
 
 from __future__ import annotations
@@ -106,3 +108,18 @@ def rendezvous_order(key: bytes, names: Sequence[str]) -> list[int]:
         key=lambda i: (rendezvous_weight(key, names[i]), names[i]),
         reverse=True,
     )
+
+
+def overloaded(load: float, loads: Sequence[float], max_load: float) -> bool:
+    """Whether the key's replica, at ``load``, is over the bound: more than ``max_load`` x the
+    mean of ``loads`` (every candidate's, its own included) plus one.
+
+    The +1 is SGLang's absolute threshold next to its relative one (its router rebalances only
+    when max - min > balance_abs_threshold and max > balance_rel_threshold x min): with
+    nothing in flight the mean is 0, and a single request must not count as an overload. With
+    2 replicas and max_load 1.5, the key's replica gives way when it holds more than 3 x the
+    other's + 4: at 5 while the other is idle (5 > 1.5 x 2.5 + 1), at 11 against 2."""
+    if not loads:
+        return False
+    mean = sum(loads) / len(loads)
+    return load > max_load * mean + 1
