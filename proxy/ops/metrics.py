@@ -40,6 +40,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 _STEPS_AFTER_CANCEL_BUCKETS = (0, 1, 2, 3, 5, 10, 20)
 _PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Waiting for a local model's slot: none at all, up to queue_timeout (seconds to minutes).
+_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 _QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -404,6 +405,54 @@ class Metrics:
         "sluice_local_prefix_cache_bytes",
         "Local models: bytes of KV held by the prefix cache now (at most prefix_cache_bytes).",
         ["model"],
+    )
+    # balance = "cache_aware": each replica's vLLM KV events (replica: its URL).
+    kv_event_batches = MetricSpec(
+        Counter,
+        "sluice_kv_event_batches",
+        'balance = "cache_aware": KV event batches received from each replica\'s publisher '
+        "and applied to its block index (replayed ones included).",
+        ["model", "replica"],
+    )
+    kv_blocks = MetricSpec(
+        Counter,
+        "sluice_kv_blocks",
+        'balance = "cache_aware": blocks in the replicas\' KV events, by change: stored and '
+        "removed (indexed, forgotten), skipped (not indexed: a parent never seen, another "
+        "tier, group or LoRA adapter), evicted (forgotten to stay within "
+        "kv_index_max_blocks).",
+        ["model", "replica", "change"],
+    )
+    kv_indexed_blocks = MetricSpec(
+        Gauge,
+        "sluice_kv_indexed_blocks",
+        'balance = "cache_aware": blocks each replica\'s index holds now (at most '
+        "kv_index_max_blocks).",
+        ["model", "replica"],
+    )
+    kv_event_gaps = MetricSpec(
+        Counter,
+        "sluice_kv_event_gaps",
+        'balance = "cache_aware": breaks in a replica\'s KV-event sequence, by outcome: '
+        "replayed (the missed batches fetched from its replay endpoint), dropped (not "
+        "replayable: its index emptied), restart (its publisher started again: emptied).",
+        ["model", "replica", "outcome"],
+    )
+    kv_subscriber_restarts = MetricSpec(
+        Counter,
+        "sluice_kv_subscriber_restarts",
+        'balance = "cache_aware": subscriptions to a replica\'s KV events that failed '
+        "(a malformed message, a socket error) and were made again after a backoff, its "
+        "index emptied.",
+        ["model", "replica"],
+    )
+    route_cached_fraction = MetricSpec(
+        Histogram,
+        "sluice_route_cached_fraction",
+        'balance = "cache_aware": per request routed with its prompt\'s tokens, the share '
+        "of the prompt's blocks the chosen replica held.",
+        ["model"],
+        _FRACTION_BUCKETS,
     )
 
     def left_queue(

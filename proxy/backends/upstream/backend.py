@@ -6,7 +6,8 @@ the :class:`~exchange.UpstreamExchange` (one attempt's bytes), an :class:`~retry
 slot in Sluice's queue on a replica, and the replica's health verdict, around an exchange),
 and :class:`~retry.Retry` or :class:`~hedge.Hedge` over attempts. Here: routing (which replica,
 among those with room), the model's queue, the total deadline, and the background work
-``balance`` needs (``scrape``).
+``balance`` needs (``scrape``; for ``cache_aware`` also ``kv_events``, one subscriber per
+replica, and ``tokenize``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from proxy.backends.upstream.hedge import Hedge
 from proxy.backends.upstream.replica import UpstreamReplica, public_name, routing_counter
 from proxy.backends.upstream.retry import Attempt, Retry, RetryPolicy
 from proxy.backends.upstream.routing import (
+    CacheAwareRouter,
     HealthPolicy,
     LeastBusyRouter,
     MetricsRouter,
@@ -29,10 +31,13 @@ from proxy.backends.upstream.routing import (
     router_for,
 )
 from proxy.backends.upstream.scrape import scrape_replicas
+from proxy.backends.upstream.tokenize import ReplicaTokenizer, Tokenizer
+from proxy.backends.upstream.transports import health_client
 from proxy.config import RelayConfig, UpstreamModel, key_of_account
 from proxy.ops.metrics import Metrics
 from proxy.protocol.affinity import affinity_key
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
+from proxy.protocol.kv_cache import token_key
 from proxy.protocol.openai import CompletionRequest
 from proxy.protocol.scheduling import Ticket
 from proxy.relay.admission import PAUSE_STOPS, Admission, Dispatcher
@@ -64,7 +69,12 @@ class UpstreamBackend:
             policy,
             metrics_interval=model.metrics_interval,
             affinity_max_load=model.affinity_max_load,
+            cache_weight=model.kv_cache_weight,
+            max_blocks=model.kv_index_max_blocks,
         )
+        # cache_aware: where prompts are tokenized, while watch_replicas runs (until then,
+        # and without it, requests are routed by load: "fallback").
+        self.tokenizer: Tokenizer | None = None
         self._decisions = None if metrics is None else routing_counter(metrics)
         self._metrics = metrics
         if dispatcher is None:
@@ -137,14 +147,60 @@ class UpstreamBackend:
         """Runs for the server's lifetime in the app's nursery: what this model's ``balance``
         needs in the background. ``upstream_metrics``: one scraper per replica, in a nursery
         of their own (a replica that hangs never delays another's scrape); ``least_busy`` and
-        ``prefix_affinity`` need nothing, and it returns at once."""
+        ``prefix_affinity`` need nothing, and it returns at once. ``cache_aware``: the scrapers
+        (its load), a KV-event subscriber per replica, and the tokenizer's client, in one
+        nursery: when it is cancelled (shutdown, a reload) nothing of them is left."""
         router = self._router
         if not isinstance(router, MetricsRouter):
             return
         model = self.model
-        await scrape_replicas(
-            model.name, model.metrics_path, self.replicas, router, model.metrics_interval
+        if not isinstance(router, CacheAwareRouter):
+            await scrape_replicas(
+                model.name, model.metrics_path, self.replicas, router, model.metrics_interval
+            )
+            return
+        # Imported only by a model that subscribes: ZeroMQ is loaded for it alone.
+        from proxy.backends.upstream.kv_events import (
+            KvEventSubscriber,
+            MetricsObserver,
+            publisher_of,
         )
+
+        endpoints = model.kv_events_endpoints or ("",) * len(self.replicas)
+        timeout = model.kv_tokenize_timeout
+        async with health_client(self.replicas[0].connection, timeout) as client:
+            self.tokenizer = ReplicaTokenizer(client, self.replicas, model.upstream_model, timeout)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(
+                        scrape_replicas,
+                        model.name,
+                        model.metrics_path,
+                        self.replicas,
+                        router,
+                        model.metrics_interval,
+                    )
+                    for replica, endpoint in zip(self.replicas, endpoints, strict=True):
+                        publisher = publisher_of(
+                            replica.root_url,
+                            model.kv_events_port,
+                            model.kv_events_replay_port,
+                            endpoint,
+                        )
+                        observer = (
+                            None
+                            if self._metrics is None
+                            else MetricsObserver(self._metrics, model.name, replica.url)
+                        )
+                        subscriber = KvEventSubscriber(
+                            f"model {model.name}: upstream {replica.url}",
+                            publisher,
+                            router.index_of(replica.load),
+                            observer,
+                        )
+                        nursery.start_soon(subscriber.run)
+            finally:
+                self.tokenizer = None
 
     @property
     def queued(self) -> int:
@@ -164,15 +220,30 @@ class UpstreamBackend:
         session = getattr(request, "session", "") if self.model.affinity_header else ""
         return affinity_key(request, self.model.affinity_prefix_bytes, session or "")
 
+    async def route_key(self, request: CompletionRequest) -> bytes:
+        """The key the router is given for ``request``: ``cache_aware``'s is its prompt's
+        token ids (:func:`~proxy.protocol.kv_cache.token_key`; b"" when they are not known in
+        time), the others' :meth:`affinity_key`."""
+        if not isinstance(self._router, CacheAwareRouter):
+            return self.affinity_key(request)
+        tokenizer = self.tokenizer
+        tokens = None if tokenizer is None else await tokenizer.tokens(request)
+        return b"" if tokens is None else token_key(tokens)
+
     def _choose(self, loads: Sequence[ReplicaLoad], key: bytes) -> ReplicaLoad | None:
         """The router's pick among replicas that have room now."""
         decision = self._router.decide(loads, (), trio.current_time(), key)
-        if decision.replica is not None and self._decisions is not None:
+        if decision.replica is not None and self._metrics is not None:
+            assert self._decisions is not None
             self._decisions.labels(self.model.name, self._router.balance, decision.reason).inc()
+            if decision.cached_fraction is not None:
+                self._metrics.route_cached_fraction.labels(self.model.name).observe(
+                    decision.cached_fraction
+                )
         return decision.replica
 
     async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
-        key = self.affinity_key(request)
+        key = await self.route_key(request)
         with trio.move_on_after(self.model.total_timeout) as total:
             # The upstream's bound: a paused stream's wait for a slot again is not counted.
             stops = PAUSE_STOPS.set((*PAUSE_STOPS.get(), total))

@@ -15,6 +15,9 @@ half-open probes are the same for all three (:meth:`LeastBusyRouter.decide`):
   :func:`metrics_score`.
 - ``prefix_affinity`` (:class:`AffinityRouter`): rendezvous hashing of the request's key,
   bounded by load, :func:`overloaded`.
+- ``cache_aware`` (:class:`CacheAwareRouter`): the prompt's leading tokens each replica's KV
+  cache holds (its vLLM KV events, indexed in :class:`~proxy.protocol.kv_cache.BlockIndex`)
+  against its ``upstream_metrics`` load, :func:`~proxy.protocol.kv_cache.cache_aware_pick`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from proxy.protocol.affinity import rendezvous_order
+from proxy.protocol.affinity import overloaded, rendezvous_order
+from proxy.protocol.kv_cache import BlockIndex, block_keys, cache_aware_pick, key_tokens
 from proxy.protocol.replica_metrics import ReplicaMetrics
 
 
@@ -66,10 +70,15 @@ class Decision:
     ``probe`` (a half-open replica's one request), ``metrics`` (by its scraped load),
     ``fallback`` (upstream_metrics without a fresh scrape of the chosen replica: its in-flight
     count), ``affinity_hit`` (the key's own replica), ``affinity_overflow`` (the key's replica
-    was over the bound: the least loaded instead)."""
+    was over the bound: the least loaded instead); cache_aware's ``cache`` (credited with the
+    prompt tokens it holds), ``load`` (none holds any, or the one holding them was over the
+    bound) and ``fallback`` (the prompt's tokens unknown: by load). ``cached_fraction``: the
+    share of the prompt's blocks the chosen replica holds, for cache_aware's choices made with
+    the prompt's tokens."""
 
     replica: ReplicaLoad | None
     reason: str = "none"
+    cached_fraction: float | None = None
 
 
 class LeastBusyRouter:
@@ -249,21 +258,6 @@ class MetricsRouter(LeastBusyRouter):
 # ----------------------------------------------------------------------------- prefix_affinity
 
 
-def overloaded(load: float, loads: Sequence[float], max_load: float) -> bool:
-    """Whether the key's replica, at ``load``, is over the bound: more than ``max_load`` x the
-    mean of ``loads`` (every candidate's, its own included) plus one.
-
-    The +1 is SGLang's absolute threshold next to its relative one (its router rebalances only
-    when max - min > balance_abs_threshold and max > balance_rel_threshold x min): with
-    nothing in flight the mean is 0, and a single request must not count as an overload. With
-    2 replicas and max_load 1.5, the key's replica gives way when it holds more than 3 x the
-    other's + 4: at 5 while the other is idle (5 > 1.5 x 2.5 + 1), at 11 against 2."""
-    if not loads:
-        return False
-    mean = sum(loads) / len(loads)
-    return load > max_load * mean + 1
-
-
 class AffinityRouter(LeastBusyRouter):
     """``prefix_affinity``: the key's replica by rendezvous hashing of the healthy candidates
     (so a retry, which excludes the one tried, goes to the key's next replica); when that one
@@ -287,14 +281,101 @@ class AffinityRouter(LeastBusyRouter):
         return Decision(owner, "affinity_hit")
 
 
+# ----------------------------------------------------------------------------- cache_aware
+
+
+class CacheAwareRouter(MetricsRouter):
+    """``cache_aware``: each healthy candidate's load (:func:`metrics_score`: its scraped queue,
+    or this process's in-flight count) against the prompt tokens its KV cache holds, by
+    :func:`~proxy.protocol.kv_cache.cache_aware_pick`. The key is the prompt's token ids
+    (:func:`~proxy.protocol.kv_cache.token_key`); with none (the prompt could not be tokenized
+    in time, or its endpoint has no prompt) the choice is upstream_metrics', as ``fallback``.
+
+    One :class:`BlockIndex` per replica (:meth:`index_of`), filled by that replica's KV-event
+    subscriber; the router only reads them."""
+
+    __slots__ = ("_indexes", "cache_weight", "max_blocks", "max_load")
+    balance = "cache_aware"
+
+    def __init__(
+        self,
+        policy: HealthPolicy | None = None,
+        *,
+        interval: float = 2.0,
+        cache_weight: float = 1.0,
+        max_load: float = 1.5,
+        max_blocks: int = 131072,
+    ) -> None:
+        super().__init__(policy, interval=interval)
+        self.cache_weight = cache_weight
+        self.max_load = max_load
+        self.max_blocks = max_blocks
+        self._indexes: dict[ReplicaLoad, BlockIndex] = {}
+
+    def index_of(self, replica: ReplicaLoad) -> BlockIndex:
+        """``replica``'s block index (made empty on first use)."""
+        index = self._indexes.get(replica)
+        if index is None:
+            index = self._indexes[replica] = BlockIndex(self.max_blocks)
+        return index
+
+    def cached_blocks(self, replica: ReplicaLoad, keys_by_size: dict[int, list[bytes]]) -> int:
+        """How many of the prompt's leading blocks ``replica`` holds, in its own block size."""
+        index = self._indexes.get(replica)
+        if index is None or index.block_size is None:
+            return 0
+        keys = keys_by_size.get(index.block_size)
+        return 0 if keys is None else index.matched(keys)
+
+    def _pick(self, healthy: Sequence[ReplicaLoad], now: float, key: bytes) -> Decision:
+        tokens = key_tokens(key)
+        if not tokens:
+            return Decision(super()._pick(healthy, now, key).replica, "fallback")
+        # Equal scores to the replica picked longest ago.
+        ordered = sorted(healthy, key=lambda r: r.last_pick)
+        sizes = {
+            index.block_size
+            for r in ordered
+            if (index := self._indexes.get(r)) is not None and index.block_size is not None
+        }
+        keys_by_size = {size: block_keys(tokens, size) for size in sizes}
+        matched = [self.cached_blocks(r, keys_by_size) for r in ordered]
+        sizes_of = [self._block_size(r) for r in ordered]
+        loads = [self.score(r, now)[0] for r in ordered]
+        pick = cache_aware_pick(
+            loads,
+            [blocks * size for blocks, size in zip(matched, sizes_of, strict=True)],
+            cache_weight=self.cache_weight,
+            max_load=self.max_load,
+        )
+        chosen_size = sizes_of[pick.index]
+        total = len(keys_by_size.get(chosen_size, ())) if chosen_size else 0
+        fraction = matched[pick.index] / total if total else 0.0
+        return Decision(ordered[pick.index], pick.reason, fraction)
+
+    def _block_size(self, replica: ReplicaLoad) -> int:
+        index = self._indexes.get(replica)
+        return 0 if index is None or index.block_size is None else index.block_size
+
+
 def router_for(
     balance: str,
     policy: HealthPolicy | None = None,
     *,
     metrics_interval: float = 2.0,
     affinity_max_load: float = 1.5,
+    cache_weight: float = 1.0,
+    max_blocks: int = 131072,
 ) -> LeastBusyRouter:
     """The router of a model's ``balance``."""
+    if balance == "cache_aware":
+        return CacheAwareRouter(
+            policy,
+            interval=metrics_interval,
+            cache_weight=cache_weight,
+            max_load=affinity_max_load,
+            max_blocks=max_blocks,
+        )
     if balance == "upstream_metrics":
         return MetricsRouter(policy, interval=metrics_interval)
     if balance == "prefix_affinity":
