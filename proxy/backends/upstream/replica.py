@@ -46,7 +46,7 @@ def routing_counter(metrics: Metrics) -> Counter:
         counter = Counter(
             "sluice_routing_decisions_total",
             "Upstream replicas chosen, by model, balance and reason (least_busy, probe, "
-            "metrics, fallback, affinity_hit, affinity_overflow).",
+            "metrics, fallback, affinity_hit, affinity_overflow, cache, load).",
             ["model", "balance", "reason"],
             registry=metrics.registry,
         )
