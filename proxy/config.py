@@ -170,8 +170,8 @@ class UpstreamRequestConfig:
     # index until new blocks arrive.
     kv_events_replay_port: int = 0
     # With balance = "cache_aware": blocks indexed per replica at most; past it the oldest
-    # stored are forgotten. About 250 bytes each (2**17 blocks: ~32 MiB, 2M tokens at
-    # vLLM's 16-token blocks).
+    # stored are forgotten. About 270 bytes each, measured (2**17 blocks: ~35 MiB, 2M tokens
+    # at vLLM's 16-token blocks).
     kv_index_max_blocks: int = 131072
     # With balance = "cache_aware": how many requests of load 1,000 cached prompt tokens are
     # worth. Higher follows the cache further into load; 0 is load alone.
