@@ -65,7 +65,11 @@ class ResponseFacts:
             if kind == "message_start":
                 inner = answer.get("message")
                 if isinstance(inner, Mapping):
+                    # Its output_tokens is the count at the start (0 or 1), not the answer's
+                    # (message_delta's): a stream cut before that is counted by its deltas.
+                    output = self.output_tokens
                     self.take(inner)
+                    self.output_tokens = output
                 return
             if kind == "message_delta":
                 delta = answer.get("delta")

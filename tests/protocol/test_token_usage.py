@@ -121,8 +121,13 @@ def test_responses_and_messages_streams_are_counted_and_read() -> None:
         b'{"type":"text_delta","text":"x"}}\n\n' * 2
     )
     assert messages.deltas == 2
-    # The stream was cut before message_delta: the output count is still message_start's.
+    # The stream was cut before message_delta: message_start's output_tokens (the count at
+    # the start) is not the answer's, so the deltas count (the sweep found it charged 0).
     assert messages.facts.input_tokens == 11
+    assert messages.facts.output_tokens is None
+    assert messages.output_so_far() == 2
+    usage = messages.usage(64, client_left=True, failed=None)
+    assert (usage.input, usage.output) == (11, 2)
 
 
 def test_the_charge_takes_the_best_source_there_is() -> None:
