@@ -507,9 +507,9 @@ def test_cache_aware_needs_each_replicas_kv_events() -> None:
         )
     with pytest.raises(ConfigError, match="is not a ZeroMQ endpoint"):
         build({"models": {"m": {**two, "kv_events_endpoints": ["http://a:1", "tcp://b:2"]}}})
-    with pytest.raises(ConfigError, match="'kv_events_replay_port' .* must be a port"):
+    with pytest.raises(ConfigError, match=r"'kv_events_replay_port' .* must be a port"):
         build({"upstream": {"kv_events_replay_port": 70000}, "models": {"m": MODEL}})
-    with pytest.raises(ConfigError, match="'kv_cache_weight' .* >= 0"):
+    with pytest.raises(ConfigError, match=r"'kv_cache_weight' .* >= 0"):
         build({"models": {"m": {**MODEL, "kv_cache_weight": -1}}})
-    with pytest.raises(ConfigError, match="'kv_index_max_blocks' .* > 0"):
+    with pytest.raises(ConfigError, match=r"'kv_index_max_blocks' .* > 0"):
         build({"models": {"m": {**MODEL, "kv_index_max_blocks": 0}}})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -29,9 +30,12 @@ from proxy.backends.upstream.kv_events import (
     publisher_of,
 )
 from proxy.backends.upstream.routing import CacheAwareRouter
+from proxy.backends.upstream.tokenize import tokenize_body
 from proxy.ops.metrics import Metrics
+from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.kv_cache import Applied, BlockIndex, block_keys
 from proxy.protocol.kv_events import KvEventsError
+from proxy.protocol.openai import CompletionRequest, Endpoint
 from tests.backends.upstream.kv_publisher import (
     FakeVllmPublisher,
     all_cleared,
@@ -338,3 +342,51 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
             labels["reason"] = "load"
             assert registry.get_sample_value("sluice_routing_decisions_total", labels) == 3
             nursery.cancel_scope.cancel()
+
+
+def test_what_is_asked_of_tokenize() -> None:
+    chat = parse(
+        "/v1/chat/completions",
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"enable_thinking": False},
+            "temperature": 0.3,
+        },
+    )
+    assert tokenize_body(chat, "served") == {
+        "model": "served",
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    completion = parse("/v1/completions", {"model": "m", "prompt": "once upon"})
+    assert tokenize_body(completion, "m") == {"model": "m", "prompt": "once upon"}
+    # A prompt of token ids is its own answer; a batch of prompts, or no prompt, none.
+    assert tokenize_body(parse("/v1/completions", {"model": "m", "prompt": [5, 6]}), "m") == [5, 6]
+    assert (
+        tokenize_body(parse("/v1/completions", {"model": "m", "prompt": ["a", "b"]}), "m") is None
+    )
+    embeddings = parse("/v1/embeddings", {"model": "m", "input": "x"})
+    assert tokenize_body(embeddings, "m") is None
+
+
+def parse(path: str, body: dict[str, object]) -> CompletionRequest:
+    endpoint = {
+        "/v1/chat/completions": Endpoint.CHAT,
+        "/v1/completions": Endpoint.COMPLETIONS,
+        "/v1/embeddings": Endpoint.EMBEDDINGS,
+    }[path]
+    return parse_api_request(json.dumps(body).encode(), endpoint)
+
+
+async def test_off_nothing_subscribes_and_no_index_exists(nursery: trio.Nursery) -> None:
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(nursery)
+        proxy = await start_proxy(nursery, {"fake-model": {"upstreams": [fake.url]}})
+        backend = proxy.state.backends["fake-model"]
+        assert isinstance(backend, UpstreamBackend)
+        assert not isinstance(backend.router, CacheAwareRouter)
+        assert backend.tokenizer is None
+        # Its watch returns at once: no task, no socket.
+        await backend.watch_replicas()
+        nursery.cancel_scope.cancel()
