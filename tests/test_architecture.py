@@ -239,7 +239,8 @@ def test_serve_loads_no_tooling_and_no_model_stack(tmp_path: Path) -> None:
 
         trio.run(main)
         forbidden = ("proxy.bench", "proxy.testing", "torch", "transformers", "matplotlib",
-                     "proxy.backends.local", "opentelemetry", "proxy.ops.otel_adapter")
+                     "proxy.backends.local", "opentelemetry", "proxy.ops.otel_adapter",
+                     "proxy.api.identity", "jwt", "cryptography")
         print(sorted(name for name in sys.modules if name.startswith(forbidden)))
         """
     )

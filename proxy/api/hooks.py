@@ -42,7 +42,7 @@ def register_hooks(app: SluiceQuart, responder: Responder) -> None:
             return None
         if responder.needs_key(request.path):
             # Raises the 401 (answered by the error handlers, with this access record).
-            responder.identify(pipeline, headers, access)
+            await responder.identify(pipeline, headers, access, request.method, request.path)
         return None
 
     @app.after_request

@@ -27,6 +27,7 @@ import uuid
 import weakref
 from collections.abc import Mapping
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -52,6 +53,11 @@ from proxy.protocol.shapes import error_shape
 from proxy.protocol.token_usage import DEFAULT_RESERVED_OUTPUT, estimate_input_tokens
 from proxy.relay.body import Producer, RelayBody, RelayTracker
 from proxy.server.call import HeaderLookup
+
+if TYPE_CHECKING:
+    # Imported only where [auth] is configured (served_config.py): PyJWT and cryptography
+    # are not loaded otherwise.
+    from proxy.api.identity import Identity
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -82,6 +88,8 @@ class RequestPipeline:
         # The relays begun through this pipeline and not yet closed: a reload retires this
         # pipeline's backends once it is empty (api/served_config.py).
         self.relays: weakref.WeakSet[RelayBody] = weakref.WeakSet()
+        # JWT issuers and forward auth ([auth]), set by the served config; None: static keys.
+        self.identity: Identity | None = None
 
     @staticmethod
     def request_id(presented: str | None) -> str:
@@ -110,8 +118,23 @@ class RequestPipeline:
             )
         return access
 
+    async def identify(
+        self, headers: HeaderLookup, access: AccessRecord, method: str = "POST", path: str = ""
+    ) -> KeyConfig | None:
+        """The client's key, as :meth:`authenticate` finds it, or with ``[auth]`` as its
+        identity maps it (a JWT, the forward-auth service's answer: api/identity.py), which
+        may also refuse with 403 (an identity mapped onto no key) or 503 (forward auth
+        unanswered)."""
+        identity = self.identity
+        if identity is None:
+            return self.authenticate(headers, access)
+        key = await identity.identify(headers, method, path)
+        access.key = key.name
+        return key
+
     def authenticate(self, headers: HeaderLookup, access: AccessRecord) -> KeyConfig | None:
-        """The client's key (None when no keys are configured); a 401 ApiError otherwise.
+        """The client's static key (None when no keys are configured); a 401 ApiError
+        otherwise.
 
         Every credential form is read here, for every transport: ``Authorization: Bearer``,
         else ``x-api-key`` (Anthropic's SDKs send the key so, with anthropic-version). Both are
@@ -233,7 +256,8 @@ class RequestPipeline:
         access.band = band
         access.deadline = min(deadlines) if deadlines else None
         schedule = Schedule(
-            "" if key is None else key.name,
+            # Its account: the key, or one subject of a key mapped per subject.
+            "" if key is None else key.account,
             band,
             1.0 if key is None else key.weight,
             estimate_input_tokens(body) if request.endpoint is not Endpoint.PASSTHROUGH else 0,

@@ -91,7 +91,7 @@ class Responder:
         # so that they can say what it decided (the band).
         origin = call.headers.get("Origin")
         try:
-            key = self.identify(pipeline, call.headers, access)
+            key = await self.identify(pipeline, call.headers, access, call.method, call.path)
             raw = call.body
             if raw is None:
                 assert call.read_body is not None, "a Call brings its body or its reader"
@@ -124,27 +124,32 @@ class Responder:
         endpoint = self.endpoint_of(call.path) or Endpoint.CHAT
         return self._refusal(pipeline, access, endpoint, error, [])
 
-    def authenticate_session(self, call: Call) -> tuple[AccessRecord, ApiError | None]:
+    async def authenticate_session(self, call: Call) -> tuple[AccessRecord, ApiError | None]:
         """A WebSocket's handshake: its record, and its refusal (counted and logged as one) if
         its credentials are refused. Each message is authenticated again, as its own request."""
         pipeline = self.state.pipeline
         # No trace of its own: each message's span is the handshake's traceparent's child.
         access = pipeline.begin(call.method, call.path, call.client, None)
         try:
-            self.identify(pipeline, call.headers, access)
+            await self.identify(pipeline, call.headers, access, call.method, call.path)
         except ApiError as error:
             pipeline.refused(access, error.status, error.code or "error", "-")
             return access, error
         return access, None
 
     @staticmethod
-    def identify(
-        pipeline: RequestPipeline, headers: HeaderLookup, access: AccessRecord
+    async def identify(
+        pipeline: RequestPipeline,
+        headers: HeaderLookup,
+        access: AccessRecord,
+        method: str = "POST",
+        path: str = "",
     ) -> KeyConfig | None:
-        """The client's key (None with no keys configured), or the 401 ApiError: before the
-        body is read, so an unauthenticated client costs no parsing. The routes that are not
-        the API's but need a key (/v1/models) take the same step."""
-        return pipeline.authenticate(headers, access)
+        """The client's key (None with no keys configured), or the 401 ApiError (403, 503:
+        api/identity.py): before the body is read, so an unauthenticated client costs no
+        parsing. The routes that are not the API's but need a key (/v1/models) take the same
+        step."""
+        return await pipeline.identify(headers, access, method, path)
 
     def begin(self, call: Call) -> tuple[RequestPipeline, AccessRecord]:
         """The pipeline the request keeps, and its access record, which every refusal after

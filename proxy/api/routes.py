@@ -10,7 +10,7 @@ from typing import Any
 
 from quart import Response, request, websocket
 from werkzeug.datastructures import Headers
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 
 from proxy.api.errors import http_error
 from proxy.api.responder import WS_PATH, Responder
@@ -109,6 +109,20 @@ def register_info(app: SluiceQuart, state: SluiceState) -> None:
         ready = state.ready
         payload = json.dumps({"ready": ready, "draining": state.draining}).encode()
         return json_response(payload, 200 if ready else 503)
+
+    @app.get("/.well-known/oauth-protected-resource")
+    async def protected_resource() -> Response:
+        # RFC 9728: who may sign this server's bearer tokens; only with [[auth.jwt]] issuers.
+        auth = state.current.config.auth
+        if not auth.jwt:
+            raise NotFound()
+        origin = f"{request.scheme}://{request.host}"
+        payload = {
+            "resource": auth.resource or origin,
+            "authorization_servers": [issuer.issuer for issuer in auth.jwt],
+            "bearer_methods_supported": ["header"],
+        }
+        return json_response(json.dumps(payload).encode(), 200)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -29,6 +30,9 @@ from proxy.ops.metrics import Metrics
 from proxy.protocol.scheduling import SchedulingSettings
 from proxy.relay.admission import Scheduling
 from proxy.relay.body import RelayTracker
+
+if TYPE_CHECKING:
+    from proxy.api.identity import Identity
 
 log = logging.getLogger("sluice.app")
 
@@ -166,6 +170,15 @@ class ServedConfig:
         self.pipeline = RequestPipeline(
             config, self.keys, metrics, tracker, self.backends, local_backends, loading=loading
         )
+        # JWT issuers and forward auth: built (and PyJWT imported) only when [auth] says so.
+        # An issuer kept across a reload keeps its key set and its cooldown.
+        self.identity: Identity | None = None
+        if config.auth.enabled:
+            from proxy.api.identity import Identity
+
+            self.identity = Identity(config.auth, self.keys, config.keys, metrics=metrics)
+            self.identity.carry_over(None if previous is None else previous.identity)
+            self.pipeline.identity = self.identity
         # Its background work's scope: cancelled when it retires.
         self._scope = trio.CancelScope()
         self._closed = False
@@ -182,6 +195,10 @@ class ServedConfig:
             async with trio.open_nursery() as nursery:
                 if self.keys.shared is not None:
                     await nursery.start(self.keys.shared.keep_connected)
+                if self.identity is not None:
+                    # Its first key-set fetches start now, and are not waited for: a request
+                    # that needs a key set waits for its fetch (bounded by fetch_timeout).
+                    await nursery.start(self.identity.run)
                 self.start_backends()
                 self.watch_upstreams(nursery)
                 task_status.started()

@@ -319,7 +319,9 @@ async def serve_websocket(responder: Responder, socket: Any) -> None:
     headers = socket.headers
     stall_timeout = responder.state.pipeline.config.relay.stall_timeout
     session = WebSocketSession(responder, connection, headers, client, stall_timeout)
-    handshake, refusal = responder.authenticate_session(Call(WS_METHOD, WS_PATH, headers, client))
+    handshake, refusal = await responder.authenticate_session(
+        Call(WS_METHOD, WS_PATH, headers, client)
+    )
     if refusal is not None:
         await socket.accept()
         async with trio.open_nursery() as nursery:
