@@ -2,7 +2,8 @@
 can be applied to a running process.
 
 Applied: the keys and their limits, the upstream models and their upstreams, balance, queue
-and timeout settings, [upstream], [relay] and [limits]. Not without a restart, and left as
+and timeout settings, [upstream], [relay], [limits] and [auth] (an unchanged issuer keeps its
+key set). Not without a restart, and left as
 they were: [server] (host, port and workers among it: the sockets, the processes and the HTTP
 server are made once), [fake_upstream] and [tracing] (started beside the app, once per
 process), a local model's table (its weights are loaded once; its batch engine runs with
@@ -113,7 +114,7 @@ def plan_reload(running: Config, file_server: object, fresh: Config) -> ReloadPl
 
 
 # The sections a reload applies whole, beside the keys and the models.
-APPLIED_SECTIONS = ("upstream", "relay", "limits", "scheduling")
+APPLIED_SECTIONS = ("upstream", "relay", "limits", "scheduling", "auth")
 
 
 def describe_changes(running: Config, applied: Config) -> list[str]:

@@ -25,6 +25,8 @@ from proxy import config as config_module
 from proxy.config import (
     ENV_PREFIX,
     MODEL_KINDS,
+    ClaimMapConfig,
+    JwtIssuerConfig,
     KeyConfig,
     UpstreamModel,
     UpstreamRequestConfig,
@@ -92,6 +94,9 @@ def tables(parsed: _Source) -> Iterator[Table]:
         if name == "upstream":
             yield from _upstream_tables(parsed, cls)
             continue
+        if name == "auth":
+            yield from _auth_tables(parsed, cls)
+            continue
         keys = tuple(
             _key(parsed, cls, f, (_env_name(name, f.name), *flags.get((name, f.name), ())))
             for f in dataclasses.fields(cls)
@@ -100,6 +105,24 @@ def tables(parsed: _Source) -> Iterator[Table]:
     yield from _model_tables(parsed)
     keys = tuple(_key(parsed, KeyConfig, f) for f in dataclasses.fields(KeyConfig))
     yield Table("`[[keys]]`", parsed.docstring(KeyConfig), keys)
+
+
+def _auth_tables(parsed: _Source, cls: type[Any]) -> Iterator[Table]:
+    """[auth], then its arrays of tables (set in the file only): [[auth.jwt]] and its maps."""
+    keys = tuple(
+        _key(parsed, cls, f, (_env_name("auth", f.name),))
+        for f in dataclasses.fields(cls)
+        if f.name != "jwt"
+    )
+    yield Table("`[auth]`", parsed.docstring(cls), keys)
+    keys = tuple(
+        _key(parsed, JwtIssuerConfig, f)
+        for f in dataclasses.fields(JwtIssuerConfig)
+        if f.name != "map"
+    )
+    yield Table("`[[auth.jwt]]`", parsed.docstring(JwtIssuerConfig), keys)
+    keys = tuple(_key(parsed, ClaimMapConfig, f) for f in dataclasses.fields(ClaimMapConfig))
+    yield Table("`[[auth.jwt.map]]`", parsed.docstring(ClaimMapConfig), keys)
 
 
 def _upstream_tables(parsed: _Source, cls: type[Any]) -> Iterator[Table]:
