@@ -118,21 +118,21 @@ class RequestPipeline:
             )
         return access
 
-    async def identify(
+    async def authenticate(
         self, headers: HeaderLookup, access: AccessRecord, method: str = "POST", path: str = ""
     ) -> KeyConfig | None:
-        """The client's key, as :meth:`authenticate` finds it, or with ``[auth]`` as its
+        """The client's key, as :meth:`static_key` finds it, or with ``[auth]`` as its
         identity maps it (a JWT, the forward-auth service's answer: api/identity.py), which
         may also refuse with 403 (an identity mapped onto no key) or 503 (forward auth
         unanswered)."""
         identity = self.identity
         if identity is None:
-            return self.authenticate(headers, access)
+            return self.static_key(headers, access)
         key = await identity.identify(headers, method, path)
         access.key = key.name
         return key
 
-    def authenticate(self, headers: HeaderLookup, access: AccessRecord) -> KeyConfig | None:
+    def static_key(self, headers: HeaderLookup, access: AccessRecord) -> KeyConfig | None:
         """The client's static key (None when no keys are configured); a 401 ApiError
         otherwise.
 

@@ -149,7 +149,7 @@ class Responder:
         api/identity.py): before the body is read, so an unauthenticated client costs no
         parsing. The routes that are not the API's but need a key (/v1/models) take the same
         step."""
-        return await pipeline.identify(headers, access, method, path)
+        return await pipeline.authenticate(headers, access, method, path)
 
     def begin(self, call: Call) -> tuple[RequestPipeline, AccessRecord]:
         """The pipeline the request keeps, and its access record, which every refusal after

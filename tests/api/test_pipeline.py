@@ -252,33 +252,34 @@ async def test_the_pipeline_reads_every_credential_form() -> None:
     keys = KeyRing(config.keys, config.limits, metrics)
     pipeline = RequestPipeline(config, keys, metrics, RelayTracker(metrics), {}, {})
 
-    def key_of(**headers: str) -> str | None:
+    async def key_of(**headers: str) -> str | None:
         access = pipeline.begin("POST", CHAT, "-", None)
-        found = pipeline.authenticate(Headers(headers.items()), access)
+        found = await pipeline.authenticate(Headers(headers.items()), access)
         assert found is not None and access.key == found.name
         return found.name
 
-    def code_of(**headers: str) -> str | None:
+    async def code_of(**headers: str) -> str | None:
         with pytest.raises(ApiError) as refused:
-            pipeline.authenticate(
+            await pipeline.authenticate(
                 Headers(headers.items()), pipeline.begin("WS", "/v1/ws", "-", None)
             )
         assert refused.value.status == 401
         return refused.value.code
 
-    assert key_of(Authorization=f"Bearer {SECRET}") == "alice"
-    assert key_of(**{"x-api-key": SECRET}) == "alice"
-    assert key_of(**{"X-Api-Key": SECRET}) == "alice"  # header names are case-insensitive
-    assert key_of(Authorization=f"Bearer {SECRET}", **{"x-api-key": "sk-wrong"}) == "alice"
-    assert code_of(Authorization="Bearer sk-wrong", **{"x-api-key": SECRET}) == "invalid_api_key"
-    assert code_of(**{"x-api-key": "sk-wrong"}) == "invalid_api_key"
-    assert code_of() == "invalid_api_key"
+    assert await key_of(Authorization=f"Bearer {SECRET}") == "alice"
+    assert await key_of(**{"x-api-key": SECRET}) == "alice"
+    assert await key_of(**{"X-Api-Key": SECRET}) == "alice"  # header names: any case
+    assert await key_of(Authorization=f"Bearer {SECRET}", **{"x-api-key": "sk-wrong"}) == "alice"
+    wrong_bearer = {"Authorization": "Bearer sk-wrong", "x-api-key": SECRET}
+    assert await code_of(**wrong_bearer) == "invalid_api_key"
+    assert await code_of(**{"x-api-key": "sk-wrong"}) == "invalid_api_key"
+    assert await code_of() == "invalid_api_key"
     # No [[keys]]: no authentication, whatever is sent.
     open_config = config_from_mapping(
         {"models": {"m": {"upstreams": ["http://127.0.0.1:9"]}}}, "test", env={}
     )
     unkeyed = RequestPipeline(open_config, KeyRing([]), metrics, RelayTracker(metrics), {}, {})
-    assert unkeyed.authenticate(Headers(), unkeyed.begin("WS", "/v1/ws", "-", None)) is None
+    assert await unkeyed.authenticate(Headers(), unkeyed.begin("WS", "/v1/ws", "-", None)) is None
 
 
 # ---------------------------------------------------------------- what the WebSocket is sent
