@@ -600,6 +600,11 @@ class JwtIssuerConfig:
     refresh_seconds: float = 600.0
     # A fetch of the discovery document or the key set is abandoned after this many seconds.
     fetch_timeout: float = 5.0
+    # A token whose "kid" is not in the cached key set waits for the fetch it starts (or finds
+    # under way) at most this many seconds after that fetch began, then is refused; none waits
+    # while the issuer's last fetch failed. A hung issuer never holds a request longer (0:
+    # never wait; the fetch still runs).
+    unknown_kid_wait: float = 0.5
     # The claim naming the caller, for per_subject.
     subject_claim: str = "sub"
     # Every key this issuer maps onto counts each subject apart (as a map's per_subject).
@@ -983,7 +988,7 @@ def _validate_auth(auth: AuthConfig, keys: tuple[KeyConfig, ...]) -> None:
                     f"signatures only ({', '.join(JWT_ALGORITHMS)}): 'none' is no signature, and "
                     "an HMAC algorithm would make the issuer's public key a shared secret"
                 )
-        _check_not_negative(where, leeway=issuer.leeway)
+        _check_not_negative(where, leeway=issuer.leeway, unknown_kid_wait=issuer.unknown_kid_wait)
         _check_positive(
             where,
             cooldown=issuer.cooldown,

@@ -25,6 +25,11 @@ such fetches an unknown ``kid`` is refused at once); the set is also fetched aga
 ``refresh_seconds``, which does not use up the cooldown, so keys an issuer publishes before
 signing with them are known before the first token. When the issuer cannot be reached, the
 cached keys keep verifying.
+
+A hung issuer (it accepts the connection and never answers) holds no request for long: the
+requests that need a fetch share the one under way, and each waits for it only until
+``unknown_kid_wait`` after it began (0.5 s by default), then is refused; while the issuer's
+last fetch failed, none waits at all. The fetch itself goes on, to ``fetch_timeout``.
 """
 
 from __future__ import annotations
@@ -409,8 +414,13 @@ class JwtIssuer:
         self.keys = KeySet({})
         self.jwks_url = config.jwks_url
         self.policy = RefetchPolicy(config.cooldown)
-        # The fetch under way, if any: every request that needs it waits on it.
+        # The fetch under way, if any (one per issuer: requests that need it share it), and
+        # when it began: a request waits for it until unknown_kid_wait after that, no longer.
         self._fetching: trio.Event | None = None
+        self._fetch_began = -math.inf
+        # Whether the last fetch that ended brought the key set (True before the first): while
+        # it did not, an unknown kid is refused at once rather than waiting for the next.
+        self.answering = True
         self._nursery: trio.Nursery | None = None
         # How many fetches of the key set were made (tests, diagnostics).
         self.fetches = 0
@@ -422,6 +432,7 @@ class JwtIssuer:
             self.keys = previous.keys
             self.jwks_url = previous.jwks_url
             self.policy.last = previous.policy.last
+            self.answering = previous.answering
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Fetch the key set now (unless carried over) and every ``refresh_seconds``, and host
@@ -439,6 +450,7 @@ class JwtIssuer:
     def _start_fetch(self) -> trio.Event:
         assert self._nursery is not None, "JwtIssuer.run hosts the fetches"
         done = self._fetching = trio.Event()
+        self._fetch_began = trio.current_time()
         self._nursery.start_soon(self._fetch, done)
         return done
 
@@ -459,9 +471,11 @@ class JwtIssuer:
                     len(self.keys),
                 )
                 self._count("error")
+                self.answering = False
             else:
                 known = set(self.keys.keys)
                 self.keys = KeySet(keys)
+                self.answering = True
                 self._count("ok")
                 if set(keys) != known:
                     log.info("jwt issuer %s: key set now %s", self.config.issuer, sorted(keys))
@@ -488,13 +502,17 @@ class JwtIssuer:
 
     async def _key(self, kid: str, algorithm: str) -> jwt.PyJWK:
         if kid not in self.keys:
+            now = trio.current_time()
             fetching = self._fetching
-            if fetching is None and self.policy.allows(trio.current_time()):
-                self.policy.fetched(trio.current_time())
+            if fetching is None and self.policy.allows(now):
+                self.policy.fetched(now)
                 fetching = self._start_fetch()
-            if fetching is not None:
-                # Bounded by the fetch's own timeout (it runs in the issuer's nursery).
-                await fetching.wait()
+            if fetching is not None and self.answering:
+                # Every request shares the one fetch (it runs in the issuer's nursery, bounded
+                # by fetch_timeout); none waits past unknown_kid_wait after it began, so a
+                # hung issuer holds the first requests that long and later ones not at all.
+                with trio.move_on_at(self._fetch_began + self.config.unknown_kid_wait):
+                    await fetching.wait()
             if kid not in self.keys:
                 raise Refused("unknown_kid", "the token's signing key is not the issuer's")
         return self.keys.key(kid, algorithm)

@@ -28,6 +28,8 @@ class TinyServer:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.requests: list[tuple[str, dict[str, str]]] = []
+        # Connections accepted, answered or not.
+        self.connections = 0
         self.port = 0
         self._scope = trio.CancelScope()
 
@@ -47,6 +49,7 @@ class TinyServer:
         self._scope.cancel()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
         async with stream:
             head = b""
             while b"\r\n\r\n" not in head and len(head) < MAX_HEAD:
@@ -90,7 +93,8 @@ class Issuer:
     def __init__(self) -> None:
         self.server = TinyServer(self._answer)
         self.signers: list[Signer] = []
-        # Seconds each answer waits first (a slow issuer).
+        # Seconds each answer waits first (a slow issuer; math.inf: a hung one, which accepts
+        # the connection, reads the request and never answers).
         self.delay = 0.0
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from trio_websocket import open_websocket_url
 from proxy.api.auth import KeyRing, hash_key
 from proxy.api.identity import (
     ForwardCache,
+    HttpJsonSource,
     Identity,
     JwtIssuer,
     KeySet,
@@ -652,6 +654,131 @@ async def test_with_the_issuer_down_cached_keys_admit_and_unknown_kids_are_refus
             assert trio.current_time() - started < 0.1
         samples = await scrape(client, proxy)
         assert value(samples, "sluice_jwks_fetches_total", outcome="error") >= 1
+
+
+async def test_a_hung_issuer_holds_unknown_kids_at_most_unknown_kid_wait_and_fetches_once(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The issuer accepts the connection, reads the request and never answers (a real socket
+    on 127.0.0.1; Sluice's own httpx client), under virtual time. Requests with a kid it has
+    not seen share the one fetch and wait for it until unknown_kid_wait after it began (0.5 s),
+    no longer; later ones, and every one once the fetch has failed, are refused at once; tokens
+    of cached keys pass meanwhile without waiting."""
+    with trio.fail_after(600):
+        issuer = await start_issuer(nursery, "RSA")
+        config = JwtIssuerConfig(
+            issuer=issuer.issuer, audiences=("sluice",), cooldown=60.0, fetch_timeout=5.0
+        )
+        assert config.unknown_kid_wait == 0.5
+        async with httpx.AsyncClient() as http, trio.open_nursery() as inner:
+            checker = JwtIssuer(config, HttpJsonSource(http))
+            await inner.start(checker.run)
+            await trio.sleep(1)
+            assert len(checker.keys) == 1  # the discovery document and the key set
+            cached = issuer.token()
+            new = Signer("EC")
+            issuer.signers.append(new)  # published, and never served: the issuer hangs
+            issuer.delay = math.inf
+            connections = issuer.server.connections
+
+            async def refused_after(token: str) -> float:
+                started = trio.current_time()
+                with pytest.raises(Refused) as refused:
+                    await checker.verify(token, jwt.get_unverified_header(token))
+                assert refused.value.reason == "unknown_kid"
+                return trio.current_time() - started
+
+            async def admitted_after(token: str) -> float:
+                started = trio.current_time()
+                await checker.verify(token, jwt.get_unverified_header(token))
+                return trio.current_time() - started
+
+            waits: list[float] = []
+            passes: list[float] = []
+
+            async def refuse(token: str) -> None:
+                waits.append(await refused_after(token))
+
+            async def admit(token: str) -> None:
+                passes.append(await admitted_after(token))
+
+            async with trio.open_nursery() as requests:
+                for _ in range(50):
+                    requests.start_soon(refuse, issuer.token(new))
+                    requests.start_soon(admit, cached)
+            # Fifty unknown-kid requests at once: one fetch, each refused when the wait ends.
+            assert waits == [0.5] * 50
+            assert passes == [0.0] * 50
+            assert issuer.server.connections == connections + 1
+            # The fetch still hangs: a request past its wait is refused at once.
+            await trio.sleep(1)
+            assert await refused_after(issuer.token(new)) == 0.0
+            # The fetch gives up at fetch_timeout; until one answers, nothing waits.
+            await trio.sleep(5)
+            assert not answering(checker)
+            await trio.sleep(60)  # past the cooldown: the next unknown kid fetches again
+            assert await refused_after(issuer.token(new)) == 0.0
+            await trio.sleep(0.1)
+            assert issuer.server.connections == connections + 2
+            assert await admitted_after(cached) == 0.0
+            # The issuer answers again. The last fetch failed, so the next unknown kid past the
+            # cooldown is still refused at once, and the fetch it starts brings the new key.
+            issuer.delay = 0.0
+            await trio.sleep(60)
+            assert await refused_after(issuer.token(new)) == 0.0
+            await trio.sleep(0.1)
+            assert answering(checker)
+            assert await admitted_after(issuer.token(new)) == 0.0
+            inner.cancel_scope.cancel()
+
+
+def answering(checker: JwtIssuer) -> bool:
+    """Whether the issuer's last fetch brought its key set (read afresh: it changes while the
+    test awaits)."""
+    return checker.answering
+
+
+async def test_through_the_proxy_a_hung_issuer_costs_an_unknown_kid_half_a_second_at_most(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    """The same, on real time, over HTTP: the refusal's latency measured."""
+    with trio.fail_after(DEADLINE):
+        issuer = await start_issuer(nursery, "RSA")
+        proxy = await start_identity_proxy(nursery, fake, issuer, cooldown=0.5)
+        good = issuer.token(groups="ml-batch")
+        assert (
+            await client.post(proxy.url + CHAT, json=chat_body(), headers=bearer(good))
+        ).status_code == 200
+        issuer.delay = math.inf
+        connections = issuer.server.connections
+        statuses: list[int] = []
+        took: list[float] = []
+
+        async def ask(token: str) -> None:
+            started = trio.current_time()
+            response = await client.post(proxy.url + CHAT, json=chat_body(), headers=bearer(token))
+            took.append(trio.current_time() - started)
+            statuses.append(response.status_code)
+
+        async with trio.open_nursery() as requests:
+            for number in range(20):
+                forger = Signer("RSA", f"unknown-{number}")
+                requests.start_soon(ask, issuer.token(forger, groups="ml-batch"))
+        assert statuses == [401] * 20
+        assert issuer.server.connections == connections + 1  # one fetch for the twenty
+        first = max(took)
+        # Once the wait is over, and once the fetch failed: at once, and cached keys pass.
+        took.clear()
+        statuses.clear()
+        await ask(issuer.token(Signer("RSA", "later"), groups="ml-batch"))
+        await ask(good)
+        assert statuses == [401, 200]
+        print(
+            f"hung issuer: unknown kid refused in {first * 1000:.0f} ms (20 at once), "
+            f"then {took[0] * 1000:.1f} ms; a cached key admitted in {took[1] * 1000:.1f} ms"
+        )
+        assert 0.45 <= first < 0.5 + 0.25
+        assert took[0] < 0.1
 
 
 async def test_per_subject_limits_and_fair_shares_hold_for_two_subjects_of_one_key(
