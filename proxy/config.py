@@ -143,7 +143,8 @@ class UpstreamRequestConfig:
     # rendezvous hashing of the prompt's first affinity_prefix_bytes (or of the
     # affinity_header's value), bounded: a replica over affinity_max_load x the mean load
     # gives way to the least loaded. "cache_aware": the replica holding most of the prompt's
-    # leading tokens in its KV cache, as its vLLM KV events say (kv_events_port), weighed
+    # leading tokens in its KV cache, as its vLLM KV events say (kv_events_port), or as what
+    # this process routed there says for a replica without events (kv_approx_*), weighed
     # against its load (kv_cache_weight; upstream_metrics' score), bounded by affinity_max_load.
     balance: str = "least_busy"
     # The replicas' Prometheus path, scraped with balance = "upstream_metrics".
@@ -163,7 +164,8 @@ class UpstreamRequestConfig:
     affinity_max_load: float = 1.5
     # With balance = "cache_aware": the port of each replica's vLLM KV-event publisher
     # (--kv-events-config's "endpoint", e.g. "tcp://*:5557"), on the replica URL's host;
-    # kv_events_endpoints in a model's table names each replica's instead.
+    # kv_events_endpoints in a model's table names each replica's instead. 0 and no
+    # endpoints: no replica publishes events, and each is judged by what was routed there.
     kv_events_port: int = 0
     # With balance = "cache_aware": the port of vLLM's replay socket ("replay_endpoint"), on
     # the same host as the events. 0: none, and a gap in the events empties that replica's
@@ -179,6 +181,19 @@ class UpstreamRequestConfig:
     # With balance = "cache_aware": seconds to wait for a replica's /tokenize (the prompt's
     # tokens, as its engine makes them) before routing the request by load alone.
     kv_tokenize_timeout: float = 0.5
+    # With balance = "cache_aware", for a replica without KV events (or while its events are
+    # not flowing): blocks of the prompts routed there that its approximate index keeps, at
+    # most (about the replica's KV cache: vLLM logs "GPU KV cache size: N tokens" at start,
+    # N / its block size), the least recently routed forgotten first. ~150 bytes each.
+    kv_approx_max_blocks: int = 32768
+    # With balance = "cache_aware": seconds after which a block routed to a replica and not
+    # routed there again leaves the approximate index (the engine will have evicted it under
+    # other prompts); also how long a replica's events must flow unbroken before they alone
+    # say what it holds.
+    kv_approx_ttl: float = 120.0
+    # With balance = "cache_aware": tokens per block of the approximate index: the engine's
+    # block size (vLLM's default 16).
+    kv_block_size: int = 16
     # With balance = "upstream_metrics": a replica whose scraped queue (vLLM's
     # num_requests_waiting) is over this many has no room, whatever its count in flight.
     max_upstream_waiting: int = 0
@@ -262,7 +277,8 @@ class UpstreamModel(UpstreamRequestConfig, ModelBase):
     # default the table's name, and the client's bytes are forwarded as they came.
     upstream_model: str = ""
     # With balance = "cache_aware": each replica's KV-event publisher, in the order of
-    # upstreams ("tcp://10.0.0.5:5557"), where kv_events_port on its host is not it.
+    # upstreams ("tcp://10.0.0.5:5557"), where kv_events_port on its host is not it; "" for
+    # a replica that publishes none (judged by what was routed there).
     kv_events_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -1159,6 +1175,9 @@ def _check_balance(where: str, settings: UpstreamRequestConfig) -> None:
         where,
         kv_index_max_blocks=settings.kv_index_max_blocks,
         kv_tokenize_timeout=settings.kv_tokenize_timeout,
+        kv_approx_max_blocks=settings.kv_approx_max_blocks,
+        kv_approx_ttl=settings.kv_approx_ttl,
+        kv_block_size=settings.kv_block_size,
     )
     _check_not_negative(where, kv_cache_weight=settings.kv_cache_weight)
     for name in ("kv_events_port", "kv_events_replay_port"):
@@ -1167,14 +1186,15 @@ def _check_balance(where: str, settings: UpstreamRequestConfig) -> None:
 
 
 def _check_kv_events(where: str, model: UpstreamModel) -> None:
-    """A cache_aware model's KV-event publishers: one per replica, by port or by endpoint."""
+    """A cache_aware model's KV-event publishers: one per replica, by port or by endpoint
+    ("" for a replica without; none at all: every replica judged by what was routed there)."""
     endpoints = model.kv_events_endpoints
     if endpoints and len(endpoints) != len(model.upstreams):
         raise ConfigError(
             f"'kv_events_endpoints' in {where} names {len(endpoints)} publishers for "
             f"{len(model.upstreams)} upstreams: one per upstream, in the same order"
         )
-    for endpoint in endpoints:
+    for endpoint in filter(None, endpoints):
         parts = urlsplit(endpoint)
         if parts.scheme not in ("tcp", "ipc") or not (parts.netloc or parts.path):
             raise ConfigError(
@@ -1183,12 +1203,7 @@ def _check_kv_events(where: str, model: UpstreamModel) -> None:
             )
     if model.balance != "cache_aware":
         return
-    if not endpoints and not model.kv_events_port:
-        raise ConfigError(
-            f'{where}: balance = "cache_aware" needs the replicas\' KV events: '
-            "kv_events_port (on each upstream's host) or kv_events_endpoints"
-        )
-    if not endpoints and FAKE_UPSTREAM_URL in model.upstreams:
+    if not endpoints and model.kv_events_port and FAKE_UPSTREAM_URL in model.upstreams:
         raise ConfigError(
             f"{where}: '{FAKE_UPSTREAM_URL}' has no host for kv_events_port; "
             "name its publisher in kv_events_endpoints"

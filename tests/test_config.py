@@ -488,15 +488,23 @@ def test_a_keys_scheduling_settings() -> None:
             build({"keys": [{**key, **bad}]})
 
 
-def test_cache_aware_needs_each_replicas_kv_events() -> None:
+def test_cache_aware_takes_each_replicas_kv_events_or_none() -> None:
     two = {"upstreams": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]}
     model = build({"models": {"m": {**two, "balance": "cache_aware", "kv_events_port": 5557}}})
     settings = model.models[0]
     assert isinstance(settings, UpstreamModel)
     assert (settings.kv_events_port, settings.kv_events_replay_port) == (5557, 0)
     assert (settings.kv_index_max_blocks, settings.kv_cache_weight) == (131072, 1.0)
-    with pytest.raises(ConfigError, match="needs the replicas' KV events"):
-        build({"models": {"m": {**two, "balance": "cache_aware"}}})
+    assert (settings.kv_approx_max_blocks, settings.kv_approx_ttl) == (32768, 120.0)
+    assert settings.kv_block_size == 16
+    # No events at all (llama.cpp, vLLM without the flag), or one replica without: what was
+    # routed there judges it.
+    build({"models": {"m": {**two, "balance": "cache_aware"}}})
+    one = {**two, "balance": "cache_aware", "kv_events_endpoints": ["tcp://a:1", ""]}
+    assert build({"models": {"m": one}}).models[0].kv_events_endpoints == ("tcp://a:1", "")
+    for name in ("kv_approx_max_blocks", "kv_approx_ttl", "kv_block_size"):
+        with pytest.raises(ConfigError, match=rf"'{name}' .* > 0"):
+            build({"models": {"m": {**MODEL, name: 0}}})
     with pytest.raises(ConfigError, match="names 1 publishers for 2 upstreams"):
         build(
             {

@@ -18,6 +18,13 @@ the same tokens there are a different cache, and no plain prompt would hit it.
 The index is bounded: past ``max_blocks`` the oldest stored block is forgotten first (counted
 in ``evicted``); vLLM's own evictions arrive as ``BlockRemoved``.
 
+A replica that publishes no events (llama.cpp, another Sluice, vLLM without the flag), or
+whose events are not flowing, is judged by a :class:`RoutedIndex` instead: the blocks of the
+prompts this process routed there, the last routed kept longest, bounded, and each forgotten a
+``ttl`` after it was last routed, since the engine evicts what is not used again. It guesses
+(another instance's requests, and what the engine evicted sooner, are unknown to it), and the
+router says when a choice rests on it (``cache_approx``).
+
 :func:`cache_aware_pick` is the choice: each candidate scored by the prompt tokens it holds
 against its load, a candidate over the load bound credited with no cache at all.
 :class:`SequenceCheck` says what an event batch's sequence number means (the next one, a gap,
@@ -136,12 +143,24 @@ class BlockIndex:
     """The blocks one replica holds, as its events said; mutated only by its subscriber's
     :meth:`apply` and :meth:`clear`, read by the router's :meth:`matched`."""
 
-    __slots__ = ("_held", "_keys", "block_size", "evicted", "max_blocks", "unlinked")
+    __slots__ = (
+        "_held",
+        "_keys",
+        "block_size",
+        "complete_since",
+        "evicted",
+        "max_blocks",
+        "unlinked",
+    )
 
     def __init__(self, max_blocks: int) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
+        # Since when this index has seen every event of its replica (its subscriber connected,
+        # or it last emptied it after events were lost); None while no subscription is up.
+        # Set by the subscriber; the router reads it (:func:`events_complete`).
+        self.complete_since: float | None = None
         # The engine's block size, from its first BlockStored; None until then.
         self.block_size: int | None = None
         # vLLM's hash -> chain key, oldest stored first.
@@ -237,6 +256,75 @@ class BlockIndex:
         else:
             del self._held[key]
         return True
+
+
+class RoutedIndex:
+    """The blocks of the prompts this process routed to one replica: the approximate index,
+    for a replica whose events are not known. Named by :func:`block_keys` in ``block_size``.
+
+    An LRU: :meth:`routed` marks a prompt's blocks used at ``now``, its first block last, so
+    that past ``max_blocks`` a prompt's tail is forgotten before its head (vLLM frees a
+    request's blocks tail first, and evicts the least recently freed); a block not routed
+    again for ``ttl`` seconds is forgotten, as the engine will have evicted it under other
+    prompts. Mutated by the router alone, at each choice."""
+
+    __slots__ = ("_used", "block_size", "evicted", "max_blocks", "ttl")
+
+    def __init__(self, max_blocks: int, ttl: float, block_size: int) -> None:
+        if max_blocks < 1 or block_size < 1 or not ttl > 0:
+            raise ValueError("max_blocks and block_size must be at least 1, ttl over 0")
+        self.max_blocks = max_blocks
+        self.ttl = ttl
+        self.block_size = block_size
+        # Chain key -> when it was last routed; least recently routed first.
+        self._used: OrderedDict[bytes, float] = OrderedDict()
+        # Blocks forgotten to stay within max_blocks (not those past the ttl).
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._used)
+
+    def matched(self, keys: Sequence[bytes], now: float) -> int:
+        """How many of the leading ``keys`` were routed here within the ttl."""
+        used = self._used
+        since = now - self.ttl
+        count = 0
+        for key in keys:
+            at = used.get(key)
+            if at is None or at < since:
+                break
+            count += 1
+        return count
+
+    def routed(self, keys: Sequence[bytes], now: float) -> None:
+        """A prompt of these blocks was routed here at ``now``."""
+        used = self._used
+        for key in reversed(keys[: self.max_blocks]):
+            used[key] = now
+            used.move_to_end(key)
+        self.expire(now)
+        while len(used) > self.max_blocks:
+            used.popitem(last=False)
+            self.evicted += 1
+
+    def expire(self, now: float) -> None:
+        """Forget what was last routed more than the ttl before ``now``."""
+        used = self._used
+        since = now - self.ttl
+        while used and next(iter(used.values())) < since:
+            used.popitem(last=False)
+
+    def clear(self) -> None:
+        self._used.clear()
+
+
+def events_complete(index: BlockIndex | None, now: float, ttl: float) -> bool:
+    """Whether ``index`` alone says what its replica holds: its events have flowed, with
+    nothing lost, for at least ``ttl`` (the approximate index's; before that, the replica may
+    still hold what was routed there while they were not flowing, which only a
+    :class:`RoutedIndex` knows)."""
+    since = None if index is None else index.complete_since
+    return since is not None and now - since >= ttl
 
 
 def _ours(medium: str | None, group: int | None) -> bool:

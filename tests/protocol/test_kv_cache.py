@@ -14,9 +14,11 @@ from proxy.protocol.kv_cache import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    RoutedIndex,
     SequenceCheck,
     block_keys,
     cache_aware_pick,
+    events_complete,
     key_tokens,
     token_key,
 )
@@ -233,6 +235,45 @@ def test_sequence_numbers() -> None:
     assert check.see(45) == "gap"
     assert check.see(42) == "restart"
     assert check.see(0) == "restart"
+
+
+# ------------------------------------------------------------------------------- approximate
+
+
+def test_the_routed_index_forgets_a_prompts_tail_first() -> None:
+    routed = RoutedIndex(max_blocks=3, ttl=60.0, block_size=BS)
+    first, second = block_keys(PROMPT[:8], BS), block_keys(list(range(8)), BS)
+    routed.routed(first, 0.0)
+    routed.routed(second, 1.0)
+    # Over 3 blocks: the first prompt's tail went, its head stays (as vLLM frees and evicts).
+    assert (routed.matched(first, 1.0), routed.matched(second, 1.0)) == (1, 2)
+    assert (len(routed), routed.evicted) == (3, 1)
+    # A prompt longer than the whole index keeps its head.
+    long = block_keys(list(range(500, 540)), BS)
+    routed.routed(long, 2.0)
+    assert routed.matched(long, 2.0) == 3 and routed.matched(first, 2.0) == 0
+
+
+def test_the_routed_index_forgets_after_its_ttl() -> None:
+    routed = RoutedIndex(max_blocks=100, ttl=10.0, block_size=BS)
+    keys = block_keys(PROMPT, BS)
+    routed.routed(keys[:2], 0.0)
+    routed.routed(keys, 5.0)  # the first two used again at 5, the third first used
+    assert routed.matched(keys, 15.0) == 3
+    assert routed.matched(keys, 15.1) == 0
+    routed.expire(15.1)
+    assert len(routed) == 0
+    with pytest.raises(ValueError):
+        RoutedIndex(max_blocks=1, ttl=0.0, block_size=BS)
+
+
+def test_events_are_complete_once_they_flowed_for_the_ttl() -> None:
+    index = BlockIndex(10)
+    assert not events_complete(None, 100.0, 10.0)
+    assert not events_complete(index, 100.0, 10.0)  # no subscription
+    index.complete_since = 95.0
+    assert not events_complete(index, 100.0, 10.0)
+    assert events_complete(index, 105.0, 10.0)
 
 
 # ------------------------------------------------------------------------------- the score

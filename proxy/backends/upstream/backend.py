@@ -71,6 +71,9 @@ class UpstreamBackend:
             affinity_max_load=model.affinity_max_load,
             cache_weight=model.kv_cache_weight,
             max_blocks=model.kv_index_max_blocks,
+            approx_max_blocks=model.kv_approx_max_blocks,
+            approx_ttl=model.kv_approx_ttl,
+            approx_block_size=model.kv_block_size,
         )
         # cache_aware: where prompts are tokenized, while watch_replicas runs (until then,
         # and without it, requests are routed by load: "fallback").
@@ -148,8 +151,9 @@ class UpstreamBackend:
         needs in the background. ``upstream_metrics``: one scraper per replica, in a nursery
         of their own (a replica that hangs never delays another's scrape); ``least_busy`` and
         ``prefix_affinity`` need nothing, and it returns at once. ``cache_aware``: the scrapers
-        (its load), a KV-event subscriber per replica, and the tokenizer's client, in one
-        nursery: when it is cancelled (shutdown, a reload) nothing of them is left."""
+        (its load), a KV-event subscriber per replica that publishes events (the others are
+        judged by what was routed there), and the tokenizer's client, in one nursery: when it
+        is cancelled (shutdown, a reload) nothing of them is left."""
         router = self._router
         if not isinstance(router, MetricsRouter):
             return
@@ -159,14 +163,16 @@ class UpstreamBackend:
                 model.name, model.metrics_path, self.replicas, router, model.metrics_interval
             )
             return
-        # Imported only by a model that subscribes: ZeroMQ is loaded for it alone.
-        from proxy.backends.upstream.kv_events import (
-            KvEventSubscriber,
-            MetricsObserver,
-            publisher_of,
-        )
-
-        endpoints = model.kv_events_endpoints or ("",) * len(self.replicas)
+        # The replicas that publish events: by endpoint ("" for none), or all by port.
+        publishing = [
+            (replica, endpoint)
+            for replica, endpoint in zip(
+                self.replicas,
+                model.kv_events_endpoints or ("",) * len(self.replicas),
+                strict=True,
+            )
+            if endpoint or (model.kv_events_port and not model.kv_events_endpoints)
+        ]
         timeout = model.kv_tokenize_timeout
         async with health_client(self.replicas[0].connection, timeout) as client:
             self.tokenizer = ReplicaTokenizer(client, self.replicas, model.upstream_model, timeout)
@@ -180,27 +186,43 @@ class UpstreamBackend:
                         router,
                         model.metrics_interval,
                     )
-                    for replica, endpoint in zip(self.replicas, endpoints, strict=True):
-                        publisher = publisher_of(
-                            replica.root_url,
-                            model.kv_events_port,
-                            model.kv_events_replay_port,
-                            endpoint,
-                        )
-                        observer = (
-                            None
-                            if self._metrics is None
-                            else MetricsObserver(self._metrics, model.name, replica.url)
-                        )
-                        subscriber = KvEventSubscriber(
-                            f"model {model.name}: upstream {replica.url}",
-                            publisher,
-                            router.index_of(replica.load),
-                            observer,
-                        )
-                        nursery.start_soon(subscriber.run)
+                    if publishing:
+                        self._subscribe(nursery, router, publishing)
             finally:
                 self.tokenizer = None
+
+    def _subscribe(
+        self,
+        nursery: trio.Nursery,
+        router: CacheAwareRouter,
+        publishing: Sequence[tuple[UpstreamReplica, str]],
+    ) -> None:
+        """A KV-event subscriber for each replica in ``publishing`` (its endpoint, or "" for
+        kv_events_port on its host)."""
+        # Imported only by a model that subscribes: ZeroMQ is loaded for it alone.
+        from proxy.backends.upstream.kv_events import (
+            KvEventSubscriber,
+            MetricsObserver,
+            publisher_of,
+        )
+
+        model = self.model
+        for replica, endpoint in publishing:
+            publisher = publisher_of(
+                replica.root_url, model.kv_events_port, model.kv_events_replay_port, endpoint
+            )
+            observer = (
+                None
+                if self._metrics is None
+                else MetricsObserver(self._metrics, model.name, replica.url)
+            )
+            subscriber = KvEventSubscriber(
+                f"model {model.name}: upstream {replica.url}",
+                publisher,
+                router.index_of(replica.load),
+                observer,
+            )
+            nursery.start_soon(subscriber.run)
 
     @property
     def queued(self) -> int:

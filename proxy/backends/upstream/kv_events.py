@@ -24,6 +24,7 @@ emptied, since events were lost.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -207,6 +208,9 @@ class KvEventSubscriber:
             failures = 1 if self._clock() - began >= HEALTHY_SECONDS else failures + 1
             delay = backoff_seconds(failures)
             self.index.clear()
+            # Until the next subscription is up, the router judges the replica by what was
+            # routed there.
+            self.index.complete_since = None
             self.sequence = SequenceCheck()
             self.observer.restart()
             log.warning(
@@ -227,6 +231,7 @@ class KvEventSubscriber:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.connect(self.publisher.endpoint)
+            self.index.complete_since = self._clock()
             task_status.started()
             while True:
                 seq, payload = decode_frames(await receive(socket))
@@ -242,17 +247,27 @@ class KvEventSubscriber:
             assert self.sequence.last is not None
             missed = await self._replay(self.sequence.last + 1, seq)
             if missed is None:
-                self.index.clear()
+                self._lost()
                 self._gap("dropped", seq)
             else:
                 for each in missed:
                     self._apply(each)
                 self._gap("replayed", seq)
         elif verdict == "restart":
-            self.index.clear()
+            self._lost()
+            if seq == 0:
+                # The engine started again and none of its events was missed: its cache is
+                # exactly what the index will hold, and what was routed before is gone.
+                self.index.complete_since = -math.inf
             self._gap("restart", seq)
         self.sequence.accept(seq)
         self._apply(batch)
+
+    def _lost(self) -> None:
+        """Events were lost: the index starts again from what arrives next, and until it has
+        run unbroken for a while the router adds what was routed there."""
+        self.index.clear()
+        self.index.complete_since = self._clock()
 
     def _apply(self, batch: EventBatch) -> None:
         applied = self.index.apply(batch)

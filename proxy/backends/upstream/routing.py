@@ -16,8 +16,10 @@ half-open probes are the same for all three (:meth:`LeastBusyRouter.decide`):
 - ``prefix_affinity`` (:class:`AffinityRouter`): rendezvous hashing of the request's key,
   bounded by load, :func:`overloaded`.
 - ``cache_aware`` (:class:`CacheAwareRouter`): the prompt's leading tokens each replica's KV
-  cache holds (its vLLM KV events, indexed in :class:`~proxy.protocol.kv_cache.BlockIndex`)
-  against its ``upstream_metrics`` load, :func:`~proxy.protocol.kv_cache.cache_aware_pick`.
+  cache holds (its vLLM KV events, indexed in :class:`~proxy.protocol.kv_cache.BlockIndex`,
+  or, for a replica whose events are not known, what this process routed there, in a
+  :class:`~proxy.protocol.kv_cache.RoutedIndex`) against its ``upstream_metrics`` load,
+  :func:`~proxy.protocol.kv_cache.cache_aware_pick`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from proxy.protocol.affinity import overloaded, rendezvous_order
-from proxy.protocol.kv_cache import BlockIndex, block_keys, cache_aware_pick, key_tokens
+from proxy.protocol.kv_cache import (
+    BlockIndex,
+    RoutedIndex,
+    block_keys,
+    cache_aware_pick,
+    events_complete,
+    key_tokens,
+)
 from proxy.protocol.replica_metrics import ReplicaMetrics
 
 
@@ -71,8 +80,10 @@ class Decision:
     ``fallback`` (upstream_metrics without a fresh scrape of the chosen replica: its in-flight
     count), ``affinity_hit`` (the key's own replica), ``affinity_overflow`` (the key's replica
     was over the bound: the least loaded instead); cache_aware's ``cache`` (credited with the
-    prompt tokens it holds), ``load`` (none holds any, or the one holding them was over the
-    bound) and ``fallback`` (the prompt's tokens unknown: by load). ``cached_fraction``: the
+    prompt tokens its KV events say it holds), ``cache_approx`` (credited with the prompt
+    tokens this process routed there: its events are not known), ``load`` (none holds any,
+    or the one holding them was over the bound) and ``fallback`` (the prompt's tokens
+    unknown: by load). ``cached_fraction``: the
     share of the prompt's blocks the chosen replica holds, for cache_aware's choices made with
     the prompt's tokens."""
 
@@ -291,10 +302,22 @@ class CacheAwareRouter(MetricsRouter):
     (:func:`~proxy.protocol.kv_cache.token_key`); with none (the prompt could not be tokenized
     in time, or its endpoint has no prompt) the choice is upstream_metrics', as ``fallback``.
 
-    One :class:`BlockIndex` per replica (:meth:`index_of`), filled by that replica's KV-event
-    subscriber; the router only reads them."""
+    What a replica holds: its :class:`BlockIndex` (:meth:`index_of`), filled by its KV-event
+    subscriber, once its events have flowed unbroken for the approximate index's ttl
+    (:func:`~proxy.protocol.kv_cache.events_complete`). Before that, or for a replica that
+    publishes none, the more of the two: the events' or its :class:`RoutedIndex`, the
+    prompts this router sent it (recorded at every choice made with the prompt's tokens)."""
 
-    __slots__ = ("_indexes", "cache_weight", "max_blocks", "max_load")
+    __slots__ = (
+        "_indexes",
+        "_routed",
+        "approx_block_size",
+        "approx_max_blocks",
+        "approx_ttl",
+        "cache_weight",
+        "max_blocks",
+        "max_load",
+    )
     balance = "cache_aware"
 
     def __init__(
@@ -305,12 +328,19 @@ class CacheAwareRouter(MetricsRouter):
         cache_weight: float = 1.0,
         max_load: float = 1.5,
         max_blocks: int = 131072,
+        approx_max_blocks: int = 32768,
+        approx_ttl: float = 120.0,
+        approx_block_size: int = 16,
     ) -> None:
         super().__init__(policy, interval=interval)
         self.cache_weight = cache_weight
         self.max_load = max_load
         self.max_blocks = max_blocks
+        self.approx_max_blocks = approx_max_blocks
+        self.approx_ttl = approx_ttl
+        self.approx_block_size = approx_block_size
         self._indexes: dict[ReplicaLoad, BlockIndex] = {}
+        self._routed: dict[ReplicaLoad, RoutedIndex] = {}
 
     def index_of(self, replica: ReplicaLoad) -> BlockIndex:
         """``replica``'s block index (made empty on first use)."""
@@ -319,13 +349,41 @@ class CacheAwareRouter(MetricsRouter):
             index = self._indexes[replica] = BlockIndex(self.max_blocks)
         return index
 
+    def routed_of(self, replica: ReplicaLoad) -> RoutedIndex:
+        """``replica``'s approximate index (made empty on first use)."""
+        routed = self._routed.get(replica)
+        if routed is None:
+            routed = RoutedIndex(self.approx_max_blocks, self.approx_ttl, self.approx_block_size)
+            self._routed[replica] = routed
+        return routed
+
     def cached_blocks(self, replica: ReplicaLoad, keys_by_size: dict[int, list[bytes]]) -> int:
-        """How many of the prompt's leading blocks ``replica`` holds, in its own block size."""
+        """How many of the prompt's leading blocks ``replica``'s events say it holds, in its
+        own block size."""
         index = self._indexes.get(replica)
         if index is None or index.block_size is None:
             return 0
         keys = keys_by_size.get(index.block_size)
         return 0 if keys is None else index.matched(keys)
+
+    def _held(
+        self, replica: ReplicaLoad, keys_by_size: dict[int, list[bytes]], now: float
+    ) -> tuple[int, int, bool]:
+        """(blocks of the prompt ``replica`` holds, their size, whether they are the routed
+        index's guess)."""
+        index = self._indexes.get(replica)
+        blocks = self.cached_blocks(replica, keys_by_size)
+        size = 0 if index is None or index.block_size is None else index.block_size
+        if events_complete(index, now, self.approx_ttl):
+            return blocks, size, False
+        routed = self._routed.get(replica)
+        guess = 0
+        if routed is not None:
+            routed.expire(now)
+            guess = routed.matched(keys_by_size[routed.block_size], now)
+        if guess * self.approx_block_size > blocks * size:
+            return guess, self.approx_block_size, True
+        return blocks, size, False
 
     def _pick(self, healthy: Sequence[ReplicaLoad], now: float, key: bytes) -> Decision:
         tokens = key_tokens(key)
@@ -333,29 +391,26 @@ class CacheAwareRouter(MetricsRouter):
             return Decision(super()._pick(healthy, now, key).replica, "fallback")
         # Equal scores to the replica picked longest ago.
         ordered = sorted(healthy, key=lambda r: r.last_pick)
-        sizes = {
+        sizes = {self.approx_block_size} | {
             index.block_size
             for r in ordered
             if (index := self._indexes.get(r)) is not None and index.block_size is not None
         }
         keys_by_size = {size: block_keys(tokens, size) for size in sizes}
-        matched = [self.cached_blocks(r, keys_by_size) for r in ordered]
-        sizes_of = [self._block_size(r) for r in ordered]
+        held = [self._held(r, keys_by_size, now) for r in ordered]
         loads = [self.score(r, now)[0] for r in ordered]
         pick = cache_aware_pick(
             loads,
-            [blocks * size for blocks, size in zip(matched, sizes_of, strict=True)],
+            [blocks * size for blocks, size, _ in held],
             cache_weight=self.cache_weight,
             max_load=self.max_load,
         )
-        chosen_size = sizes_of[pick.index]
-        total = len(keys_by_size.get(chosen_size, ())) if chosen_size else 0
-        fraction = matched[pick.index] / total if total else 0.0
-        return Decision(ordered[pick.index], pick.reason, fraction)
-
-    def _block_size(self, replica: ReplicaLoad) -> int:
-        index = self._indexes.get(replica)
-        return 0 if index is None or index.block_size is None else index.block_size
+        chosen = ordered[pick.index]
+        self.routed_of(chosen).routed(keys_by_size[self.approx_block_size], now)
+        blocks, size, guessed = held[pick.index]
+        total = len(keys_by_size.get(size, ())) if size else 0
+        reason = "cache_approx" if pick.reason == "cache" and guessed else pick.reason
+        return Decision(chosen, reason, blocks / total if total else 0.0)
 
 
 def router_for(
@@ -366,6 +421,9 @@ def router_for(
     affinity_max_load: float = 1.5,
     cache_weight: float = 1.0,
     max_blocks: int = 131072,
+    approx_max_blocks: int = 32768,
+    approx_ttl: float = 120.0,
+    approx_block_size: int = 16,
 ) -> LeastBusyRouter:
     """The router of a model's ``balance``."""
     if balance == "cache_aware":
@@ -375,6 +433,9 @@ def router_for(
             cache_weight=cache_weight,
             max_load=affinity_max_load,
             max_blocks=max_blocks,
+            approx_max_blocks=approx_max_blocks,
+            approx_ttl=approx_ttl,
+            approx_block_size=approx_block_size,
         )
     if balance == "upstream_metrics":
         return MetricsRouter(policy, interval=metrics_interval)

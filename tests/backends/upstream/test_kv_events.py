@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 
 import httpx
@@ -143,6 +144,8 @@ async def test_a_gap_that_cannot_be_replayed_empties_the_index(
             index, recorder = await subscribe(nursery, publisher, replay=replay)
             publisher.publish([chain(prompt(2, 0))])
             await poll_until(lambda: len(index) == 2)
+            subscribed_at = index.complete_since
+            assert subscribed_at is not None
             publisher.publish([chain(prompt(1, 100))], send=False)
             publisher.publish([chain(prompt(1, 200))], send=False)
             publisher.publish([chain(prompt(1, 300))])
@@ -151,6 +154,8 @@ async def test_a_gap_that_cannot_be_replayed_empties_the_index(
             assert len(index) == 1
             assert index.matched(block_keys(prompt(1, 300), BS)) == 1
             assert "index emptied until new blocks arrive" in caplog.text
+            # Complete again only from the loss on: the router adds what was routed there.
+            assert index.complete_since is not None and index.complete_since > subscribed_at
             nursery.cancel_scope.cancel()
 
 
@@ -166,6 +171,8 @@ async def test_a_publisher_that_restarted_empties_the_index(
         publisher.publish([chain(prompt(1, 500))])
         await poll_until(lambda: recorder.gaps == ["restart"])
         assert len(index) == 1
+        # From its batch 0: no event of the new engine missed, the index is exact.
+        assert index.complete_since == -math.inf
 
 
 async def test_a_malformed_message_restarts_the_subscription(
@@ -178,9 +185,11 @@ async def test_a_malformed_message_restarts_the_subscription(
         publisher.pub.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1 not msgpack"])
         await poll_until(lambda: recorder.restarts == 1)
         assert len(index) == 0
+        assert index.complete_since is None  # until the new subscription is up
         assert "subscribing again in 0.1s" in caplog.text
         # The new subscription joins, and events flow again.
         await publisher.subscribed()
+        assert index.complete_since is not None
         publisher.publish([chain(prompt(1, 50))])
         await poll_until(lambda: len(index) == 1)
 
@@ -292,6 +301,9 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
                 # The prompt here is 49 tokens: its 32 cached tokens weighed as 6.4 requests
                 # (a scrape may still count the request before as running).
                 "kv_cache_weight": 200.0,
+                # The events alone are trusted once they have flowed unbroken this long;
+                # before, what was routed counts too (and these publishers never tell of it).
+                "kv_approx_ttl": 0.05,
             }
             proxy = await start_proxy(nursery, {"fake-model": model})
             for publisher in publishers:
@@ -313,6 +325,7 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
             publishers[1].publish([block_stored(hashes[:4], None, tokens[:16], BS)])
             indexes = [router.index_of(r.load) for r in backend.replicas]
             await poll_until(lambda: [len(i) for i in indexes] == [0, 4, 8])
+            await trio.sleep(0.05)
 
             body = {"model": "fake-model", "messages": messages, "stream": True}
             for _ in range(6):
@@ -389,4 +402,41 @@ async def test_off_nothing_subscribes_and_no_index_exists(nursery: trio.Nursery)
         assert backend.tokenizer is None
         # Its watch returns at once: no task, no socket.
         await backend.watch_replicas()
+        nursery.cancel_scope.cancel()
+
+
+async def test_without_events_a_prompt_follows_what_was_routed(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """Two fake replicas that publish no events (llama.cpp, vLLM without the flag): a chat's
+    later turns go where its first went, by the approximate index, and say so."""
+    with trio.fail_after(DEADLINE):
+        fakes = [await start_fake(nursery, ttft=0.002, interval=0.001, tokens=2) for _ in range(2)]
+        model = {
+            "upstreams": [f.url for f in fakes],
+            "balance": "cache_aware",
+            "kv_block_size": 4,
+            "kv_cache_weight": 200.0,
+        }
+        proxy = await start_proxy(nursery, {"fake-model": model})
+        backend = proxy.state.backends["fake-model"]
+        assert isinstance(backend, UpstreamBackend)
+        await poll_until(lambda: backend.tokenizer is not None)
+        system = " ".join(f"word{i}" for i in range(40))
+        for turn in range(4):
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question {turn}"},
+            ]
+            body = {"model": "fake-model", "messages": messages, "stream": True}
+            response = await client.post(f"{proxy.url}/v1/chat/completions", json=body)
+            assert response.status_code == 200
+        chats = [
+            sum(1 for r in f.recorder.records if r.path.endswith("/chat/completions"))
+            for f in fakes
+        ]
+        assert sorted(chats) == [0, 4]
+        registry = proxy.state.metrics.registry
+        labels = {"model": "fake-model", "balance": "cache_aware", "reason": "cache_approx"}
+        assert registry.get_sample_value("sluice_routing_decisions_total", labels) == 3
         nursery.cancel_scope.cancel()
