@@ -570,10 +570,26 @@ def _printable(value: object) -> str:
     return repr(_quoted(str(value))[:32])
 
 
+class _Flight:
+    """One call to the auth service that every request with the same credential waits on."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        # The service's decision: a key, a Refused, or None when it failed.
+        self.decision: object | None = None
+
+
 class ForwardAuth:
     """``[auth] forward_url``: the request's configured headers sent to an auth service, whose
     2xx admits (its ``forward_key_header`` naming the key), 401 and 403 refuse, anything else
-    (or no answer within ``forward_timeout``) follows ``on_error``."""
+    (or no answer within ``forward_timeout``) follows ``on_error``.
+
+    Single flight: requests that send the same headers and miss the cache at the same moment
+    share one call (a burst of one user's requests, or of many behind one shared token, is one
+    call, not one each). The call runs in :meth:`run`'s nursery, so that a request that leaves
+    does not fail the others waiting on it; it is bounded by ``forward_timeout``. A decision of
+    the service (a key, 401, 403) is cached; a failure is not, and the next request asks
+    again."""
 
     def __init__(
         self,
@@ -587,20 +603,35 @@ class ForwardAuth:
         self.cache = ForwardCache(config.forward_cache_seconds)
         self.gate = trio.Semaphore(FORWARD_CONNECTIONS)
         self._sent = tuple(dict.fromkeys(name.lower() for name in config.forward_headers))
+        # The calls under way, by the digest of what they send (at most one per digest).
+        self._flights: dict[bytes, _Flight] = {}
+        self._nursery: trio.Nursery | None = None
         # Calls made to the service (tests, diagnostics).
         self.calls = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Host the calls, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
 
     async def identify(self, headers: HeaderLookup, method: str, path: str) -> KeyConfig:
         sent = {name: value for name in self._sent if (value := headers.get(name)) is not None}
         digest = hashlib.sha256(
             json.dumps([method, path, sorted(sent.items())]).encode("utf-8", "replace")
         ).digest()
-        now = trio.current_time()
-        decision = self.cache.get(digest, now)
+        decision = self.cache.get(digest, trio.current_time())
         if decision is None:
-            decision = await self._ask(sent, method, path)
-            if decision is not None:
-                self.cache.put(digest, decision, now)
+            flight = self._flights.get(digest)
+            if flight is None:
+                flight = self._flights[digest] = _Flight()
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._fly, digest, flight, sent, method, path)
+                else:  # not served (a test of this class alone): the call is this request's
+                    await self._fly(digest, flight, sent, method, path)
+            await flight.done.wait()
+            decision = flight.decision
         if decision is None:  # the service failed
             if self.config.on_error == "allow":
                 return self.profiles[self.config.default_key]
@@ -609,6 +640,18 @@ class ForwardAuth:
             raise Refused(decision.reason, decision.detail, status=decision.status)
         assert isinstance(decision, KeyConfig)
         return decision
+
+    async def _fly(
+        self, digest: bytes, flight: _Flight, sent: dict[str, str], method: str, path: str
+    ) -> None:
+        asked = trio.current_time()
+        try:
+            flight.decision = await self._ask(sent, method, path)
+            if flight.decision is not None:
+                self.cache.put(digest, flight.decision, asked)
+        finally:
+            del self._flights[digest]
+            flight.done.set()
 
     async def _ask(self, sent: dict[str, str], method: str, path: str) -> object | None:
         """The service's decision: a key, a :class:`Refused`, or None when it failed."""
@@ -710,11 +753,14 @@ class Identity:
                 issuer.carry_over(kept)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The issuers' fetches, until cancelled; then the client closes."""
+        """The issuers' fetches and forward auth's calls, until cancelled; then the client
+        closes."""
         try:
             async with trio.open_nursery() as nursery:
                 for issuer in self.issuers.values():
                     await nursery.start(issuer.run)
+                if self.forward is not None:
+                    await nursery.start(self.forward.run)
                 task_status.started()
                 # The client serves forward auth too: it closes only when this is cancelled.
                 await trio.sleep_forever()

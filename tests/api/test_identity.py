@@ -894,6 +894,77 @@ async def test_forward_auth_admits_refuses_caches_and_bounds_its_calls(
         assert trio.current_time() - started < 2
 
 
+async def test_forward_auth_calls_once_for_a_credential_many_requests_miss_at_once(
+    nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
+) -> None:
+    """Single flight: requests with the same credential that miss the cache together share
+    one call (the service answers after 0.3 s); another credential has its own; a failure is
+    shared too but not cached (the next request asks again), and a request that leaves while
+    the call is under way does not fail the others."""
+    with trio.fail_after(DEADLINE):
+        failing = {"on": False}
+
+        async def decide(path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+            await trio.sleep(0.3)
+            if failing["on"]:
+                return 500, {}, b""
+            if headers.get("authorization") in ("Bearer team-a", "Bearer team-b"):
+                return 200, {"x-sluice-key": "batch"}, b""
+            return 401, {}, b""
+
+        service = await start_service(nursery, decide)
+        proxy = await start_proxy(
+            nursery,
+            {"fake-model": [fake.url]},
+            keys=PROFILES,
+            auth={"forward_url": service.url + "/check", "forward_cache_seconds": 60.0},
+        )
+
+        def calls(token: str) -> int:
+            return sum(1 for _, sent in service.requests if sent["authorization"] == token)
+
+        statuses: dict[str, list[int]] = {}
+
+        async def ask(token: str) -> None:
+            response = await client.post(proxy.url + CHAT, json=chat_body(), headers=bearer(token))
+            statuses.setdefault(token, []).append(response.status_code)
+
+        async def leaves(token: str) -> None:
+            with trio.move_on_after(0.1):
+                await client.post(proxy.url + CHAT, json=chat_body(), headers=bearer(token))
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(leaves, "team-a")  # the first to ask, gone before the answer
+            await trio.sleep(0.05)
+            for _ in range(20):
+                requests.start_soon(ask, "team-a")
+                requests.start_soon(ask, "team-b")
+                requests.start_soon(ask, "who")
+        assert statuses == {"team-a": [200] * 20, "team-b": [200] * 20, "who": [401] * 20}
+        assert (calls("Bearer team-a"), calls("Bearer team-b"), calls("Bearer who")) == (1, 1, 1)
+        # Cached, the service's refusal too: no call more.
+        await ask("team-a")
+        await ask("who")
+        assert (calls("Bearer team-a"), calls("Bearer who")) == (1, 1)
+        # The service fails: twenty at once share one failing call (503 each), and the failure
+        # is not kept: the next request asks again, and is admitted once the service is back.
+        failing["on"] = True
+        async with trio.open_nursery() as requests:
+            for _ in range(20):
+                requests.start_soon(ask, "team-c")
+        assert statuses["team-c"] == [503] * 20
+        assert calls("Bearer team-c") == 1
+        await ask("team-c")
+        assert calls("Bearer team-c") == 2
+        failing["on"] = False
+        statuses.clear()
+        await ask("team-a")  # cached, untouched by the failures
+        assert (statuses["team-a"], calls("Bearer team-a")) == ([200], 1)
+        identity = proxy.state.current.identity
+        assert identity is not None and identity.forward is not None
+        assert identity.forward._flights == {}
+
+
 async def test_forward_auth_on_error_allow_admits_as_the_default_key(
     nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
 ) -> None:
