@@ -157,8 +157,9 @@ class BlockIndex:
         if max_blocks < 1:
             raise ValueError("max_blocks must be at least 1")
         self.max_blocks = max_blocks
-        # Since when this index has seen every event of its replica (its subscriber connected,
-        # or it last emptied it after events were lost); None while no subscription is up.
+        # Since when this index has seen every event of its replica (-inf: since before any
+        # request was routed there; else since its subscriber connected again, or last emptied
+        # it after events were lost); None while no subscription is up.
         # Set by the subscriber; the router reads it (:func:`events_complete`).
         self.complete_since: float | None = None
         # The engine's block size, from its first BlockStored; None until then.

@@ -23,7 +23,7 @@ from proxy.protocol.kv_cache import (
     token_key,
 )
 from proxy.protocol.kv_events import KvEventsError, decode_batch, decode_frames
-from tests.backends.upstream.kv_publisher import (
+from proxy.testing.kv_events import (
     all_cleared,
     block_removed,
     block_stored,

@@ -2,15 +2,9 @@
 decoded (:mod:`proxy.protocol.kv_events`) and applied to the replica's
 :class:`~proxy.protocol.kv_cache.BlockIndex`.
 
-ZeroMQ on trio: the socket is non-blocking and polled through its ``zmq.FD`` with
-``trio.lowlevel.wait_readable``, not read in a thread. A thread blocked in ``recv`` cannot be
-cancelled (it would need a poll timeout, and a thread per replica held for the server's
-life); on the event loop, a cancelled subscriber is gone at once, with its socket. The FD is
-edge-triggered: it signals that the socket's state *may* have changed, once. So every wake-up
-drains the socket with ``zmq.NOBLOCK`` until ``zmq.Again``, and the task waits on the FD again
-only once ``zmq.EVENTS`` says nothing is readable (reading ``EVENTS`` also processes what
-arrived meanwhile, which re-arms the edge). Each batch is followed by a checkpoint, so a busy
-publisher never starves the loop. The FD is libzmq's: ``notify_closing`` before the close.
+ZeroMQ on trio (:mod:`proxy.zmq_trio`): the socket is non-blocking and polled on the event
+loop, not read in a thread, so a cancelled subscriber is gone at once, with its socket. Each
+batch is followed by a checkpoint, so a busy publisher never starves the loop.
 
 A gap in the sequence numbers (the SUB socket dropped what it could not hold, the network
 lost a connection) asks the replay endpoint for the missing batches (a DEALER socket, one per
@@ -42,6 +36,7 @@ from proxy.protocol.kv_events import (
     decode_seq,
     encode_seq,
 )
+from proxy.zmq_trio import close, receive
 
 log = logging.getLogger("sluice.upstream")
 
@@ -141,36 +136,6 @@ def publisher_of(root_url: str, port: int, replay_port: int, endpoint: str = "")
     return Publisher(main, f"tcp://{where}:{replay_port}" if replay_port and host else "")
 
 
-async def receive(socket: zmq.Socket[bytes]) -> list[bytes]:
-    """The next multipart message of a non-blocking ``socket``, waiting on its FD."""
-    fd = _int_option(socket, zmq.FD)
-    while True:
-        try:
-            frames: list[bytes] = socket.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        else:
-            return frames
-        # Edge-triggered: wait only when EVENTS (which processes what is pending) says no
-        # message is there; otherwise the edge has passed and the wait would never end.
-        if not _int_option(socket, zmq.EVENTS) & zmq.POLLIN:
-            await trio.lowlevel.wait_readable(fd)
-
-
-def _int_option(socket: zmq.Socket[bytes], option: int) -> int:
-    value = socket.getsockopt(option)
-    assert isinstance(value, int)
-    return value
-
-
-def close(socket: zmq.Socket[bytes]) -> None:
-    """Close ``socket`` at once (linger 0), telling trio its FD goes first."""
-    if socket.closed:
-        return
-    trio.lowlevel.notify_closing(_int_option(socket, zmq.FD))
-    socket.close(linger=0)
-
-
 class KvEventSubscriber:
     """One replica's subscription, restarted after failures, for the server's life."""
 
@@ -191,6 +156,7 @@ class KvEventSubscriber:
         self._context = context or zmq.Context.instance()
         self._clock = clock
         self.sequence = SequenceCheck()
+        self._subscribed = False
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe until cancelled: a failed subscription is made again after
@@ -231,7 +197,11 @@ class KvEventSubscriber:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.connect(self.publisher.endpoint)
-            self.index.complete_since = self._clock()
+            # The first subscription sees every block stored since this process could route
+            # anything there; a later one follows a failure, after which the replica may still
+            # hold what was routed there meanwhile.
+            self.index.complete_since = self._clock() if self._subscribed else -math.inf
+            self._subscribed = True
             task_status.started()
             while True:
                 seq, payload = decode_frames(await receive(socket))

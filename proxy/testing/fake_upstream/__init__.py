@@ -48,6 +48,13 @@ A serving model, when asked (each off by default, so every other test sees the p
   the previous one is fast, anywhere else slow. The prompt is the chat messages (role and
   text), the prompt, or the input, and instructions or system. A request's own ``fake.ttft``
   still wins.
+* ``prefix_block_tokens``: the same cache in blocks of that many tokens, the tokens as
+  ``/tokenize`` makes them and the blocks named as vLLM names them (a sha256 chain seeded at
+  random per process), used tail first as vLLM frees them. A prompt's uncached tokens are
+  prefilled one prompt at a time (``prefill_token_seconds`` each, as an engine's compute is
+  shared), then its TTFT is ``ttft_hit``. With ``kv_events_port`` the blocks stored and
+  evicted are published as vLLM's KV events (``proxy.testing.kv_events``), with a replay
+  socket. ``/tokenize`` and ``/detokenize`` take no slot and no prefill.
 
 The modules, bottom to top: ``content`` (what it says: token texts, vectors, scores), ``wire``
 (the HTTP/1.1 server side and the framing of streams), ``recorder`` (what it saw),

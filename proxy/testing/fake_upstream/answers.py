@@ -62,8 +62,8 @@ from proxy.testing.fake_upstream.content import (
     TOKEN_JSON,
     embedding_vector,
     message_texts,
+    prompt_tokens,
     relevance_score,
-    token_id,
     token_text,
 )
 from proxy.testing.fake_upstream.wire import Answer, EventFrames, Frames, compact_json, sse_event
@@ -756,14 +756,9 @@ def _pooling(body: dict[str, Any], plan: Plan, default_model: str, number: int) 
 
 def _tokenize(body: dict[str, Any], plan: Plan, default_model: str, number: int) -> Answer:
     _model(body, default_model)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        texts = [prompt]
-    elif isinstance(body.get("messages"), list):
-        texts = message_texts(body["messages"])
-    else:
+    tokens = prompt_tokens(body) if not isinstance(body.get("prompt"), list) else None
+    if tokens is None:
         raise Invalid('"prompt" (a string) or "messages" (a list) is required')
-    tokens = [token_id(word) for text in texts for word in text.split()]
     answer = {
         "count": len(tokens),
         "max_model_len": MAX_MODEL_LEN,

@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Callable
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import trio
 
 from proxy.testing.fake_upstream.clock import Job, Ticker
+from proxy.testing.fake_upstream.content import prompt_tokens
 from proxy.testing.fake_upstream.prefix_cache import PrefixCache, prompt_bytes
 from proxy.testing.fake_upstream.recorder import Recorder, RequestRecord
 from proxy.testing.fake_upstream.wire import (
@@ -27,6 +29,12 @@ from proxy.testing.fake_upstream.wire import (
     http_response,
     stream_head,
     until_client_leaves,
+)
+from proxy.testing.kv_events import (
+    FakeVllmPublisher,
+    block_removed,
+    block_stored,
+    vllm_hashes,
 )
 
 MODES: Final[frozenset[str]] = frozenset(
@@ -79,6 +87,15 @@ class FakeSettings:
     prefix_block_bytes: int = 256
     ttft_hit: float = 0.02
     ttft_miss: float = 0.3
+    # The token-block cache (the package docstring): blocks of this many tokens instead of
+    # prefix_block_bytes (0: bytes), TTFT ttft_hit plus this many seconds per token not cached,
+    # one prompt's prefill at a time.
+    prefix_block_tokens: int = 0
+    prefill_token_seconds: float = 0.0
+    # vLLM's KV events of the token-block cache, published on this port (0: a free one; None:
+    # off), with a replay socket on kv_replay_port (0: a free one).
+    kv_events_port: int | None = None
+    kv_replay_port: int = 0
     # GET /metrics: this body instead of the fake's own gauges, and this status.
     metrics_text: str | None = None
     metrics_status: int = 200
@@ -124,6 +141,13 @@ class FakeSettings:
         check_int("prefix_block_bytes", self.prefix_block_bytes, 1)
         check_seconds("ttft_hit", self.ttft_hit)
         check_seconds("ttft_miss", self.ttft_miss)
+        check_int("prefix_block_tokens", self.prefix_block_tokens, 0)
+        check_seconds("prefill_token_seconds", self.prefill_token_seconds)
+        if self.kv_events_port is not None:
+            check_int("kv_events_port", self.kv_events_port, 0, 65535)
+            if not self.prefix_block_tokens:
+                raise Invalid("kv_events_port needs prefix_block_tokens (events tell of tokens)")
+        check_int("kv_replay_port", self.kv_replay_port, 0, 65535)
         check_int("metrics_status", self.metrics_status, 100, 599)
         check_seconds("accept_delay", self.accept_delay)
 
@@ -235,14 +259,21 @@ async def next_request_wanted(settings: FakeSettings, conn: Connection) -> bool:
 class ServingModel:
     """A serving model, when asked (the package docstring): at most ``max_running`` requests
     generate at once and the others wait, in order; with a prefix cache, a prompt's TTFT runs
-    from ``ttft_hit`` to ``ttft_miss`` by the fraction of it not cached. ``metrics_text`` tells
-    both as vLLM's gauges."""
+    from ``ttft_hit`` to ``ttft_miss`` by the fraction of it not cached, or, with token
+    blocks, is ``ttft_hit`` after its uncached tokens' prefill (one at a time), and the blocks
+    stored and evicted are published as vLLM's KV events when a ``publisher`` is set.
+    ``metrics_text`` tells both as vLLM's gauges. ``/tokenize`` and ``/detokenize`` pass by
+    (vLLM's API server answers them without the engine)."""
 
     def __init__(self, settings: FakeSettings) -> None:
         self.cache = PrefixCache(settings.prefix_cache_size)
         self.running = 0
         self.waiting = 0
         self._slots = trio.CapacityLimiter(max(1, settings.max_running))
+        self._prefill = trio.Lock()
+        # vLLM's block hashes are seeded at random per process (NONE_HASH): so are these.
+        self._seed = os.urandom(32)
+        self.publisher: FakeVllmPublisher | None = None
 
     @contextlib.asynccontextmanager
     async def admitted(
@@ -250,6 +281,9 @@ class ServingModel:
     ) -> AsyncIterator[Plan]:
         """Hold a running slot (waiting for one, in order) while the answer is sent; yield its
         plan with the prefix cache's TTFT, counted from when the slot was had."""
+        if record.path in _NO_ENGINE:
+            yield plan
+            return
         async with contextlib.AsyncExitStack() as stack:
             if settings.max_running:
                 self._slots.total_tokens = settings.max_running
@@ -266,16 +300,41 @@ class ServingModel:
                 fake = record.body.get("fake")
                 overridden = isinstance(fake, dict) and "ttft" in fake
                 self.cache.capacity = settings.prefix_cache_size
-                blocks, hit, uncached = self.cache.lookup(
-                    prompt_bytes(record.body), settings.prefix_block_bytes
-                )
-                record.prefix_blocks, record.prefix_hit_blocks = blocks, hit
-                if not overridden:
-                    ttft = settings.ttft_hit + (settings.ttft_miss - settings.ttft_hit) * uncached
+                if settings.prefix_block_tokens:
+                    await self._prefilled(settings, record)
+                    if not overridden:
+                        ttft = settings.ttft_hit
+                else:
+                    blocks, hit, uncached = self.cache.lookup(
+                        prompt_bytes(record.body), settings.prefix_block_bytes
+                    )
+                    record.prefix_blocks, record.prefix_hit_blocks = blocks, hit
+                    if not overridden:
+                        ttft = settings.ttft_hit + (settings.ttft_miss - settings.ttft_hit) * (
+                            uncached
+                        )
             waited = trio.current_time() - record.received_at
             if waited or ttft != plan.ttft:
                 plan = dataclasses.replace(plan, ttft=waited + ttft)
             yield plan
+
+    async def _prefilled(self, settings: FakeSettings, record: RequestRecord) -> None:
+        """The token-block cache: the prompt's cached blocks looked up, its other tokens
+        prefilled (one prompt at a time, ``prefill_token_seconds`` each), then its blocks
+        stored, and the KV events of what was stored and evicted published."""
+        assert record.body is not None
+        size = settings.prefix_block_tokens
+        tokens = prompt_tokens(record.body) or []
+        names = vllm_hashes(tokens, size, self._seed)
+        hit = self.cache.match(names)
+        record.prefix_blocks, record.prefix_hit_blocks = len(names), hit
+        uncached = len(tokens) - hit * size
+        if uncached and settings.prefill_token_seconds:
+            async with self._prefill:
+                await trio.sleep(uncached * settings.prefill_token_seconds)
+        new, evicted = self.cache.store(names)
+        if self.publisher is not None and (new or evicted):
+            self.publisher.publish(kv_events(names, tokens, size, new, evicted))
 
     def _stopped_running(self) -> None:
         self.running -= 1
@@ -298,6 +357,36 @@ class ServingModel:
             sample = f"{name}_total" if kind == "counter" else name
             out += [f"# TYPE {name} {kind}", f"{sample}{label} {float(value)}"]
         return "\n".join(out) + "\n"
+
+
+# The paths that vLLM's API server answers without its engine: no slot, no prefill.
+_NO_ENGINE: Final = frozenset({"/tokenize", "/detokenize"})
+
+
+def kv_events(
+    names: Sequence[bytes],
+    tokens: Sequence[int],
+    size: int,
+    new: Sequence[int],
+    evicted: Sequence[bytes],
+) -> list[Any]:
+    """One batch of vLLM's KV events: a ``BlockStored`` for each run of newly stored blocks
+    (``new``: indexes into ``names``, each block's parent the block before it), then a
+    ``BlockRemoved`` of the ``evicted``."""
+    events: list[Any] = []
+    run: list[int] = []
+    for i in [*new, -1]:
+        if run and i != run[-1] + 1:
+            first, last = run[0], run[-1] + 1
+            parent = names[first - 1] if first else None
+            block_tokens = tokens[first * size : last * size]
+            events.append(block_stored(names[first:last], parent, block_tokens, size))
+            run = []
+        if i >= 0:
+            run.append(i)
+    if evicted:
+        events.append(block_removed(evicted))
+    return events
 
 
 # --------------------------------------------------------------------------- schedule and faults

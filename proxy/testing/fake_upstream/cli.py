@@ -101,6 +101,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ttft-miss", type=float, default=defaults.ttft_miss, help="TTFT of an uncached prompt"
     )
+    parser.add_argument(
+        "--prefix-block-tokens",
+        type=int,
+        default=defaults.prefix_block_tokens,
+        metavar="N",
+        help="the prefix cache in blocks of N tokens (as /tokenize makes them); TTFT is "
+        "--ttft-hit plus --prefill-token-seconds per uncached token, one prefill at a time",
+    )
+    parser.add_argument(
+        "--prefill-token-seconds",
+        type=float,
+        default=defaults.prefill_token_seconds,
+        help="prefill time per uncached prompt token (with --prefix-block-tokens)",
+    )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=defaults.kv_events_port,
+        help="publish vLLM's KV events of the token-block cache on this ZeroMQ port (0: any)",
+    )
+    parser.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=defaults.kv_replay_port,
+        help="the KV events' replay (ROUTER) port (0: any)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> FakeSettings:
@@ -126,6 +152,10 @@ def settings_from_args(args: argparse.Namespace) -> FakeSettings:
         prefix_block_bytes=getattr(args, "prefix_block_bytes", 256),
         ttft_hit=getattr(args, "ttft_hit", 0.02),
         ttft_miss=getattr(args, "ttft_miss", 0.3),
+        prefix_block_tokens=getattr(args, "prefix_block_tokens", 0),
+        prefill_token_seconds=getattr(args, "prefill_token_seconds", 0.0),
+        kv_events_port=getattr(args, "kv_events_port", None),
+        kv_replay_port=getattr(args, "kv_replay_port", 0),
     )
 
 
@@ -140,6 +170,8 @@ async def run_from_args(args: argparse.Namespace) -> None:
         scheme = "https" if settings.tls_cert and not settings.via_proxy else "http"
         role = " (as an HTTP proxy: only through it)" if settings.via_proxy else ""
         print(f"fake upstream listening on {scheme}://{host}:{port}{role}", flush=True)
+        if fake.kv_events_endpoint:
+            print(f"KV events on {fake.kv_events_endpoint}", flush=True)
 
 
 def main(

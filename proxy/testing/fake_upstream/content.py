@@ -7,8 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 # ASCII only, so a token is one byte sequence however a client splits or decodes it.
 WORDS: Final[tuple[str, ...]] = (
@@ -88,3 +88,21 @@ def message_texts(messages: object) -> list[str]:
                     if isinstance(p, dict) and isinstance(p.get("text"), str)
                 )
     return texts
+
+
+def prompt_tokens(body: Mapping[str, Any]) -> list[int] | None:
+    """The token ids of a request's prompt, as ``/tokenize`` gives them: each word of the
+    ``prompt`` (a string), or of the ``messages``' texts, is a token (:func:`token_id`); a
+    ``prompt`` of token ids as it is. None for a body with neither."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        return list(prompt)
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif isinstance(body.get("messages"), list):
+        texts = message_texts(body["messages"])
+    else:
+        return None
+    return [token_id(word) for text in texts for word in text.split()]

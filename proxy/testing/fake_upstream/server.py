@@ -49,6 +49,7 @@ from proxy.testing.fake_upstream.wire import (
     json_response,
     until_client_leaves,
 )
+from proxy.testing.kv_events import FakeVllmPublisher
 
 
 class FakeUpstream:
@@ -64,6 +65,9 @@ class FakeUpstream:
         self._responder = Responder(self.recorder, self._ticker)
         self._tls: tuple[tuple[str, str, str], ssl.SSLContext] | None = None
         self.serving = ServingModel(self.settings)
+        # With kv_events_port: where its KV events are published, once serving.
+        self.kv_events_endpoint = ""
+        self.kv_replay_endpoint = ""
 
     async def serve(
         self,
@@ -79,6 +83,8 @@ class FakeUpstream:
         bound: int = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._ticker.run)
+            if self.settings.kv_events_port is not None:
+                await nursery.start(self._publish_kv_events, host)
             await nursery.start(
                 partial(
                     trio.serve_listeners,
@@ -88,6 +94,28 @@ class FakeUpstream:
                 )
             )
             task_status.started(bound)
+
+    async def _publish_kv_events(
+        self, host: str, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """vLLM's KV-event publisher of the token-block cache, bound before the fake says it
+        serves (``kv_events_endpoint``, ``kv_replay_endpoint``), closed when it stops."""
+        settings = self.settings
+        assert settings.kv_events_port is not None
+        publisher = FakeVllmPublisher(
+            host=host, port=settings.kv_events_port, replay_port=settings.kv_replay_port
+        )
+        try:
+            self.serving.publisher = publisher
+            self.kv_events_endpoint = publisher.endpoint
+            self.kv_replay_endpoint = publisher.replay_endpoint
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(publisher.count_subscribers)
+                nursery.start_soon(publisher.serve_replay)
+                task_status.started()
+        finally:
+            self.serving.publisher = None
+            publisher.close()
 
     def _tls_context(self) -> ssl.SSLContext | None:
         """The server context of the current settings, None for plain HTTP."""

@@ -37,7 +37,7 @@ from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.kv_cache import Applied, BlockIndex, block_keys
 from proxy.protocol.kv_events import KvEventsError
 from proxy.protocol.openai import CompletionRequest, Endpoint
-from tests.backends.upstream.kv_publisher import (
+from proxy.testing.kv_events import (
     FakeVllmPublisher,
     all_cleared,
     block_removed,
@@ -144,8 +144,8 @@ async def test_a_gap_that_cannot_be_replayed_empties_the_index(
             index, recorder = await subscribe(nursery, publisher, replay=replay)
             publisher.publish([chain(prompt(2, 0))])
             await poll_until(lambda: len(index) == 2)
-            subscribed_at = index.complete_since
-            assert subscribed_at is not None
+            # The first subscription: complete from the start.
+            assert index.complete_since == -math.inf
             publisher.publish([chain(prompt(1, 100))], send=False)
             publisher.publish([chain(prompt(1, 200))], send=False)
             publisher.publish([chain(prompt(1, 300))])
@@ -155,7 +155,7 @@ async def test_a_gap_that_cannot_be_replayed_empties_the_index(
             assert index.matched(block_keys(prompt(1, 300), BS)) == 1
             assert "index emptied until new blocks arrive" in caplog.text
             # Complete again only from the loss on: the router adds what was routed there.
-            assert index.complete_since is not None and index.complete_since > subscribed_at
+            assert index.complete_since is not None and index.complete_since > 0
             nursery.cancel_scope.cancel()
 
 
@@ -189,7 +189,8 @@ async def test_a_malformed_message_restarts_the_subscription(
         assert "subscribing again in 0.1s" in caplog.text
         # The new subscription joins, and events flow again.
         await publisher.subscribed()
-        assert index.complete_since is not None
+        # Subscribed again: complete only from now on.
+        assert index.complete_since is not None and index.complete_since > 0
         publisher.publish([chain(prompt(1, 50))])
         await poll_until(lambda: len(index) == 1)
 
@@ -301,9 +302,6 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
                 # The prompt here is 49 tokens: its 32 cached tokens weighed as 6.4 requests
                 # (a scrape may still count the request before as running).
                 "kv_cache_weight": 200.0,
-                # The events alone are trusted once they have flowed unbroken this long;
-                # before, what was routed counts too (and these publishers never tell of it).
-                "kv_approx_ttl": 0.05,
             }
             proxy = await start_proxy(nursery, {"fake-model": model})
             for publisher in publishers:
@@ -325,7 +323,6 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
             publishers[1].publish([block_stored(hashes[:4], None, tokens[:16], BS)])
             indexes = [router.index_of(r.load) for r in backend.replicas]
             await poll_until(lambda: [len(i) for i in indexes] == [0, 4, 8])
-            await trio.sleep(0.05)
 
             body = {"model": "fake-model", "messages": messages, "stream": True}
             for _ in range(6):

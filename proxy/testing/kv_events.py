@@ -1,5 +1,6 @@
-"""A fake vLLM KV-event publisher for tests: real ZeroMQ sockets on 127.0.0.1, frames and
-payloads as vLLM's ``ZmqEventPublisher`` sends them (``vllm/distributed/kv_events.py``).
+"""A fake vLLM KV-event publisher, for the tests and the fake upstream's prefix cache (the
+KV-routing bench): real ZeroMQ sockets, frames and payloads as vLLM's ``ZmqEventPublisher``
+sends them (``vllm/distributed/kv_events.py``).
 
 - each batch: ``[topic, seq (8 bytes big-endian, from 0), msgpack payload]`` on a PUB-like
   socket (an XPUB here: it also tells the test when a subscriber has joined, so nothing is
@@ -25,7 +26,7 @@ import msgpack
 import trio
 import zmq
 
-from proxy.backends.upstream.kv_events import close, receive
+from proxy.zmq_trio import close, receive
 
 
 def vllm_hashes(tokens: Sequence[int], block_size: int, seed: bytes) -> list[bytes]:
@@ -80,24 +81,35 @@ def payload(events: Sequence[Any]) -> bytes:
 
 class FakeVllmPublisher:
     """One replica's publisher: :meth:`publish` a batch of raw events (the helpers above);
-    :meth:`serve_replay` answers replay requests from the last ``buffer`` batches."""
+    :meth:`serve_replay` answers replay requests from the last ``buffer`` batches. Bound on
+    ``host``, at ``port`` and ``replay_port`` (0: a free one each)."""
 
-    def __init__(self, *, buffer: int = 10_000, topic: bytes = b"") -> None:
-        context = zmq.Context.instance()
+    def __init__(
+        self,
+        *,
+        buffer: int = 10_000,
+        topic: bytes = b"",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        replay_port: int = 0,
+    ) -> None:
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pub: zmq.Socket[bytes] = context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        port = _bind(self.pub, host, port)
+        self.endpoint = f"tcp://{host}:{port}"
         self.router: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.replay_endpoint = f"tcp://127.0.0.1:{replay_port}"
+        replay_port = _bind(self.router, host, replay_port)
+        self.replay_endpoint = f"tcp://{host}:{replay_port}"
         self.replay_port = replay_port
         self.port = port
         self.topic = topic
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self.replays: list[int] = []
+        # Subscribers joined and not gone, as count_subscribers saw them.
+        self.subscribers = 0
 
     async def subscribed(self) -> None:
         """Until a subscriber has joined (XPUB hands its subscription message up; b"\\x00"
@@ -132,9 +144,23 @@ class FakeVllmPublisher:
             end = (-1).to_bytes(8, "big", signed=True)
             self.router.send_multipart([identity, b"", end, b""])
 
+    async def count_subscribers(self) -> None:
+        """Read what subscribers send the XPUB socket (so that it never queues up) into
+        :attr:`subscribers`, for a publisher that no test awaits (the fake upstream's)."""
+        while True:
+            message = (await receive(self.pub))[0][:1]
+            self.subscribers += {b"\x01": 1, b"\x00": -1}.get(message, 0)
+
     def close(self) -> None:
         close(self.pub)
         close(self.router)
+
+
+def _bind(socket: zmq.Socket[bytes], host: str, port: int) -> int:
+    if not port:
+        return socket.bind_to_random_port(f"tcp://{host}")
+    socket.bind(f"tcp://{host}:{port}")
+    return port
 
 
 @contextlib.asynccontextmanager
