@@ -272,6 +272,13 @@ class BatchEngine:
             sequence._resume_asked = True
             self._wakeup.notify()
 
+    def unbatched(self) -> None:
+        """Before :meth:`run`: the model's cache cannot be batched, so its sequences run one
+        at a time, with no prefix cache (which takes rows out of a batch's cache)."""
+        self.batching = False
+        self.capacity = 1
+        self.prefix_cache = None
+
     def stop(self) -> None:
         with self._wakeup:
             self._stopping = True

@@ -153,13 +153,17 @@ class SluiceState:
             if model.backend != "local" or model.name not in self.loading:
                 continue
             from inference import ModelLoadError, load_model
+            from inference.torch_threads import in_own_thread
 
             def stage(name: str, what: str) -> None:
                 self.loading[name] = what
                 report(name, what)
 
             try:
+                # In a thread that ends with the load, taking its OpenMP team along
+                # (inference/torch_threads.py).
                 loaded = await trio.to_thread.run_sync(
+                    in_own_thread,
                     partial(
                         load_model,
                         model.path,
@@ -175,7 +179,7 @@ class SluiceState:
                             ),
                             default=0,
                         ),
-                    )
+                    ),
                 )
             except ModelLoadError as error:
                 report(model.name, "failed")

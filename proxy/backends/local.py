@@ -163,20 +163,13 @@ class LocalBackend:
             on_leave=None if metrics is None else self._left_queue,
             rooms=[self.room],
         )
-        unbatchable = cache_rows.check(loaded.serving) if model.slots > 1 else None
-        if unbatchable is not None:
-            log.warning(
-                "model %s: continuous batching is unavailable (%s); its %d slots generate "
-                "one at a time",
-                model.name,
-                unbatchable,
-                model.slots,
-            )
-        # Reuse needs the same cache editing as batching (rows taken out of a batch); alone
-        # (one slot, nothing checked yet), the engine checks the first prompt's cache.
+        self.loaded = loaded
+        # Reuse needs the same cache editing as batching (rows taken out of a batch): with
+        # several slots, the engine's thread checks it before its first step
+        # (_engine_thread); alone (one slot), the engine checks the first prompt's cache.
         self.prefix_cache = (
             PrefixCache(model.prefix_cache_bytes, on_event=self._on_prefix_event)
-            if model.prefix_cache_bytes > 0 and unbatchable is None
+            if model.prefix_cache_bytes > 0
             else None
         )
         self.engine = BatchEngine(
@@ -184,7 +177,7 @@ class LocalBackend:
             max_batch=model.slots,
             prefill_chunk=model.prefill_chunk_tokens,
             prefill_chunk_alone=model.prefill_chunk_alone_tokens,
-            batching=unbatchable is None,
+            batching=True,
             deliver=self._deliver,
             on_step=self._on_step,
             on_prefill=self._on_prefill,
@@ -224,7 +217,7 @@ class LocalBackend:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 lambda: trio.to_thread.run_sync(
-                    self.engine.run,
+                    self._engine_thread,
                     abandon_on_cancel=False,
                     limiter=trio.CapacityLimiter(1),
                     thread_name=f"sluice engine {self.model.name}",
@@ -235,6 +228,25 @@ class LocalBackend:
                 await trio.sleep_forever()
             finally:
                 self.engine.stop()
+
+    def _engine_thread(self) -> None:
+        """The engine's thread: every forward pass of this model runs here, the start-up check
+        of its cache included, so that no other thread keeps an OpenMP team that would make
+        the engine's workers sleep between the regions of a step
+        (:mod:`inference.torch_threads`). Requests submitted meanwhile wait in its inbox."""
+        if self.model.slots > 1:
+            unbatchable = cache_rows.check(self.loaded.serving)
+            if unbatchable is not None:
+                log.warning(
+                    "model %s: continuous batching is unavailable (%s); its %d slots generate "
+                    "one at a time",
+                    self.model.name,
+                    unbatchable,
+                    self.model.slots,
+                )
+                self.engine.unbatched()
+                self.prefix_cache = None
+        self.engine.run()
 
     def _deliver(self, pieces: list[tuple[Generation, Piece]], gone: list[Generation]) -> None:
         """Runs in the engine thread, once per step: hand the step's pieces to the loop."""
