@@ -15,6 +15,20 @@ Sheng et al. (OSDI 2024) prove that the service two tenants receive in any inter
 both are backlogged then differs by at most ``2 * max(w_in * L_in, w_out * M)``
 (:func:`vtc_bound`), while no slot idles.
 
+**Forgetting idle tenants.** Each tenant's counter is kept while it matters, not forever (with a
+tenant per subject of a key, there can be a great many). Let ``m`` be the smallest of the last
+dispatched tenant's counter and the counters of the tenants waiting: every lift from now on is
+to at least ``m`` (a lift is to the smallest waiting counter of a band, or to the last
+dispatched's, and a tenant that takes a free slot without waiting is lifted first, as VTC's
+arrival rule says), and ``m`` never goes down (counters only grow; a tenant starts waiting at
+or above ``m``; the one dispatched is at or above it). So a tenant not waiting, whose counter
+is at most ``m``, would be lifted on its return to a floor at least its counter: forgotten, it
+is lifted to the same floor and loses nothing (:meth:`FairQueue.forget_idle`). What goes with
+it is its service alone (``served``), the tie-break between equal counters. A tenant whose
+request runs is kept (its output is still charged, and preemption weighs its counter), and so
+is one a shared store still counts (:attr:`FairQueue.pinned`). Forgetting runs once the
+counters reach :data:`FORGET_AT` tenants, and again at twice as many as were kept.
+
 **Bands.** A request's band is an integer, lower first, as vLLM reads its ``priority``: a key's
 ``priority``, which a request may raise (less urgent) but never lower
 (:func:`~proxy.protocol.request_priority.request_band`). A band is served strictly before the
@@ -54,10 +68,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 POLICIES = ("fair", "fifo")
+# How many tenants' counters are kept before the idle ones are forgotten (and, after, at least
+# twice as many as were kept then).
+FORGET_AT = 1024
 
 
 @dataclass(frozen=True)
@@ -230,6 +247,11 @@ class FairQueue:
         self.size = 0
         # After SIGTERM: paused requests first, and no new preemption.
         self.draining = False
+        # A tenant never forgotten while this says so (a store sharing the counters: its
+        # record of this instance's service assumes ``served`` only grows).
+        self.pinned: Callable[[str], bool] | None = None
+        # The number of tenants at which forget_idle next runs (see the module's docstring).
+        self.forget_at = FORGET_AT
 
     def configure(self, settings: SchedulingSettings) -> None:
         """New settings (a reload): the counters and the waiting requests stay."""
@@ -277,10 +299,51 @@ class FairQueue:
                 del self._bands[ticket.band]
 
     def dispatched(self, ticket: Ticket) -> None:
-        """``ticket`` got its slot: it waits no longer, and its input is charged."""
+        """``ticket`` got its slot: it waits no longer, and its input is charged. A ticket that
+        never waited (a free slot) arrives as a tenant becoming backlogged does: lifted first,
+        unless its tenant waits already (then its counter is at least the floor)."""
+        band = self._bands.get(ticket.band, {})
+        if ticket.tenant not in band:
+            self._lift(ticket.tenant, band)
         self.remove(ticket)
         self.charge(ticket.tenant, ticket.weight, input_tokens=ticket.input_tokens)
         self._last_dispatched = self.counters.get(ticket.tenant, 0.0)
+
+    @property
+    def floor(self) -> float:
+        """``m`` of the module's docstring: no lift from now on is below it."""
+        floor = self._last_dispatched
+        for band in self._bands.values():
+            for tenant in band:
+                floor = min(floor, self.counters.get(tenant, 0.0))
+        return floor
+
+    @property
+    def crowded(self) -> bool:
+        """Whether :meth:`forget_idle` is due (the tenants kept reached :attr:`forget_at`)."""
+        return len(self.counters) >= self.forget_at
+
+    def forget_idle(self, busy: Collection[str] = ()) -> int:
+        """Forget the tenants that lose nothing by it (the module's docstring): not waiting,
+        not ``busy`` (a request of theirs runs), not :attr:`pinned`, their counter at most
+        :attr:`floor`. How many were forgotten; the next run is due at twice as many tenants
+        as are kept (at least :data:`FORGET_AT`)."""
+        floor = self.floor
+        waiting = {tenant for band in self._bands.values() for tenant in band}
+        pinned = self.pinned
+        idle = [
+            tenant
+            for tenant, counter in self.counters.items()
+            if counter <= floor
+            and tenant not in waiting
+            and tenant not in busy
+            and (pinned is None or not pinned(tenant))
+        ]
+        for tenant in idle:
+            del self.counters[tenant]
+            self.served.pop(tenant, None)
+        self.forget_at = max(FORGET_AT, 2 * len(self.counters))
+        return len(idle)
 
     def charge(
         self, tenant: str, weight: float, *, input_tokens: int = 0, output_tokens: int = 0

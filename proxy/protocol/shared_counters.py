@@ -54,6 +54,13 @@ class SharedCounters:
         # The keys lifted here beyond the store's total, each with its counter: read with
         # outgoing()'s totals.
         self.floors: dict[str, float] = {}
+        # The queue forgets no key the store counts, nor one whose service it is yet to take:
+        # a key's service here must only grow (the module's docstring).
+        queue.pinned = self.holds
+
+    def holds(self, key: str) -> bool:
+        """Whether the store has, or is yet to get, ``key``'s service from this instance."""
+        return key in self._queue.served or key in self._base
 
     def outgoing(self) -> dict[str, float]:
         """Each key's service here so far, for the keys whose service changed since the last

@@ -308,6 +308,10 @@ class Dispatcher:
     def _take(self, room: Room, ticket: Ticket, now: float) -> None:
         room.in_flight += 1
         self.queue.dispatched(ticket)
+        if self.queue.crowded:
+            # The idle tenants' counters go (a tenant per subject: there may be many); the
+            # running requests' tenants stay, as they are still charged.
+            self.queue.forget_idle({running.tenant for running in self._running})
         if self.on_dispatch is not None:
             self.on_dispatch(ticket, now - ticket.waiting_since)
 
