@@ -1059,3 +1059,34 @@ def test_subject_counters_are_kept_apart_and_let_go_when_idle() -> None:
     for number in range(1100):
         ring.admit(profile_of(identity.profiles, "batch", f"later{number}"), 90_000).release()
     assert ring.subjects() < 3000
+
+
+def test_the_docs_entra_id_and_google_examples_map_their_claims_as_written() -> None:
+    """docs/identity.md's Entra ID and Google tables, loaded as written, map tokens shaped as
+    those providers send them."""
+    import re
+    import tomllib
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "identity.md").read_text()
+    configs = {}
+    for block in re.findall(r"```toml\n(.*?)```", text, re.DOTALL):
+        data = tomllib.loads(block)
+        for issuer in build(data).auth.jwt if "keys" in data else ():
+            configs[issuer.issuer.split("/")[2]] = issuer
+    entra = configs["login.microsoftonline.com"]
+    assert (entra.subject_claim, entra.audiences) == (
+        "oid",
+        ("66666666-7777-8888-9999-000000000000",),
+    )
+    assert map_claims({"roles": ["Research.Use"], "groups": []}, entra) == ("research", True)
+    staff = {"groups": ["aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"]}
+    assert map_claims(staff, entra) == ("staff", True)
+    assert map_claims({"_claim_names": {"groups": "src1"}}, entra) is None  # groups overage
+    google = configs["accounts.google.com"]
+    oncall = {"email": "oncall@example.com", "email_verified": True, "hd": "example.com"}
+    assert map_claims(oncall, google) == ("ops", False)
+    assert map_claims({"email": "ann@example.com", "hd": "example.com"}, google) == (
+        "workspace",
+        True,
+    )
+    assert map_claims({"email": "ann@gmail.com"}, google) is None  # no hd: not the domain's
