@@ -1,0 +1,3 @@
+from proxy.bench.sweep import main
+
+main()

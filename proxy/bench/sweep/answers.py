@@ -1,0 +1,139 @@
+"""Reading what the sweep's client received: whether the answer is whole, and how many tokens
+(content delta events, one per token, as Sluice's meter counts them) it carried. Sans-IO."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_LENGTH = re.compile(rb"(?im)^content-length: *(\d+)\r?$")
+
+
+def split_head(received: bytes) -> tuple[int | None, bytes, bytes]:
+    """(status, head, body as received, framing and all); status None before a whole head."""
+    head, sep, body = received.partition(b"\r\n\r\n")
+    if not sep:
+        return None, b"", b""
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return None, head, body
+    return status, head, body
+
+
+def dechunk(framed: bytes) -> tuple[bytes, bool]:
+    """The chunks' payload as far as it arrived whole, and whether the last chunk came."""
+    body = b""
+    while True:
+        size_line, sep, rest = framed.partition(b"\r\n")
+        if not sep:
+            return body, False
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            return body, False
+        if size == 0:
+            return body, True
+        if len(rest) < size + 2:
+            return body, False
+        body, framed = body + rest[:size], rest[size + 2 :]
+
+
+def whole(received: bytes) -> bool:
+    """Whether ``received`` holds one whole HTTP/1.1 answer (Content-Length or chunked)."""
+    status, head, body = split_head(received)
+    if status is None:
+        return False
+    length = _LENGTH.search(head)
+    if length is not None:
+        return len(body) >= int(length[1])
+    return dechunk(body)[1]
+
+
+def payload(received: bytes) -> bytes:
+    """The answer's body as far as it arrived, its framing taken off."""
+    status, head, body = split_head(received)
+    if status is None:
+        return b""
+    if _LENGTH.search(head) is not None:
+        return body
+    return dechunk(body)[0]
+
+
+def events(body: bytes) -> list[tuple[str, Any]]:
+    """The whole SSE events of ``body``: (event name or "", its data parsed, or the raw text)."""
+    found: list[tuple[str, Any]] = []
+    for block in body.decode("utf-8", "replace").split("\n\n")[:-1]:
+        name = ""
+        data = []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].lstrip())
+        if not data:
+            continue
+        text = "\n".join(data)
+        try:
+            found.append((name, json.loads(text)))
+        except ValueError:
+            found.append((name, text))
+    return found
+
+
+def is_token(endpoint: str, name: str, data: Any) -> bool:
+    """Whether one event carries a token of answer text, on ``endpoint``'s stream."""
+    if not isinstance(data, dict):
+        return False
+    if endpoint == "chat":
+        return any(
+            (choice.get("delta") or {}).get("content")
+            or (choice.get("delta") or {}).get("reasoning_content")
+            for choice in data.get("choices") or []
+        )
+    if endpoint == "responses":
+        return str(data.get("type", name)).endswith(".delta")
+    if endpoint == "messages":
+        return (data.get("type") or name) == "content_block_delta"
+    return False
+
+
+def tokens_received(endpoint: str, stream: bool, received: bytes) -> int:
+    """Tokens the client got: a stream's token events; a whole answer's, if it came whole (its
+    usage block's count), else none."""
+    body = payload(received)
+    if stream:
+        return sum(is_token(endpoint, name, data) for name, data in events(body))
+    if not whole(received):
+        return 0
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return 0
+    usage = answer.get("usage") or {}
+    return int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
+
+
+# The last event of each endpoint's stream.
+STREAM_ENDS = {
+    "chat": b"data: [DONE]",
+    "responses": b"event: response.completed",
+    "messages": b"event: message_stop",
+}
+
+
+def answered(endpoint: str, stream: bool, received: bytes) -> bool:
+    """Whether the client has the whole answer: a stream's last event (the chunked framing's
+    terminator may be missing: a server that heard a half-close after the last event need not
+    write it), or a whole body."""
+    status = split_head(received)[0]
+    if stream and status == 200:
+        body = payload(received)
+        return STREAM_ENDS[endpoint] in body or ended_in_band(received) or whole(received)
+    return whole(received)
+
+
+def ended_in_band(received: bytes) -> bool:
+    """Whether a stream carries an in-band error event (an OpenAI-shaped ``error``)."""
+    return any(isinstance(data, dict) and "error" in data for _, data in events(payload(received)))

@@ -1,0 +1,302 @@
+"""The sweep of one scenario on one server path: a counting run, then one run per checkpoint
+with the client leaving right after it, each checked against the invariants.
+
+Each run is a fresh request through the same Sluice, so that whatever a run leaves behind (a
+slot, a connection: the rig allows one of each) makes the next one fail; after the last, one
+more request is read to its end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+import trio
+
+from proxy.bench.sweep.answers import answered, tokens_received, whole
+from proxy.bench.sweep.checkpoints import Step
+from proxy.bench.sweep.client import SweepClient
+from proxy.bench.sweep.rig import Rig, start_rig
+from proxy.bench.sweep.scenarios import Scenario
+from proxy.ops.logs import ACCESS_LOGGER
+from proxy.relay.state import Phase
+from proxy.testing.fake_upstream import FakeSettings
+
+# One run's bound: its request, its answer, its access line.
+RUN_SECONDS = 10.0
+# After the client left, the scheduler batches (trio's rounds: an I/O poll, then every task
+# that is ready) within which the request's upstream connection is let go (closed, or idle in
+# the pool) and the fake has seen it, and its local sequence has left the batch. The departure
+# is read in the first round (the hangup watcher, or the server's read task); under the
+# framework the read task's http.disconnect has quart-trio cancel the request in the next; the
+# producer shuts the upstream down as it unwinds; the fake reads the close in the round after
+# (measured: at most 3 rounds on the fast path, 5 under the framework, cut at the head's read).
+# Steps are counted too (every task of Sluice's, other requests' work included) and reported.
+RELEASE_BATCHES = 5
+CANCELLED = tuple(f"cancelled({phase})" for phase in Phase)
+_ids = count()
+
+
+@dataclass
+class Run:
+    """One run: the step it was cut at (None: not cut), what it counted and what it broke."""
+
+    cut_at: int | None
+    steps: int = 0
+    place: str = ""
+    outcome: str = ""
+    released_after: int | None = None
+    released_batches: int | None = None
+    failures: list[str] = field(default_factory=list)
+    # Where each of its steps parked (the counting run keeps them for the report).
+    places: list[str] = field(default_factory=list)
+
+    @property
+    def cut(self) -> bool:
+        return bool(self.place)
+
+
+@dataclass
+class Sweep:
+    """One scenario on one server path, with one way of leaving."""
+
+    scenario: str
+    server: str
+    leave: str
+    counted: int = 0
+    runs: list[Run] = field(default_factory=list)
+    seconds: float = 0.0
+    skipped: str = ""
+    # What its uncut runs end with (the access line's outcome).
+    ending: str = ""
+    # The counting run's places, step by step.
+    places: list[str] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[Run]:
+        return [run for run in self.runs if run.failures]
+
+    @property
+    def distinct(self) -> set[str]:
+        return {run.place for run in self.runs if run.cut}
+
+
+def sample(total: int, every: int, edge: int = 3) -> list[int]:
+    """The steps a short sweep cuts at: the first and last ``edge`` and every ``every``-th."""
+    if every <= 1:
+        return list(range(1, total + 1))
+    chosen = set(range(1, min(edge, total) + 1)) | set(range(max(1, total - edge + 1), total + 1))
+    chosen |= set(range(every, total + 1, every))
+    return sorted(chosen)
+
+
+async def sweep_scenario(
+    scenario: Scenario,
+    *,
+    fast_path: bool,
+    leave: str = "close",
+    every: int = 1,
+    local_models: dict[str, Any] | None = None,
+    cuts: Iterable[int] | None = None,
+    fail_fast: bool = False,
+) -> Sweep:
+    """Count, then cut at every step (or the sample ``every`` picks, or ``cuts``); with
+    ``fail_fast``, stop at the first run that fails."""
+    server = "fast path" if fast_path else "framework"
+    result = Sweep(scenario.name, server, leave)
+    began = time.perf_counter()
+    config = scenario.configured()
+    config["server"] = {**config.get("server", {}), "fast_path": fast_path}
+    async with trio.open_nursery() as nursery:
+        rig = await start_rig(
+            nursery, config, fake=FakeSettings(**scenario.fake), local_models=local_models
+        )
+        access = logging.getLogger(ACCESS_LOGGER)
+        saved = access.level, access.propagate
+        access.addHandler(rig.lines)
+        access.setLevel(logging.INFO)
+        access.propagate = False
+        rig.counter.install()
+        try:
+            warm = await one_run(rig, scenario, None, "close", nursery, check=False)
+            # What an uncut run ends with: the scenario's, or (a failing upstream's error
+            # code) what the warm-up's ended with, which must then not be a cancellation.
+            ending = result.ending = scenario.ending or warm.outcome
+            if ending.startswith("cancelled") or not ending:
+                warm.failures.append(f"the warm-up ended {ending or 'with no access line'}")
+            if warm.failures:
+                result.runs.append(warm)
+                return result
+            await rig.quiet()
+            rig.take_baseline()
+            counting = await one_run(rig, scenario, None, leave, nursery, ending=ending)
+            result.counted = counting.steps
+            result.places = counting.places
+            result.runs.append(counting)
+            for k in sample(counting.steps, every) if cuts is None else cuts:
+                result.runs.append(await one_run(rig, scenario, k, leave, nursery, ending=ending))
+                if fail_fast and result.runs[-1].failures:
+                    return result
+            result.runs.append(await one_run(rig, scenario, None, leave, nursery, ending=ending))
+        finally:
+            rig.counter.uninstall()
+            access.removeHandler(rig.lines)
+            access.setLevel(saved[0])
+            access.propagate = saved[1]
+            result.seconds = time.perf_counter() - began
+            nursery.cancel_scope.cancel()
+    return result
+
+
+async def one_run(
+    rig: Rig,
+    scenario: Scenario,
+    cut_at: int | None,
+    leave: str,
+    nursery: trio.Nursery,
+    *,
+    check: bool = True,
+    ending: str = "completed",
+) -> Run:
+    run = Run(cut_at)
+    request_id = f"sweep-{next(_ids)}"
+    client = SweepClient(leave)
+    records = len(rig.fake.recorder.records)
+
+    def cut(step: Step) -> None:
+        client.leave()
+
+    charged = budget_used(rig)
+    received = b""
+    after = None
+    if scenario.around is not None:
+        after = await scenario.around(rig, nursery)
+    armed = rig.counter.arm(cut_at, cut, rig.release_check())
+    try:
+        with trio.move_on_after(RUN_SECONDS) as scope:
+            await client.send(*rig.address, scenario.request(request_id))
+            await client.read_until(whole)
+            await rig.state.tracker.wait_idle()
+            if after is not None:
+                await after()
+        # Done (or gone): the connection goes too, as an SDK's would once it has its answer.
+        received = bytes(client.received)
+        client.close()
+        if scope.cancelled_caught:
+            run.failures.append(f"not done within {RUN_SECONDS}s")
+        problems = await rig.settled() if check else []
+    finally:
+        client.close()
+        rig.counter.disarm()
+    run.steps = armed.count
+    run.places = [step.place for step in armed.steps]
+    if armed.cut is not None:
+        run.place = armed.cut.place
+        run.released_after = armed.released_at
+        run.released_batches = armed.released_batches
+    run.failures.extend(problems)
+    lines = rig.lines.of(request_id)
+    if not check:
+        run.outcome = lines[0]["outcome"] if lines else ""
+        return run
+    run.failures.extend(check_line(scenario, ending, run, lines, client, received))
+    if lines:
+        run.failures.extend(check_tokens(scenario, ending, lines[0], client, received))
+        run.failures.extend(check_budget(rig, lines[0], charged))
+    run.failures.extend(check_upstream(rig, run, records))
+    if armed.cut is None and not answered(scenario.endpoint, scenario.stream, received):
+        run.failures.append("not cut, and the answer did not come whole")
+    return run
+
+
+def check_line(
+    scenario: Scenario,
+    ending: str,
+    run: Run,
+    lines: list[dict[str, Any]],
+    client: SweepClient,
+    got: bytes,
+) -> list[str]:
+    """The access line: one, whose outcome is the scenario's ending or names the phase it was
+    cancelled in, and says what the client saw."""
+    if len(lines) > 1:
+        return [f"{len(lines)} access lines for one request"]
+    if not lines:
+        # A client that left before its request was read has no line, and nothing else.
+        return [] if client.left and not got else ["no access line"]
+    outcome = run.outcome = lines[0]["outcome"]
+    if outcome != ending and outcome not in CANCELLED:
+        return [f"outcome {outcome!r}: neither {ending} nor a phase it was cancelled in"]
+    if outcome != ending and not client.left:
+        return [f"{outcome} for a client that never left"]
+    got_all = answered(scenario.endpoint, scenario.stream, got)
+    if client.how == "fin" and client.left and got_all != (outcome == ending):
+        # The client read on to the end: whatever Sluice sent, it has.
+        return [f"{outcome}, and the client got {'all' if got_all else 'part'} of it"]
+    return []
+
+
+def check_tokens(
+    scenario: Scenario, ending: str, line: dict[str, Any], client: SweepClient, got: bytes
+) -> list[str]:
+    """Tokens sent + tokens for nobody = tokens made (the made: Sluice's own count, the
+    access line's output). A client that closed its socket lost what came after its close:
+    the sent are then at least what it received."""
+    made = line.get("output_tokens")
+    nobody = line.get("for_nobody_tokens")
+    if made is None or nobody is None:
+        return []
+    sent = tokens_received(scenario.endpoint, scenario.stream, got)
+    if line["outcome"] == ending:
+        if nobody:
+            return [f"{ending}, yet {nobody} token(s) for nobody"]
+        if client.how == "fin" or not client.left:
+            if sent != made:
+                return [f"{ending}: {sent} token(s) sent + 0 for nobody != {made} made"]
+            return []
+        return [] if sent <= made else [f"{sent} token(s) received, {made} made"]
+    if not scenario.stream:
+        return [] if sent == 0 else [f"{line['outcome']}, yet a whole answer arrived"]
+    if client.how == "fin":
+        if sent + nobody != made:
+            return [f"sent {sent} + for nobody {nobody} != made {made}"]
+    elif sent + nobody > made:
+        return [f"received {sent} + for nobody {nobody} > made {made}"]
+    return []
+
+
+def budget_used(rig: Rig) -> int:
+    """The budgeted key's tokens charged in its minute's window now."""
+    states = getattr(rig.state.keys, "_states", {})
+    state = states.get("budgeted")
+    if state is None or state.budget is None or state.budget.minute is None:
+        return 0
+    return int(state.budget.minute.used)
+
+
+def check_budget(rig: Rig, line: dict[str, Any], before: int) -> list[str]:
+    """The budget was charged what the request used (input + output), no more, no less."""
+    if line.get("key") != "budgeted":
+        return []
+    used = budget_used(rig) - before
+    charge = (line.get("input_tokens") or 0) + (line.get("output_tokens") or 0)
+    return [] if used == charge else [f"budget charged {used}, the line says {charge}"]
+
+
+def check_upstream(rig: Rig, run: Run, records: int) -> list[str]:
+    """Every request the fake got in this run ended (none pending), and once the client left,
+    the upstream was let go within RELEASE_STEPS steps."""
+    found = []
+    for record in rig.fake.recorder.records[records:]:
+        if record.outcome == "pending":
+            found.append(f"the fake's request {record.id} is still pending")
+    if run.cut and (run.released_batches is None or run.released_batches > RELEASE_BATCHES):
+        found.append(
+            f"upstream still in use {run.released_batches} scheduler batches "
+            f"({run.released_after} steps) after the cut"
+        )
+    return found

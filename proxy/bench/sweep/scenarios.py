@@ -1,0 +1,196 @@
+"""The sweep's scenarios: one request each, through a Sluice configured for it.
+
+A scenario is data: the config (its models' upstreams say ``"fake:"``, the in-process fake), the
+fake's settings, the request, and what it needs (the tiny local model, a redis-server). What
+differs in how a scenario runs (a request that holds the only slot first, an urgent request
+that pauses this one) is an :class:`Around`: started before the swept request, in the sweep's
+nursery, and awaited after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from proxy.api.auth import hash_key
+from proxy.bench.sweep.client import Request
+
+if TYPE_CHECKING:
+    import trio
+
+    from proxy.bench.sweep.rig import Rig
+
+PATHS = {
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
+# Every scenario's answer from the fake: few tokens, so that a run has few checkpoints, each
+# a little apart so that the relay waits between them as it does in life.
+TOKENS = 4
+FAKE = {"ttft": 0.0, "interval": 0.002, "tokens": TOKENS}
+SECRET = "sk-sweep"
+BUDGETED = "sk-sweep-budgeted"
+
+# Started before the swept request (in the sweep's nursery), awaited once it is done: the work a
+# scenario puts beside its request (a holder of the only slot, an urgent request).
+Around = Callable[["Rig", "trio.Nursery"], Awaitable[Callable[[], Awaitable[None]]]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    endpoint: str = "chat"
+    stream: bool = True
+    model: str = "fake-model"
+    # Extra fields of the request's body (a per-request "fake" override among them).
+    extra: dict[str, Any] = field(default_factory=dict)
+    bearer: str = SECRET
+    config: dict[str, Any] = field(default_factory=dict)
+    fake: dict[str, Any] = field(default_factory=lambda: dict(FAKE))
+    local: bool = False
+    redis: bool = False
+    around: Around | None = None
+    # What an uncut run's access line says: "completed", an error code, or None: whatever the
+    # warm-up's said (not a cancellation), for an upstream that fails on purpose.
+    ending: str | None = "completed"
+    # Which server paths it runs on.
+    servers: tuple[bool, ...] = (True, False)
+
+    def request(self, request_id: str) -> Request:
+        body: dict[str, Any]
+        if self.endpoint == "chat":
+            body = {"messages": [{"role": "user", "content": "hello there"}]}
+        elif self.endpoint == "responses":
+            body = {"input": "hello there"}
+        else:
+            body = {"max_tokens": 64, "messages": [{"role": "user", "content": "hello there"}]}
+        body = {"model": self.model, **body, "stream": self.stream, **self.extra}
+        headers = {"Authorization": f"Bearer {self.bearer}", "X-Request-ID": request_id}
+        return Request(PATHS[self.endpoint], body, headers)
+
+    def configured(self) -> dict[str, Any]:
+        """The config mapping: the scenario's, over one fake model and the sweep's keys."""
+        config: dict[str, Any] = {
+            "models": {"fake-model": {"upstreams": ["fake:"]}},
+            "keys": [
+                {"name": "sweep", "sha256": hash_key(SECRET)},
+                {
+                    "name": "budgeted",
+                    "sha256": hash_key(BUDGETED),
+                    "tokens_per_minute": 1_000_000,
+                    "max_concurrent_streams": 4,
+                },
+            ],
+            # One connection per replica: a slot or a connection leaked by a run makes the
+            # next run wait, and fail.
+            "upstream": {"max_connections": 1, "queue_timeout": 5},
+        }
+        for section, table in self.config.items():
+            if isinstance(table, dict) and isinstance(config.get(section), dict):
+                config[section] = {**config[section], **table}
+            else:
+                config[section] = table
+        return config
+
+
+async def hold_the_room(rig: Rig, nursery: trio.Nursery) -> Callable[[], Awaitable[None]]:
+    """A request that holds the replica's only slot for a while (a stream of 20 tokens, 2 ms
+    apart), read to its end by a task of the sweep: the swept request waits in Sluice's queue
+    behind it, then runs."""
+    import trio
+
+    from proxy.bench.sweep.answers import whole
+    from proxy.bench.sweep.client import SweepClient
+
+    holder = SweepClient()
+    body = Scenario("holder", "", extra={"fake": {"tokens": 20}}).request("sweep-holder")
+    started = trio.Event()
+    done = trio.Event()
+
+    records = len(rig.fake.recorder.records)
+
+    async def hold() -> None:
+        try:
+            await holder.send(*rig.address, body)
+            await rig.fake.recorder.wait_for(
+                lambda r: len(r.records) > records and r.records[records].tokens_sent > 0
+            )
+            started.set()
+            await holder.read_until(whole)
+        finally:
+            holder.close()
+            started.set()
+            done.set()
+
+    nursery.start_soon(hold, name="sweep holder")
+    await started.wait()
+
+    async def after() -> None:
+        await done.wait()
+
+    return after
+
+
+def _scenarios() -> list[Scenario]:
+    hedged = {"upstreams": ["fake:", "fake-localhost:"], "hedge_after": 0.001}
+    two = {"upstreams": ["fake:", "fake-localhost:"]}
+    return [
+        Scenario("chat-stream", "a streamed chat completion"),
+        Scenario("chat-whole", "a chat completion answered whole (JSON)", stream=False),
+        Scenario("responses-stream", "a streamed Responses API answer", endpoint="responses"),
+        Scenario("messages-stream", "a streamed Anthropic Messages answer", endpoint="messages"),
+        Scenario(
+            "budgeted",
+            "a streamed chat of a key with a token budget (reserved, then settled)",
+            bearer=BUDGETED,
+        ),
+        Scenario(
+            "queued",
+            "a streamed chat queued behind a request holding the replica's only slot",
+            around=hold_the_room,
+        ),
+        Scenario(
+            "hedged",
+            "a streamed chat hedged after 1 ms on a second replica (the fake's first token "
+            "comes after 5 ms): the first to stream wins, the other is cancelled",
+            config={"models": {"fake-model": hedged}},
+            fake={**FAKE, "ttft": 0.005},
+        ),
+        Scenario(
+            "retried",
+            "a streamed chat whose every attempt gets 503 from the upstream: retried once on "
+            "the other replica, then answered 503",
+            # Never ejected: every run tries both replicas.
+            config={"models": {"fake-model": two}, "upstream": {"failure_threshold": 1_000_000}},
+            extra={"fake": {"mode": "status", "status": 503}},
+            ending="upstream_http_error",
+        ),
+        *(
+            Scenario(
+                f"upstream-{mode}-at-{at}",
+                f"a streamed chat whose upstream {what} at event boundary {at} of {TOKENS}",
+                extra={"fake": {"mode": mode, "at": at}},
+                # Never ejected for its failures: every run reaches the fake.
+                config={
+                    "upstream": {
+                        "idle_timeout": 0.05,
+                        "first_token_timeout": 0.05,
+                        "failure_threshold": 1_000_000,
+                    }
+                },
+                ending=None,
+            )
+            for mode, what in (
+                ("reset", "resets the connection"),
+                ("malformed", "sends a malformed event"),
+                ("stall", "stalls past the idle limit (50 ms)"),
+            )
+            for at in range(TOKENS + 1)
+        ),
+    ]
+
+
+SCENARIOS: dict[str, Scenario] = {scenario.name: scenario for scenario in _scenarios()}
