@@ -10,15 +10,13 @@ descriptor baseline can leave them out (the batch processor exports every 500 ms
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 
+from proxy.bench.sweep.observe import AccessLines
 from proxy.ops import tracing
 from proxy.testing.otlp_receiver import KIND_SERVER, Receiver, Span
 from proxy.testing.trace_check import judge
@@ -63,20 +61,6 @@ def collector_sockets(port: int) -> set[str]:
 def without_collector(fds: Counter[str], port: int) -> Counter[str]:
     excluded = collector_sockets(port)
     return Counter({target: n for target, n in fds.items() if target not in excluded})
-
-
-class AccessLines(logging.Handler):
-    """The access lines written while it is attached, parsed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(record.getMessage()))
-
-    def of_trace(self, trace_id: str) -> list[dict[str, Any]]:
-        return [line for line in self.lines if line["trace_id"] == trace_id]
 
 
 @dataclass

@@ -75,7 +75,6 @@ import contextlib
 import fcntl
 import gc
 import logging
-import os
 import re
 import socket
 import struct
@@ -98,6 +97,7 @@ from inference.batching import DEFAULT_PREFILL_CHUNK_ALONE
 from proxy.backends.local import LocalBackend
 from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.backends.upstream.replica import UpstreamReplica
+from proxy.bench.sweep.observe import AccessLines, open_fds, task_tree
 from proxy.ops import tracing
 from proxy.ops.logs import ACCESS_LOGGER
 from proxy.relay.state import Phase
@@ -118,7 +118,6 @@ from tests.support import (
     start_proxy,
 )
 from tests.tracing_support import (
-    AccessLines,
     Traced,
     flush,
     new_traceparent,
@@ -337,28 +336,6 @@ def traced(receiver: Receiver) -> Iterator[Traced]:
 
 
 # -- what the harness observes ---------------------------------------------------------------
-
-
-def open_fds() -> Counter[str]:
-    """This process's open file descriptors, by what they point to (``socket:[inode]``, ...):
-    a socket of the request that outlives it shows up as a target the baseline lacks."""
-    targets: Counter[str] = Counter()
-    for name in os.listdir("/proc/self/fd"):
-        # The one descriptor that listdir itself used is closed by now: skipped.
-        with contextlib.suppress(OSError):
-            targets[os.readlink(f"/proc/self/fd/{name}")] += 1
-    return targets
-
-
-def task_tree(root: trio.lowlevel.Task) -> set[trio.lowlevel.Task]:
-    found = set()
-    stack = [root]
-    while stack:
-        task = stack.pop()
-        found.add(task)
-        for nursery in task.child_nurseries:
-            stack.extend(nursery.child_tasks)
-    return found
 
 
 def proxy_tasks() -> set[trio.lowlevel.Task]:
