@@ -8,7 +8,7 @@ CONFIG ?= conf/local.toml
 # `make run PORT=9000`: the port to serve on (else the config's [server] port).
 PORT ?=
 
-.PHONY: run test docs test-floor test-full test-vllm test-llamacpp image test-image lint typecheck bench bench-ab scorecard scorecard-field scorecard-peer scorecard-doc fake-upstream clean browser redis
+.PHONY: run test docs test-floor test-full test-vllm test-llamacpp image test-image lint typecheck bench bench-ab scorecard scorecard-field scorecard-peer scorecard-doc sweep fake-upstream clean browser redis
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -273,6 +273,14 @@ scorecard-doc: $(STAMP)
 	$(BIN)/python -m proxy.bench.scorecard \
 	  $$(for s in $(SCORECARD_SYSTEMS); do f=docs/cancellation-$$s.json; [ -f $$f ] && echo $$f; done) \
 	  --markdown docs/cancellation.md --images docs --link-from docs/benchmarks.md
+
+# The cancellation sweep (proxy/bench/sweep/): each scenario's request counted, then cut after
+# every one of its checkpoints, on both server paths and both ways of leaving, every run
+# checked (tasks, threads, sockets, slots, the upstream let go, the access line, the tokens).
+# Writes docs/cancellation-sweep.md, then exits 1 if a run failed. About 90 s here; `make test`
+# runs a part of it (tests/sweep/).
+sweep: $(STAMP)
+	$(BIN)/python -m proxy.bench.sweep --markdown docs/cancellation-sweep.md
 
 fake-upstream: $(STAMP)
 	$(BIN)/sluice fake-upstream --port 9000
