@@ -74,6 +74,7 @@ from proxy.testing.fake_upstream.content import (
     MAX_MODEL_LEN,
     WORDS,
     embedding_vector,
+    prompt_tokens,
     relevance_score,
     token_text,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "embedding_vector",
     "main",
     "prompt_bytes",
+    "prompt_tokens",
     "relevance_score",
     "run_from_args",
     "settings_from_args",
