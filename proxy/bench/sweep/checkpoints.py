@@ -22,6 +22,7 @@ step); nothing here awaits.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from types import FrameType
 import trio
 
 _TRIO_DIR = os.path.dirname(trio.__file__) + os.sep
+_NUMBERS = re.compile(r"\d+")
 _TRIO_CORE = _TRIO_DIR + "_core" + os.sep
 # The frame below every task's own: trio's run loop, which steps the task.
 _RUN_LOOP = trio._core._run.unrolled_run.__code__
@@ -84,8 +86,9 @@ def cut_point(task: trio.lowlevel.Task) -> str:
         innermost = f"{short_path(filename)}:{line} {frame.f_code.co_name}"
         if not is_plumbing(filename):
             place = innermost
-    # A task parked in trio alone (trio.sleep_forever) is named by trio's frame.
-    return place or innermost or f"(exit) {task.name}"
+    # A task parked in trio alone (trio.sleep_forever) is named by trio's frame; one that has
+    # ended by its name, less the numbers that name its request ("relay producer sweep-N").
+    return place or innermost or f"(exit) {_NUMBERS.sub('N', task.name)}"
 
 
 def spawn_site() -> str:
