@@ -17,6 +17,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, TypeAlias, TypeVar
 from urllib.parse import urlsplit
 
@@ -176,8 +177,9 @@ class UpstreamRequestConfig:
     # at vLLM's 16-token blocks).
     kv_index_max_blocks: int = 131072
     # With balance = "cache_aware": how many requests of load 1,000 cached prompt tokens are
-    # worth. Higher follows the cache further into load; 0 is load alone.
-    kv_cache_weight: float = 1.0
+    # worth. Higher follows the cache further into load; 0 is load alone. 4: the lowest at
+    # which the KV-routing bench's hit rate reached its oracle's (1 and 2 left it to load).
+    kv_cache_weight: float = 4.0
     # With balance = "cache_aware": seconds to wait for a replica's /tokenize (the prompt's
     # tokens, as its engine makes them) before routing the request by load alone.
     kv_tokenize_timeout: float = 0.5
@@ -684,6 +686,51 @@ JWT_ALGORITHMS = (
 )
 
 
+@dataclass(frozen=True)
+class GuardConfig:
+    """One ``[[guards]]`` table: a policy hook (proxy/guards/, docs/guards.md) run at one
+    stage of the requests it applies to. Tables of one stage run in the file's order."""
+
+    # A label for metrics, spans and the access line (unique).
+    name: str = ""
+    # A built-in ("regex", "webhook", "model") or "package.module:function": an async
+    # function taking the stage's context, or a plain function taking the options and
+    # returning one.
+    use: str = ""
+    # When it runs: request (before the queue), prompt (beside the upstream, from the
+    # dispatch), output (per window of the answer), after (once the answer ended).
+    stage: str = ""
+    # The models it applies to; empty: every model.
+    models: tuple[str, ...] = ()
+    # The [[keys]] it applies to, by name; empty: every key (and requests with none).
+    keys: tuple[str, ...] = ()
+    # Each call's bound, in seconds; past it, on_error decides.
+    timeout: float = 2.0
+    # When a call fails or times out: "deny" refuses (503 guard_unavailable), "allow"
+    # passes. Either way it is counted and logged.
+    on_error: str = "deny"
+    # output: the tokens (events carrying text) of answer each call sees, besides the overlap.
+    window_tokens: int = 32
+    # output: the previous window's last tokens, seen again at the start of the next, so
+    # that text split across two windows is seen whole.
+    overlap_tokens: int = 8
+    # prompt and output: the tokens of answer held while the guard decides (beyond the
+    # window being checked); past it, the upstream is not read until it has.
+    hold_back_tokens: int = 32
+    # output: "after" (a window reaches the client once it passed) or "before" (at once; a
+    # refusal cuts what follows).
+    release: str = "after"
+    # [guards.options]: handed to the guard as they are (a built-in checks its own).
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+GUARD_STAGES = ("request", "prompt", "output", "after")
+GUARD_BUILTINS = ("regex", "webhook", "model")
+GUARD_ON_ERROR = ("deny", "allow")
+GUARD_RELEASES = ("after", "before")
+_GUARD_USE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
 # [tracing] exporter's values, as OTEL_TRACES_EXPORTER's.
 TRACE_EXPORTERS = ("otlp", "console", "none")
 SCHEDULING_POLICIES = ("fair", "fifo")
@@ -703,6 +750,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     models: tuple[ModelConfig, ...] = ()
     keys: tuple[KeyConfig, ...] = ()
+    guards: tuple[GuardConfig, ...] = ()
     source: str = "<defaults>"
 
     def model(self, name: str) -> ModelConfig | None:
@@ -859,6 +907,7 @@ def _validate(config: Config) -> None:
         _validate_origin(origin)
     _validate_keys(config.keys, config.auth)
     _validate_auth(config.auth, config.keys)
+    _validate_guards(config)
     for model in config.models:
         if isinstance(model, LocalModel):
             _validate_local_model(model)
@@ -1020,6 +1069,55 @@ def _validate_auth(auth: AuthConfig, keys: tuple[KeyConfig, ...]) -> None:
                 if not getattr(mapping, name):
                     raise ConfigError(f"{at} needs '{name}'")
             profile(at, "key", mapping.key)
+
+
+def _validate_guards(config: Config) -> None:
+    """Each [[guards]] table's settings; importing its ``use`` and checking the callable's
+    signature is serving's (proxy/api/guards.py), at start-up and at each reload."""
+    names: set[str] = set()
+    models = {model.name for model in config.models}
+    keys = {key.name for key in config.keys}
+    for index, guard in enumerate(config.guards, start=1):
+        where = f"[[guards]] number {index}" + (f" ({guard.name!r})" if guard.name else "")
+        if not guard.name:
+            raise ConfigError(f"{where} needs 'name', which metrics and logs use for it")
+        if guard.name in names:
+            raise ConfigError(f"{where}: the name {guard.name!r} is used by another guard")
+        names.add(guard.name)
+        where = f"[[guards]] {guard.name!r}"
+        if not guard.use:
+            raise ConfigError(
+                f"{where} needs 'use': a built-in ({', '.join(GUARD_BUILTINS)}) or "
+                '"package.module:function"'
+            )
+        if guard.use not in GUARD_BUILTINS and not _GUARD_USE.match(guard.use):
+            raise ConfigError(
+                f"'use' in {where} must be a built-in ({', '.join(GUARD_BUILTINS)}) or "
+                f'"package.module:function", not {guard.use!r}'
+            )
+        _check_choice(
+            where,
+            stage=(guard.stage, GUARD_STAGES),
+            on_error=(guard.on_error, GUARD_ON_ERROR),
+            release=(guard.release, GUARD_RELEASES),
+        )
+        _check_positive(where, timeout=guard.timeout, window_tokens=guard.window_tokens)
+        _check_not_negative(
+            where, overlap_tokens=guard.overlap_tokens, hold_back_tokens=guard.hold_back_tokens
+        )
+        if guard.overlap_tokens >= guard.window_tokens:
+            raise ConfigError(
+                f"'overlap_tokens' in {where} must be less than window_tokens "
+                f"({guard.window_tokens}), not {guard.overlap_tokens}"
+            )
+        for name, known, wanted in (("models", models, guard.models), ("keys", keys, guard.keys)):
+            unknown = [value for value in wanted if value not in known]
+            if unknown:
+                kind = "[models.<name>]" if name == "models" else "[[keys]] entry"
+                raise ConfigError(
+                    f"'{name}' in {where} names {', '.join(map(repr, unknown))}, which is no "
+                    f"{kind} here"
+                )
 
 
 def _validate_local_model(model: LocalModel) -> None:
@@ -1354,13 +1452,30 @@ def _build_jwt(tables: Any, source: str) -> tuple[JwtIssuerConfig, ...]:
     return tuple(issuers)
 
 
+def _build_guards(tables: Any, source: str) -> tuple[GuardConfig, ...]:
+    if not isinstance(tables, list):
+        raise ConfigError(f"'guards' in {source} must be an array of tables, one [[guards]] each")
+    guards = []
+    for index, table in enumerate(tables, start=1):
+        where = f"[[guards]] number {index} ({source})"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table")
+        table = dict(table)
+        options = table.pop("options", {})
+        if not isinstance(options, dict):
+            raise ConfigError(f"'options' in {where} must be a table: [guards.options]")
+        guard = _build(GuardConfig, table, where)
+        guards.append(dataclasses.replace(guard, options=MappingProxyType(options)))
+    return tuple(guards)
+
+
 def config_from_mapping(
     data: Mapping[str, Any], source: str = "<mapping>", env: Mapping[str, str] | None = None
 ) -> Config:
     """Build a :class:`Config` from parsed TOML, then apply ``SLUICE_*`` environment overrides."""
     for key in data:
-        if key not in _SECTIONS and key not in {"models", "keys"}:
-            known = ", ".join(sorted([*_SECTIONS, "models", "keys"]))
+        if key not in _SECTIONS and key not in {"models", "keys", "guards"}:
+            known = ", ".join(sorted([*_SECTIONS, "models", "keys", "guards"]))
             raise ConfigError(f"unknown section or key '{key}' in {source}; known: {known}")
     sections: dict[str, dict[str, Any]] = {}
     for name in _SECTIONS:
@@ -1379,7 +1494,8 @@ def config_from_mapping(
     built["auth"] = dataclasses.replace(built["auth"], jwt=_build_jwt(jwt_tables, source))
     models = _build_models(data.get("models", {}), built["upstream"], source)
     keys = _build_keys(data.get("keys", []), source)
-    config = Config(models=models, keys=keys, source=source, **built)
+    guards = _build_guards(data.get("guards", []), source)
+    config = Config(models=models, keys=keys, guards=guards, source=source, **built)
     _validate(config)
     return config
 

@@ -494,7 +494,7 @@ def test_cache_aware_takes_each_replicas_kv_events_or_none() -> None:
     settings = model.models[0]
     assert isinstance(settings, UpstreamModel)
     assert (settings.kv_events_port, settings.kv_events_replay_port) == (5557, 0)
-    assert (settings.kv_index_max_blocks, settings.kv_cache_weight) == (131072, 1.0)
+    assert (settings.kv_index_max_blocks, settings.kv_cache_weight) == (131072, 4.0)
     assert (settings.kv_approx_max_blocks, settings.kv_approx_ttl) == (32768, 120.0)
     assert settings.kv_block_size == 16
     # No events at all (llama.cpp, vLLM without the flag), or one replica without: what was

@@ -285,10 +285,11 @@ class RoutedIndex:
     def __len__(self) -> int:
         return len(self._used)
 
-    def matched(self, keys: Sequence[bytes], now: float) -> int:
-        """How many of the leading ``keys`` were routed here within the ttl."""
+    def matched(self, keys: Sequence[bytes], now: float, within: float | None = None) -> int:
+        """How many of the leading ``keys`` were routed here within the ttl (or ``within``
+        seconds, when shorter)."""
         used = self._used
-        since = now - self.ttl
+        since = now - (self.ttl if within is None else min(within, self.ttl))
         count = 0
         for key in keys:
             at = used.get(key)

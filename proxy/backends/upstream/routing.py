@@ -295,6 +295,13 @@ class AffinityRouter(LeastBusyRouter):
 # ----------------------------------------------------------------------------- cache_aware
 
 
+# With complete KV events, a prompt routed to a replica this recently is credited there even
+# before its events tell of it: the engine stores its blocks only once they are prefilled
+# (queued behind other prefills, seconds), and a request with the same prefix sent meanwhile
+# would otherwise go elsewhere and cache the prefix twice.
+PENDING_SECONDS = 5.0
+
+
 class CacheAwareRouter(MetricsRouter):
     """``cache_aware``: each healthy candidate's load (:func:`metrics_score`: its scraped queue,
     or this process's in-flight count) against the prompt tokens its KV cache holds, by
@@ -303,10 +310,12 @@ class CacheAwareRouter(MetricsRouter):
     in time, or its endpoint has no prompt) the choice is upstream_metrics', as ``fallback``.
 
     What a replica holds: its :class:`BlockIndex` (:meth:`index_of`), filled by its KV-event
-    subscriber, once its events have flowed unbroken for the approximate index's ttl
-    (:func:`~proxy.protocol.kv_cache.events_complete`). Before that, or for a replica that
-    publishes none, the more of the two: the events' or its :class:`RoutedIndex`, the
-    prompts this router sent it (recorded at every choice made with the prompt's tokens)."""
+    subscriber, once its events are complete
+    (:func:`~proxy.protocol.kv_cache.events_complete`), or what was routed there in the last
+    ``PENDING_SECONDS`` (stored once prefilled), whichever is more. Before its events are
+    complete, or for a replica that publishes none, the more of the events' and its whole
+    :class:`RoutedIndex`, the prompts this router sent it (recorded at every choice made with
+    the prompt's tokens): reason ``cache_approx`` when the guess decided."""
 
     __slots__ = (
         "_indexes",
@@ -325,7 +334,7 @@ class CacheAwareRouter(MetricsRouter):
         policy: HealthPolicy | None = None,
         *,
         interval: float = 2.0,
-        cache_weight: float = 1.0,
+        cache_weight: float = 4.0,
         max_load: float = 1.5,
         max_blocks: int = 131072,
         approx_max_blocks: int = 32768,
@@ -374,13 +383,15 @@ class CacheAwareRouter(MetricsRouter):
         index = self._indexes.get(replica)
         blocks = self.cached_blocks(replica, keys_by_size)
         size = 0 if index is None or index.block_size is None else index.block_size
-        if events_complete(index, now, self.approx_ttl):
-            return blocks, size, False
+        complete = events_complete(index, now, self.approx_ttl)
         routed = self._routed.get(replica)
         guess = 0
         if routed is not None:
             routed.expire(now)
-            guess = routed.matched(keys_by_size[routed.block_size], now)
+            # Complete events still lag what was just routed: its blocks are stored only
+            # once its prefill is done.
+            within = PENDING_SECONDS if complete else None
+            guess = routed.matched(keys_by_size[routed.block_size], now, within)
         if guess * self.approx_block_size > blocks * size:
             return guess, self.approx_block_size, True
         return blocks, size, False
@@ -419,7 +430,7 @@ def router_for(
     *,
     metrics_interval: float = 2.0,
     affinity_max_load: float = 1.5,
-    cache_weight: float = 1.0,
+    cache_weight: float = 4.0,
     max_blocks: int = 131072,
     approx_max_blocks: int = 32768,
     approx_ttl: float = 120.0,

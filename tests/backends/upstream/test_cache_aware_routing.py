@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from proxy.backends.upstream.routing import CacheAwareRouter, ReplicaLoad
+from proxy.backends.upstream.routing import PENDING_SECONDS, CacheAwareRouter, ReplicaLoad
 from proxy.protocol.kv_cache import BlockStored, EventBatch, block_keys, token_key
 from tests.protocol.test_kv_cache import stored
 
@@ -98,7 +98,24 @@ def test_a_subscriber_down_or_events_lost_fall_back_to_the_guess() -> None:
     assert cache_aware.decide(pool, (), 502.0, token_key(tokens)).reason == "cache_approx"
     # An engine that restarted with no event missed: its (empty) index is exact.
     index.complete_since = -math.inf
-    assert cache_aware.decide(pool, (), 503.0, token_key(tokens)).reason == "load"
+    later = 502.0 + PENDING_SECONDS + 1
+    assert cache_aware.decide(pool, (), later, token_key(tokens)).reason == "load"
+
+
+def test_with_complete_events_what_was_just_routed_is_pending() -> None:
+    """A prompt's blocks are stored (and published) only once prefilled: until then, or for
+    PENDING_SECONDS, a request with the same prefix follows it rather than caching it twice."""
+    cache_aware, pool = router(cache_weight=100.0), replicas(3)
+    for replica in pool:
+        cache_aware.index_of(replica).complete_since = -math.inf
+    tokens = prompt(1)
+    first = cache_aware.decide(pool, (), 0.0, token_key(tokens))
+    assert first.reason == "load"
+    again = cache_aware.decide(pool, (), 1.0, token_key([*tokens, 9, 9, 9, 9]))
+    assert (again.replica, again.reason) == (first.replica, "cache_approx")
+    # Past the window without events telling of it (evicted at once, or never stored): load.
+    late = cache_aware.decide(pool, (), 1.0 + PENDING_SECONDS + 0.1, token_key(tokens))
+    assert late.reason == "load"
 
 
 def test_events_in_another_block_size_are_weighed_in_tokens() -> None:
