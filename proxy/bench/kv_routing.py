@@ -486,6 +486,11 @@ def kv_routing_markdown(report: KvRoutingReport) -> str:
     for workload in s.workloads:
         lines += [titles[workload], "", format_table(report, workload), ""]
     lines.append(
+        "TTFT here is wall-clock on a shared machine: read the hit rates and the spread "
+        "first, and compare TTFT only within one run."
+    )
+    lines.append("")
+    lines.append(
         f"`{report.command}` on {report.date}, commit {report.commit or 'unknown'}; "
         f"{machine.get('cores')} cores ({machine.get('cpu')}), load average "
         f"{machine.get('loadavg_1m')} at the start."
@@ -563,7 +568,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench.k
     parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    command = command_line(argv, prog)
+    command = command_line(sys.argv[1:] if argv is None else argv, prog)
     try:
         run_stoppable(run_from_args, args, command)
     except BenchError as error:
