@@ -129,13 +129,16 @@ async def start_proxy(
     env: dict[str, str] | None = None,
     local_models: dict[str, Any] | None = None,
     keys: list[dict[str, Any]] | None = None,
+    guards: list[dict[str, Any]] | None = None,
     **sections: dict[str, Any],
 ) -> Proxy:
     """Serve a proxy; ``models`` maps a name to a list of upstream URLs or a full model table;
-    ``keys`` are ``[[keys]]`` tables."""
+    ``keys`` are ``[[keys]]`` tables, ``guards`` ``[[guards]]`` tables."""
     data: dict[str, Any] = {name: dict(table) for name, table in sections.items()}
     if keys is not None:
         data["keys"] = [dict(table) for table in keys]
+    if guards is not None:
+        data["guards"] = [dict(table) for table in guards]
     data.setdefault("server", {})["port"] = 0
     data["server"].setdefault("fast_path", ServerPath.fast_path)
     # No spare upstream connections unless a test asks: most tests count the upstream's

@@ -22,6 +22,8 @@ INFERENCE = ROOT / "inference"
 FLOORS: dict[str, int] = {
     "proxy.protocol": 0,
     "proxy.config": 0,
+    # The guards' public hook API and their windows: what user code imports, sans-IO.
+    "proxy.guards": 0,
     # ZeroMQ on trio: read by the runtime's KV-event subscriber and the tooling's fake publisher.
     "proxy.zmq_trio": 0,
     "proxy.testing": 1,  # the fake upstream: a tool, standing on the floor alone

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from proxy.api.auth import KeyRing, limited_producer
+from proxy.api.guards import ServedGuards, outcome_of
 from proxy.api.token_budget import Metered, metered_producer, metered_request
 from proxy.backends.base import Backend
 from proxy.config import Config, KeyConfig, LocalModel, UpstreamModel
@@ -52,6 +53,7 @@ from proxy.protocol.scheduling import Schedule
 from proxy.protocol.shapes import error_shape
 from proxy.protocol.token_usage import DEFAULT_RESERVED_OUTPUT, estimate_input_tokens
 from proxy.relay.body import Producer, RelayBody, RelayTracker
+from proxy.relay.guarded import Guard, guarded_producer
 from proxy.server.call import HeaderLookup
 
 if TYPE_CHECKING:
@@ -90,6 +92,8 @@ class RequestPipeline:
         self.relays: weakref.WeakSet[RelayBody] = weakref.WeakSet()
         # JWT issuers and forward auth ([auth]), set by the served config; None: static keys.
         self.identity: Identity | None = None
+        # The [[guards]] (api/guards.py), set by the served config; None: none configured.
+        self.guards: ServedGuards | None = None
 
     @staticmethod
     def request_id(presented: str | None) -> str:
@@ -149,6 +153,17 @@ class RequestPipeline:
         key = self.keys.identify(authorization)
         access.key = key.name
         return key
+
+    async def screen(
+        self, request: CompletionRequest, access: AccessRecord, key: KeyConfig | None
+    ) -> CompletionRequest:
+        """The ``request`` stage's guards ([[guards]] stage = "request"), before the queue:
+        the request as they edited it, or their refusal (an ApiError). Nothing to do, and
+        nothing awaited, without guards."""
+        guards = self.guards
+        if guards is None:
+            return request
+        return await guards.request_stage(request, access, key, self.metrics)
 
     def parse(
         self,
@@ -305,6 +320,16 @@ class RequestPipeline:
             request, key, upstream=not local, default_output=default_output
         )
         produce: Producer = partial(backend.produce, request, access.request_id)
+        guards = self.guards
+        if guards is not None:
+            # The prompt and output stages, innermost: beside the backend, in its task's
+            # nursery, so that a refusal cancels the upstream (and the meter still counts
+            # what it made).
+            plan = guards.plan(request, access, key, self.metrics)
+            if plan is not None:
+                produce = guarded_producer(
+                    partial(backend.produce, request, access.request_id), plan
+                )
         if key is not None and self.keys.limited(key):
             # Admitted inside the relay, so that its 429 is counted like any relayed status
             # and the concurrency it holds is released when the body closes.
@@ -347,6 +372,13 @@ class RequestPipeline:
             body.close_callbacks.append(
                 partial(_tokens_closed, metered, weakref.ref(body), access, self.metrics)
             )
+        if guards is not None:
+            hooks = guards.after(request.model, key)
+            if hooks:
+                # Last: the access record has its tokens by then.
+                body.close_callbacks.append(
+                    partial(_after_hooks, guards, hooks, request, weakref.ref(body), access)
+                )
         return body
 
     def refused(
@@ -378,6 +410,30 @@ def _tokens_closed(
     body = ref()
     if body is not None:
         metered.closed(body, access, metrics)
+
+
+def _after_hooks(
+    guards: ServedGuards,
+    hooks: tuple[Guard, ...],
+    request: CompletionRequest,
+    ref: weakref.ref[RelayBody],
+    access: AccessRecord,
+) -> None:
+    """The relay closed: its ``after`` hooks, in the server's nursery (never this request's)."""
+    body = ref()
+    if body is None or guards.after_hooks is None:
+        return
+    guards.after_hooks.submit(
+        hooks,
+        outcome_of(
+            access,
+            request,
+            status=body.final_status,
+            outcome=body.outcome,
+            ended=trio.current_time(),
+            ttft=body.account.ttft,
+        ),
+    )
 
 
 def _discard(relays: weakref.WeakSet[RelayBody], ref: weakref.ref[RelayBody]) -> None:

@@ -1,7 +1,8 @@
 """What a reload (SIGHUP) serves: the config file read again, as at start-up, and what of it
 can be applied to a running process.
 
-Applied: the keys and their limits, the upstream models and their upstreams, balance, queue
+Applied: the keys and their limits, the [[guards]] (rebuilt: each use imported again), the
+upstream models and their upstreams, balance, queue
 and timeout settings, [upstream], [relay], [limits] and [auth] (an unchanged issuer keeps its
 key set). Not without a restart, and left as
 they were: [server] (host, port and workers among it: the sockets, the processes and the HTTP
@@ -128,6 +129,11 @@ def describe_changes(running: Config, applied: Config) -> list[str]:
     before_models = {model.name: model for model in running.models}
     after_models = {model.name: model for model in applied.models}
     lines += _named_changes("models", before_models, after_models)
+    before_guards = {guard.name: guard for guard in running.guards}
+    after_guards = {guard.name: guard for guard in applied.guards}
+    lines += _named_changes("guards", before_guards, after_guards)
+    if list(before_guards) != list(after_guards) and set(before_guards) == set(after_guards):
+        lines.append("guards reordered")
     for section in APPLIED_SECTIONS:
         fields = _changed_fields(getattr(running, section), getattr(applied, section))
         if fields:

@@ -8,7 +8,8 @@ The order of the request pipeline's steps (``pipeline.py``) is written here, onc
 1. ``begin``: the request id, the access record, the trace;
 2. ``authenticate``: the client's key, before the body is read, so an unauthenticated client
    costs no reading (of a body the server has not read yet) and no parsing;
-3. the body, read (within ``max_body_bytes``) and ``parse``d, with one set of errors;
+3. the body, read (within ``max_body_bytes``) and ``parse``d, with one set of errors, then
+   ``screen``ed by the ``request`` stage's guards (which may refuse it or edit it);
 4. ``relay``: the RelayBody that runs the request (its band, checked and decided first; its
    key's limits, the backend's admission, the stall limit, the lifetime, metrics, drain
    tracking, the access line at its close);
@@ -105,6 +106,7 @@ class Responder:
                 headers=call.headers,
                 message=websocket,
             )
+            request = await pipeline.screen(request, access, key)
             body = pipeline.relay(request, access, key, call.headers)
         except ApiError as error:
             refusal = error

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from proxy.api.auth import KeyRing
+from proxy.api.guard_builtins import GuardServices
+from proxy.api.guards import ServedGuards, check_guards
 from proxy.api.pipeline import RequestPipeline
 from proxy.backends.base import Backend
 from proxy.backends.upstream.backend import UpstreamBackend
@@ -30,6 +32,7 @@ from proxy.ops.metrics import Metrics
 from proxy.protocol.scheduling import SchedulingSettings
 from proxy.relay.admission import Scheduling
 from proxy.relay.body import RelayTracker
+from proxy.relay.guarded import AfterHooks
 
 if TYPE_CHECKING:
     from proxy.api.identity import Identity
@@ -82,6 +85,7 @@ def check_servable(config: Config, env: Mapping[str, str], fake_upstream: bool) 
         check_no_fake_upstream(config)
     # Each worker's own fake upstream has its own address, so that replica is not checked.
     replica_capacities(config, env, None)
+    check_guards(config, env)
 
 
 def scheduling_settings(config: Config) -> SchedulingSettings:
@@ -140,6 +144,7 @@ class ServedConfig:
         fake_upstream_url: str | None = None,
         previous: ServedConfig | None = None,
         scheduling: Scheduling | None = None,
+        after_hooks: AfterHooks | None = None,
     ) -> None:
         self.config = config
         # Upstream keys, and HTTP(S)_PROXY / NO_PROXY for the upstreams' connections.
@@ -170,6 +175,14 @@ class ServedConfig:
         self.pipeline = RequestPipeline(
             config, self.keys, metrics, tracker, self.backends, local_backends, loading=loading
         )
+        # [[guards]]: each use resolved now (a ConfigError names the guard: a refused reload
+        # changes nothing); none built, and none asked, without them.
+        self.guards: ServedGuards | None = None
+        if config.guards:
+            self.guards = ServedGuards(
+                config, GuardServices(config, env, self.backends), after_hooks
+            )
+            self.pipeline.guards = self.guards
         # JWT issuers and forward auth: built (and PyJWT imported) only when [auth] says so.
         # An issuer kept across a reload keeps its key set and its cooldown.
         self.identity: Identity | None = None
@@ -339,5 +352,7 @@ class ServedConfig:
             return
         self._closed = True
         self._scope.cancel()
+        if self.guards is not None:
+            await self.guards.aclose()
         for replica in self.replicas.values():
             await replica.aclose()

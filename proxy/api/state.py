@@ -26,6 +26,7 @@ from proxy.ops.metrics import Metrics
 from proxy.ops.progress import stage_reporter
 from proxy.relay.admission import Scheduling
 from proxy.relay.body import RelayTracker
+from proxy.relay.guarded import AfterHooks
 from proxy.server.asgi import SluiceQuart
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class SluiceState:
         self.scheduling = Scheduling(scheduling_settings(config))
         # The keys' counters shared through Redis, once serving with [limits] backend = redis.
         self.shared_service: SharedService | None = None
+        # The guards' after hooks: a bounded nursery of the server's, started with it; the
+        # drain waits for them up to the grace's end.
+        self.after_hooks = AfterHooks(self.metrics)
+        self.grace_end: float | None = None
         # The config's keys, upstreams and pipeline (api/served_config.py): replaced whole by a
         # reload, in one assignment; the previous ones retire once their relays end.
         self.current = self.build_served(config)
@@ -101,6 +106,7 @@ class SluiceState:
             self.fake_upstream_url,
             previous,
             self.scheduling,
+            self.after_hooks,
         )
         # Once the config is accepted: a refused reload changes nothing.
         for local in self.local_backends.values():
@@ -210,6 +216,7 @@ class SluiceState:
         """Start serving (the app's before_serving): the backends, then their background work
         in ``nursery`` (the app's), which runs until the server stops."""
         self.nursery = nursery
+        await nursery.start(self.after_hooks.run)
         self._share_counters_if_redis(self.config, nursery)
         # The shared limits' Redis client and the upstreams' work live in the app's nursery.
         await nursery.start(self.current.run)
@@ -305,6 +312,7 @@ class SluiceState:
         ``grace_end`` (:meth:`~proxy.relay.admission.Dispatcher.drain`): no new preemption,
         paused requests first, queued ones that cannot start in time refused now."""
         self.draining = True
+        self.grace_end = grace_end
         self.scheduling.upstream.drain(grace_end)
         for local in self.local_backends.values():
             local.admission.dispatcher.drain(grace_end)
@@ -315,6 +323,11 @@ class SluiceState:
         return sum(body.shut_down() for body in list(self.tracker.active))
 
     async def aclose(self) -> None:
+        # The after hooks still running get what is left of the grace (none past it); their
+        # own calls to a policy service close before the pools do.
+        await self.after_hooks.drain(
+            trio.current_time() if self.grace_end is None else self.grace_end
+        )
         for served in (self.current, *self.retiring):
             await served.aclose()
         if self.tracing is not None:

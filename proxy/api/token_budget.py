@@ -225,7 +225,10 @@ class Metered:
         if usage is None:
             return
         for_nobody = usage.for_nobody
-        if not self.meter.local and body.cancelled:
+        if access.guard_waste is not None:
+            # Refused by a guard: what the upstream made after the verdict, before it stopped.
+            for_nobody = min(usage.output, access.guard_waste)
+        elif not self.meter.local and body.cancelled:
             for_nobody = min(usage.output, body.account.undelivered)
         elif body.cut_in_prefill:
             # Cut at its deadline before a first byte: what was made for nobody is the prompt
@@ -251,6 +254,8 @@ class Metered:
 
 def waste_cause(body: RelayBody) -> str:
     """Why tokens of ``body``'s request went to nobody (sluice_tokens_for_nobody's cause)."""
+    if body.access is not None and body.access.guard_waste is not None:
+        return "guard"
     if body.stalled:
         return "stall"
     if body.deadline_passed:

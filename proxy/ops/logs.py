@@ -32,6 +32,9 @@ class AccessRecord:
         "band",
         "client",
         "deadline",
+        "guard",
+        "guard_reason",
+        "guard_waste",
         "key",
         "method",
         "outcome",
@@ -71,6 +74,11 @@ class AccessRecord:
         # How many times it was paused for a more urgent request, and for how long in all.
         self.pauses = 0
         self.paused_seconds = 0.0
+        # The guard that refused it ([[guards]] name) and its reason; the tokens its upstream
+        # made after the refusal (None: no guard refused it).
+        self.guard: str | None = None
+        self.guard_reason: str | None = None
+        self.guard_waste: int | None = None
 
     @property
     def key_label(self) -> str:
@@ -123,6 +131,8 @@ class AccessRecord:
             "deadline_s": None if self.deadline is None else round(self.deadline, 3),
             "pauses": self.pauses,
             "paused_s": round(self.paused_seconds, 6),
+            "guard": self.guard,
+            "guard_reason": self.guard_reason,
         }
         tokens = self.tokens
         if tokens is None:

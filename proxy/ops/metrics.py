@@ -41,6 +41,8 @@ _STEPS_AFTER_CANCEL_BUCKETS = (0, 1, 2, 3, 5, 10, 20)
 _PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Waiting for a local model's slot: none at all, up to queue_timeout (seconds to minutes).
 _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+# A guard call: a regex's microseconds up to a policy service's or a model's seconds.
+_GUARD_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -304,8 +306,26 @@ class Metrics:
         "made for a client that had gone), deadline (a request stopped at its deadline), "
         "stall (a client cut off for not reading), hedge_loser (the prompt a hedge's losing "
         "attempt had the upstream read), shutdown (a stream cut by the graceful deadline), "
-        "budget (none: a token budget refuses at admission, before any token).",
+        "budget (none: a token budget refuses at admission, before any token), guard (output "
+        "made after a guard refused the answer, before the upstream stopped).",
         ["key", "model", "cause"],
+    )
+    guard_decisions = MetricSpec(
+        Counter,
+        "sluice_guard_decisions",
+        "Guard calls ([[guards]]) by guard (its name), stage (request, prompt, output, after) "
+        "and verdict: pass, refuse, error (it raised), timeout (past its timeout), dropped (an "
+        "after hook over the bound of calls running at once, or after the drain began). An "
+        "output guard is called once per window.",
+        ["guard", "stage", "verdict"],
+    )
+    guard_seconds = MetricSpec(
+        Histogram,
+        "sluice_guard_seconds",
+        "How long each guard call took, by guard and stage (a prompt guard's time beyond the "
+        "upstream's first token is added to the time to first token).",
+        ["guard", "stage"],
+        _GUARD_BUCKETS,
     )
     dispatches = MetricSpec(
         Counter,

@@ -505,6 +505,32 @@ class RequestTrace:
         )
         span.end(end_time=self._ns(ended))
 
+    def guard_call(
+        self, guard: str, stage: str, verdict: str, started: float, ended: float
+    ) -> None:
+        """One guard call ([[guards]]) as a child span of the request's (its operation span,
+        or the server span before there is one), from ``started`` to ``ended`` (trio's
+        clock); a guard that failed or timed out is an error span."""
+        parent = self._operation if self._operation is not None else self.server
+        if parent is None:
+            return
+        otel = self._tracing.otel
+        span = self._tracing.tracer.start_span(
+            f"guard {guard}",
+            context=otel.set_span_in_context(parent),
+            kind=otel.SpanKind.INTERNAL,
+            start_time=self._ns(started),
+            attributes={
+                "sluice.guard.name": guard,
+                "sluice.guard.stage": stage,
+                "sluice.guard.verdict": verdict,
+            },
+        )
+        if verdict in ("error", "timeout"):
+            span.set_attribute("error.type", f"guard_{verdict}")
+            span.set_status(otel.Status(otel.StatusCode.ERROR, verdict))
+        span.end(end_time=self._ns(ended))
+
     def generation_stopped(self, at: float, decode_step: int, for_nobody: int) -> None:
         """The local model let go of a sequence whose request had left, ``at`` (trio's clock),
         after ``decode_step`` steps, ``for_nobody`` of its tokens generated after the leave."""
