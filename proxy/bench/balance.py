@@ -37,11 +37,11 @@ from typing import Any, Final
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.bench.children import free_port, git_commit, run_stoppable, supervise, wait_ready
-from proxy.bench.cli import command_line
+from proxy.bench.children import free_port, git_commit, supervise, wait_ready
+from proxy.bench.cli import bench_main, write_outputs
 from proxy.bench.client import StreamResult, build_request, http_get, run_stream
-from proxy.bench.procfs import machine_info, read_text_or_none
-from proxy.bench.report import upsert_section, write_text
+from proxy.bench.procfs import machine_info
+from proxy.bench.report import write_text
 from proxy.bench.settings import BenchError
 from proxy.bench.summary import percentile
 
@@ -190,7 +190,8 @@ def schedule(balances: Sequence[str], repeat: int) -> list[str]:
     return order
 
 
-async def _replica_counters(replicas: Sequence[tuple[str, int]]) -> list[tuple[float, float]]:
+async def replica_counters(replicas: Sequence[tuple[str, int]]) -> list[tuple[float, float]]:
+    """Each replica's (blocks queried, blocks hit), from its /metrics."""
     out = []
     for address in replicas:
         status, body = await http_get(address, "/metrics")
@@ -208,7 +209,7 @@ async def run_sessions(
     run_tag: str,
 ) -> BalanceRun:
     """Every session of one run against ``instances``; the figures of that run."""
-    before = await _replica_counters(replicas)
+    before = await replica_counters(replicas)
     run = BalanceRun(balance)
     results: list[StreamResult] = []
     started = trio.current_time()
@@ -233,7 +234,7 @@ async def run_sessions(
         for index in range(settings.sessions):
             nursery.start_soon(session, index)
     run.seconds = trio.current_time() - started
-    after = await _replica_counters(replicas)
+    after = await replica_counters(replicas)
     for result in results:
         run.requests += 1
         ok = result.status == 200 and result.done and result.error is None
@@ -467,26 +468,12 @@ async def run_from_args(args: argparse.Namespace, command: str) -> BalanceReport
     report = await run_balance_bench(settings, command=command)
     print(f"sluice bench (balance): {settings.describe()}")
     print(format_balance_table(report))
-    if args.json is not None:
-        write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
-    if args.markdown is not None:
-        old = read_text_or_none(str(args.markdown)) or ""
-        write_text(args.markdown, upsert_section(old, settings.key(), balance_markdown(report)))
+    write_outputs(args, settings.key(), report.to_json(), balance_markdown(report))
     return report
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench") -> None:
-    parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    command = command_line(argv, prog)
-    try:
-        run_stoppable(run_from_args, args, command)
-    except BenchError as error:
-        print(f"sluice bench: {error}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except KeyboardInterrupt:
-        sys.exit(130)
+    bench_main((__doc__ or "").splitlines()[0], add_arguments, run_from_args, argv, prog)
 
 
 def wants_balance(argv: Sequence[str]) -> bool:

@@ -334,3 +334,36 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench")
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def write_outputs(
+    args: argparse.Namespace, key: str, figures: dict[str, Any], markdown: str
+) -> None:
+    """A bench's ``--json`` (its figures) and ``--markdown`` (its section, by ``key``)."""
+    if args.json is not None:
+        write_text(args.json, json.dumps(figures, indent=2) + "\n")
+    if args.markdown is not None:
+        old = read_text_or_none(str(args.markdown)) or ""
+        write_text(args.markdown, upsert_section(old, key, markdown))
+
+
+def bench_main(
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run_from_args: Callable[[argparse.Namespace, str], Any],
+    argv: Sequence[str] | None,
+    prog: str,
+) -> None:
+    """A bench's own ``main``: its arguments, then ``run_from_args`` under
+    :func:`run_stoppable`; a BenchError is one line and status 1, Ctrl-C status 130."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    command = command_line(sys.argv[1:] if argv is None else argv, prog)
+    try:
+        run_stoppable(run_from_args, args, command)
+    except BenchError as error:
+        print(f"sluice bench: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        sys.exit(130)

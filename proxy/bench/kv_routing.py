@@ -44,12 +44,12 @@ from typing import Any, Final
 
 import trio
 
-from proxy.bench.balance import cache_counters
-from proxy.bench.children import free_port, git_commit, run_stoppable, supervise, wait_ready
-from proxy.bench.cli import command_line
-from proxy.bench.client import StreamResult, build_request, http_get, run_stream
-from proxy.bench.procfs import machine_info, read_text_or_none
-from proxy.bench.report import upsert_section, write_text
+from proxy.bench.balance import replica_counters
+from proxy.bench.children import free_port, git_commit, supervise, wait_ready
+from proxy.bench.cli import bench_main, write_outputs
+from proxy.bench.client import StreamResult, build_request, run_stream
+from proxy.bench.procfs import machine_info
+from proxy.bench.report import write_text
 from proxy.bench.settings import BenchError
 from proxy.bench.summary import percentile
 from proxy.protocol.kv_cache import block_keys
@@ -216,16 +216,6 @@ class KvRun:
             "prefill_share": [p / total if total else 0.0 for p in prefill],
             "prefill_max_over_mean": max(prefill) / mean if mean else None,
         }
-
-
-async def replica_counters(replicas: Sequence[tuple[str, int]]) -> list[tuple[float, float]]:
-    out = []
-    for address in replicas:
-        status, body = await http_get(address, "/metrics")
-        if status != 200:
-            raise BenchError(f"fake replica {address} answered {status} to /metrics")
-        out.append(cache_counters(body.decode()))
-    return out
 
 
 async def send(
@@ -556,26 +546,12 @@ async def run_from_args(args: argparse.Namespace, command: str) -> KvRoutingRepo
     report = await run_kv_routing_bench(settings, command=command)
     for workload in settings.workloads:
         print(f"{workload}:\n{format_table(report, workload)}")
-    if args.json is not None:
-        write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
-    if args.markdown is not None:
-        old = read_text_or_none(str(args.markdown)) or ""
-        write_text(args.markdown, upsert_section(old, settings.key(), kv_routing_markdown(report)))
+    write_outputs(args, settings.key(), report.to_json(), kv_routing_markdown(report))
     return report
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m proxy.bench.kv_routing") -> None:
-    parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    command = command_line(sys.argv[1:] if argv is None else argv, prog)
-    try:
-        run_stoppable(run_from_args, args, command)
-    except BenchError as error:
-        print(f"sluice bench: {error}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except KeyboardInterrupt:
-        sys.exit(130)
+    bench_main((__doc__ or "").splitlines()[0], add_arguments, run_from_args, argv, prog)
 
 
 if __name__ == "__main__":
