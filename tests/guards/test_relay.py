@@ -1,0 +1,326 @@
+"""Guards in the request's nursery (relay/guarded.py), under virtual time: a scripted producer
+(its head after T seconds, then one event per interval, recording what it made and when it
+was stopped) inside a real RelayBody, read as the server's writer reads it. What each stage
+holds, when the client gets what, and that a refusal stops the producer within one event."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from proxy.guards import Outcome, Prompt, Refusal, Stage, Window
+from proxy.guards.window import read_chunk
+from proxy.ops.logs import AccessRecord
+from proxy.relay.body import SSE_CONTENT_TYPE, RelayBody
+from proxy.relay.guarded import AfterHooks, Guard, GuardObserver, RequestGuards, guarded_producer
+from proxy.relay.state import Phase
+
+DONE = b"data: [DONE]\n\n"
+
+
+def chat(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"delta": {"content": text}}]}).encode() + b"\n\n"
+
+
+class Script:
+    """A producer: ``first`` seconds to its head, then ``words`` one per ``interval``."""
+
+    def __init__(self, words: list[str], first: float = 0.5, interval: float = 0.1) -> None:
+        self.words = words
+        self.first = first
+        self.interval = interval
+        self.made = 0
+        self.stopped_at_made: int | None = None
+        self.aborted_at_made: int | None = None
+
+    async def __call__(self, sink: Any) -> None:
+        sink.set_phase(Phase.CONNECTING)
+        sink.on_disconnect(self.abort)
+        try:
+            await trio.sleep(self.first)
+            sink.set_phase(Phase.FIRST_TOKEN)
+            sink.begin(200, SSE_CONTENT_TYPE)
+            for word in self.words:
+                self.made += 1
+                event = chat(word)
+                if not sink.offer(event):
+                    await sink.send(event)
+                await trio.sleep(self.interval)
+            await sink.send(DONE)
+        except trio.Cancelled:
+            self.stopped_at_made = self.made
+            raise
+
+    def abort(self) -> None:
+        if self.aborted_at_made is None:
+            self.aborted_at_made = self.made
+
+
+def guard(
+    stage: Stage,
+    call: Callable[[Any], Awaitable[Any]],
+    *,
+    window: int = 4,
+    overlap: int = 3,
+    hold_back: int = 4,
+    after: bool = True,
+    timeout: float = 60.0,
+    deny: bool = True,
+) -> Guard:
+    return Guard(
+        f"g-{stage}", stage, call, timeout, deny, {}, window, overlap, hold_back, after
+    )
+
+
+def plan(*guards: Guard, access: AccessRecord | None = None) -> RequestGuards:
+    context = Prompt("", "prompt", "r1", "chat", "m", None, {}, "a prompt")
+    return RequestGuards(
+        tuple(g for g in guards if g.stage == "prompt"),
+        tuple(g for g in guards if g.stage == "output"),
+        context,
+        GuardObserver(None, access),
+    )
+
+
+async def read(body: RelayBody) -> list[tuple[float, bytes]]:
+    """What the client got, and when (trio's clock)."""
+    got = []
+    async with body:
+        async for chunk in body:
+            if chunk:
+                got.append((trio.current_time(), chunk))
+    return got
+
+
+def body_of(script: Script, guards: RequestGuards, access: AccessRecord | None = None) -> RelayBody:
+    return RelayBody(
+        guarded_producer(script, guards),
+        streaming=True,
+        channel_capacity=16,
+        stall_timeout=60,
+        description="t",
+        access=access,
+    )
+
+
+def text(got: list[tuple[float, bytes]]) -> str:
+    return "".join(read_chunk(chunk).text for _, chunk in got)
+
+
+def access_record() -> AccessRecord:
+    return AccessRecord("r1", "POST", "/v1/chat/completions", "-", 0.0)
+
+
+def regex(pattern: str) -> Callable[[Window], Awaitable[Refusal | None]]:
+    compiled = re.compile(pattern)
+
+    async def check(window: Window) -> Refusal | None:
+        if compiled.search(window.text):
+            return Refusal("no secrets here", reason="secret")
+        return None
+
+    return check
+
+
+async def test_a_secret_split_across_three_events_is_refused_before_any_of_it_is_sent(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    words = ["The ", "code ", "is ", "SEC", "RET-", "42", " and ", "more ", "words ", "here"]
+    script = Script(words)
+    access = access_record()
+    seen_made: list[int] = []
+
+    async def secret(window: Window) -> Refusal | None:
+        if re.search(r"SECRET-\d+", window.text):
+            seen_made.append(script.made)
+            return Refusal("no secrets here", reason="secret")
+        return None
+
+    got = await read(body_of(script, plan(guard("output", secret), access=access), access))
+    sent = b"".join(chunk for _, chunk in got)
+    assert b"SEC" not in sent and b"RET-" not in sent and b"42" not in sent
+    # "The " passed with the first window ("The code is SEC"); its last three tokens, the
+    # overlap, were held for the second window, which refused.
+    assert text(got) == "The "
+    # Ended with the in-band error, no [DONE].
+    assert b'"code":"guard_refused"' in got[-1][1]
+    assert not sent.endswith(DONE)
+    # The upstream was shut in the verdict's step, and the producer stopped with it.
+    assert script.aborted_at_made == seen_made[0]
+    assert script.stopped_at_made is not None and script.stopped_at_made - seen_made[0] <= 1
+    assert access.guard == "g-output" and access.guard_reason == "secret"
+    assert access.guard_waste == script.stopped_at_made - seen_made[0]
+
+
+async def test_release_after_sends_a_window_once_it_passed_and_the_whole_answer_at_its_end(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    words = [f"w{i} " for i in range(10)]
+    script = Script(words, first=0.5, interval=0.1)
+
+    async def slow_pass(window: Window) -> None:
+        await trio.sleep(0.05)
+
+    got = await read(body_of(script, plan(guard("output", slow_pass, overlap=1)), None))
+    assert text(got) == "".join(words)
+    assert got[-1][1].endswith(DONE)
+    # The first text went out once its window (4 tokens) closed and passed: the head at 0.5
+    # s, four tokens 0.1 s apart, and the check's 0.05 s; one token (the overlap) held.
+    first_at, first = got[0]
+    assert first_at == pytest.approx(0.5 + 0.3 + 0.05)
+    assert read_chunk(first).text == "w0 w1 w2 "
+
+
+async def test_release_before_sends_at_once_and_a_refusal_cuts_what_follows(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    words = [f"w{i} " for i in range(12)]
+    script = Script(words, first=0.5, interval=0.1)
+    got = await read(body_of(script, plan(guard("output", regex("w5"), after=False)), None))
+    # The first token went out as it came.
+    assert got[0][0] == pytest.approx(0.5)
+    assert "w5" in text(got) and "w8" not in text(got)
+    assert b"guard_refused" in got[-1][1]
+
+
+@pytest.mark.parametrize(("checking", "first_byte"), [(1.0, 0.4), (0.2, 0.4)])
+async def test_a_prompt_guard_adds_only_what_it_takes_beyond_the_first_byte(
+    autojump_clock: trio.abc.Clock, checking: float, first_byte: float
+) -> None:
+    started: list[float] = []
+
+    async def judge(prompt: Prompt) -> None:
+        started.append(trio.current_time())
+        await trio.sleep(checking)
+
+    script = Script(["a ", "b "], first=first_byte, interval=0.0)
+    begun = trio.current_time()
+    got = await read(body_of(script, plan(guard("prompt", judge)), None))
+    # Beside the upstream from its dispatch: TTFT = T + max(0, L - T), not T + L.
+    assert started == [begun]
+    assert got[0][0] - begun == pytest.approx(first_byte + max(0.0, checking - first_byte))
+    assert text(got) == "a b "
+
+
+async def test_a_refused_prompt_closes_the_upstream_before_its_first_byte_is_released(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def refuse_late(prompt: Prompt) -> Refusal:
+        await trio.sleep(0.7)
+        return Refusal("not this prompt", status=403, code="prompt_refused")
+
+    script = Script([f"t{i} " for i in range(20)], first=0.4, interval=0.1)
+    access = access_record()
+    body = body_of(script, plan(guard("prompt", refuse_late, hold_back=8), access=access), access)
+    got = await read(body)
+    # Nothing of the answer went out: the refusal is the HTTP answer.
+    assert body.status == 403
+    (only,) = got
+    assert json.loads(only[1])["error"]["code"] == "prompt_refused"
+    # The upstream sent tokens from 0.4 s; at the verdict (0.7 s) it had made 3 or 4.
+    assert script.aborted_at_made is not None and script.aborted_at_made <= 4
+    assert script.stopped_at_made == script.aborted_at_made
+    assert access.guard_waste == 0
+
+
+async def test_the_hold_back_bounds_what_a_slow_prompt_guard_holds(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def slow(prompt: Prompt) -> None:
+        await trio.sleep(5)
+
+    script = Script([f"t{i} " for i in range(50)], first=0.1, interval=0.01)
+    body = body_of(script, plan(guard("prompt", slow, hold_back=6)), None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, body)
+        await trio.sleep(2)
+        # The producer waits (the upstream is not read) once 6 events are held.
+        assert script.made == 7
+        await trio.sleep(4)
+        assert script.made == 50
+
+
+async def test_a_guard_that_hangs_is_bounded_by_its_timeout_and_on_error_decides(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def hangs(window: Window) -> None:
+        await trio.sleep_forever()
+
+    allowed = Script(["a ", "b "], first=0.1, interval=0.1)
+    got = await read(
+        body_of(allowed, plan(guard("output", hangs, timeout=0.5, deny=False)), None)
+    )
+    assert text(got) == "a b "
+    denied = Script(["a ", "b "], first=0.1, interval=0.1)
+    body = body_of(denied, plan(guard("output", hangs, timeout=0.5)), None)
+    got = await read(body)
+    assert body.status == 503
+    assert json.loads(got[0][1])["error"]["code"] == "guard_unavailable"
+
+
+async def test_a_client_that_leaves_cancels_its_guards(autojump_clock: trio.abc.Clock) -> None:
+    cancelled: list[str] = []
+
+    async def waits(prompt: Prompt) -> None:
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.append("prompt")
+            raise
+
+    script = Script(["a "] * 5, first=0.1)
+    body = body_of(script, plan(guard("prompt", waits)), None)
+    with trio.move_on_after(1):
+        await read(body)
+    body.client_disconnected()
+    assert cancelled == ["prompt"]
+    assert script.stopped_at_made is not None
+
+
+async def test_an_output_guard_may_rewrite_what_the_client_gets(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def redact(window: Window) -> str:
+        return re.sub(r"\S+@\S+", "[email]", window.new_text)
+
+    script = Script(["write ", "to ", "bob@", "example.com ", "today"], first=0.1)
+    got = await read(body_of(script, plan(guard("output", redact, window=8, overlap=0)), None))
+    assert text(got) == "write to [email] today"
+
+
+async def test_after_hooks_run_in_the_servers_nursery_and_the_drain_bounds_them(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    seen: list[tuple[str, float]] = []
+
+    async def record(outcome: Outcome) -> None:
+        await trio.sleep(outcome.duration)
+        seen.append((outcome.request_id, trio.current_time()))
+
+    hooks = AfterHooks(None, limit=2)
+    hook = guard("after", record)
+
+    def outcome(request_id: str, seconds: float) -> Outcome:
+        return Outcome(
+            "", request_id, "chat", "m", None, 200, "completed", 1, 2, 0, False, None, None,
+            seconds, None,
+        )
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(hooks.run)
+        hooks.submit([hook], outcome("quick", 1.0))
+        hooks.submit([hook], outcome("slow", 100.0))
+        hooks.submit([hook], outcome("dropped", 0.0))  # over the bound of 2
+        assert hooks.running == 2
+        await hooks.drain(trio.current_time() + 10)
+        # The drain waited for the quick one, then cancelled the slow one at its deadline.
+        assert seen == [("quick", pytest.approx(1.0))]
+        assert trio.current_time() == pytest.approx(10.0)
+        hooks.submit([hook], outcome("late", 0.0))  # after the drain: dropped
+        assert hooks.running == 0
