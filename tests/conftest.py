@@ -1,11 +1,15 @@
 """Fixtures live in ``tests/support.py`` and ``tests/model_fixtures.py`` (importable by test
 modules); this makes them visible to every test, and keeps each test's logging its own. The
-session also fails when the tests leave a process running (see ``tests/processes.py``)."""
+session also fails when the tests leave a process running (see ``tests/processes.py``).
+
+It also marks the tests that ``make test`` must not run in parallel (``timing``, below), and
+keeps the tests that share a module's fixture on one pytest-xdist worker."""
 
 import logging
 import sys
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +26,166 @@ from tests.support import (
 )
 
 _SUBREAPER = pytest.StashKey[bool]()
+_ROOT = Path(__file__).resolve().parent.parent
+
+# Tests that assert a real-time bound: a cancellation seen within 50 ms, a stream cut within a
+# model step, a drain or a stall limit kept to within a second, a bench run's TTFT or cancel
+# figures. Marked ``timing``: `make test` runs them alone, after the rest has run in parallel
+# (``-n 2``), so that no other test's load can push them past their bound. (Bounds in virtual
+# time, under ``autojump_clock``, need no mark; nor do lower bounds, or a ``fail_after`` that
+# only keeps a hung test from hanging the run.) A file here is marked whole; otherwise the
+# tests named (their function names, every parameter of each). A new test with such a bound
+# belongs here, or carries ``@pytest.mark.timing`` itself.
+TIMING_FILES = frozenset(
+    {
+        "tests/bench/test_matrix.py",  # reduced cancellation scorecards: p99 and steps after
+        "tests/contracts/test_lifetime.py",
+        "tests/contracts/test_lifetime_matrix.py",
+        "tests/server/test_hangup.py",
+    }
+)
+TIMING_TESTS: dict[str, frozenset[str]] = {
+    path: frozenset(names)
+    for path, names in {
+        "tests/api/test_chat_page.py": {"test_stream_stop_and_a_second_turn"},
+        "tests/api/test_endpoints.py": {
+            "test_a_client_that_leaves_closes_the_upstream",
+            "test_a_client_that_leaves_stops_the_local_model_within_a_step",
+            "test_leaving_an_sdk_stream_early_closes_the_upstream",
+        },
+        "tests/api/test_identity.py": {
+            "test_with_the_issuer_down_cached_keys_admit_and_unknown_kids_are_refused_at_once",
+            "test_forward_auth_admits_refuses_caches_and_bounds_its_calls",
+        },
+        "tests/api/test_limits_redis.py": {
+            "test_two_workers_share_concurrency_and_a_killed_workers_slot_expires",
+            "test_redis_failing_mid_run_gets_on_error_in_bounded_time",
+        },
+        "tests/api/test_openai_sdk.py": {"test_leaving_a_stream_early_cancels_upstream"},
+        "tests/api/test_pipeline.py": {
+            "test_a_non_streamed_answer_to_a_client_that_never_reads_is_cut",
+            "test_sigterm_exits_in_time_whatever_a_stalled_client_does",
+        },
+        "tests/api/test_scheduling_redis.py": {
+            "test_redis_gone_fails_the_sync_not_the_scheduling_and_it_catches_up_after",
+        },
+        "tests/api/test_websocket.py": {
+            "test_cancel_mid_stream_then_a_second_request",
+            "test_closing_the_socket_cancels",
+        },
+        "tests/backends/test_local_http.py": {
+            "test_a_client_leaving_takes_only_its_sequence_out_of_the_batch",
+        },
+        "tests/backends/test_local_scheduling.py": {
+            "test_a_queued_request_that_cannot_start_in_time_is_refused",
+            "test_a_running_request_past_its_deadline_stops_within_a_step",
+        },
+        "tests/backends/upstream/test_health.py": {"test_hedged_first_token_closes_the_loser"},
+        "tests/backends/upstream/test_http2.py": {
+            "test_a_client_that_leaves_resets_its_stream_and_only_its_stream",
+        },
+        "tests/backends/upstream/test_pool.py": {
+            "test_a_cancelled_request_closes_its_connection",
+            "test_abort_shuts_the_connection_down_under_a_parked_reader",
+        },
+        "tests/backends/upstream/test_transports.py": {
+            "test_a_client_that_leaves_closes_the_tunnel_at_once",
+            "test_a_client_that_leaves_during_the_upstream_tls_handshake_closes_its_socket",
+        },
+        "tests/bench/test_fairness.py": {
+            "test_a_tiny_fairness_run_against_real_subprocesses",
+            "test_a_tiny_long_run_against_real_subprocesses",
+        },
+        "tests/contracts/test_admission.py": {
+            "test_the_upstream_queue_is_bounded_in_size_and_time",
+        },
+        "tests/contracts/test_backpressure.py": {
+            "test_slow_reader_applies_backpressure_then_is_cut_off",
+        },
+        "tests/contracts/test_drain.py": {
+            "test_sigterm_drains_then_cancels_the_rest",
+            "test_sigterm_with_queued_paused_and_running_requests_tells_every_client",
+            "test_a_local_stream_still_running_as_the_grace_ends_is_told_in_band",
+        },
+        "tests/contracts/test_preemption.py": {
+            "test_an_urgent_request_pauses_a_batch_stream_which_resumes_where_it_stopped",
+            "test_a_paused_stream_whose_every_replica_is_ejected_fails_at_once_in_band",
+        },
+        "tests/contracts/test_scheduling.py": {
+            "test_a_deadline_passed_before_the_first_byte_is_a_504_and_the_upstream_closed",
+            "test_a_deadline_passed_mid_stream_is_an_in_band_error_and_the_upstream_closed",
+            "test_a_keys_longest_request_counts_its_wait_in_the_queue",
+        },
+        "tests/integration/test_server_tree.py": {
+            "test_stop_ends_the_server_its_engine_and_a_daemon_that_left",
+        },
+        "tests/ops/test_metrics.py": {"test_local_queue_and_step_metrics"},
+        "tests/ops/test_tracing.py": {"test_a_collector_in_trouble_never_delays_a_request"},
+        "tests/server/test_fast_path.py": {
+            "test_graceful_shutdown_closes_idle_connections_and_finishes_streams",
+            "test_a_stalled_reader_is_reset_after_stall_timeout",
+        },
+        "tests/server/test_seam_faults.py": {
+            "test_a_client_that_pipelines_a_byte_and_leaves_is_noticed_at_once",
+        },
+        "tests/server/test_supervision.py": {
+            "test_a_killed_supervisors_workers_are_gone_within_3_s",
+            "test_without_the_parent_death_signal_the_pipe_drains_then_ends_a_worker",
+        },
+        "tests/testing/test_fake_upstream.py": {
+            "test_disconnect_noticed_in_every_phase",
+            "test_client_reset_mid_stream",
+            "test_tls_disconnect_noticed_mid_stream",
+            "test_disconnect_from_typed_streams_recorded",
+        },
+    }.items()
+}
+
+
+def _is_timing(path: str, name: str) -> bool:
+    return path in TIMING_FILES or name in TIMING_TESTS.get(path, frozenset())
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        definition.scope in ("module", "class")
+        for definitions in info.name2fixturedefs.values()
+        for definition in definitions
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the ``timing`` tests (before ``-m`` selects), and puts every test that uses a
+    module- or class-scoped fixture in its file's ``xdist_group``: ``--dist loadgroup`` then
+    runs that file's sharers on one worker, so that an expensive fixture (a wheel built, a
+    model loaded) is made once, not once per worker. A name in ``TIMING_TESTS`` that its
+    file no longer defines fails the run, so that a renamed test is not silently run in
+    parallel."""
+    seen: dict[str, set[str]] = {}
+    grouping = config.pluginmanager.hasplugin("xdist")
+    for item in items:
+        path = item.path.resolve().relative_to(_ROOT).as_posix()
+        name = getattr(item, "originalname", item.name)
+        seen.setdefault(path, set()).add(name)
+        if _is_timing(path, name):
+            item.add_marker(pytest.mark.timing)
+        if grouping and _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(path))
+    if any("::" in arg for arg in config.args):
+        return  # single tests asked for: the others' names are not collected
+    stale = [
+        f"{path}::{name}"
+        for path, names in TIMING_TESTS.items()
+        if path in seen
+        for name in sorted(names - seen[path])
+    ]
+    if stale:
+        raise pytest.UsageError(
+            "tests/conftest.py's TIMING_TESTS names tests that do not exist: " + ", ".join(stale)
+        )
+
 
 __all__ = [
     "client",
