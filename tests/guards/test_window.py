@@ -33,7 +33,9 @@ def test_the_text_of_every_endpoints_events() -> None:
         + b"\n\n"
     )
     completions = b'data: {"choices":[{"text":"ab"}]}\n\n'
-    tool = b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"{\\"k\\""}}]}}]}\n\n'
+    tool = (
+        b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"{\\"k\\""}}]}}]}\n\n'
+    )
     opening = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
     assert read_chunk(messages) == ChunkText(1, 1, "Hi")
     assert read_chunk(responses) == ChunkText(1, 1, "yo")
