@@ -47,6 +47,7 @@ import httpx
 
 from inference import Generator, SamplingParams, load_model
 from inference.loading import SMOLLM2_PACKAGE
+from proxy.bench import llamacpp as llamacpp_bench
 from proxy.bench.children import free_port
 from proxy.bench.headings import unique_headings
 
@@ -432,118 +433,6 @@ def measure_join(generator: Generator, prefill_chunk: int, running: int = 4) -> 
 
 
 SECTIONS = ("startup", "single", "turns", "engine", "concurrent", "llamacpp")
-# Where `make test-llamacpp` builds llama-cpp-python (its server, on the same GGUF): the anchor
-# a user would pick instead of Sluice for a local model.
-LLAMACPP_PYTHON = Path(".llamacpp-venv/bin/python")
-# SmolLM2's end of turn (<|im_end|>): llama.cpp's server has no ignore_eos, so its answers are
-# made to run to max_tokens by an OpenAI logit_bias on it.
-_SMOLLM2_END_OF_TURN = 2
-LLAMACPP_STREAMS = 8
-
-
-def start_llamacpp(python: Path, port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    """llama-cpp-python's OpenAI server on SmolLM2's GGUF, with a thread per core (as
-    Sluice's torch has by default)."""
-    from inference.loading import locate_smollm2_gguf
-
-    log = (workdir / "llamacpp.log").open("wb")
-    command = [
-        str(python), "-m", "llama_cpp.server", "--model", str(locate_smollm2_gguf()),
-        "--model_alias", "smollm2", "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 1),
-    ]  # fmt: skip
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_llamacpp(url: str, process: subprocess.Popen[bytes], deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=1, trust_env=False).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("llama_cpp.server did not become ready in time")
-
-
-async def _counted_stream(
-    client: httpx.AsyncClient, url: str, question: str, tokens: int
-) -> tuple[float, float, float, int]:
-    """One streamed request to an OpenAI-compatible server that knows no ignore_eos: (its start,
-    its first token, its last token, the tokens it streamed), its end of turn biased away."""
-    body = {
-        "model": "smollm2",
-        "messages": [{"role": "user", "content": question}],
-        "stream": True,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "logit_bias": {str(_SMOLLM2_END_OF_TURN): -100},
-    }
-    started = time.perf_counter()
-    first = last = 0.0
-    count = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if '"content":"' in line and '"content":""' not in line:
-                last = time.perf_counter()
-                first = first or last
-                count += 1
-    return started, first, last, count
-
-
-def measure_counted(url: str, streams: int, tokens: int) -> dict[str, Any]:
-    """``streams`` requests at once, each event counted as a token: aggregate tokens/s (all
-    tokens over the wall time) and one stream's rate (the median, after its first token)."""
-    import trio
-
-    timings: list[tuple[float, float, float, int]] = []
-
-    async def main() -> None:
-        async with httpx.AsyncClient(timeout=900, trust_env=False) as client:
-
-            async def one(index: int) -> None:
-                question = QUESTIONS[index % len(QUESTIONS)]
-                timings.append(await _counted_stream(client, url, question, tokens))
-
-            async with trio.open_nursery() as nursery:
-                for index in range(streams):
-                    nursery.start_soon(one, index)
-
-    began = time.perf_counter()
-    trio.run(main)
-    wall = time.perf_counter() - began
-    made = sum(count for *_, count in timings)
-    return {
-        "streams": streams,
-        "tokens": made,
-        "aggregate_tokens_per_s": made / wall,
-        "stream_tokens_per_s": statistics.median(
-            (count - 1) / (last - first) for _, first, last, count in timings if last > first
-        ),
-    }
-
-
-def _llamacpp(urls: dict[str, str], repeat: int, tokens: int) -> dict[str, Any]:
-    """llama.cpp's server and Sluice's (``slots = 8``) on the same GGUF, the same requests
-    (counted the same way), alternating: one stream, best of ``repeat``; and
-    ``LLAMACPP_STREAMS`` at once, the best aggregate."""
-    figures: dict[str, dict[str, list[float]]] = {
-        server: {"one": [], "many": []} for server in ("llamacpp", "batched")
-    }
-    for _ in range(repeat):
-        for server in figures:
-            print(f"{server}: one stream, {LLAMACPP_STREAMS} streams ...", file=sys.stderr)
-            one = measure_counted(urls[server], 1, tokens)
-            figures[server]["one"].append(one["aggregate_tokens_per_s"])
-            many = measure_counted(urls[server], LLAMACPP_STREAMS, tokens)
-            figures[server]["many"].append(many["aggregate_tokens_per_s"])
-    return {
-        server: {"one_tokens_per_s": max(f["one"]), "many_tokens_per_s": max(f["many"])}
-        for server, f in figures.items()
-    }
 
 
 # Start-up: the default weights, and float32 (the layout that needs no 4-bit packing).
@@ -614,9 +503,11 @@ def run(
             if "llamacpp" in only and llamacpp is not None:
                 port = free_port("127.0.0.1")
                 urls["llamacpp"] = f"http://127.0.0.1:{port}"
-                processes["llamacpp"] = start_llamacpp(llamacpp, port, Path(workdir))
-                wait_llamacpp(urls["llamacpp"], processes["llamacpp"], time.monotonic() + 300)
-                measure_counted(urls["llamacpp"], 1, 8)  # warm-up
+                processes["llamacpp"] = llamacpp_bench.start(llamacpp, port, Path(workdir))
+                llamacpp_bench.wait_ready(
+                    urls["llamacpp"], processes["llamacpp"], time.monotonic() + 300
+                )
+                llamacpp_bench.measure(urls["llamacpp"], 1, 8, QUESTIONS)  # warm-up
             if "turns" in only:
                 print("multi-turn chats ...", file=sys.stderr)
                 results["turns"] = _turns(urls, turns, turn_tokens, single_repeat)
@@ -630,7 +521,9 @@ def run(
                 if llamacpp is None:
                     results["llamacpp"] = None
                 else:
-                    results["llamacpp"] = _llamacpp(urls, single_repeat, stream_tokens)
+                    results["llamacpp"] = llamacpp_bench.compare(
+                        urls, single_repeat, stream_tokens, QUESTIONS
+                    )
                     results["llamacpp"]["generate_tokens_per_s"] = results.get(
                         "generate_tokens_per_s"
                     )
@@ -798,7 +691,7 @@ def markdown(results: dict[str, Any], command: str, plot: str | None = None) -> 
     if "leaves" in results:
         lines += _engine_lines(results)
     if "llamacpp" in results:
-        lines += _llamacpp_lines(results)
+        lines += llamacpp_bench.markdown_lines(results)
     if plot and "concurrent" in results:
         lines += [f"![Aggregate and per-stream tokens/s, batched and one at a time]({plot})", ""]
     return "\n".join(lines)
@@ -939,37 +832,6 @@ def _engine_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
-def _llamacpp_lines(results: dict[str, Any]) -> list[str]:
-    figures = results["llamacpp"]
-    if figures is None:
-        return [
-            "llama.cpp: not measured (no llama-cpp-python: `make test-llamacpp` builds it in "
-            f"`{LLAMACPP_PYTHON.parent.parent}`).",
-            "",
-        ]
-    llamacpp, sluice = figures["llamacpp"], figures["batched"]
-    generate = figures.get("generate_tokens_per_s")
-
-    def against(value: float) -> str:
-        return "" if not generate else f" ({value / generate:.2f}x generate)"
-
-    return [
-        f"Beside llama.cpp: llama-cpp-python's server (built by `make test-llamacpp`, AVX2, "
-        f"{os.cpu_count()} threads) on the same GGUF and `sluice serve` (`slots = 8`), the same "
-        f"requests ({results['stream_tokens']} tokens, the end of turn biased away since "
-        "llama.cpp has no `ignore_eos`; each streamed event counted as a token), alternating; "
-        f"best of {results['single_repeat']}.",
-        "",
-        f"| server | one stream, tok/s | {LLAMACPP_STREAMS} streams at once, aggregate tok/s |",
-        "|---|---|---|",
-        f"| llama.cpp | {llamacpp['one_tokens_per_s']:.1f}{against(llamacpp['one_tokens_per_s'])}"
-        f" | {llamacpp['many_tokens_per_s']:.1f}{against(llamacpp['many_tokens_per_s'])} |",
-        f"| Sluice | {sluice['one_tokens_per_s']:.1f}{against(sluice['one_tokens_per_s'])}"
-        f" | {sluice['many_tokens_per_s']:.1f}{against(sluice['many_tokens_per_s'])} |",
-        "",
-    ]
-
-
 def write_markdown(path: Path, section: str) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if SECTION_MARK in text:
@@ -998,9 +860,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--llamacpp",
         type=Path,
-        default=LLAMACPP_PYTHON if LLAMACPP_PYTHON.exists() else None,
+        default=llamacpp_bench.PYTHON if llamacpp_bench.PYTHON.exists() else None,
         help="a Python with llama-cpp-python[server], measured beside Sluice (default: "
-        f"{LLAMACPP_PYTHON} when `make test-llamacpp` has built it)",
+        f"{llamacpp_bench.PYTHON} when `make test-llamacpp` has built it)",
     )
     args = parser.parse_args(argv)
     only = tuple(part for part in args.only.split(",") if part)
