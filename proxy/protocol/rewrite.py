@@ -190,8 +190,10 @@ class RenamingSplitter(SSESplitter):
 
     __slots__ = ("_rename",)
 
-    def __init__(self, max_event_bytes: int, rename: Callable[[bytes], bytes]) -> None:
-        super().__init__(max_event_bytes)
+    def __init__(
+        self, max_event_bytes: int, rename: Callable[[bytes], bytes], *, checked: bool = False
+    ) -> None:
+        super().__init__(max_event_bytes, checked=checked)
         self._rename = rename
 
     def feed(self, chunk: bytes) -> list[bytes]:

@@ -27,17 +27,27 @@ class SSESplitter:
     """Accumulate chunks; hand back each complete event (delimiter included) as soon as it is.
 
     Bounded: a pending event longer than ``max_event_bytes`` raises instead of growing.
+
+    ``checked``: every event must be made of SSE field lines (see :func:`check_event`). The
+    first that is not ends the stream there: ``feed`` hands back the events before it, and
+    ``malformed`` holds the error to raise once they are relayed. Checked here, before a
+    subclass counts or renames them, so that nothing after the fault is metered as made when
+    it is never sent (one read often brings the bad event with good ones on either side).
     """
 
-    __slots__ = ("_buffer", "_carry_cr", "_crlf", "_max_event_bytes")
+    __slots__ = ("_buffer", "_carry_cr", "_checked", "_crlf", "_max_event_bytes", "malformed")
 
-    def __init__(self, max_event_bytes: int = 1 << 20) -> None:
+    def __init__(self, max_event_bytes: int = 1 << 20, *, checked: bool = False) -> None:
         self._buffer = b""
         self._carry_cr = b""
         self._crlf = False
         self._max_event_bytes = max_event_bytes
+        self._checked = checked
+        self.malformed: SSEProtocolError | None = None
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        if self.malformed is not None:
+            return []
         if not self._crlf and b"\r" in chunk:
             # Rare: servers that frame with CRLF. Normalising to LF here keeps the common path
             # to one ``find`` per event.
@@ -59,7 +69,12 @@ class SSESplitter:
                 continue
             if end - start > self._max_event_bytes:
                 raise SSEProtocolError(f"upstream event exceeds {self._max_event_bytes} bytes")
-            events.append(buffer[start:end])
+            event = buffer[start:end]
+            if self._checked and not event.startswith(_VALID_FIELD_STARTS):
+                self.malformed = malformed_event(event)
+                self._buffer = b""
+                return events
+            events.append(event)
             start = end
         self._buffer = buffer[start:] if start else buffer
         if len(self._buffer) > self._max_event_bytes:
@@ -81,8 +96,12 @@ def check_event(event: bytes) -> None:
     matters (an upstream that answers with something other than an event stream).
     """
     if not event.startswith(_VALID_FIELD_STARTS):
-        preview = event[:80].decode("utf-8", "replace")
-        raise SSEProtocolError(f"upstream sent a malformed server-sent event: {preview!r}")
+        raise malformed_event(event)
+
+
+def malformed_event(event: bytes) -> SSEProtocolError:
+    preview = event[:80].decode("utf-8", "replace")
+    return SSEProtocolError(f"upstream sent a malformed server-sent event: {preview!r}")
 
 
 def is_done(event: bytes) -> bool:

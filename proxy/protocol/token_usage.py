@@ -226,8 +226,10 @@ class MeteredSplitter(SSESplitter):
         meter: UsageMeter,
         rename: Callable[[bytes], bytes] | None = None,
         splice: Callable[[list[bytes]], list[bytes]] | None = None,
+        *,
+        checked: bool = False,
     ) -> None:
-        super().__init__(max_event_bytes)
+        super().__init__(max_event_bytes, checked=checked)
         self._splice = splice
         # Made for a stream that began: the upstream answered 200 with an event stream.
         meter.answered = True

@@ -199,3 +199,27 @@ def test_usage_is_asked_for_only_where_the_client_did_not() -> None:
 def test_the_input_estimate_is_characters_over_four() -> None:
     body = {"messages": [{"role": "user", "content": "x" * 37}], "system": "abc"}
     assert estimate_input_tokens(body) == 11  # 37 + 4 ("user") + 3 = 44 characters
+
+
+def test_a_malformed_event_ends_the_count_where_it_is() -> None:
+    """One read may bring good events on both sides of a bad one: those before it are the
+    client's (handed back, counted), nothing after it is counted as made, since nothing after
+    it is ever sent; the error waits for the caller to raise once it has relayed them."""
+    counting = meter()
+    splitter = MeteredSplitter(1 << 20, counting, checked=True)
+    bad = b"this is not server-sent events\n\n"
+    events = splitter.feed(ROLE + delta("a") + bad + delta("b") + delta("c"))
+    assert events == [ROLE, delta("a")]
+    assert counting.deltas == 1
+    assert splitter.malformed is not None
+    assert "malformed server-sent event" in str(splitter.malformed)
+    # Whatever comes later is neither handed back nor counted.
+    assert splitter.feed(delta("d") + DONE) == []
+    assert counting.deltas == 1
+
+
+def test_an_unchecked_splitter_passes_any_event() -> None:
+    counting = meter()
+    splitter = MeteredSplitter(1 << 20, counting)
+    assert len(splitter.feed(b"not sse\n\n" + delta("a"))) == 2
+    assert splitter.malformed is None

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 
 import httpx
 import pytest
 import trio
 
+from proxy.ops.logs import ACCESS_LOGGER
 from tests.support import (
     DEADLINE,
     Fake,
     Proxy,
+    access_lines,
     chat_body,
     sse_payloads,
     start_fake,
@@ -205,6 +208,32 @@ async def test_mid_stream_failures_are_reported_in_band(
             assert error["code"] == code, (mode, error)
             assert set(error) >= {"message", "type", "code"}
         assert (await client.post(proxy.url + CHAT, json=chat_body())).status_code == 200
+
+
+async def test_a_malformed_event_charges_only_what_the_client_was_sent(
+    nursery: trio.Nursery,
+    fake: Fake,
+    client: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The fake sends every token at once with a bad event among them, so that one read holds
+    good events on both sides of it: the access line's output is what reached the client (the
+    tokens before the bad event), none of it for nobody. It was charged the tokens after it
+    too, which nobody was sent (the cancellation sweep found it)."""
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    with trio.fail_after(DEADLINE):
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url]}, upstream={"failure_threshold": 100}
+        )
+        for at in range(4):
+            fault = {"mode": "malformed", "at": at, "interval": 0, "tokens": 4}
+            response = await client.post(proxy.url + CHAT, json=chat_body(fake=fault))
+            payloads = sse_payloads(response.text)
+            sent = sum('"content":"' in p and '"content":""' not in p for p in payloads)
+            line = access_lines(caplog)[-1]
+            assert line["outcome"] == "upstream_malformed", line
+            assert (line["output_tokens"], line["for_nobody_tokens"]) == (sent, 0), (at, line)
+            assert sent == at
 
 
 async def test_upstream_errors_before_streaming(

@@ -37,7 +37,7 @@ from proxy.protocol.errors import (
 )
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.rewrite import RenamingSplitter, model_renamer, rewrite_body
-from proxy.protocol.sse import SSEProtocolError, SSESplitter, check_event, is_done
+from proxy.protocol.sse import SSEProtocolError, SSESplitter, is_done
 from proxy.protocol.token_usage import CURRENT_METER, MeteredSplitter
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from proxy.relay.state import Phase
@@ -303,21 +303,22 @@ class UpstreamExchange:
                 meter,
                 self._rename,
                 splice.events if splice is not None and splice.pieces else None,
+                checked=True,
             )
         elif self._rename is None:
-            splitter = SSESplitter(self._relay.max_event_bytes)
+            splitter = SSESplitter(self._relay.max_event_bytes, checked=True)
         else:
-            splitter = RenamingSplitter(self._relay.max_event_bytes, self._rename)
+            splitter = RenamingSplitter(self._relay.max_event_bytes, self._rename, checked=True)
         saw_done = False
         async for chunk in response.chunks():
             events = splitter.feed(chunk if decoder is None else decode(decoder, chunk))
             if not events:
+                if splitter.malformed is not None:
+                    raise splitter.malformed
                 continue
             if not sink.started:
-                check_event(events[0])
                 sink.begin(200, SSE_CONTENT_TYPE)
             for event in events:
-                check_event(event)
                 if ends_stream(event):
                     saw_done = True
             # The events one read brought go out in one write (the same bytes, fewer sends):
@@ -329,6 +330,10 @@ class UpstreamExchange:
                 await sink.send(out)
             if splice is not None:
                 splice.delivered(out)
+            if splitter.malformed is not None:
+                # The events before the bad one are the client's (relayed above); nothing
+                # after it is read, counted or sent.
+                raise splitter.malformed
             # Outside [now + idle_timeout, now + idle_timeout + slack]: still the first-token
             # deadline, inf after waiting on the client, or due for its move.
             now = trio.current_time()
