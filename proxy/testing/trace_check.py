@@ -5,7 +5,9 @@ spans, as an OTLP receiver (:mod:`proxy.testing.otlp_receiver`) decoded them.
 A trace says what happened when:
 
 * it holds exactly one SERVER span (the request, or the WebSocket message) and, under it, one
-  operation span (``{gen_ai.operation.name} {model}``), every upstream attempt under that;
+  operation span (``{gen_ai.operation.name} {model}``), every upstream attempt under that; a
+  ``request`` stage guard's span (``guard <name>``, made before the operation exists) under
+  the server span too;
 * every span ended (it was exported at all, with an end not before its start, and no child
   ending after its parent);
 * both carry the outcome the access line should have (``completed``, ``cancelled(<phase>)``...)
@@ -26,6 +28,11 @@ GENERATION_STOPPED = "generation stopped"
 CLIENT_DISCONNECTED = "client disconnected"
 
 
+def _request_guard(span: Span) -> bool:
+    """A guard call of the ``request`` stage: before the operation span exists."""
+    return span.attributes.get("sluice.guard.stage") == "request"
+
+
 def judge(spans: Sequence[Span], outcome: str, *, local: bool = False) -> str | None:
     """None when ``spans`` (one trace's) say the request ended with ``outcome``; otherwise what
     they get wrong, in a few words."""
@@ -33,7 +40,11 @@ def judge(spans: Sequence[Span], outcome: str, *, local: bool = False) -> str | 
     if len(servers) != 1:
         return f"{len(servers)} server spans"
     (server,) = servers
-    operations = [span for span in spans if span.parent_span_id == server.span_id]
+    operations = [
+        span
+        for span in spans
+        if span.parent_span_id == server.span_id and not _request_guard(span)
+    ]
     if len(operations) != 1:
         return f"{len(operations)} operation spans under the server span"
     (operation,) = operations
@@ -41,6 +52,10 @@ def judge(spans: Sequence[Span], outcome: str, *, local: bool = False) -> str | 
         if span.end < span.start or span.end == 0:
             return f"span {span.name!r} did not end"
         if span is not server and span is not operation:
+            if _request_guard(span):
+                if span.parent_span_id != server.span_id or span.end > server.end:
+                    return f"span {span.name!r} is not within the server span"
+                continue
             if span.parent_span_id != operation.span_id:
                 return f"span {span.name!r} is not under the operation span"
             if span.end > operation.end:

@@ -51,6 +51,9 @@ FIELDS = {
     # How many times it was paused for a more urgent request, and for how long in all.
     "pauses",
     "paused_s",
+    # The [[guards]] table that refused it, and its reason (null: none did).
+    "guard",
+    "guard_reason",
     # A metered request's tokens (every request that generates), else null.
     "input_tokens",
     "output_tokens",

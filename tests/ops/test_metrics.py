@@ -364,7 +364,17 @@ async def test_the_prompt_of_a_request_cut_at_its_deadline_before_its_first_byte
         ({"stalled": False, "deadline_passed": True, "client_gone": True}, "deadline"),
         ({"stalled": False, "deadline_passed": False, "client_gone": True}, "client_left"),
         ({"stalled": False, "deadline_passed": False, "client_gone": False}, "shutdown"),
+        (
+            {
+                "stalled": False,
+                "deadline_passed": False,
+                "client_gone": False,
+                "access": SimpleNamespace(guard_waste=1),
+            },
+            "guard",
+        ),
     ],
 )
-def test_why_tokens_went_to_nobody(state: dict[str, bool], cause: str) -> None:
+def test_why_tokens_went_to_nobody(state: dict[str, Any], cause: str) -> None:
+    state = {"access": None, **state}
     assert waste_cause(SimpleNamespace(**state)) == cause  # type: ignore[arg-type]
