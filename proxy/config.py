@@ -720,7 +720,8 @@ class GuardConfig:
     # output: "after" (a window reaches the client once it passed) or "before" (at once; a
     # refusal cuts what follows).
     release: str = "after"
-    # [guards.options]: handed to the guard as they are (a built-in checks its own).
+    # The options subtable (written guards.options in TOML): handed to the guard as they are
+    # (a built-in checks its own).
     options: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -16,7 +16,7 @@ import inspect
 import json
 import re
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from proxy.config import (
     ENV_PREFIX,
     MODEL_KINDS,
     ClaimMapConfig,
+    GuardConfig,
     JwtIssuerConfig,
     KeyConfig,
     UpstreamModel,
@@ -105,6 +106,8 @@ def tables(parsed: _Source) -> Iterator[Table]:
     yield from _model_tables(parsed)
     keys = tuple(_key(parsed, KeyConfig, f) for f in dataclasses.fields(KeyConfig))
     yield Table("`[[keys]]`", parsed.docstring(KeyConfig), keys)
+    keys = tuple(_key(parsed, GuardConfig, f) for f in dataclasses.fields(GuardConfig))
+    yield Table("`[[guards]]`", parsed.docstring(GuardConfig), keys)
 
 
 def _auth_tables(parsed: _Source, cls: type[Any]) -> Iterator[Table]:
@@ -232,6 +235,8 @@ def _kind(hint: Any) -> str:
         return "string: " + " or ".join(json.dumps(arg) for arg in typing.get_args(hint))
     if typing.get_origin(hint) is tuple:
         return "array of strings"
+    if typing.get_origin(hint) is Mapping:
+        return "table"  # [[guards]]'s options, handed to the guard as they are
     names = {str: "string", int: "integer", float: "number", bool: "boolean"}
     return names[hint]
 

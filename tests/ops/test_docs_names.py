@@ -237,6 +237,8 @@ def keys_of(table: str) -> frozenset[str] | None:
     ``[models.<name>]``; None for a table the config has not."""
     if table == "[[keys]]":
         return KEY_KEYS
+    if table == "[[guards]]":
+        return frozenset(field.name for field in dataclasses.fields(config_module.GuardConfig))
     if re.fullmatch(r"\[models(\.[^\]\s]+)?\]", table):
         return frozenset().union(*MODEL_KEYS.values())
     section = re.fullmatch(r"\[([a-z_]+)\]", table)
@@ -250,6 +252,8 @@ def mappings_with(table: str, key: str, value: Any) -> list[dict[str, Any]]:
     each kind that has the key."""
     if table == "[[keys]]":
         return [{"keys": [{"name": "k", "sha256": "0" * 64, key: value}]}]
+    if table == "[[guards]]":
+        return [{"guards": [{"name": "g", "use": "regex", "stage": "output", key: value}]}]
     if table.startswith("[models"):
         return [
             {"models": {"m": {**base, key: value}}}
@@ -279,7 +283,7 @@ def value_problem(tables: list[str], key: str, written: str) -> str | None:
 
 
 def all_tables() -> list[str]:
-    return [*(f"[{name}]" for name in SECTIONS), "[[keys]]", "[models.m]"]
+    return [*(f"[{name}]" for name in SECTIONS), "[[keys]]", "[[guards]]", "[models.m]"]
 
 
 def fill_placeholders(data: Any, problems: list[str], where: str) -> Any:
