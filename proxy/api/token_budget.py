@@ -229,7 +229,11 @@ class Metered:
             # Refused by a guard: what the upstream made after the verdict, before it stopped.
             for_nobody = min(usage.output, access.guard_waste)
         elif not self.meter.local and body.cancelled:
-            for_nobody = min(usage.output, body.account.undelivered)
+            # What was handed on but never reached the client: a whole answer's every token,
+            # a stream's tokens in the events still queued.
+            unsent = body.account.unsent
+            queued = usage.output if unsent and not self.meter.streamed else 0
+            for_nobody = min(usage.output, queued or self.meter.tokens_in(unsent))
         elif body.cut_in_prefill:
             # Cut at its deadline before a first byte: what was made for nobody is the prompt
             # the engine read (as for a hedge's loser).

@@ -24,7 +24,7 @@ events are inspected one by one only when a read holds something that is not a c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +135,19 @@ class UsageMeter:
         self.generated = (self.generated or 0) + generated
         self.local_for_nobody += for_nobody
 
+    def tokens_in(self, chunks: Iterable[bytes]) -> int:
+        """The content delta events in ``chunks`` (written bytes of the stream, whole events):
+        the tokens of what never reached a client that left."""
+        delta = _DELTA.get(self.endpoint, b"\0")
+        spaced = _SPACED_DELTA.get(self.endpoint, b"\0")
+        empty, spaced_empty = _EMPTY_DELTA.get(self.endpoint, _NO_EMPTY_DELTA)
+        return sum(
+            event.count(delta) + event.count(spaced)
+            > event.count(empty) + event.count(spaced_empty)
+            for chunk in chunks
+            for event in chunk.split(b"\n\n")
+        )
+
     def events(self, events: list[bytes]) -> list[bytes]:
         """Inspect ``events`` one by one (a read that is not all content deltas): count the
         deltas, learn the usage blocks, and leave out the usage chunk the client did not ask
@@ -216,9 +229,13 @@ class MeteredSplitter(SSESplitter):
     too, for an aliased model). Per read: one ``bytes.count`` of the endpoint's delta marker;
     a read whose every event is a content delta is counted and passed on as it is. ``splice``:
     a paused stream's continuation, whose events become the client's before they are counted
-    (protocol/continuation.py)."""
+    (protocol/continuation.py).
 
-    __slots__ = ("_delta", "_empty", "_meter", "_rename", "_splice")
+    ``counting``: False until the stream is the client's (:meth:`begin_counting`, once the
+    response head is decided): a hedged request's attempts share one meter, and what the
+    losing attempt read before the race was decided is not what the client was sent."""
+
+    __slots__ = ("_delta", "_empty", "_meter", "_rename", "_splice", "counting")
 
     def __init__(
         self,
@@ -228,8 +245,10 @@ class MeteredSplitter(SSESplitter):
         splice: Callable[[list[bytes]], list[bytes]] | None = None,
         *,
         checked: bool = False,
+        counting: bool = True,
     ) -> None:
         super().__init__(max_event_bytes, checked=checked)
+        self.counting = counting
         self._splice = splice
         # Made for a stream that began: the upstream answered 200 with an event stream.
         meter.answered = True
@@ -242,16 +261,25 @@ class MeteredSplitter(SSESplitter):
         events = super().feed(chunk)
         if events and self._splice is not None:
             events = self._splice(events)
-        if events:
-            whole = events[0] if len(events) == 1 else b"".join(events)
-            counted = whole.count(self._delta)
-            if counted == len(events) and self._empty not in whole:
-                self._meter.deltas += counted
-            else:
-                events = self._meter.events(events)
-            if self._rename is not None:
-                rename = self._rename
-                return [rename(event) for event in events]
+        if events and self.counting:
+            return self._counted(events)
+        return events
+
+    def begin_counting(self, events: list[bytes]) -> list[bytes]:
+        """The stream is the client's from ``events`` (fed while not counting) on."""
+        self.counting = True
+        return self._counted(events) if events else events
+
+    def _counted(self, events: list[bytes]) -> list[bytes]:
+        whole = events[0] if len(events) == 1 else b"".join(events)
+        counted = whole.count(self._delta)
+        if counted == len(events) and self._empty not in whole:
+            self._meter.deltas += counted
+        else:
+            events = self._meter.events(events)
+        if self._rename is not None:
+            rename = self._rename
+            return [rename(event) for event in events]
         return events
 
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -49,6 +49,7 @@ class RelayAccount:
         "third_last",
         "ttft",
         "undelivered",
+        "unsent",
     )
 
     def __init__(self) -> None:
@@ -67,6 +68,8 @@ class RelayAccount:
         # for the client but never handed to its socket.
         self.cancel_seconds: float | None = None
         self.undelivered = 0
+        # The chunks themselves (at most the channel's capacity), for their tokens' count.
+        self.unsent: Sequence[bytes] = ()
         self.first = self.third_last = self.before_last = self.last = b""
         # What a write holds when it holds a token, for the endpoint's stream (see
         # protocol.sse.FIRST_TOKEN); None: every write does.

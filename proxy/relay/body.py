@@ -47,6 +47,7 @@ from proxy.protocol.errors import ApiError, deadline_exceeded, internal_error, s
 from proxy.protocol.shapes import OPENAI as OPENAI_ERRORS
 from proxy.protocol.shapes import ErrorShape
 from proxy.protocol.sse import FIRST_TOKEN
+from proxy.protocol.stream_end import ends_stream
 from proxy.relay.accounting import RelayAccount
 from proxy.relay.state import Phase, RelayEvent, RelayState, step
 
@@ -357,6 +358,8 @@ class RelayBody(ResponseBody):
         # can stall in any state, and a stalled request may be counted cancelled too.
         self.cancelled = False
         self.stalled = False
+        # The body's task left before the head was ready (its __aenter__ was cancelled).
+        self.unwritten = False
         self.error: ApiError | None = None
         # A known-length (non-streamed) body: its length, and the bytes handed to the writer.
         # Once all of them are, the response is complete (see complete), whatever the client
@@ -547,7 +550,9 @@ class RelayBody(ResponseBody):
             await self.head_ready.wait()
         except BaseException as error:
             # The client left before the head was ready: __aexit__ will not be called for a
-            # failed __aenter__, so close the nursery (cancelling the producer) here.
+            # failed __aenter__, so close the nursery (cancelling the producer) here. Nothing
+            # of the answer will be written, whatever the producer has decided by now.
+            self.unwritten = True
             await self.__aexit__(type(error), error, error.__traceback__)
             raise
         return self
@@ -559,20 +564,26 @@ class RelayBody(ResponseBody):
         tb: TracebackType | None,
     ) -> bool:
         assert self._nursery is not None
-        self.cancelled = not (
-            self.producer_state is RelayState.DONE
-            or self.complete
-            or self.client_state is RelayState.ABANDONED
+        # Cancelled: the client did not get the whole answer because it left (or the relay
+        # ended) first. A producer that finished after its client had gone (an upstream
+        # error written for nobody) cancelled it as much as one still at work.
+        self.cancelled = self.unwritten or (
+            not (self.complete or self.client_state is RelayState.ABANDONED)
+            and (self.producer_state is not RelayState.DONE or self.client_state is _GONE)
         )
         account = self.account
         if self.cancelled:
             exit_started = trio.current_time()
-            account.undelivered = self.buffered()
         # The producer must never outlive the response, whatever ended it.
         self._nursery.cancel_scope.cancel()
         try:
             suppressed: bool = await self._nursery_manager.__aexit__(exc_type, exc_value, tb)
         finally:
+            if self.cancelled:
+                # What the producer handed on that never reached the client's socket (its
+                # tokens went to nobody), once the producer is gone and can add no more.
+                account.unsent = self._take_unsent()
+                account.undelivered = len(account.unsent)
             self._receive_channel.close()
             if self.cancelled:
                 started = account.gone_at or self.connection.gone_at() or exit_started
@@ -612,13 +623,24 @@ class RelayBody(ResponseBody):
             kept=account.kept,
         )
 
+    def _take_unsent(self) -> list[bytes]:
+        unsent: list[bytes] = []
+        while True:
+            try:
+                chunk = self._receive_channel.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return unsent
+            if chunk:
+                unsent.append(chunk)
+
     def client_disconnected(self) -> None:
         """The HTTP layer saw the client go (the loop's hangup watcher, between task steps;
         the server's read task, as it reads the EOF; or the request's message task): stop the
         producer's work now, in this scheduler step. Its callbacks shut the upstream connection
         down, and its tasks are cancelled; the body writes nothing more. The request's own
-        cancellation follows as always."""
-        if self.complete or not self._fire(RelayEvent.LEFT):
+        cancellation follows as always. Nothing is stopped once the client has the whole
+        answer (see stream_handed): what the producer still does is its own tidying."""
+        if self.complete or self.stream_handed or not self._fire(RelayEvent.LEFT):
             return
         self.account.gone_at = trio.current_time()
         callbacks, self.disconnect_callbacks = self.disconnect_callbacks, []
@@ -628,6 +650,26 @@ class RelayBody(ResponseBody):
             # From a hangup watcher's hook trio would name whatever task runs next as the
             # canceller: the reason says who did.
             self._nursery.cancel_scope.cancel("client disconnected")
+
+    @property
+    def answered(self) -> bool:
+        """Whether a client leaving now cancels nothing: the answer is whole on its socket
+        (complete, stream_handed), or all decided (the producer is done, what it handed on
+        still queued), so the writer writes it on; a client that only half-closed reads it,
+        and one that closed fails the writes, quietly."""
+        return self.complete or self.producer_state is RelayState.DONE or self.stream_handed
+
+    @property
+    def stream_handed(self) -> bool:
+        """An event stream whose last event (its endpoint's: chat's ``[DONE]``, Messages'
+        ``message_stop``...) has gone to the client's socket, with nothing queued or being
+        written after it (direct_ok: the body is idle). Only asked as the client leaves."""
+        return (
+            self._sse
+            and self.direct_ok
+            and not self.buffered()
+            and ends_stream(self.endpoint, self.account.last)
+        )
 
     @property
     def complete(self) -> bool:

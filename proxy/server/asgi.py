@@ -240,9 +240,11 @@ class H11Wire(_GoneWatch):
         """The head's bytes, made by h11 exactly as hypercorn's H11Protocol would make them,
         with the stream's state moved as if hypercorn had sent it."""
         stream, connection = self._chain.stream, self._chain.h11
+        # Not hypercorn's stream.closed: a client that half-closed after its request closes
+        # it, and the answer, all decided, is still written to the socket it reads (a client
+        # that has gone fails the writes, quietly).
         if (
             stream.state is not ASGIHTTPState.REQUEST
-            or stream.closed
             or connection.our_state is not h11.SEND_RESPONSE
         ):
             raise RuntimeError(f"a response head cannot be sent now ({connection.our_state})")

@@ -196,8 +196,8 @@ async def _write_relay(wire: Wire, headers: list[tuple[str, str]], body: RelayBo
                 # Before the cancellation: the upstream connection is shut down in this
                 # step, not when the producer's task gets its turn to unwind.
                 body.client_disconnected()
-                if body.complete:
-                    return False  # every byte is handed on: closing now cancels nothing
+                if body.answered:
+                    return False  # closing now cancels nothing: what is left is written on
                 scope.cancel()
                 return True
 

@@ -223,3 +223,25 @@ def test_an_unchecked_splitter_passes_any_event() -> None:
     splitter = MeteredSplitter(1 << 20, counting)
     assert len(splitter.feed(b"not sse\n\n" + delta("a"))) == 2
     assert splitter.malformed is None
+
+
+def test_a_losing_attempt_counts_nothing_until_its_stream_is_the_clients() -> None:
+    """A hedged request's attempts share one meter: what an attempt reads before its head is
+    decided counts only once it has won (begin_counting), else never."""
+    counting = meter()
+    loser = MeteredSplitter(1 << 20, counting, counting=False)
+    winner = MeteredSplitter(1 << 20, counting, counting=False)
+    assert loser.feed(ROLE + delta("a") + delta("b")) == [ROLE, delta("a"), delta("b")]
+    first = winner.feed(ROLE + delta("a"))
+    assert counting.deltas == 0
+    assert winner.begin_counting(first) == [ROLE, delta("a")]
+    winner.feed(delta("b") + DONE)
+    assert counting.deltas == 2
+
+
+def test_the_tokens_in_what_never_reached_the_client() -> None:
+    counting = meter()
+    # Written chunks: one event, or several coalesced; the opening and the end are no tokens.
+    unsent = [ROLE, delta("a") + delta("b"), FINISH + USAGE + DONE]
+    assert counting.tokens_in(unsent) == 2
+    assert counting.tokens_in([]) == 0

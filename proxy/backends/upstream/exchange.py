@@ -26,7 +26,7 @@ from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica, public_
 from proxy.backends.upstream.transports import Response
 from proxy.config import RelayConfig, UpstreamModel
 from proxy.ops import tracing
-from proxy.protocol import anthropic, http1, responses
+from proxy.protocol import http1
 from proxy.protocol.continuation import StreamSplice
 from proxy.protocol.errors import (
     UPSTREAM_ERROR,
@@ -37,7 +37,8 @@ from proxy.protocol.errors import (
 )
 from proxy.protocol.openai import CompletionRequest, Endpoint
 from proxy.protocol.rewrite import RenamingSplitter, model_renamer, rewrite_body
-from proxy.protocol.sse import SSEProtocolError, SSESplitter, is_done
+from proxy.protocol.sse import SSEProtocolError, SSESplitter
+from proxy.protocol.stream_end import STREAM_END
 from proxy.protocol.token_usage import CURRENT_METER, MeteredSplitter
 from proxy.relay.body import JSON_CONTENT_TYPE, SSE_CONTENT_TYPE, Sink
 from proxy.relay.state import Phase
@@ -49,13 +50,6 @@ _PASSED_ERROR_HEADERS = ("retry-after",)
 # The most an idle deadline fires after idle_timeout (see _relay_stream).
 _IDLE_SLACK = 1.0
 ANTHROPIC_VERSION = b"2023-06-01"
-# What each endpoint's stream ends with, when it ends properly.
-_STREAM_END: dict[Endpoint, Callable[[bytes], bool]] = {
-    Endpoint.CHAT: is_done,
-    Endpoint.COMPLETIONS: is_done,
-    Endpoint.RESPONSES: responses.is_terminal_event,
-    Endpoint.MESSAGES: anthropic.is_terminal_event,
-}
 # The Accept header, by endpoint and streaming: a pass-through takes whatever its server says.
 _ACCEPT = {
     (endpoint, stream): (
@@ -72,6 +66,14 @@ _ACCEPT = {
 
 def upstream_error(status: int, code: str, message: str, *, retryable: bool) -> ApiError:
     return ApiError(status, message, type=UPSTREAM_ERROR, code=code, retryable=retryable)
+
+
+def _counted_if_won(splitter: SSESplitter, sink: Sink, events: list[bytes]) -> list[bytes]:
+    """The first events, metered once the head is begun, if this attempt's stream is the
+    client's now (a hedge's losing attempt is cancelled: what it read is nobody's)."""
+    if isinstance(splitter, MeteredSplitter) and sink.started:
+        return splitter.begin_counting(events)
+    return events
 
 
 class UpstreamExchange:
@@ -202,7 +204,7 @@ class UpstreamExchange:
                             response,
                             read_scope,
                             sink,
-                            _STREAM_END[request.endpoint],
+                            STREAM_END[request.endpoint],
                             splice,
                         )
                     else:
@@ -304,6 +306,7 @@ class UpstreamExchange:
                 self._rename,
                 splice.events if splice is not None and splice.pieces else None,
                 checked=True,
+                counting=sink.started,
             )
         elif self._rename is None:
             splitter = SSESplitter(self._relay.max_event_bytes, checked=True)
@@ -318,6 +321,7 @@ class UpstreamExchange:
                 continue
             if not sink.started:
                 sink.begin(200, SSE_CONTENT_TYPE)
+                events = _counted_if_won(splitter, sink, events)
             for event in events:
                 if ends_stream(event):
                     saw_done = True

@@ -124,14 +124,15 @@ STREAM_ENDS = {
 
 
 def answered(endpoint: str, stream: bool, received: bytes) -> bool:
-    """Whether the client has the whole answer: a stream's last event (the chunked framing's
-    terminator may be missing: a server that heard a half-close after the last event need not
-    write it), or a whole body."""
-    status = split_head(received)[0]
-    if stream and status == 200:
-        body = payload(received)
-        return STREAM_ENDS[endpoint] in body or ended_in_band(received) or whole(received)
-    return whole(received)
+    """Whether the client has the whole answer: a whole HTTP/1.1 message (a chunked body's
+    terminator included: without it a client cannot tell a whole body from a cut one, RFC 9112
+    7.1; a client that half-closed after the last event still reads it), and, of a stream,
+    its last event or an in-band error."""
+    if not whole(received):
+        return False
+    if stream and split_head(received)[0] == 200:
+        return STREAM_ENDS[endpoint] in payload(received) or ended_in_band(received)
+    return True
 
 
 def ended_in_band(received: bytes) -> bool:
