@@ -11,15 +11,27 @@ event that carries text, as the token meter counts (protocol/token_usage.py).
 says when a window is due (``window_tokens`` of text, or the hold-back's bound reached so that
 an answer without text cannot wait forever), which chunks a passed window frees (``release =
 "after"``), and when the producer must wait (the guards behind by more than the hold-back).
+
+An event's text is read without parsing the whole event when it has one of the delta shapes
+upstreams stream token by token (chat's, completions', Messages' and Responses', compact or
+spaced): one precompiled pattern matches the *whole* line as a strict subset of JSON, so the
+text field it captures is the one ``json.loads`` would give, and only that JSON string is
+decoded. Any other line (nested values, several choices, a key written with escapes, a
+duplicate text field, a number too long for ``int``) goes through ``json.loads`` as before.
+A :class:`TextReader` also remembers the bytes around the last text field it found: an
+upstream writes the same frame around every token, so the next event costs two comparisons and
+one string match (replacing one JSON string with another cannot change what the line means).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from json.decoder import scanstring  # type: ignore[attr-defined]  # json's C scanner
+from typing import Any, NamedTuple
 
 _DATA = b"data:"
 
@@ -91,17 +103,187 @@ def _parts_text(content: object) -> str:
 def _payload(event: bytes) -> dict[str, Any] | None:
     """The JSON object of an event's ``data:`` line; None for a comment, ``[DONE]``, or an
     event that is not JSON (relayed as it is, and never text)."""
-    at = event.find(_DATA)
-    if at < 0:
-        return None
-    line = event[at + 5 :].split(b"\n", 1)[0].strip()
-    if not line.startswith(b"{"):
+    located = _data_line(event)
+    if located is None:
         return None
     try:
-        value = json.loads(line)
+        value = json.loads(located[0])
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+# -- the fast read: the delta shapes as a strict subset of JSON ------------------------------
+#
+# Each piece below matches exactly what JSON allows there (no NaN, no bad escape, no raw
+# control character), so a line the pattern matches whole is valid JSON with one meaning.
+_S = rb"[ \t]*"
+_STRING = rb'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+# An int of up to 1,000 digits (CPython refuses more than 4,300: that line is json.loads's).
+_NUMBER = rb"-?(?:0|[1-9][0-9]{0,999})(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_SCALAR = rb"(?:" + _STRING + rb"|" + _NUMBER + rb"|true|false|null)"
+_COMMA = _S + rb"," + _S
+_FLAT = (
+    rb"(?:" + _SCALAR
+    + rb"|\[" + _S + rb"(?:" + _SCALAR + rb"(?:" + _COMMA + _SCALAR + rb")*)?" + _S + rb"\]"
+    + rb"|\{" + _S + rb"(?:" + _STRING + _S + rb":" + _S + _SCALAR
+    + rb"(?:" + _COMMA + _STRING + _S + rb":" + _S + _SCALAR + rb")*)?" + _S + rb"\})"
+)  # fmt: skip
+# Every key payload_text reads, at any level: never an "other" member (so a duplicate of one,
+# which json.loads would resolve to its last, makes the line fall back). A key with an escape
+# in it (``"con\u0074ent"``) is no other member either.
+_READ_KEYS = (
+    rb"choices|type|object|delta|message|text|content|reasoning_content|tool_calls"
+    rb"|partial_json|thinking|output"
+)
+_OTHER = rb'"(?!(?:' + _READ_KEYS + rb')")[^"\\\x00-\x1f]*"' + _S + rb":" + _S + _FLAT
+
+
+def _members(*middle: bytes, other: bytes = _OTHER) -> bytes:
+    """An object's members: others around ``middle`` (a sequence of members, in order)."""
+    comma = _S + rb"," + _S
+    inner = (comma + rb"(?:" + other + comma + rb")*").join(middle)
+    return (
+        rb"\{" + _S + rb"(?:" + other + comma + rb")*" + inner
+        + rb"(?:" + comma + other + rb")*" + _S + rb"\}"
+    )  # fmt: skip
+
+
+def _field(name: bytes, value: bytes) -> bytes:
+    return rb'"' + name + rb'"' + _S + rb":" + _S + value
+
+
+_CHAT_DELTA = (
+    rb"(?:" + _members(
+        rb'"(?:reasoning_)?content"' + _S + rb":" + _S + rb"(?:(?P<content>" + _STRING + rb")|null)"
+    )
+    + rb"|\{" + _S + rb"(?:" + _OTHER + rb"(?:" + _S + rb"," + _S + _OTHER + rb")*)?" + _S
+    + rb"\})"
+)  # fmt: skip
+_CHOICE = _members(
+    rb"(?:" + _field(b"delta", _CHAT_DELTA)
+    + rb"|" + _field(b"text", rb"(?P<completion>" + _STRING + rb")") + rb")"
+)  # fmt: skip
+# The top of a chat or completions chunk: its "object" anything but "response".
+_TOP_OTHER = (
+    rb"(?:" + _OTHER + rb"|" + _field(b"object", rb'"(?!response")[^"\\\x00-\x1f]*"') + rb")"
+)
+_CHAT = _members(_field(b"choices", rb"\[" + _S + _CHOICE + _S + rb"\]"), other=_TOP_OTHER)
+# Messages: a content_block_delta, its delta's one text field (its own "type" beside it).
+_BLOCK_OTHER = rb"(?:" + _OTHER + rb"|" + _field(b"type", _FLAT) + rb")"
+_MESSAGES = _members(
+    _field(b"type", rb'"content_block_delta"'),
+    _field(
+        b"delta",
+        _members(
+            rb'"(?:text|partial_json|thinking)"' + _S + rb":" + _S
+            + rb"(?P<block>" + _STRING + rb")",
+            other=_BLOCK_OTHER,
+        ),
+    ),
+)  # fmt: skip
+# Responses: a response.*.delta event, its "delta" a string.
+_RESPONSES = _members(
+    _field(b"type", rb'"response\.[^"\\\x00-\x1f]*\.delta"'),
+    _field(b"delta", rb"(?P<response>" + _STRING + rb")"),
+)
+# One line, one of the shapes, whole. No text group matched: a matched event with no text
+# (the opening role delta's content "" has one; ``"delta":{}`` none).
+_DELTA_LINE = re.compile(b"|".join((_CHAT, _MESSAGES, _RESPONSES)))
+_STRING_ONLY = re.compile(_STRING)
+
+
+def _decode(string: bytes) -> str:
+    """A JSON string's value (``string`` with its quotes, matched by _STRING), as
+    ``json.loads`` gives it; ValueError where it would fail (bytes that are not UTF-8)."""
+    if b"\\" in string:
+        # json's own C scanner, as json.loads runs it, without the rest of a parse.
+        value: str = scanstring(string.decode(), 1)[0]
+        return value
+    return string[1:-1].decode()
+
+
+def _data_line(event: bytes) -> tuple[bytes, int] | None:
+    """An event's ``data:`` line, stripped, and where it starts in ``event``, when it may be
+    a JSON object (else None)."""
+    at = event.find(_DATA)
+    if at < 0:
+        return None
+    raw = event[at + 5 :].split(b"\n", 1)[0]
+    line = raw.lstrip()
+    offset = at + 5 + len(raw) - len(line)
+    line = line.rstrip()
+    return (line, offset) if line.startswith(b"{") else None
+
+
+def _payload_text(line: bytes) -> str:
+    """What payload_text gives for the JSON object of ``line``, through the full parse."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return ""
+    return payload_text(value) if isinstance(value, dict) else ""
+
+
+class TextReader:
+    """Reads the text of one answer's events, fast (see the module's docstring); what a full
+    parse gives, always. One per answer: it remembers that answer's frame."""
+
+    __slots__ = ("_prefix", "_suffix")
+
+    def __init__(self) -> None:
+        # The event around the last text field found: its bytes before the string, and after.
+        # Kept for the whole event, not its data line: the string holds no newline, and the
+        # prefix ends in a key's colon, so the same bytes around it are the same data line.
+        self._prefix = b""
+        self._suffix = b""
+
+    def event_text(self, event: bytes) -> str:
+        """The text of one event (without its blank line)."""
+        prefix, suffix = self._prefix, self._suffix
+        if prefix and event.startswith(prefix) and event.endswith(suffix):
+            string = event[len(prefix) : len(event) - len(suffix)]
+            if _STRING_ONLY.fullmatch(string) is not None:
+                try:
+                    return _decode(string)
+                except ValueError:
+                    pass  # not UTF-8: the full parse says what it is
+        located = _data_line(event)
+        if located is None:
+            return ""
+        line, offset = located
+        found = _DELTA_LINE.fullmatch(line)
+        if found is None:
+            return _payload_text(line)
+        if found.lastindex is None:
+            return ""
+        start, end = found.span(found.lastindex)
+        try:
+            text = _decode(line[start:end])
+        except ValueError:
+            return _payload_text(line)
+        self._prefix = event[: offset + start]
+        self._suffix = event[offset + end :]
+        return text
+
+    def read_chunk(self, chunk: bytes) -> ChunkText:
+        """The text of a chunk of whole SSE events."""
+        events = chunk.split(b"\n\n")
+        events.pop()
+        if len(events) == 1 and events[0]:  # one event a chunk: the common case
+            text = self.event_text(events[0])
+            return ChunkText(1, 1 if text else 0, text)
+        count = tokens = 0
+        texts = []
+        for event in events:
+            if not event:
+                continue
+            count += 1
+            text = self.event_text(event)
+            if text:
+                tokens += 1
+                texts.append(text)
+        return ChunkText(count, tokens, "".join(texts))
 
 
 def events_of(chunk: bytes) -> list[bytes]:
@@ -110,8 +292,7 @@ def events_of(chunk: bytes) -> list[bytes]:
     return [part + b"\n\n" for part in parts[:-1] if part]
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkText:
+class ChunkText(NamedTuple):
     """A chunk as guards count it: its events, those that carry text (its tokens), and the
     text."""
 
@@ -121,19 +302,8 @@ class ChunkText:
 
 
 def read_chunk(chunk: bytes) -> ChunkText:
-    """The text of a chunk of whole SSE events."""
-    events = tokens = 0
-    texts = []
-    for event in events_of(chunk):
-        events += 1
-        payload = _payload(event)
-        if payload is None:
-            continue
-        text = payload_text(payload)
-        if text:
-            tokens += 1
-            texts.append(text)
-    return ChunkText(events, tokens, "".join(texts))
+    """The text of a chunk of whole SSE events (a reader of its own: nothing remembered)."""
+    return TextReader().read_chunk(chunk)
 
 
 def whole_text(body: bytes) -> str:

@@ -33,7 +33,7 @@ from proxy.guards import Outcome, Prompt, Refusal, Stage, Window
 from proxy.guards.window import (
     DueWindow,
     OutputLedger,
-    read_chunk,
+    TextReader,
     rewrite_events,
     rewrite_whole,
     whole_text,
@@ -206,6 +206,8 @@ class GuardedRun:
         self.sink = sink
         self.guards = guards
         self.ledger = guards.ledger()
+        # The answer's text, read once per chunk without a full parse of its events.
+        self.reader = TextReader()
         self.observer = guards.observer
         self.after = self.ledger is not None and self.ledger.release_after
         self.prompt_pending = bool(guards.prompt)
@@ -349,7 +351,7 @@ class GuardedRun:
         """The prompt passed: what it held goes out (unless output guards hold it still)."""
         while self.waiting:
             chunk = self.waiting.popleft()
-            self.waiting_events = max(0, self.waiting_events - read_chunk(chunk).events)
+            self.waiting_events = max(0, self.waiting_events - self.reader.read_chunk(chunk).events)
             await self._release(chunk)
         if not self.after and self.whole is None:
             self.direct = True
@@ -449,13 +451,13 @@ class GuardedRun:
     def take(self, chunk: bytes) -> None:
         """A chunk the producer handed on, held or counted (the producer checked for room)."""
         if self.refusal is not None:
-            self.after_verdict_tokens += read_chunk(chunk).tokens
+            self.after_verdict_tokens += self.reader.read_chunk(chunk).tokens
             return
         if self.whole is not None:
             self.whole.append(chunk)
             return
         ledger = self.ledger
-        read = read_chunk(chunk)
+        read = self.reader.read_chunk(chunk)
         if ledger is not None:
             due = ledger.take(chunk, read)
             if due is not None:
@@ -478,7 +480,7 @@ class GuardedRun:
         """A chunk went straight on: its text still goes to the output guards' windows."""
         ledger = self.ledger
         if ledger is not None:
-            due = ledger.take(chunk, read_chunk(chunk))
+            due = ledger.take(chunk, self.reader.read_chunk(chunk))
             if due is not None:
                 self._queue(due)
 

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from proxy.guards.window import (
     ChunkText,
     OutputLedger,
+    TextReader,
+    payload_text,
     prompt_text,
     read_chunk,
     rewrite_events,
@@ -124,3 +129,144 @@ def test_a_rewrite_puts_the_new_text_in_the_first_event_and_empties_the_others()
     assert b": keep\n\n" in out
     whole = json.dumps({"choices": [{"message": {"content": "a@b.c"}}]}).encode()
     assert whole_text(rewrite_whole(whole, "[email]")) == "[email]"
+
+
+# -- the fast read: what the full parse gives, for less ---------------------------------------
+
+
+def full_parse_text(event: bytes) -> str:
+    """The text the guards read before the fast read: the first data line's JSON object,
+    parsed whole (the reference every event below is held to)."""
+    at = event.find(b"data:")
+    if at < 0:
+        return ""
+    line = event[at + 5 :].split(b"\n", 1)[0].strip()
+    if not line.startswith(b"{"):
+        return ""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return ""
+    return payload_text(value) if isinstance(value, dict) else ""
+
+
+# The frames upstreams stream token by token, as the fake upstream, vLLM, OpenAI and Anthropic
+# write them: each must take the fast way (no full parse).
+FAST_FRAMES = [
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":" hi"},"logprobs":null,"finish_reason":null}]}',
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}',
+    b'data: {"id":"c","object":"text_completion","created":1,"model":"m",'
+    b'"choices":[{"index":0,"text":" yo","logprobs":null,"finish_reason":null}]}',
+    b'data: {"choices": [{"index": 0, "delta": {"content": "spaced"}}], "usage": null}',
+    b'data: {"choices":[{"delta":{"reasoning_content":"think"}}]}',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"Hi"}}',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"input_json_delta","partial_json":"{\\"k\\""}}',
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    b'"item_id":"msg_1","output_index":0,"content_index":0,"logprobs":[],"delta":"r",'
+    b'"sequence_number":4}',
+]
+
+# Events whose shape the fast read must not be fooled by: each gives what the full parse
+# gives (many by the full parse itself).
+TRICKY_EVENTS = [
+    # escapes and unicode
+    b'data: {"choices":[{"delta":{"content":"a\\"b\\\\c\\/d\\n\\t\\u00e9"}}]}',
+    b'data: {"choices":[{"delta":{"content":"\\ud83d\\ude00 emoji"}}]}',
+    b'data: {"choices":[{"delta":{"content":"\\ud800 lone"}}]}',
+    'data: {"choices":[{"delta":{"content":"直接 😀"}}]}'.encode(),
+    b'data: {"choices":[{"delta":{"content":"bad \xff utf-8"}}]}',
+    b'data: {"choices":[{"delta":{"content":"surrogate \xed\xa0\x80 bytes"}}]}',
+    b'data: {"choices":[{"delta":{"content":"bad \\q escape"}}]}',
+    b'data: {"choices":[{"delta":{"content":"raw \x01 control"}}]}',
+    # a key that decodes to a read key, duplicates (json.loads keeps the last)
+    b'data: {"choices":[{"delta":{"con\\u0074ent":"escaped key"}}]}',
+    b'data: {"choices":[{"delta":{"content":"first","content":"last"}}]}',
+    b'data: {"choices":[{"delta":{"content":"a"}}],"choices":[{"delta":{"content":"b"}}]}',
+    b'data: {"x\\"content":"evil","choices":[{"delta":{"content":"good"}}]}',
+    b'data: {"type":"ping","choices":[{"delta":{"content":"typed"}}]}',
+    b'data: {"object":"response","choices":[{"delta":{"content":"whole?"}}]}',
+    b'data: {"type":"content_block_delta","delta":{"text":"t","thinking":"th"}}',
+    b'data: {"type":"content_block_delta","type":"ping","delta":{"text":"t"}}',
+    b'data: {"type":"response.output_text.delta","delta":"a","delta":"b"}',
+    # several choices, a reasoning and a content delta, tool calls, a null, nested values
+    b'data: {"choices":[{"delta":{"content":"a"}},{"delta":{"content":"b"}}]}',
+    b'data: {"choices":[{"delta":{"reasoning_content":"r","content":"c"}}]}',
+    b'data: {"choices":[{"delta":{"content":null}}]}',
+    b'data: {"choices":[{"delta":{"content":[{"type":"text","text":"parts"}]}}]}',
+    b'data: {"choices":[{"delta":{"tool_calls":[{"function":{"arguments":"{}"}}]}}]}',
+    b'data: {"choices":[{"delta":{"content":"x"},"logprobs":{"content":[{"t":1}]}}]}',
+    # numbers: NaN, an int CPython refuses, a float
+    b'data: {"n":NaN,"choices":[{"delta":{"content":"nan"}}]}',
+    b'data: {"n":' + b"9" * 5000 + b',"choices":[{"delta":{"content":"big"}}]}',
+    b'data: {"n":-1.5e3,"choices":[{"delta":{"content":"float"}}]}',
+    # not JSON, not whole, not one object, not a data line
+    b'data: {"choices":[{"delta":{"content":"cut"}}]',
+    b'data: {"choices":[{"delta":{"content":"trail"}}]} x',
+    b"data: [DONE]",
+    b": a comment",
+    b'event: x\ndata: {"choices":[{"delta":{"content":"2nd line"}}]}\ndata: more',
+    b'data:{"choices":[{"delta":{"content":"no space"}}]}  ',
+]
+
+
+def test_the_fast_read_takes_the_frames_upstreams_stream() -> None:
+    from proxy.guards import window
+
+    for frame in FAST_FRAMES:
+        line = frame[frame.find(b"data:") + 5 :].strip()
+        assert window._DELTA_LINE.fullmatch(line) is not None, frame
+        assert TextReader().event_text(frame) == full_parse_text(frame), frame
+
+
+def test_the_fast_read_gives_what_the_full_parse_gives() -> None:
+    for event in FAST_FRAMES + TRICKY_EVENTS:
+        assert TextReader().event_text(event) == full_parse_text(event), event
+        assert read_chunk(event + b"\n\n").text == full_parse_text(event), event
+
+
+def test_a_readers_frame_is_used_only_around_one_json_string() -> None:
+    """One reader remembers the bytes around the last text it found: an event in the same
+    frame costs a string match; anything else in that frame takes the whole way."""
+    head = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":'
+    tail = b'},"finish_reason":null}]}'
+    followers = [
+        b'"plain"',
+        b'"esc\\u00e9 \\"q\\""',
+        b'"a"},"content":"b"',  # looks like a string, then a duplicate key
+        b'"a","x":"y"',
+        b'"unterminated',
+        b"null",
+        b"1",
+        b'"bad \xff"',
+        b'"raw \x02"',
+        b'""',
+    ]
+    reader = TextReader()
+    assert reader.event_text(head + b'"first"' + tail) == "first"
+    for middle in followers:
+        event = head + middle + tail
+        assert reader.event_text(event) == full_parse_text(event), middle
+        # and back in the frame, after whatever came between
+        assert reader.event_text(head + b'"again"' + tail) == "again"
+    # Another frame, and an event of another endpoint, between two of this one.
+    other = b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"text":"m"}}'
+    assert [reader.event_text(e) for e in (other, head + b'"x"' + tail, other)] == ["m", "x", "m"]
+
+
+@given(st.text(), st.booleans(), st.sampled_from(FAST_FRAMES))
+def test_any_text_in_any_frame_reads_back(text: str, ascii_only: bool, frame: bytes) -> None:
+    """Any text, escaped or raw, in the place of a frame's own text, read by a reader that
+    knows the frame: the full parse's text, whether the fast way or the whole way took it."""
+    reader = TextReader()
+    full_parse = full_parse_text(frame)
+    assert reader.event_text(frame) == full_parse
+    if not full_parse:
+        return
+    at = frame.rfind(json.dumps(full_parse).encode())
+    string = json.dumps(text, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    event = frame[:at] + string + frame[at + len(json.dumps(full_parse)) :]
+    assert reader.event_text(event) == full_parse_text(event) == text
