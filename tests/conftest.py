@@ -7,6 +7,7 @@ keeps the tests that share a module's fixture on one pytest-xdist worker."""
 
 import logging
 import sys
+import types
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -39,8 +40,11 @@ _ROOT = Path(__file__).resolve().parent.parent
 TIMING_FILES = frozenset(
     {
         "tests/bench/test_matrix.py",  # reduced cancellation scorecards: p99 and steps after
+        "tests/contracts/test_drain.py",  # each grace and exit timed
         "tests/contracts/test_lifetime.py",
         "tests/contracts/test_lifetime_matrix.py",
+        "tests/contracts/test_preemption.py",  # TTFTs against preempt_after
+        "tests/contracts/test_scheduling.py",  # deadlines kept to within 0.5 s
         "tests/server/test_hangup.py",
     }
 )
@@ -56,6 +60,7 @@ TIMING_TESTS: dict[str, frozenset[str]] = {
         "tests/api/test_identity.py": {
             "test_with_the_issuer_down_cached_keys_admit_and_unknown_kids_are_refused_at_once",
             "test_forward_auth_admits_refuses_caches_and_bounds_its_calls",
+            "test_through_the_proxy_a_hung_issuer_costs_an_unknown_kid_half_a_second_at_most",
         },
         "tests/api/test_limits_redis.py": {
             "test_two_workers_share_concurrency_and_a_killed_workers_slot_expires",
@@ -102,19 +107,9 @@ TIMING_TESTS: dict[str, frozenset[str]] = {
         "tests/contracts/test_backpressure.py": {
             "test_slow_reader_applies_backpressure_then_is_cut_off",
         },
-        "tests/contracts/test_drain.py": {
-            "test_sigterm_drains_then_cancels_the_rest",
-            "test_sigterm_with_queued_paused_and_running_requests_tells_every_client",
-            "test_a_local_stream_still_running_as_the_grace_ends_is_told_in_band",
-        },
-        "tests/contracts/test_preemption.py": {
-            "test_an_urgent_request_pauses_a_batch_stream_which_resumes_where_it_stopped",
-            "test_a_paused_stream_whose_every_replica_is_ejected_fails_at_once_in_band",
-        },
-        "tests/contracts/test_scheduling.py": {
-            "test_a_deadline_passed_before_the_first_byte_is_a_504_and_the_upstream_closed",
-            "test_a_deadline_passed_mid_stream_is_an_in_band_error_and_the_upstream_closed",
-            "test_a_keys_longest_request_counts_its_wait_in_the_queue",
+        "tests/inference/test_long_prompts.py": {
+            "test_a_client_that_leaves_mid_prefill_is_let_go_within_a_chunk",
+            "test_a_short_request_gets_its_first_token_while_a_long_prompt_is_prefilled",
         },
         "tests/integration/test_server_tree.py": {
             "test_stop_ends_the_server_its_engine_and_a_daemon_that_left",
@@ -142,8 +137,25 @@ TIMING_TESTS: dict[str, frozenset[str]] = {
 }
 
 
-def _is_timing(path: str, name: str) -> bool:
-    return path in TIMING_FILES or name in TIMING_TESTS.get(path, frozenset())
+_TIMING_MODULES = frozenset(path.removesuffix(".py").replace("/", ".") for path in TIMING_FILES)
+
+
+def _is_timing(item: pytest.Item, path: str, name: str) -> bool:
+    """Listed, or in a file that runs the drivers and checks of a listed one (the lifetime
+    matrix's, say: its bounds come with them)."""
+    if path in TIMING_FILES or name in TIMING_TESTS.get(path, frozenset()):
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and any(
+        _home(value) in _TIMING_MODULES for value in vars(module).values()
+    )
+
+
+def _home(value: object) -> str | None:
+    """The module a name imported into a test module comes from (or is)."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    return getattr(value, "__module__", None)
 
 
 def _shares_a_fixture(item: pytest.Item) -> bool:
@@ -169,7 +181,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.path.resolve().relative_to(_ROOT).as_posix()
         name = getattr(item, "originalname", item.name)
         seen.setdefault(path, set()).add(name)
-        if _is_timing(path, name):
+        if _is_timing(item, path, name):
             item.add_marker(pytest.mark.timing)
         if grouping and _shares_a_fixture(item):
             item.add_marker(pytest.mark.xdist_group(path))
