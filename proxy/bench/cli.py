@@ -169,6 +169,12 @@ def _add_system_arguments(add: Callable[..., Any], d: BenchSettings) -> None:
         "record) take the load alternately; ratios are fast path over framework",
     )
     add(
+        "--versus-guard",
+        action="store_true",
+        help="the proxy with one regex output guard on every request and a second one without "
+        "take the load alternately; ratios are guarded over unguarded",
+    )
+    add(
         "--upstream-habit",
         choices=HABITS,
         default=d.upstream_habit,
@@ -230,6 +236,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         versus_tracing=args.versus_tracing,
         versus_budget=args.versus_budget,
         versus_fast_path=args.versus_fast_path,
+        versus_guard=args.versus_guard,
         upstream_habit=args.upstream_habit,
         upstream_habit_seconds=args.upstream_habit_seconds,
         progress=not args.quiet,

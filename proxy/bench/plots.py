@@ -177,6 +177,8 @@ def plot_labels(
         a, b = "budgeted", "unbudgeted"
     if settings.versus_fast_path:
         a, b = "fast path", "framework"
+    if settings.versus_guard:
+        a, b = "guarded", "unguarded"
     sluice = "Sluice" if a == "auto" and b is None else f"Sluice ({a})"
     labels = {
         "proxy": sluice,

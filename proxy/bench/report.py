@@ -14,7 +14,7 @@ from typing import Any, Final, TextIO
 import trio
 
 from proxy.bench.headings import unique_headings
-from proxy.bench.settings import BENCH_BUDGET, BenchSettings
+from proxy.bench.settings import BENCH_BUDGET, BENCH_GUARD_PATTERN, BenchSettings
 from proxy.bench.summary import ROUND_FIGURES, RunData, RunSummary, percentile
 from proxy.bench.tracing_ab import TracingTally
 from proxy.bench.tracing_ab import markdown_lines as tracing_lines
@@ -222,6 +222,8 @@ def column_labels(
         a, b = "budgeted", "unbudgeted"
     if settings.versus_fast_path:
         a, b = "fast path", "framework"
+    if settings.versus_guard:
+        a, b = "guarded", "unguarded"
     if b is None:
         return labels | ({"proxy": f"proxy ({a})"} if a != "auto" else {})
     labels |= {"proxy": f"proxy ({a})", "versus": f"proxy ({b})", "proxy/versus": f"{a}/{b}"}
@@ -255,6 +257,8 @@ def _title(report: BenchReport, relay: str = "proxy") -> str:
         title += ", token budget vs none"
     if settings.versus_fast_path:
         title += ", fast path vs framework"
+    if settings.versus_guard:
+        title += ", one regex output guard vs none"
     if settings.upstream_habit != "none":
         title += ", upstream " + settings.habit_text()
     others = [mode for mode in report.summaries if mode not in ("proxy", "versus")]
@@ -305,6 +309,15 @@ def markdown_section(report: BenchReport, plots: Sequence[tuple[str, str]] = ())
             "same fake upstream and "
             f"alternating with it run by run; fast path/framework is {labels['proxy']} over "
             f"{labels['versus']}"
+        )
+    elif "versus" in report.summaries and settings.versus_guard:
+        lines.append(
+            f'- {labels["proxy"]}: Sluice with one `[[guards]]` table, `use = "regex"` at '
+            f"the output stage on every request (deny `{BENCH_GUARD_PATTERN}`, which no token "
+            'matches; windows of 32 tokens, `release = "after"`: each window held until it '
+            f"passed); {labels['versus']}: a second Sluice process without it, relaying to the "
+            "same fake upstream and alternating with it run by run; guarded/unguarded is "
+            f"{labels['proxy']} over {labels['versus']}"
         )
     elif "versus" in report.summaries and settings.versus_budget:
         lines.append(

@@ -64,6 +64,7 @@ from proxy.bench.procfs import (
 from proxy.bench.report import BenchReport, PeerFacts, column_labels, show_progress, write_text
 from proxy.bench.settings import (
     BENCH_BUDGET,
+    BENCH_GUARD_PATTERN,
     BenchError,
     BenchSettings,
     CpuLayout,
@@ -100,11 +101,13 @@ def _proxy_config(
     transport: str | None = None,
     *,
     budgeted: bool = False,
+    guarded: bool = False,
 ) -> str:
     """The config of a proxy the bench starts; ``transport``: its ``[upstream] transport``
     (None: ``settings.transport``; the versus proxy's is ``settings.versus_transport``). With
     ``--versus-budget`` both have the key every request carries, the ``budgeted`` one with a
-    token budget too large to refuse anything: what metering costs, and nothing else."""
+    token budget too large to refuse anything: what metering costs, and nothing else. With
+    ``--versus-guard`` the ``guarded`` one has one regex output guard on every request."""
     keys = ""
     if settings.versus_budget:
         keys = (
@@ -130,8 +133,20 @@ def _proxy_config(
         + (f"socket_rcvbuf = {settings.proxy_rcvbuf}\n" if settings.proxy_rcvbuf else "")
         + "\n"
         f"[models.{json.dumps(settings.model_name)}]\n"
-        f"upstreams = [{json.dumps(upstream)}]\n"
+        f"upstreams = [{json.dumps(upstream)}]\n" + (_GUARD if guarded else "")
     )
+
+
+# --versus-guard: the guarded proxy's one guard, at every model and key (windows of 32 tokens
+# with 8 of overlap, each held until it passed: the defaults, what a user writes first).
+_GUARD = (
+    "\n[[guards]]\n"
+    'name = "bench-regex"\n'
+    'use = "regex"\n'
+    'stage = "output"\n'
+    "[guards.options]\n"
+    f"deny = [{json.dumps(BENCH_GUARD_PATTERN)}]\n"
+)
 
 
 async def _fetch_records(address: tuple[str, int], since: int) -> list[dict[str, Any]]:
@@ -403,6 +418,7 @@ def _schedule(settings: BenchSettings) -> list[Mode]:
         or settings.versus_tracing
         or settings.versus_budget
         or settings.versus_fast_path
+        or settings.versus_guard
     ):
         one.append("versus")
     one += [mode for mode, _ in settings.peer_modes()]
@@ -602,6 +618,14 @@ class _Systems:
                 "versus", settings.transport, upstream_url, budgeted=False
             )
             pids["versus_proxy"] = endpoints.versus_pid
+        elif settings.versus_guard:
+            # The same proxy without the guard, alternating with the guarded one (settings
+            # refuse --versus-guard with --target).
+            assert upstream_url is not None
+            endpoints.versus, endpoints.versus_pid = await self._start_proxy(
+                "versus", settings.transport, upstream_url, guarded=False
+            )
+            pids["versus_proxy"] = endpoints.versus_pid
         pids_given = iter(settings.peer_pids)
         for mode, value in settings.peer_modes():
             if "://" in value:
@@ -660,6 +684,7 @@ class _Systems:
         env: dict[str, str] | None = None,
         *,
         budgeted: bool = True,
+        guarded: bool = True,
         tree: Path | None = None,
     ) -> tuple[tuple[str, int], int]:
         """A Sluice proxy with ``transport`` in front of ``upstream_url`` (``env`` added to
@@ -678,6 +703,8 @@ class _Systems:
             if settings.versus_budget
             else "framework"
             if settings.versus_fast_path
+            else "unguarded"
+            if settings.versus_guard
             else transport
         )
         name = "proxy" if mode == "proxy" else f"proxy ({other})"
@@ -685,7 +712,15 @@ class _Systems:
         address = ("127.0.0.1", free_port("127.0.0.1"))
         config = self._workdir / f"{stem}.toml"
         write_text(
-            config, _proxy_config(address[1], upstream_url, settings, transport, budgeted=budgeted)
+            config,
+            _proxy_config(
+                address[1],
+                upstream_url,
+                settings,
+                transport,
+                budgeted=budgeted,
+                guarded=guarded and settings.versus_guard and tree is None,
+            ),
         )
         log = self._workdir / f"{stem}.log"
         argv = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]

@@ -35,6 +35,9 @@ TIMED_HABITS: Final = ("keepalive-timeout", "late-close")
 DEFAULT_HABIT_SECONDS: Final = 0.05
 # --versus-budget: tokens per minute that no load of the bench comes near (nothing refused).
 BENCH_BUDGET: Final = 10**12
+# --versus-guard: the deny pattern of the one regex output guard (the fake's tokens never
+# match it: every window is checked, and passes, as most answers do).
+BENCH_GUARD_PATTERN: Final = r"SECRET-\d{6}"
 
 
 class BenchError(Exception):
@@ -129,6 +132,9 @@ class BenchSettings:
     # a second one, "versus", with ``[server] fast_path = false`` (every request through
     # the HTTP server and framework of record), alternating: what the fast path saves.
     versus_fast_path: bool = False
+    # The proxy with one regex output guard on every request (``[[guards]]``, the answer held
+    # per window until it passed) and a second one, "versus", without: what a guard costs.
+    versus_guard: bool = False
 
     def __post_init__(self) -> None:
         if self.streams < 1:
@@ -244,6 +250,7 @@ class BenchSettings:
                 ("--versus-tracing", self.versus_tracing),
                 ("--versus-budget", self.versus_budget),
                 ("--versus-fast-path", self.versus_fast_path),
+                ("--versus-guard", self.versus_guard),
             )
             if on
         ]
@@ -253,6 +260,8 @@ class BenchSettings:
             raise BenchError(
                 "--versus-budget configures the proxies the bench starts, not --target"
             )
+        if self.versus_guard and self.target is not None:
+            raise BenchError("--versus-guard configures the proxies the bench starts, not --target")
         if self.versus_fast_path and self.target is not None:
             raise BenchError(
                 "--versus-fast-path configures the proxies the bench starts, not --target"
@@ -342,6 +351,11 @@ class BenchSettings:
                 "reserved, counted and settled) vs the same key without one (two proxies, "
                 "alternating)"
             )
+        if self.versus_guard:
+            parts.append(
+                "Sluice with one regex output guard on every request (its answer held per "
+                "window of 32 tokens until the window passed) vs none (two proxies, alternating)"
+            )
         if self.versus_fast_path:
             parts.append(
                 "Sluice serving plain requests on its fast path vs the same with "
@@ -412,6 +426,8 @@ class BenchSettings:
             extra.append("budget=1")
         if self.versus_fast_path:
             extra.append("fast_path=1")
+        if self.versus_guard:
+            extra.append("guard=1")
         if self.upstream_habit in TIMED_HABITS:
             extra.append(f"habit={self.upstream_habit}@{self.upstream_habit_seconds:g}")
         elif self.upstream_habit != "none":
@@ -457,6 +473,7 @@ _NAME_WORDS: Final[tuple[tuple[str, Callable[[str, str], str]], ...]] = (
     ("tracing", lambda v, d: "traced-vs-untraced"),
     ("budget", lambda v, d: "budgeted-vs-unbudgeted"),
     ("fast_path", lambda v, d: "fast-path-vs-framework"),
+    ("guard", lambda v, d: "guarded-vs-unguarded"),
     ("direct", lambda v, d: "vs-direct"),
     ("peer", lambda v, d: "vs-peer"),
     ("peers", lambda v, d: "vs-" + v.replace(",", "-")),
