@@ -508,8 +508,10 @@ class OutputLedger:
 
     def finish(self) -> DueWindow | None:
         """The answer ended: its last window (None when every token was checked already and
-        nothing is held)."""
-        if not self._open_events:
+        nothing is held). A window that closed on the answer's last event (the hold-back's
+        bound reached, or its last token) kept the chunks of its overlap held for the next one:
+        that next one is this, with no text of its own, so that they are released."""
+        if not self._open_events and not self.held:
             return None
         return self._close(final=True)
 

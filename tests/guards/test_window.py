@@ -76,7 +76,9 @@ def test_windows_close_every_window_tokens_and_overlap_the_previous_one() -> Non
     assert (first.text, first.new_text, first.index) == ("abc", "abc", 0)
     # The second sees the first's last token again.
     assert (second.text, second.new_text, second.index) == ("cdef", "def", 1)
-    assert ledger.finish() is None
+    # The end: a last window with no text of its own, for the overlap the second kept held.
+    last = ledger.finish()
+    assert last is not None and (last.text, last.new_text, last.final) == ("f", "", True)
 
 
 def test_a_passed_window_keeps_its_overlap_held_until_the_next_one_passes() -> None:
@@ -90,8 +92,10 @@ def test_a_passed_window_keeps_its_overlap_held_until_the_next_one_passes() -> N
     second = windows[5]
     assert second is not None and second.text == "RET-123!"
     last = ledger.finish()
-    assert last is None
+    assert last is not None and last.new_text == "" and last.final
     assert ledger.passed(second) == chunks[1:4]
+    # The end's window frees what the second kept: nothing stays held.
+    assert ledger.passed(last) == chunks[4:]
     # The answer's last window frees everything.
     final = OutputLedger(3, 2, 10, release_after=True)
     for c in chunks[:2]:
@@ -270,3 +274,23 @@ def test_any_text_in_any_frame_reads_back(text: str, ascii_only: bool, frame: by
     string = json.dumps(text, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
     event = frame[:at] + string + frame[at + len(json.dumps(full_parse)) :]
     assert reader.event_text(event) == full_parse_text(event) == text
+
+
+def test_the_overlap_held_by_a_window_that_closed_on_the_last_event_is_released() -> None:
+    """A window that closed on the answer's last event (here its last token; under load, the
+    hold-back's bound on [DONE]) keeps its overlap's chunks for the next window: the end makes
+    that window, with no text of its own, and everything is released (the bench's long streams
+    lost their [DONE] under load: 15 of 500)."""
+    ledger = OutputLedger(2, 1, 2, release_after=True)
+    chunks = [chat("a"), chat("b")]
+    (_, due) = [ledger.take(c, read_chunk(c)) for c in chunks]
+    assert due is not None and not due.final
+    final = ledger.finish()
+    assert final is not None and final.final and final.new_text == "" and final.text == "b"
+    assert ledger.passed(due) + ledger.passed(final) == chunks
+    assert not ledger.held
+    # Nothing held, nothing open: no window.
+    before = OutputLedger(2, 1, 2, release_after=False)
+    for c in chunks:
+        before.take(c, read_chunk(c))
+    assert before.finish() is None
