@@ -326,6 +326,59 @@ async def test_a_model_guard_asks_a_served_model(nursery: trio.Nursery) -> None:
     assert len(judged) == 2
 
 
+async def test_a_model_guard_judges_each_output_window(nursery: trio.Nursery) -> None:
+    """At the output stage the model guard asks its model about each window's text: refused,
+    nothing of the answer goes out (its first window held until judged) and it is asked once;
+    passed, all of it goes out, the last window judged with the answer's end."""
+    fake = await start_fake(nursery, ttft=0.01, interval=0.02, tokens=6)
+    models = {
+        "fake-model": [fake.url],
+        "judge": {"upstreams": [fake.url], "upstream_model": "fake-model"},
+    }
+    # The fake judge answers "The quick brown fox": refused when the pattern reads "^The".
+    window = {"window_tokens": 4, "overlap_tokens": 1}
+    refusing = table(use="model", options={"model": "judge", "refuse": "^The"}, **window)
+    passing = table(name="h", use="model", options={"model": "judge"}, **window)
+    answers, judged = [], []
+    for guards in ([refusing], [passing]):
+        proxy = await start_proxy(nursery, models, guards=guards)
+        since = len(fake.recorder.records)
+        with trio.fail_after(DEADLINE):
+            async with httpx.AsyncClient(timeout=10) as client:
+                answers.append(await client.post(proxy.url + CHAT, json=chat_body()))
+        asked = [json.dumps(r.body) for r in fake.recorder.records[since:]]
+        judged.append([body for body in asked if "Is the following text safe" in body])
+    refused, passed = answers
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "guard_refused"
+    assert len(judged[0]) == 1 and "The quick" in judged[0][0]
+    assert passed.status_code == 200
+    assert stream_text(sse_payloads(passed.text)) == "The quick brown fox jumps over "
+    assert judged[1] and "over" in judged[1][-1]
+
+
+async def test_a_request_refused_at_the_request_stage_still_has_its_after_hooks(
+    nursery: trio.Nursery,
+) -> None:
+    SEEN.clear()
+    fake = await start_fake(nursery, ttft=0.01, interval=0.01, tokens=3)
+    guards = [
+        table(stage="request", use="tests.guards.test_http:refuse_teapots"),
+        table(name="audit", stage="after", use="tests.guards.test_http:remember"),
+    ]
+    proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, guards=guards)
+    asked = [{"role": "user", "content": "a teapot please"}]
+    with trio.fail_after(DEADLINE):
+        async with httpx.AsyncClient(timeout=10) as client:
+            answer = await client.post(proxy.url + CHAT, json=chat_body(messages=asked))
+        await poll_until(lambda: len(SEEN) == 1)
+    assert answer.status_code == 418
+    (outcome,) = SEEN
+    assert (outcome.guard, outcome.status, outcome.outcome) == ("audit", 418, "teapot")
+    assert (outcome.refused_by, outcome.refused_reason) == ("g", "asked for a teapot")
+    assert outcome.ttft is None and outcome.model == "fake-model"
+    assert len(fake.recorder.records) == 0  # refused before the queue
+
+
 # -- the example package of docs/guards.md ----------------------------------------------------
 
 
