@@ -25,6 +25,7 @@ PATHS = {
     "chat": "/v1/chat/completions",
     "responses": "/v1/responses",
     "messages": "/v1/messages",
+    "embeddings": "/v1/embeddings",
 }
 # Every scenario's answer from the fake: few tokens, so that a run has few checkpoints, each
 # a little apart so that the relay waits between them as it does in life.
@@ -63,11 +64,13 @@ class Scenario:
         body: dict[str, Any]
         if self.endpoint == "chat":
             body = {"messages": [{"role": "user", "content": "hello there"}]}
-        elif self.endpoint == "responses":
+        elif self.endpoint in ("responses", "embeddings"):
             body = {"input": "hello there"}
         else:
             body = {"max_tokens": 64, "messages": [{"role": "user", "content": "hello there"}]}
-        body = {"model": self.model, **body, "stream": self.stream, **self.extra}
+        body = {"model": self.model, **body, **self.extra}
+        if self.endpoint != "embeddings":
+            body["stream"] = self.stream
         headers = {"Authorization": f"Bearer {self.bearer}", "X-Request-ID": request_id}
         return Request(PATHS[self.endpoint], body, headers)
 
@@ -142,6 +145,7 @@ def _scenarios() -> list[Scenario]:
         Scenario("chat-whole", "a chat completion answered whole (JSON)", stream=False),
         Scenario("responses-stream", "a streamed Responses API answer", endpoint="responses"),
         Scenario("messages-stream", "a streamed Anthropic Messages answer", endpoint="messages"),
+        Scenario("embeddings", "an embeddings request (a whole JSON answer)", "embeddings", False),
         Scenario(
             "budgeted",
             "a streamed chat of a key with a token budget (reserved, then settled)",
@@ -173,11 +177,14 @@ def _scenarios() -> list[Scenario]:
                 f"upstream-{mode}-at-{at}",
                 f"a streamed chat whose upstream {what} at event boundary {at} of {TOKENS}",
                 extra={"fake": {"mode": mode, "at": at}},
-                # Never ejected for its failures: every run reaches the fake.
+                # Never ejected for its failures: every run reaches the fake. A short limit
+                # only for the wait the stall is in (the first token's at 0, the idle one
+                # after): on a loaded machine any other could pass before the fault is read,
+                # and the run end another way.
                 config={
                     "upstream": {
-                        "idle_timeout": 0.05,
-                        "first_token_timeout": 0.05,
+                        "idle_timeout": 0.05 if mode == "stall" and at else 5,
+                        "first_token_timeout": 0.05 if mode == "stall" and not at else 5,
                         "failure_threshold": 1_000_000,
                     }
                 },
@@ -186,7 +193,7 @@ def _scenarios() -> list[Scenario]:
             for mode, what in (
                 ("reset", "resets the connection"),
                 ("malformed", "sends a malformed event"),
-                ("stall", "stalls past the idle limit (50 ms)"),
+                ("stall", "stalls past the first-token or idle limit (50 ms)"),
             )
             for at in range(TOKENS + 1)
         ),
