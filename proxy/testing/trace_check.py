@@ -7,7 +7,8 @@ A trace says what happened when:
 * it holds exactly one SERVER span (the request, or the WebSocket message) and, under it, one
   operation span (``{gen_ai.operation.name} {model}``), every upstream attempt under that; a
   ``request`` stage guard's span (``guard <name>``, made before the operation exists) under
-  the server span too;
+  the server span too; a request that such a guard refused has no operation at all, and its
+  server span and guard spans say what happened;
 * every span ended (it was exported at all, with an end not before its start, and no child
   ending after its parent);
 * both carry the outcome the access line should have (``completed``, ``cancelled(<phase>)``...)
@@ -41,10 +42,11 @@ def judge(spans: Sequence[Span], outcome: str, *, local: bool = False) -> str | 
         return f"{len(servers)} server spans"
     (server,) = servers
     operations = [
-        span
-        for span in spans
-        if span.parent_span_id == server.span_id and not _request_guard(span)
+        span for span in spans if span.parent_span_id == server.span_id and not _request_guard(span)
     ]
+    guards = [span for span in spans if _request_guard(span)]
+    if not operations and guards and not outcome.startswith(("completed", "cancelled")):
+        return _refused_before_its_operation(server, guards, spans, outcome)
     if len(operations) != 1:
         return f"{len(operations)} operation spans under the server span"
     (operation,) = operations
@@ -78,4 +80,24 @@ def judge(spans: Sequence[Span], outcome: str, *, local: bool = False) -> str | 
         return f"{stopped!r} before {CLIENT_DISCONNECTED!r}"
     if not isinstance(operation.attributes.get("sluice.cancel.latency_s"), float):
         return "no sluice.cancel.latency_s"
+    return None
+
+
+def _refused_before_its_operation(
+    server: Span, guards: Sequence[Span], spans: Sequence[Span], outcome: str
+) -> str | None:
+    """A request a ``request`` stage guard refused: no operation was made, so the trace is the
+    server span and its guards' spans, every one ended within it, the server saying ``outcome``."""
+    if len(spans) != 1 + len(guards):
+        return f"{len(spans) - 1 - len(guards)} spans beside a refused request's guards"
+    for span in guards:
+        if span.end < span.start or span.end == 0:
+            return f"span {span.name!r} did not end"
+        if span.parent_span_id != server.span_id or span.end > server.end:
+            return f"span {span.name!r} is not within the server span"
+    if server.end < server.start or server.end == 0:
+        return f"span {server.name!r} did not end"
+    said = server.attributes.get("sluice.outcome")
+    if said != outcome:
+        return f"{server.name!r} says {said!r}, not {outcome!r}"
     return None

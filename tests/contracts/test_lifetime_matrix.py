@@ -1124,6 +1124,30 @@ async def test_disconnect_after_a_pipelined_byte_leaves_nothing_behind(
     )
 
 
+async def start_rig_with_unreachable(
+    nursery: trio.Nursery,
+    loaded: Any,
+    traced: Traced,
+    port: int,
+    server: dict[str, Any] | None = None,
+) -> Rig:
+    """The rig, with the models ``unreachable`` and ``unreachable-httpx`` whose replica is
+    ``port`` (a listener of :func:`unreachable_port`: their connect never completes)."""
+    unreachable = {
+        "upstreams": [f"http://127.0.0.1:{port}"],
+        "connect_timeout": 60,
+        "passthrough": ["/tokenize"],
+    }
+    return await start_rig(
+        nursery,
+        loaded,
+        traced,
+        server,
+        unreachable=unreachable,
+        **{"unreachable-httpx": {**unreachable, "transport": "httpx"}},
+    )
+
+
 async def leave_and_check(
     nursery: trio.Nursery,
     loaded: Any,
@@ -1138,19 +1162,7 @@ async def leave_and_check(
 ) -> None:
     with unreachable_port() as (listener, filler), trio.fail_after(DEADLINE):
         port = listener.getsockname()[1]
-        unreachable = {
-            "upstreams": [f"http://127.0.0.1:{port}"],
-            "connect_timeout": 60,
-            "passthrough": ["/tokenize"],
-        }
-        rig = await start_rig(
-            nursery,
-            loaded,
-            traced,
-            server,
-            unreachable=unreachable,
-            **{"unreachable-httpx": {**unreachable, "transport": "httpx"}},
-        )
+        rig = await start_rig_with_unreachable(nursery, loaded, traced, port, server)
         # After the warm-up, whose requests end as always.
         rig.pipelined_byte = pipelined_byte
         if backend in UPSTREAM_BACKENDS:
