@@ -182,6 +182,11 @@ bench: $(STAMP)
 	# What token budgets cost: every request metered (reserved, counted, settled) vs the same
 	# key without a budget, alternating.
 	$(BIN)/python -m proxy.bench --streams 100 --versus-budget --repeat 5 --markdown docs/benchmarks.md
+	# One regex output guard on every request vs none (issue 56's bar: at most 1.10x per event),
+	# on the default load and on long streams.
+	$(BIN)/python -m proxy.bench --streams 100 --versus-guard --repeat 5 --markdown docs/benchmarks.md
+	$(BIN)/python -m proxy.bench --streams 100 --tokens 400 --drop 0 --versus-guard --repeat 5 \
+		--markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --versus-transport httpx --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --upstream-habit close-after-response \
 		--versus-transport httpx --markdown docs/benchmarks.md
