@@ -4,6 +4,7 @@ the same requests to it and to ``sluice serve``, counted the same way."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -52,17 +53,19 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], deadline: float) -> N
 
 
 async def _stream(
-    client: httpx.AsyncClient, url: str, question: str, tokens: int
+    client: httpx.AsyncClient, url: str, question: str, tokens: int, *, sluice: bool
 ) -> tuple[float, float, float, int]:
-    """One streamed request to an OpenAI-compatible server that knows no ignore_eos: (its start,
-    its first token, its last token, the tokens it streamed), its end of turn biased away."""
+    """One streamed request that runs to ``tokens`` (Sluice: ``ignore_eos``; llama.cpp, which
+    has none: its end of turn biased away): (its start, its first token, its last token, the
+    tokens it streamed)."""
     body = {
         "model": "smollm2",
         "messages": [{"role": "user", "content": question}],
         "stream": True,
         "max_tokens": tokens,
         "temperature": 0,
-        "logit_bias": {str(_SMOLLM2_END_OF_TURN): -100},
+        # Sluice's local model takes no logit_bias; its ignore_eos does the same.
+        **({"ignore_eos": True} if sluice else {"logit_bias": {str(_SMOLLM2_END_OF_TURN): -100}}),
     }
     started = time.perf_counter()
     first = last = 0.0
@@ -70,14 +73,20 @@ async def _stream(
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if '"content":"' in line and '"content":""' not in line:
+            # Parsed, not matched: llama.cpp's server writes its JSON with spaces.
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
                 last = time.perf_counter()
                 first = first or last
                 count += 1
     return started, first, last, count
 
 
-def measure(url: str, streams: int, tokens: int, questions: Sequence[str]) -> dict[str, Any]:
+def measure(
+    url: str, streams: int, tokens: int, questions: Sequence[str], *, sluice: bool = False
+) -> dict[str, Any]:
     """``streams`` requests at once, each event counted as a token: aggregate tokens/s (all
     tokens over the wall time) and one stream's rate (the median, after its first token)."""
     import trio
@@ -89,7 +98,7 @@ def measure(url: str, streams: int, tokens: int, questions: Sequence[str]) -> di
 
             async def one(index: int) -> None:
                 question = questions[index % len(questions)]
-                timings.append(await _stream(client, url, question, tokens))
+                timings.append(await _stream(client, url, question, tokens, sluice=sluice))
 
             async with trio.open_nursery() as nursery:
                 for index in range(streams):
@@ -121,9 +130,10 @@ def compare(
     for _ in range(repeat):
         for server in figures:
             print(f"{server}: one stream, {STREAMS} streams ...", file=sys.stderr)
-            one = measure(urls[server], 1, tokens, questions)
+            sluice = server != "llamacpp"
+            one = measure(urls[server], 1, tokens, questions, sluice=sluice)
             figures[server]["one"].append(one["aggregate_tokens_per_s"])
-            many = measure(urls[server], STREAMS, tokens, questions)
+            many = measure(urls[server], STREAMS, tokens, questions, sluice=sluice)
             figures[server]["many"].append(many["aggregate_tokens_per_s"])
     return {
         server: {"one_tokens_per_s": max(f["one"]), "many_tokens_per_s": max(f["many"])}
