@@ -39,7 +39,10 @@ _ROOT = Path(__file__).resolve().parent.parent
 # belongs here, or carries ``@pytest.mark.timing`` itself.
 TIMING_FILES = frozenset(
     {
+        # Tiny bench runs against real subprocesses: a stream must still run at its drop point.
+        "tests/bench/test_bench.py",
         "tests/bench/test_matrix.py",  # reduced cancellation scorecards: p99 and steps after
+        "tests/bench/test_sluice_ref.py",
         "tests/contracts/test_drain.py",  # each grace and exit timed
         "tests/contracts/test_lifetime.py",
         "tests/contracts/test_lifetime_matrix.py",
@@ -116,6 +119,10 @@ TIMING_TESTS: dict[str, frozenset[str]] = {
         },
         "tests/ops/test_metrics.py": {"test_local_queue_and_step_metrics"},
         "tests/ops/test_tracing.py": {"test_a_collector_in_trouble_never_delays_a_request"},
+        "tests/relay/test_relay_http.py": {
+            "test_concurrent_streams_interleave",
+            "test_an_idle_keep_alive_connection_is_closed_after_keep_alive_timeout",
+        },
         "tests/server/test_fast_path.py": {
             "test_graceful_shutdown_closes_idle_connections_and_finishes_streams",
             "test_a_stalled_reader_is_reset_after_stall_timeout",
@@ -132,6 +139,8 @@ TIMING_TESTS: dict[str, frozenset[str]] = {
             "test_client_reset_mid_stream",
             "test_tls_disconnect_noticed_mid_stream",
             "test_disconnect_from_typed_streams_recorded",
+            "test_keepalive_timeout_closes_idle_connections",
+            "test_late_close_leaves_a_request_unanswered",
         },
     }.items()
 }
