@@ -130,10 +130,12 @@ def test_the_cli_dispatches_the_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_a_reduced_local_matrix_stops_each_sequence_within_one_step(
-    tmp_path: Path, tiny_loaded_model: Any
+    tmp_path: Path, long_context_loaded_model: Any
 ) -> None:
-    tiny_loaded_model.model.save_pretrained(tmp_path)
-    tiny_loaded_model.tokenizer.save_pretrained(tmp_path)
+    # SmolLM2's context: the matrix's long answer (LOCAL_LONG_TOKENS) after its long prompt
+    # fits, where the 512 tokens of tiny_loaded_model's would be refused before the queue.
+    long_context_loaded_model.model.save_pretrained(tmp_path)
+    long_context_loaded_model.tokenizer.save_pretrained(tmp_path)
     settings = MatrixSettings(
         phases=("head", "mid_stream"),
         transports=("sse", "json"),
