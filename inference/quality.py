@@ -178,7 +178,7 @@ def _nll(logits: Any, targets: Any) -> float:
 def cpu_family() -> str:
     """This machine's CPU model as a file name: the golden answers' file is one per family
     (``amd-epyc``), since another CPU's kernels may round a near-tie the other way."""
-    return re.sub(r"[^a-z0-9]+", "-", _cpu_model().lower()).strip("-") or "unknown"
+    return re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-") or "unknown"
 
 
 def machine_identity() -> dict[str, Any]:
@@ -189,7 +189,7 @@ def machine_identity() -> dict[str, Any]:
     import transformers
 
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -197,7 +197,8 @@ def machine_identity() -> dict[str, Any]:
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This machine's CPU model, as lscpu names it (its figures are this CPU's)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

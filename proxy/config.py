@@ -340,8 +340,8 @@ class LocalModel(ModelBase):
     # quantization (fails the gate: 48%). docs/local-model.md has the measured figures.
     weights: str = "auto"
     # torch's threads for the forward pass, process-wide (the largest of the local models'
-    # settings wins); 0 leaves torch's default, one per core. On 2 cores, 1 thread left the
-    # other core to the event loop: one stream +12%, 8 streams -10% (docs/local-model.md).
+    # settings wins); 0 leaves torch's default, one per core. On 2 cores, 1 thread costs one
+    # stream a quarter of its speed (docs/local-model.md, "Threads").
     threads: int = 0
     # The KV kept for sequences paused by preemption ([scheduling] preempt_after), at most: a
     # paused sequence resumes from its own KV, token for token as if never paused; past this,

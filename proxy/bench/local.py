@@ -47,6 +47,7 @@ import httpx
 
 from inference import Generator, SamplingParams, load_model
 from inference.loading import SMOLLM2_PACKAGE
+from inference.quality import cpu_model
 from proxy.bench import llamacpp as llamacpp_bench
 from proxy.bench.children import free_port
 from proxy.bench.headings import unique_headings
@@ -670,7 +671,7 @@ def markdown(results: dict[str, Any], command: str, plot: str | None = None) -> 
         SECTION_MARK,
         "## Local model: one stream vs `model.generate`, a chat's turns, many streams in one batch",
         "",
-        f"- Machine: {os.cpu_count()} cores, {ram_gib:.1f} GiB RAM, "
+        f"- Machine: {os.cpu_count()} cores ({cpu_model()}), {ram_gib:.1f} GiB RAM, "
         f"{platform.system()} {platform.release()}, Python {platform.python_version()}; load "
         f"average at the start {' / '.join(str(v) for v in results['load_average'])}",
         f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
