@@ -171,9 +171,7 @@ async def test_a_stalled_reader_is_parked_then_evicted_and_the_others_finish(
         )
         backend = proxy.state.local_backends["tiny"]
         expected = await streamed_answer(client, proxy, question(QUESTIONS[0], max_tokens=200))
-        stalled = await RawClient.post(
-            proxy, CHAT, chat_body("tiny"), rcvbuf=4096
-        )
+        stalled = await RawClient.post(proxy, CHAT, chat_body("tiny"), rcvbuf=4096)
         await stalled.read_until(b'"content":"', count=2)
         (relay,) = proxy.state.tracker.active
         await poll_until(lambda: relay.buffered() == capacity)
