@@ -17,6 +17,26 @@ had given up on it, then sent again) or late (after a newer one) counts once:
   carried beyond that value, when the store then loses their record.
 - A floor (:attr:`SharedCounters.floors`) raises a key's total to at least it, never adds to
   it; then the store answers every key's total.
+
+**Forgetting idle keys** (a key per subject makes many). The store forgets a key's total, and
+then each instance's record of it, once the total has not changed for a stated time and every
+live instance (one whose record lives) has heard an answer given at or after its last change
+(each sync says when it last heard one: :attr:`SharedCounters.heard`). That loses nothing:
+
+- every live instance holds, as its counter for the key, at least that last total (an answer
+  sets each counter to at least its total), and keeps it until its queue forgets the key by
+  the local rule (``proxy/protocol/scheduling.py``: not waiting, not running, at or below the
+  floor it would be lifted to on returning), which loses nothing by itself;
+- an instance's record of the key goes in the same script that answers it without the key
+  (or, that answer lost, the next one sends the key with the value answered, which stands in
+  for the record), so its service for the key restarts here from what the store has not
+  taken, and nothing is counted twice or lost;
+- a sync that carries service or a floor for the key changes its total in the same atomic
+  script: it is never forgotten then, and a key returning to the store after it was forgotten
+  starts from what is sent then (a lift here is sent as a floor).
+
+What the store no longer tells is only what an instance starting later would have learnt:
+it lifts the key, on its return, to its own floor, as it does any key it never heard of.
 """
 
 from __future__ import annotations
@@ -54,6 +74,13 @@ class SharedCounters:
         # The keys lifted here beyond the store's total, each with its counter: read with
         # outgoing()'s totals.
         self.floors: dict[str, float] = {}
+        # The store's clock at the last answer it gave knowing this instance (0: none yet):
+        # sent with each sync, so that the store forgets no total this instance has not heard.
+        self.heard = 0.0
+        # The keys the store forgot while their counter stayed here, each with that counter
+        # less the service not yet sent: what the store would hold for it (no floor is sent
+        # for it unless it is lifted here again).
+        self._quiet: dict[str, float] = {}
         # The queue forgets no key the store counts, nor one whose service it is yet to take:
         # a key's service here must only grow (the module's docstring).
         queue.pinned = self.holds
@@ -67,26 +94,49 @@ class SharedCounters:
         sync the store answered (a sync that failed, or that the store took without answering,
         is covered by the next: the values only grow); :attr:`floors` is set with it."""
         served, answered, base = self._queue.served, self.answered, self._base
+        counters, quiet = self._queue.counters, self._quiet
+        for key in [key for key in quiet if key not in counters]:
+            del quiet[key]
         self._sent = dict(served)
         totals = {key: value for key, value in served.items() if value != answered.get(key, 0.0)}
         # A counter above the store's total plus the service here since was lifted here, or the
         # store lost the total (beyond what summing in another order leaves over).
         self.floors = {
             key: value
-            for key, value in self._queue.counters.items()
-            if value - base.get(key, 0.0) - (served.get(key, 0.0) - answered.get(key, 0.0))
+            for key, value in counters.items()
+            if value
+            - base.get(key, quiet.get(key, 0.0))
+            - (served.get(key, 0.0) - answered.get(key, 0.0))
             > 1e-9 * max(1.0, value)
         }
         return totals
 
-    def incoming(self, shared: Mapping[str, float]) -> None:
+    def incoming(self, shared: Mapping[str, float], *, at: float | None = None) -> None:
         """The store's totals (every key it holds) after it took :meth:`outgoing`'s values and
-        floors."""
+        floors. ``at``: the store's clock, when the store knew this instance before this sync;
+        then a key it held at the last answer and holds no more was forgotten there (idle,
+        with its last total heard everywhere: the module's docstring), and so is this
+        instance's record of it. Here the key is let go of too: its counter stays until the
+        queue forgets it by its own rule, its service here restarts from what the store has
+        not taken, and no floor is sent for it unless it is lifted again. Without ``at`` (a
+        store that lost everything, or that had dropped this instance), a key missing is a
+        total lost: the floors of the next sync give it back."""
         counters, served, sent = self._queue.counters, self._queue.served, self._sent
         for key, total in shared.items():
             since = served.get(key, 0.0) - sent.get(key, 0.0)
             # A lift here meanwhile is kept, and so is a counter the store has lost.
             counters[key] = max(total + since, counters.get(key, 0.0))
+            self._quiet.pop(key, None)
+        if at is not None:
+            self.heard = at
+            for key in self._base.keys() - shared.keys():
+                since = served.get(key, 0.0) - sent.pop(key, 0.0)
+                if since > 0:
+                    served[key] = since
+                else:
+                    served.pop(key, None)
+                if key in counters:
+                    self._quiet[key] = counters[key] - max(since, 0.0)
         self._base = dict(shared)
         self.answered = sent
         self.floors = {}

@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from proxy.api.limits import RedisLimits
-from proxy.api.shared_service import RECORD_SECONDS, SYNC_SCRIPT
+from proxy.api.shared_service import IDLE_SECONDS, RECORD_SECONDS, SYNC_SCRIPT
 from proxy.config import LimitsConfig
+from proxy.protocol.scheduling import Ticket
 from tests.api.test_limits_redis import REDIS_SERVER, RedisServer
 from tests.api.test_scheduling_redis import HASH, Instance, stored
 from tests.support import DEADLINE
@@ -53,19 +54,21 @@ class AnswersLost(RedisLimits):
         return went and not self.lose
 
 
-async def run_script(store: RedisLimits, *args: object) -> dict[str, float]:
-    """``SYNC_SCRIPT`` once, on the totals and the record ``RECORD``: the totals it answers."""
+async def run_script(store: RedisLimits, record: int, *fields: object) -> dict[str, float]:
+    """``SYNC_SCRIPT`` once, on the totals and the record ``RECORD`` (nothing idle long enough
+    to be forgotten): the totals it answers."""
     answer: list[Any] = []
+    keys = [HASH, RECORD, f"{HASH}:changed", f"{HASH}:synced", f"{HASH}:heard"]
+    args = [str(record), str(IDLE_SECONDS), "test", "0", *(str(field) for field in fields)]
 
     async def call(client: Any) -> None:
         script = client.register_script(SYNC_SCRIPT)
-        answer.extend(
-            await script(keys=[HASH, RECORD], args=[str(arg) for arg in args], client=client)
-        )
+        answer.extend(await script(keys=keys, args=args, client=client))
 
     assert await store.bounded("share", call)
     return {
-        field.decode(): float(total) for field, total in zip(answer[::2], answer[1::2], strict=True)
+        field.decode(): float(total)
+        for field, total in zip(answer[1::2], answer[2::2], strict=True)
     }
 
 
@@ -124,3 +127,42 @@ async def test_a_sync_redis_ran_after_the_client_gave_up_counts_once(
         assert await one.service.sync()
         assert await stored(one) == {"alice": 112.0}
         assert one.queue.counters == two.queue.counters == {"alice": 112.0}
+
+
+async def test_idle_subjects_leave_the_store_and_an_active_key_keeps_its_counter(
+    redis_server: RedisServer,
+) -> None:
+    """1,000 subjects served once, then idle past the TTL, leave the totals, their last changes
+    and every record, once both instances have heard their last totals; each instance lets go
+    of them (the one that served them forgets them by the local rule). A key served at every
+    sync meanwhile keeps every token counted."""
+    with trio.fail_after(DEADLINE):
+        one, two = Instance(redis_server, interval=0.01), Instance(redis_server, interval=0.01)
+        for instance in (one, two):
+            instance.service.record_seconds = 1
+            instance.service.idle_seconds = 0.05
+        for n in range(1000):
+            one.queue.charge(f"sub{n}", 1.0, input_tokens=1)
+        served = 0.0
+        for _ in range(6):
+            one.queue.dispatched(Ticket("active", input_tokens=10))
+            served += 10.0
+            assert await one.service.sync()
+            assert await two.service.sync()
+            await trio.sleep(0.1)
+        assert await stored(one) == {"active": served}
+        answer: list[Any] = []
+
+        async def read(client: Any) -> None:
+            for key in (f"{HASH}:changed", f"{HASH}:inst:{one.service.instance}"):
+                answer.append(sorted(field.decode() for field in await client.hkeys(key)))
+            answer.append(await client.exists(f"{HASH}:inst:{two.service.instance}"))
+
+        assert await one.store.bounded("read", read)
+        assert answer == [["active"], ["active"], 0]
+        # Nothing pins them here any more: the queue's own rule forgets them (each at or below
+        # the floor, the last dispatched's counter).
+        assert one.queue.forget_idle() == 1000
+        assert one.queue.counters == one.queue.served == {"active": served}
+        assert not any(two.service._counters.holds(f"sub{n}") for n in range(1000))
+        assert two.queue.counters["active"] == served

@@ -388,3 +388,90 @@ def test_with_answers_lost_and_syncs_run_again_each_total_is_the_real_service() 
             sync_out(instance, store, 0, 0)
         assert store.totals == pytest.approx(served), (seed, store.totals, served)
         assert abs(served["a"] / served["b"] - 1) < 0.05, served
+
+
+@dataclass
+class ForgettingStore(Store):
+    """:class:`Store` that also forgets, as the script does: a total unchanged for ``idle``
+    (on the store's clock) whose last change every instance has heard (an answer at or after
+    it), and then each instance's record of what it no longer holds."""
+
+    idle: float = 5.0
+    now: float = 0.0
+    changed: dict[str, float] = field(default_factory=dict)
+    heard: dict[int, float] = field(default_factory=dict)
+
+    def forgetting(self, sync: Sync, heard: float) -> tuple[dict[str, float], float | None]:
+        known = sync.source in self.heard
+        before = dict(self.totals)
+        self.take(sync)
+        for key, total in self.totals.items():
+            if before.get(key) != total:
+                self.changed[key] = self.now
+        self.heard[sync.source] = heard
+        oldest = min(self.heard.values())
+        for key in [k for k, at in self.changed.items() if self.now - at > self.idle]:
+            if self.changed[key] <= oldest:
+                del self.totals[key], self.changed[key]
+        record = self.records[sync.source]
+        for key in [key for key in record if key not in self.totals]:
+            del record[key]
+        return dict(self.totals), self.now if known else None
+
+
+def test_idle_keys_leave_the_store_and_nothing_is_counted_twice_or_lost() -> None:
+    """Two instances, on a virtual clock: 200 subjects served once on the first, then idle;
+    key ``a`` served on both at every step. The subjects leave the store and both instances'
+    records once both have heard their last totals, the first instance's queue forgets them
+    (nothing pins them), and ``a``'s total stays its whole service. A subject's service charged
+    between a sync's going out and its answer (the answer that lets it go) is counted, once;
+    so is what subjects get when they come back, to the instance that still holds their
+    counters: their totals are what they would be had nothing been forgotten."""
+    store = ForgettingStore()
+    queues = [FairQueue(SETTINGS), FairQueue(SETTINGS)]
+    shared = [SharedCounters(queue) for queue in queues]
+    truth: dict[str, float] = {}
+
+    def serve(i: int, tenant: str, tokens: int) -> None:
+        # Charged, not dispatched: no lift, so that each total is its service alone.
+        queues[i].charge(tenant, 1.0, input_tokens=tokens)
+        truth[tenant] = truth.get(tenant, 0.0) + tokens
+
+    def sync(i: int, charged_meanwhile: str | None = None) -> None:
+        sent = outgoing(shared[i])
+        totals, at = store.forgetting(sent, shared[i].heard)
+        if charged_meanwhile is not None:
+            serve(i, charged_meanwhile, 3)
+        shared[i].incoming(totals, at=at)
+
+    for n in range(200):
+        serve(0, f"sub{n}", 1)
+    for step in range(20):
+        store.now = float(step)
+        serve(0, "a", 5)
+        serve(1, "a", 7)
+        # At step 6 the subjects leave (idle past 5, heard by both since step 1): sub0's
+        # service charged while that sync was out is sent with the next.
+        sync(0, "sub0" if step == 6 else None)
+        sync(1)
+        if step == 7:
+            assert store.totals["sub0"] == 3.0 and "sub1" not in store.totals
+    assert store.totals == {"a": truth["a"]}
+    assert all(set(record) == {"a"} for record in store.records.values())
+    # The floor: the counter of the last dispatched, a's.
+    queues[0].dispatched(Ticket("a"))
+    assert queues[0].forget_idle() == 200
+    assert set(queues[0].counters) == set(queues[0].served) == {"a"}
+    assert not any(shared[1].holds(f"sub{n}") for n in range(200))
+    # They come back, on the other instance: what they get now is counted, once.
+    for n in range(5):
+        serve(1, f"sub{n}", 2)
+    for step in range(20, 23):
+        store.now = float(step)
+        sync(0)
+        sync(1)
+    # The other instance still holds their counters (heard, at or above its floor of 0): the
+    # store gets them back as floors, their totals as if never forgotten.
+    assert store.totals == {
+        key: truth[key] for key in ("a", "sub0", "sub1", "sub2", "sub3", "sub4")
+    }
