@@ -268,7 +268,10 @@ def run_worker(
     # once, so the first signal drains and only a second one cancels.
     os.setpgrp()
     # The supervisor passes SIGHUP on for a reload, which the server takes while it serves;
-    # one that comes before (or after) must not end the worker, as SIGHUP would by default.
+    # one that comes after must not end the worker, as SIGHUP would by default. One that comes
+    # before waits: the worker is born with it blocked, and the server's receiver unblocks it
+    # (a blocked SIGHUP stays pending though ignored; one ignored now came before the config
+    # was read, so nothing of it is lost).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     configure_logging(log_level)
 

@@ -214,6 +214,9 @@ async def serve_until_signalled(
 
         async def watch_signals() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+                # A worker is born with SIGHUP blocked (proxy/server/workers.py): one passed on
+                # while it started waits, pending, for this receiver.
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
                 async for signum in signals:
                     if signum == signal.SIGHUP:
                         # Beside the signals, not in their way: a reload waits for its new

@@ -123,7 +123,16 @@ class _Supervisor:
         process = self.context.Process(
             target=self.target, args=(*self.arguments, link), name="sluice worker"
         )
-        process.start()
+        # A SIGHUP passed on while a worker starts must neither end it (SIGHUP's default
+        # action, until the worker sets its own) nor be lost: blocked here, the worker is born
+        # with it blocked (a signal mask survives fork and exec) and unblocks it once its
+        # server's receiver is in place (proxy/server/run.py); here it waits, pending, until
+        # the worker is started.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return process, time.monotonic()
 
     def forward(self, signum: int) -> None:

@@ -542,28 +542,56 @@ async def test_sighup_to_the_supervisor_reloads_every_worker(
     with trio.fail_after(60):
         process, url = await start_sluice(path, "--workers", "2")
         try:
-
-            async def statuses(key: str, count: int = 12) -> set[int]:
-                seen = set()
-                for _ in range(count):
-                    # A connection of its own each time: any worker may take it.
-                    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-                        body = chat_body(stream=False)
-                        response = await client.post(url + CHAT, json=body, headers=bearer(key))
-                        seen.add(response.status_code)
-                return seen
-
-            assert await statuses("new-key") == {401}
+            assert await statuses(url, "new-key") == {401}
             path.write_text(toml(fake.url, "old-key", "new-key"))
             process.send_signal(signal.SIGHUP)
             with trio.fail_after(5):
-                while await statuses("new-key") != {200}:  # noqa: ASYNC110
+                while await statuses(url, "new-key") != {200}:  # noqa: ASYNC110
                     await trio.sleep(0.1)
             # Stable: every worker has it, not one of them by chance.
-            assert await statuses("new-key", 24) == {200}
+            assert await statuses(url, "new-key", 24) == {200}
             assert process.returncode is None
         finally:
             await stop(process)
+
+
+async def test_sighups_while_the_workers_start_end_none_of_them_and_are_not_lost(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The supervisor serves before every worker is up; a SIGHUP passed on to a worker still
+    starting (SIGHUP's default action ends a process until it sets its own) must neither end it
+    (the supervisor then stopped the whole server) nor be lost: it waits for the worker's
+    server, which reloads."""
+    fake = await start_fake(nursery, ttft=0, interval=0, tokens=1)
+    path = tmp_path / "sluice.toml"
+    path.write_text(toml(fake.url, "old-key"))
+    with trio.fail_after(60):
+        process, url = await start_sluice(path, "--workers", "2")
+        try:
+            path.write_text(toml(fake.url, "old-key", "new-key"))
+            # From the first moment the supervisor serves, through the workers' start.
+            for _ in range(20):
+                process.send_signal(signal.SIGHUP)
+                await trio.sleep(0.05)
+            with trio.fail_after(10):
+                while await statuses(url, "new-key") != {200}:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            assert await statuses(url, "new-key", 24) == {200}
+            assert process.returncode is None
+        finally:
+            await stop(process)
+
+
+async def statuses(url: str, key: str, count: int = 12) -> set[int]:
+    """The statuses of ``count`` requests with ``key``, each on a connection of its own (the
+    kernel gives each to any worker)."""
+    seen = set()
+    for _ in range(count):
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            body = chat_body(stream=False)
+            response = await client.post(url + CHAT, json=body, headers=bearer(key))
+            seen.add(response.status_code)
+    return seen
 
 
 async def test_the_scheduler_keeps_its_counters_queue_and_in_flight_across_a_reload(
