@@ -215,7 +215,9 @@ def parse_key_set(document: object) -> dict[str, dict[str, Any]]:
             continue
         try:
             jwt.PyJWK(jwk)
-        except jwt.PyJWTError:
+        # PyJWT at the declared floor lets cryptography's ValueError out of a malformed key
+        # ("n must be >= 3"); later releases wrap it. Either way the key is skipped.
+        except (jwt.PyJWTError, ValueError):
             continue
         keys[kid] = jwk
     return keys
@@ -245,7 +247,10 @@ class KeySet:
         fits = jwk.get("kty") == kty and (curve is None or jwk.get("crv") == curve)
         if not fits or jwk.get("alg", algorithm) != algorithm:
             raise Refused("algorithm", f"the signing key does not sign {algorithm}")
-        made = jwt.PyJWK(jwk, algorithm=algorithm)
+        try:
+            made = jwt.PyJWK(jwk, algorithm=algorithm)
+        except (jwt.PyJWTError, ValueError):
+            raise Refused("algorithm", f"the signing key cannot verify {algorithm}") from None
         self._made[(kid, algorithm)] = made
         return made
 
