@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -256,8 +257,6 @@ def run_worker(
     link: SupervisorLink,
 ) -> None:
     """One ``--workers`` process (spawned: a module-level function, imported by name)."""
-    import signal
-
     from proxy.api.app import create_app
     from proxy.server.run import serve_until_signalled, tune_gc
     from proxy.server.supervision import arm_parent_death_signal, watching_supervisor
@@ -521,6 +520,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             args.defaulted = args.config is None
             args.config = resolve_config(args.config)
+            # A SIGHUP that comes before the server (or the supervisor) takes it would end the
+            # process, as SIGHUP does by default, once its start-up line is out: held, pending,
+            # until then (proxy/server/run.py and proxy/server/workers.py unblock it).
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
         if args.command == "serve" and _worker_count(args) > 1:
             return _serve_workers(args)
         trio.run(args.handler, args)

@@ -62,6 +62,8 @@ def serve_workers(
     previous: dict[int, Any] = {
         signum: signal.signal(signum, supervisor.on_signal) for signum in _FORWARDED
     }
+    # Held since `sluice serve` began (proxy/cli.py): one that came meanwhile is forwarded now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     try:
         return supervisor.run(config.server.workers, link, wake_reader)
     finally:
