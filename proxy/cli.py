@@ -107,8 +107,7 @@ def check_before_serving(config: Config, *, defaulted: bool) -> str:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from proxy.api.app import create_app
-    from proxy.server.run import bind, serve_until_signalled, tune_gc
+    from proxy.server.run import bind
 
     config = load_config(args.config, host=args.host, port=args.port, workers=args.workers)
     traces = check_before_serving(config, defaulted=args.defaulted)
@@ -116,6 +115,20 @@ async def _serve(args: argparse.Namespace) -> None:
     # then loads while the port answers (/healthz says "loading"; requests get 503
     # model_loading with Retry-After); one that cannot load stops the server with its reason.
     sockets = bind_or_explain(config, bind)
+    try:
+        await _serve_bound(config, sockets, traces)
+    finally:
+        # Closed here too (closing twice is nothing): a config error of the app, found after
+        # the bind, must not leave the listening sockets open in a process that goes on
+        # (the tests call main in-process).
+        for listening in (*sockets.secure_sockets, *sockets.insecure_sockets):
+            listening.close()
+
+
+async def _serve_bound(config: Config, sockets: Any, traces: str) -> None:
+    from proxy.api.app import create_app
+    from proxy.server.run import serve_until_signalled, tune_gc
+
     async with fake_upstream_beside(config) as fake_url:
         app = create_app(config, fake_upstream_url=fake_url)
         tune_gc()
