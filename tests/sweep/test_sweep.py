@@ -13,17 +13,25 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from proxy.backends.upstream.pool import PlainTransport
 from proxy.bench.sweep import SCENARIOS, sample, sweep_scenario
 from proxy.bench.sweep.answers import answered, tokens_received
 from proxy.bench.sweep.report import heat_strip, markdown
-from proxy.bench.sweep.run import Run, Sweep
+from proxy.bench.sweep.run import DEADLINE_JUMP, Run, Sweep
 
 SERVER_PATHS = [pytest.param(True, id="fast_path"), pytest.param(False, id="hypercorn")]
 # Every checkpoint of the chat's two, every third (and the first and last three) of the
 # others, on both paths.
-CLEAN = {"chat-stream": 1, "chat-whole": 1, "budgeted": 3, "messages-stream": 3}
+CLEAN = {
+    "chat-stream": 1,
+    "chat-whole": 1,
+    "budgeted": 3,
+    "messages-stream": 3,
+    "retried-answered": 3,
+    "chat-stream@httpx": 3,
+}
 DEADLINE = 60
 
 
@@ -50,6 +58,23 @@ async def test_a_client_that_reads_on_after_its_fin_gets_what_was_counted_sent()
     with trio.fail_after(DEADLINE):
         sweep = await sweep_scenario(SCENARIOS["chat-stream"], fast_path=True, leave="fin")
     assert not sweep.failures, [(r.cut_at, r.place, r.failures) for r in sweep.failures]
+
+
+@pytest.mark.parametrize("fast_path", SERVER_PATHS)
+async def test_a_deadline_that_passes_at_every_checkpoint_tells_the_client(
+    fast_path: bool, mock_clock: trio.testing.MockClock
+) -> None:
+    """The request's own deadline passes at each step (the clock jumps past it there): the
+    client, which stays, gets the answer or the deadline's error, and nothing is left."""
+    mock_clock.rate = 1.0  # real time, but a clock that can jump
+    with trio.fail_after(DEADLINE + 100 * DEADLINE_JUMP):
+        sweep = await sweep_scenario(
+            SCENARIOS["chat-stream"], fast_path=fast_path, leave="deadline"
+        )
+    assert not sweep.failures, [(r.cut_at, r.place, r.failures) for r in sweep.failures]
+    outcomes = {run.outcome for run in sweep.runs if run.cut}
+    # Past it at work, past it while queued, and past it once the answer was whole.
+    assert {"deadline_exceeded", "deadline_unmeetable", "completed"} <= outcomes, outcomes
 
 
 # -- the planted leak -----------------------------------------------------------------------

@@ -495,6 +495,24 @@ async def test_mode_status(nursery: trio.Nursery) -> None:
             assert fake.recorder.connections_accepted == 1
 
 
+async def test_fail_attempts_fails_only_a_request_ids_first_attempts(nursery: trio.Nursery) -> None:
+    """A retry of the same request (its X-Request-ID) is answered once its first N failed."""
+    _, port = await start(nursery)
+    body = chat(stream=False, fake={"mode": "status", "status": 503, "fail_attempts": 2})
+    with trio.fail_after(10):
+        async with client(port) as c:
+            statuses = [
+                (
+                    await c.post("/v1/chat/completions", json=body, headers={"X-Request-ID": rid})
+                ).status_code
+                for rid in ("a", "a", "b", "a", "a")
+            ]
+            bad = chat(fake={"mode": "status", "fail_attempts": -1})
+            refused = await c.post("/v1/chat/completions", json=bad)
+    assert statuses == [503, 503, 503, 200, 200]
+    assert refused.status_code == 400 and "fail_attempts" in refused.text
+
+
 async def _stream_until_error(
     port: int, body: dict[str, Any], error: type[Exception], read_timeout: float = 5.0
 ) -> list[str]:

@@ -9,7 +9,14 @@ count them (N), then N times more, the client leaving right after step k (k = 1 
 socket closed (``--leave close``), or shut down for writing while it reads on (``--leave
 fin``: the proxy hears the same FIN, and the client then holds everything that was sent, so
 the accounting can be checked exactly). On both server paths: the fast path, and the HTTP
-server and framework of record (``[server] fast_path = false``).
+server and framework of record (``[server] fast_path = false``). And a third ending, where the
+client stays (``--leave deadline``): the request carries ``X-Sluice-Deadline``, and at step k
+trio's clock (a ``MockClock`` running at the real rate) jumps past it, every other timer set
+longer than the jump: the request's own deadline, and only it, passes at that step. The client
+must then be told (the whole answer, or the deadline's error as its status or in-band).
+
+Every scenario that reaches an upstream runs on both of its transports: Sluice's own HTTP/1.1
+client, and httpx (the scenario's name ending ``@httpx``).
 
 After every run (``run.one_run``), with the state given two seconds to come back:
 
@@ -40,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
+import trio.testing
 
 from proxy.bench.report import write_text
 from proxy.bench.sweep.client import LEAVES
@@ -50,20 +58,25 @@ from proxy.bench.sweep.scenarios import SCENARIOS, Scenario
 __all__ = ["SCENARIOS", "Scenario", "Sweep", "main", "sample", "sweep_all", "sweep_scenario"]
 
 SERVERS = {"fast-path": True, "framework": False}
+# How a run ends early: the client leaves (LEAVES), or its deadline passes.
+ENDINGS = (*LEAVES, "deadline")
 HEADING = "Cancellation at every checkpoint"
 PREAMBLE = (
-    "Written by `make sweep` (`python -m proxy.bench.sweep`; its module's docstring says what "
-    "each run checks). Each scenario is one request through a Sluice in the sweep's process, "
-    "in front of the fake upstream, on both server paths (*fast path*; *framework*: `[server] "
-    "fast_path = false`) and both ways of leaving (*close*: the socket closed; *fin*: shut "
-    "down for writing while the client reads on, so that what was sent is exactly what it "
-    "read). Counted once, then cut after each of its checkpoints (task steps of the tasks "
-    "working for it), the client leaving there. *checkpoints*: steps the counting run took; "
-    "*runs*: the count, one per cut, and a last whole request; *distinct cut points*: where in "
-    "code the request's task was parked when its client left, deduplicated; *released "
-    "within*: the most scheduler rounds (and task steps of Sluice) between a departure and "
-    "its upstream let go, seen by the fake (the bound: 5 rounds). The machine: 2 shared "
-    "cores (AMD EPYC)."
+    "Written by `make sweep` (`python -m proxy.bench.sweep`; its module's docstring says "
+    "what each run checks). Each scenario is one request through a Sluice in the sweep's "
+    "process, in front of the fake upstream, on both server paths (*fast path*; "
+    "*framework*: `[server] fast_path = false`) and both ways of leaving (*close*: the "
+    "socket closed; *fin*: shut down for writing while the client reads on, so that what "
+    "was sent is exactly what it read), and, for some, a third ending (*deadline*: the "
+    "client stays, and the request's `X-Sluice-Deadline` passes at the step, trio's clock "
+    "jumping past it). A scenario named `...@httpx` is the same over the httpx upstream "
+    "transport. Counted once, then cut after each of its checkpoints (task steps of the "
+    "tasks working for it), the client leaving there. *checkpoints*: steps the counting run "
+    "took; *runs*: the count, one per cut, and a last whole request; *distinct cut points*: "
+    "where in code the request's task was parked when its client left, deduplicated; "
+    "*released within*: the most scheduler rounds (and task steps of Sluice) between a "
+    "departure and its upstream let go, seen by the fake (the bound: 5 rounds, 8 over "
+    "httpx). The machine: 2 shared cores (AMD EPYC)."
 )
 
 
@@ -77,6 +90,8 @@ async def sweep_all(
             if SERVERS[server] not in scenario.servers:
                 continue
             for leave in leaves:
+                if leave not in scenario.endings:
+                    continue
                 sweep = await sweep_scenario(
                     scenario, fast_path=SERVERS[server], leave=leave, every=every
                 )
@@ -101,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--scenario", action="append", choices=sorted(SCENARIOS), help="(default: all)"
     )
     parser.add_argument("--server", action="append", choices=sorted(SERVERS))
-    parser.add_argument("--leave", action="append", choices=LEAVES)
+    parser.add_argument("--leave", action="append", choices=ENDINGS)
     parser.add_argument(
         "--every",
         type=int,
@@ -111,8 +126,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--markdown", help="write the report here")
     args = parser.parse_args(argv)
     names = args.scenario or list(SCENARIOS)
+    # The deadline ending jumps the clock: one that runs at the real rate, and can.
     sweeps = trio.run(
-        sweep_all, names, args.server or list(SERVERS), args.leave or list(LEAVES), args.every
+        sweep_all,
+        names,
+        args.server or list(SERVERS),
+        args.leave or list(ENDINGS),
+        args.every,
+        clock=trio.testing.MockClock(rate=1.0),
     )
     text = markdown(sweeps, heading=HEADING, preamble=PREAMBLE)
     if args.markdown:

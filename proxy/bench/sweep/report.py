@@ -20,6 +20,8 @@ LETTERS = {
     Phase.PAUSED.value: "P",
     Phase.AFTER_LAST.value: "A",
 }
+# Runs whose deadline passed at the cut, by what they ended with.
+DEADLINE_LETTERS = {"deadline_exceeded": "D", "deadline_unmeetable": "U"}
 COMPLETED = "="
 NO_LINE = "."
 FAILED = "X"
@@ -29,6 +31,11 @@ LEGEND = (
     f"sweeps: {STRIP_WIDTH} columns, each the most common letter of its checkpoints, {FAILED} "
     "first), by what the access line of the run cut there said: "
     + ", ".join(f"`{letter}` cancelled({phase})" for phase, letter in LETTERS.items())
+    + ", "
+    + ", ".join(
+        f"`{letter}` {outcome} (its deadline passed)"
+        for outcome, letter in DEADLINE_LETTERS.items()
+    )
     + f", `{COMPLETED}` the scenario's own ending (completed, or the error a failing upstream "
     "ends it with: the client left after the whole answer was handed over), "
     f"`{NO_LINE}` no line (it left before its request was read), `{FAILED}` a failed run."
@@ -41,6 +48,8 @@ def letter(run: Run) -> str:
     outcome = run.outcome
     if not outcome:
         return NO_LINE
+    if outcome in DEADLINE_LETTERS:
+        return DEADLINE_LETTERS[outcome]
     if not outcome.startswith("cancelled("):
         return COMPLETED
     return LETTERS.get(outcome.removeprefix("cancelled(").rstrip(")"), "?")

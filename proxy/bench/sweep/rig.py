@@ -10,6 +10,7 @@ serve`` runs them; the fake is ``proxy.testing.fake_upstream.FakeUpstream``.
 from __future__ import annotations
 
 import gc
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -197,9 +198,13 @@ class Rig:
     async def settled(self) -> list[str]:
         """Wait until nothing differs from the baseline; what still differs after
         SETTLE_SECONDS (a full collection first, for a body that only a cycle keeps)."""
-        with trio.move_on_after(SETTLE_SECONDS):
-            await poll(lambda: not self.differences())
-            return []
+        # Timed by the wall clock, not trio's: a deadline sweep may jump trio's clock while
+        # this waits (the request's last steps, closing its connection, come after its answer).
+        until = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < until:
+            if not self.differences():
+                return []
+            await trio.sleep(POLL)
         gc.collect()
         return self.differences()
 

@@ -16,8 +16,15 @@ from itertools import count
 from typing import Any
 
 import trio
+import trio.testing
 
-from proxy.bench.sweep.answers import answered, tokens_received, whole
+from proxy.bench.sweep.answers import (
+    answered,
+    ended_in_band,
+    split_head,
+    tokens_received,
+    whole,
+)
 from proxy.bench.sweep.checkpoints import Step
 from proxy.bench.sweep.client import SweepClient
 from proxy.bench.sweep.rig import Rig, start_rig
@@ -37,6 +44,21 @@ RUN_SECONDS = 10.0
 # (measured: at most 3 rounds on the fast path, 5 under the framework, cut at the head's read).
 # Steps are counted too (every task of Sluice's, other requests' work included) and reported.
 RELEASE_BATCHES = 5
+# Over httpx the producer's unwinding goes through httpcore's own cancellation handling (its
+# connection closed under a shield, the pool's bookkeeping after it): measured, at most 7
+# rounds under the framework, cut in httpcore's read or write.
+RELEASE_BATCHES_HTTPX = 8
+# The ``deadline`` ending: every request carries ``X-Sluice-Deadline: DEADLINE_SECONDS``, every
+# other timer of the rig is set to LONG_SECONDS, and at the cut the clock (a MockClock that
+# runs at the real rate) jumps DEADLINE_JUMP ahead: the request's deadline, and only it, has
+# passed at that step.
+# Quart's own request-body timer (60 s) stays out of the way: the jump is shorter.
+DEADLINE_SECONDS = 30.0
+DEADLINE_JUMP = 31.0
+LONG_SECONDS = 1_000_000.0
+# What a request cut by its deadline ends with: past it while queued, the queue's refusal;
+# at work, the 504 (or in-band error) of the deadline.
+DEADLINE_OUTCOMES = ("deadline_exceeded", "deadline_unmeetable")
 CANCELLED = tuple(f"cancelled({phase})" for phase in Phase)
 _ids = count()
 
@@ -111,6 +133,10 @@ async def sweep_scenario(
     began = time.perf_counter()
     config = scenario.configured()
     config["server"] = {**config.get("server", {}), "fast_path": fast_path}
+    if leave == "deadline":
+        config = with_long_timers(config)
+        if not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+            raise RuntimeError("the deadline ending jumps the clock: run under a MockClock")
     async with trio.open_nursery() as nursery:
         rig = await start_rig(
             nursery, config, fake=FakeSettings(**scenario.fake), local_models=local_models
@@ -152,6 +178,37 @@ async def sweep_scenario(
     return result
 
 
+def with_long_timers(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with every timer a jump of the clock could fire set past it, so that the
+    request's deadline is the only one that passes."""
+    upstream = {
+        name: LONG_SECONDS
+        for name in (
+            "connect_timeout",
+            "first_token_timeout",
+            "idle_timeout",
+            "total_timeout",
+            "queue_timeout",
+            "keepalive_expiry",
+            "health_check_interval",
+            "models_refresh_interval",
+        )
+    }
+    return {
+        **config,
+        "server": {**config.get("server", {}), "keep_alive_timeout": LONG_SECONDS},
+        "relay": {**config.get("relay", {}), "stall_timeout": LONG_SECONDS},
+        "upstream": {**config.get("upstream", {}), **upstream},
+    }
+
+
+def jump_past_the_deadline() -> None:
+    """The ``deadline`` ending's cut: synchronous, inside the run loop, like a departure."""
+    clock = trio.lowlevel.current_clock()
+    assert isinstance(clock, trio.testing.MockClock)
+    clock.jump(DEADLINE_JUMP)
+
+
 async def one_run(
     rig: Rig,
     scenario: Scenario,
@@ -164,11 +221,19 @@ async def one_run(
 ) -> Run:
     run = Run(cut_at)
     request_id = f"sweep-{next(_ids)}"
-    client = SweepClient(leave)
+    deadline = leave == "deadline"
+    client = SweepClient("close" if deadline else leave)
     records = len(rig.fake.recorder.records)
 
+    bound = trio.CancelScope()
+
     def cut(step: Step) -> None:
-        client.leave()
+        if deadline:
+            jump_past_the_deadline()
+            # The run's own bound is on the same clock: it keeps its length.
+            bound.deadline += DEADLINE_JUMP
+        else:
+            client.leave()
 
     charged = budget_used(rig)
     received = b""
@@ -177,8 +242,10 @@ async def one_run(
         after = await scenario.around(rig, nursery)
     armed = rig.counter.arm(cut_at, cut, rig.release_check())
     try:
-        with trio.move_on_after(RUN_SECONDS) as scope:
-            await client.send(*rig.address, scenario.request(request_id))
+        bound.deadline = trio.current_time() + RUN_SECONDS
+        with bound as scope:
+            request = scenario.request(request_id, deadline=DEADLINE_SECONDS if deadline else None)
+            await client.send(*rig.address, request)
             await client.read_until(whole)
             await rig.state.tracker.wait_idle()
             if after is not None:
@@ -203,11 +270,15 @@ async def one_run(
     if not check:
         run.outcome = lines[0]["outcome"] if lines else ""
         return run
-    run.failures.extend(check_line(scenario, ending, run, lines, client, received))
+    if deadline:
+        run.failures.extend(check_deadline(scenario, ending, run, lines, received))
+    else:
+        run.failures.extend(check_line(scenario, ending, run, lines, client, received))
     if lines:
         run.failures.extend(check_tokens(scenario, ending, lines[0], client, received))
         run.failures.extend(check_budget(rig, lines[0], charged))
-    run.failures.extend(check_upstream(rig, run, records))
+    batches = RELEASE_BATCHES_HTTPX if scenario.transport == "httpx" else RELEASE_BATCHES
+    run.failures.extend(check_upstream(rig, run, records, batches))
     if armed.cut is None and not answered(scenario.endpoint, scenario.stream, received):
         run.failures.append("not cut, and the answer did not come whole")
     return run
@@ -240,6 +311,25 @@ def check_line(
     return []
 
 
+def check_deadline(
+    scenario: Scenario, ending: str, run: Run, lines: list[dict[str, Any]], got: bytes
+) -> list[str]:
+    """A request whose deadline passed at the cut: one access line, the scenario's ending (it
+    passed once the answer was made) or the deadline's error; and the client, which stayed,
+    told either way: the whole answer, or the error as its status or in-band."""
+    if len(lines) != 1:
+        return [f"{len(lines)} access lines for one request"]
+    outcome = run.outcome = lines[0]["outcome"]
+    if outcome != ending and outcome not in DEADLINE_OUTCOMES:
+        return [f"outcome {outcome!r}: neither {ending} nor the deadline's error"]
+    if not answered(scenario.endpoint, scenario.stream, got):
+        return [f"{outcome}, and the client was not told: its answer did not come whole"]
+    told = split_head(got)[0] != 200 or ended_in_band(got)
+    if outcome in DEADLINE_OUTCOMES and not told:
+        return [f"{outcome}, yet the client got a whole answer and no error"]
+    return []
+
+
 def check_tokens(
     scenario: Scenario, ending: str, line: dict[str, Any], client: SweepClient, got: bytes
 ) -> list[str]:
@@ -259,9 +349,16 @@ def check_tokens(
                 return [f"{ending}: {sent} token(s) sent + 0 for nobody != {made} made"]
             return []
         return [] if sent <= made else [f"{sent} token(s) received, {made} made"]
+    if line["outcome"] in DEADLINE_OUTCOMES and not made:
+        # Cut by its deadline before a first token: what went to nobody is the prompt the
+        # upstream read (none, if it was cut before the upstream had it).
+        if nobody not in (0, line.get("input_tokens") or 0):
+            return [f"{line['outcome']} before a token: {nobody} for nobody, not the prompt"]
+        return [] if sent == 0 else [f"{line['outcome']}, yet {sent} token(s) arrived"]
     if not scenario.stream:
         return [] if sent == 0 else [f"{line['outcome']}, yet a whole answer arrived"]
-    if client.how == "fin":
+    if client.how == "fin" or not client.left:
+        # It read on to the end (a FIN, or a deadline that cut a client that stayed).
         if sent + nobody != made:
             return [f"sent {sent} + for nobody {nobody} != made {made}"]
     elif sent + nobody > made:
@@ -287,14 +384,14 @@ def check_budget(rig: Rig, line: dict[str, Any], before: int) -> list[str]:
     return [] if used == charge else [f"budget charged {used}, the line says {charge}"]
 
 
-def check_upstream(rig: Rig, run: Run, records: int) -> list[str]:
-    """Every request the fake got in this run ended (none pending), and once the client left,
-    the upstream was let go within RELEASE_STEPS steps."""
+def check_upstream(rig: Rig, run: Run, records: int, bound: int = RELEASE_BATCHES) -> list[str]:
+    """Every request the fake got in this run ended (none pending), and once the client left
+    (or the deadline passed), the upstream was let go within ``bound`` scheduler batches."""
     found = []
     for record in rig.fake.recorder.records[records:]:
         if record.outcome == "pending":
             found.append(f"the fake's request {record.id} is still pending")
-    if run.cut and (run.released_batches is None or run.released_batches > RELEASE_BATCHES):
+    if run.cut and (run.released_batches is None or run.released_batches > bound):
         found.append(
             f"upstream still in use {run.released_batches} scheduler batches "
             f"({run.released_after} steps) after the cut"

@@ -9,6 +9,7 @@ nursery, and awaited after it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,8 +60,17 @@ class Scenario:
     ending: str | None = "completed"
     # Which server paths it runs on.
     servers: tuple[bool, ...] = (True, False)
+    # How its runs end early: the client leaves (``close``, ``fin``), or the request's
+    # deadline expires (``deadline``: the rig's clock jumps past it at the cut).
+    endings: tuple[str, ...] = ("close", "fin")
 
-    def request(self, request_id: str) -> Request:
+    @property
+    def transport(self) -> str:
+        """The upstream transport its replicas are reached by (``lean`` or ``httpx``)."""
+        upstream = self.config.get("upstream", {})
+        return "httpx" if upstream.get("transport") == "httpx" else "lean"
+
+    def request(self, request_id: str, *, deadline: float | None = None) -> Request:
         body: dict[str, Any]
         if self.endpoint == "chat":
             body = {"messages": [{"role": "user", "content": "hello there"}]}
@@ -72,6 +82,8 @@ class Scenario:
         if self.endpoint != "embeddings":
             body["stream"] = self.stream
         headers = {"Authorization": f"Bearer {self.bearer}", "X-Request-ID": request_id}
+        if deadline is not None:
+            headers["X-Sluice-Deadline"] = f"{deadline:g}"
         return Request(PATHS[self.endpoint], body, headers)
 
     def configured(self) -> dict[str, Any]:
@@ -137,12 +149,33 @@ async def hold_the_room(rig: Rig, nursery: trio.Nursery) -> Callable[[], Awaitab
     return after
 
 
+def guard(stage: str, *, refuse: bool = False, **table: Any) -> dict[str, Any]:
+    """A ``[[guards]]`` table: the sweep's waiting guard at ``stage`` (it sleeps 3 ms, so that a
+    cut can land while it works), refusing or not."""
+    return {
+        "name": f"sweep-{stage}",
+        "use": "proxy.bench.sweep.guards:waiting",
+        "stage": stage,
+        **table,
+        "options": {"seconds": 0.003, "refuse": refuse},
+    }
+
+
+# Output guards see the fake's 4 tokens in windows of 2 (overlapping by 1): each window is
+# checked while the stream runs, not once at its end.
+WINDOWS: dict[str, Any] = {"window_tokens": 2, "overlap_tokens": 1, "hold_back_tokens": 2}
+
+
 def _scenarios() -> list[Scenario]:
     hedged = {"upstreams": ["fake:", "fake-localhost:"], "hedge_after": 0.001}
     two = {"upstreams": ["fake:", "fake-localhost:"]}
-    return [
-        Scenario("chat-stream", "a streamed chat completion"),
-        Scenario("chat-whole", "a chat completion answered whole (JSON)", stream=False),
+    # Where a deadline can expire at every step: a stream, a whole answer, one queued first.
+    deadline = ("close", "fin", "deadline")
+    upstream = [
+        Scenario("chat-stream", "a streamed chat completion", endings=deadline),
+        Scenario(
+            "chat-whole", "a chat completion answered whole (JSON)", stream=False, endings=deadline
+        ),
         Scenario("responses-stream", "a streamed Responses API answer", endpoint="responses"),
         Scenario("messages-stream", "a streamed Anthropic Messages answer", endpoint="messages"),
         Scenario("embeddings", "an embeddings request (a whole JSON answer)", "embeddings", False),
@@ -155,6 +188,7 @@ def _scenarios() -> list[Scenario]:
             "queued",
             "a streamed chat queued behind a request holding the replica's only slot",
             around=hold_the_room,
+            endings=deadline,
         ),
         Scenario(
             "hedged",
@@ -171,6 +205,32 @@ def _scenarios() -> list[Scenario]:
             config={"models": {"fake-model": two}, "upstream": {"failure_threshold": 1_000_000}},
             extra={"fake": {"mode": "status", "status": 503}},
             ending="upstream_http_error",
+        ),
+        Scenario(
+            "retried-answered",
+            "a streamed chat whose first attempt gets 503: retried on the other replica, "
+            "which answers",
+            config={"models": {"fake-model": two}, "upstream": {"failure_threshold": 1_000_000}},
+            extra={"fake": {"mode": "status", "status": 503, "fail_attempts": 1}},
+        ),
+        *(
+            Scenario(
+                f"guard-{stage}",
+                f"a streamed chat with a guard at the {stage} stage that waits 3 ms, then passes",
+                config={"guards": [guard(stage, **(WINDOWS if stage == "output" else {}))]},
+            )
+            for stage in ("request", "prompt", "output", "after")
+        ),
+        *(
+            Scenario(
+                f"guard-{stage}-refuses",
+                f"a streamed chat whose {stage} guard refuses after 3 ms",
+                config={
+                    "guards": [guard(stage, refuse=True, **(WINDOWS if stage == "output" else {}))]
+                },
+                ending="guard_refused",
+            )
+            for stage in ("request", "prompt", "output")
         ),
         *(
             Scenario(
@@ -198,6 +258,23 @@ def _scenarios() -> list[Scenario]:
             for at in range(TOKENS + 1)
         ),
     ]
+    # Every scenario of an upstream again on the other transport: httpx's pool, not the lean
+    # HTTP/1.1 client (its own cut points, and its own way of closing a connection).
+    # (A request its guard refuses never reaches a replica: once is enough.)
+    return [
+        *upstream,
+        *(over_httpx(s) for s in upstream if s.name != "guard-request-refuses"),
+    ]
+
+
+def over_httpx(scenario: Scenario) -> Scenario:
+    upstream = {**scenario.config.get("upstream", {}), "transport": "httpx"}
+    return dataclasses.replace(
+        scenario,
+        name=f"{scenario.name}@httpx",
+        what=f"{scenario.what}; over the httpx transport",
+        config={**scenario.config, "upstream": upstream},
+    )
 
 
 SCENARIOS: dict[str, Scenario] = {scenario.name: scenario for scenario in _scenarios()}

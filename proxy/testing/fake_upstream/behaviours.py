@@ -43,7 +43,9 @@ MODES: Final[frozenset[str]] = frozenset(
 
 MALFORMED_EVENT: Final = b"this is not server-sent events\n\n"
 
-_OVERRIDABLE: Final = frozenset({"ttft", "interval", "tokens", "mode", "at", "status", "usage"})
+_OVERRIDABLE: Final = frozenset(
+    {"ttft", "interval", "tokens", "mode", "at", "status", "usage", "fail_attempts"}
+)
 
 
 @dataclass
@@ -196,6 +198,10 @@ class Plan:
     at: int
     status: int
     usage: bool = True
+    # With a fault ``mode``: only the first this many attempts of one request (its
+    # X-Request-ID) get it, the later ones an answer (0: every attempt), so that a retry can
+    # succeed.
+    fail_attempts: int = 0
 
     @classmethod
     def build(cls, settings: FakeSettings, body: dict[str, Any]) -> Plan:
@@ -216,6 +222,7 @@ class Plan:
             at=check_int("fake.at", fake.get("at", settings.at), 0),
             status=check_int("fake.status", fake.get("status", settings.status), 200, 599),
             usage=check_bool("fake.usage", fake.get("usage", settings.usage)),
+            fail_attempts=check_int("fake.fail_attempts", fake.get("fail_attempts", 0), 0),
         )
 
 

@@ -8,6 +8,7 @@ watcher notices the client leave in any phase.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import ssl
@@ -51,6 +52,9 @@ from proxy.testing.fake_upstream.wire import (
 )
 from proxy.testing.kv_events import FakeVllmPublisher
 
+# How many request ids the fake remembers the attempts of (``fail_attempts``).
+ATTEMPTS_KEPT = 10_000
+
 
 class FakeUpstream:
     """An OpenAI-compatible server on raw trio TCP that records what it saw.
@@ -68,6 +72,8 @@ class FakeUpstream:
         # With kv_events_port: where its KV events are published, once serving.
         self.kv_events_endpoint = ""
         self.kv_replay_endpoint = ""
+        # Attempts seen per request id, oldest first (``fail_attempts``).
+        self._attempts: dict[str, int] = {}
 
     async def serve(
         self,
@@ -338,8 +344,20 @@ class FakeUpstream:
         if record.body is None:
             raise Invalid("request body must be a JSON object")
         plan = Plan.build(settings, record.body)
+        if plan.fail_attempts and plan.mode != "ok":
+            plan = self._attempted(plan, request.headers.get("x-request-id", ""))
         build = JSON_ENDPOINTS[request.path]
         return plan, build(record.body, plan, default_model, record.id)
+
+    def _attempted(self, plan: Plan, request_id: str) -> Plan:
+        """``plan`` for this attempt of the request ``request_id``: its fault for the first
+        ``fail_attempts``, an answer after them. The attempts of the last ATTEMPTS_KEPT
+        request ids are remembered."""
+        attempts = self._attempts.pop(request_id, 0) + 1
+        self._attempts[request_id] = attempts
+        while len(self._attempts) > ATTEMPTS_KEPT:
+            del self._attempts[next(iter(self._attempts))]
+        return plan if attempts <= plan.fail_attempts else dataclasses.replace(plan, mode="ok")
 
     def _models(self) -> dict[str, Any]:
         created = int(time.time())
