@@ -108,11 +108,15 @@ class UpstreamRequestConfig:
     api_key_env: str = ""
     # Requests in flight on one replica at most: the replica's concurrency, which Sluice
     # holds to, so that requests past it wait in Sluice's queue (where the choice between them
-    # can be fair) rather than in the engine's (first come, first served). Keep it at or
-    # below the engine's own limit (vLLM's max_num_seqs: 256 on most GPUs, 128 on CPU), or
-    # Sluice's queue is never used. The default is the lowest of those, so that it holds in
-    # front of an engine left at its defaults. Every model on one replica must say the same.
-    max_connections: int = 128
+    # can be fair) rather than in the engine's (first come, first served). 0 (unset): with
+    # balance "upstream_metrics" or "cache_aware" (the engine's gauges scraped) it is learned
+    # per replica, from 128 up to where the engine starts to queue (4096 at most), growing by
+    # max_upstream_waiting (at least 1) per metrics_interval while the engine runs all it is
+    # sent; with another balance, 128, the lowest of vLLM's max_num_seqs defaults (256 on most
+    # GPUs, 128 on CPU). Set: that many at most (learning stays under it). Set above the
+    # engine's own limit, the surplus waits in its queue and Sluice's order no longer matters.
+    # Every model on one replica must say the same.
+    max_connections: int = 0
     # A model's requests waiting in Sluice's queue for a slot on one of its replicas: more
     # get 429 queue_full at once; one that waits longer than queue_timeout gets 503.
     # (A local model's own queue uses the same two keys, with its own defaults.)
@@ -196,8 +200,11 @@ class UpstreamRequestConfig:
     # With balance = "cache_aware": tokens per block of the approximate index: the engine's
     # block size (vLLM's default 16).
     kv_block_size: int = 16
-    # With balance = "upstream_metrics": a replica whose scraped queue (vLLM's
-    # num_requests_waiting) is over this many has no room, whatever its count in flight.
+    # With balance = "upstream_metrics" or "cache_aware": a replica whose scraped queue (vLLM's
+    # num_requests_waiting) is over this many has no room, whatever its count in flight. A
+    # learned capacity (max_connections) grows by this many (at least 1) at a time, so that a
+    # probe past the engine's own limit queues no more than this in it: 0 learns one request
+    # per metrics_interval; 16 takes 128 to 256 in 8.
     max_upstream_waiting: int = 0
     # Whether the upstream takes a request's "priority" field (vLLM run with
     # --scheduling-policy priority): then each request goes with its band in it; otherwise the
@@ -1191,10 +1198,12 @@ def _check_request_settings(where: str, settings: UpstreamRequestConfig) -> None
         idle_timeout=settings.idle_timeout,
         total_timeout=settings.total_timeout,
         max_attempts=settings.max_attempts,
-        max_connections=settings.max_connections,
     )
     _check_not_negative(
-        where, hedge_after=settings.hedge_after, max_upstream_waiting=settings.max_upstream_waiting
+        where,
+        hedge_after=settings.hedge_after,
+        max_upstream_waiting=settings.max_upstream_waiting,
+        max_connections=settings.max_connections,
     )
     _check_connection_settings(where, settings)
     _check_balance(where, settings)

@@ -320,8 +320,11 @@ def test_unreadable_files(tmp_path: Path) -> None:
         ({"relay": {"stall_timeout": -1}}, "'stall_timeout'"),
         ({"relay": {"max_event_bytes": 0}}, "'max_event_bytes'"),
         ({"relay": {"max_response_bytes": 0}}, "'max_response_bytes'"),
-        ({"upstream": {"max_connections": 0}}, "'max_connections'"),
-        ({"models": {"m": {**MODEL, "max_connections": 0}}}, r"'max_connections' in \[models\.m\]"),
+        ({"upstream": {"max_connections": -1}}, "'max_connections'"),
+        (
+            {"models": {"m": {**MODEL, "max_connections": -1}}},
+            r"'max_connections' in \[models\.m\]",
+        ),
         ({"models": {"m": {**MODEL, "max_upstream_waiting": -1}}}, "'max_upstream_waiting'"),
         ({"scheduling": {"policy": "lottery"}}, "'policy' in .scheduling.*fair, fifo"),
         ({"scheduling": {"w_in": -1}}, "'w_in' in .scheduling"),
@@ -455,9 +458,10 @@ def test_scheduling_defaults_are_fair_and_each_model_sets_its_replicas_concurren
     assert isinstance(a, UpstreamModel) and isinstance(b, UpstreamModel)
     assert (a.max_connections, a.upstream_priority) == (4, True)
     assert (b.max_connections, b.upstream_priority) == (16, False)
-    # Below every engine's own default (vLLM's max_num_seqs: 128 on CPU, 256 on most GPUs),
-    # so that requests past it wait in Sluice's fair queue, not the engine's FIFO one.
-    assert UpstreamConfig().max_connections <= 128
+    # Unset: learned where the engine's gauges are scraped, else 128, below every engine's own
+    # default (vLLM's max_num_seqs: 128 on CPU, 256 on most GPUs), so that requests past it
+    # wait in Sluice's fair queue, not the engine's FIFO one.
+    assert UpstreamConfig().max_connections == 0
 
 
 def test_models_sharing_a_replica_must_agree_on_its_concurrency() -> None:

@@ -23,7 +23,7 @@ from proxy.api.pipeline import RequestPipeline
 from proxy.backends.base import Backend
 from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.backends.upstream.catalog import ModelCatalog
-from proxy.backends.upstream.replica import UpstreamReplica
+from proxy.backends.upstream.replica import UpstreamReplica, start_slots
 from proxy.backends.upstream.routing import HealthPolicy
 from proxy.backends.upstream.scrape import check_replicas, report_reachability
 from proxy.backends.upstream.transports import ConnectionSettings
@@ -125,7 +125,7 @@ def replica_capacities(
                     f"but set max_connections = {model.max_connections} and {known[0]}: a "
                     "replica's concurrency is one number (its engine's), set it alike"
                 )
-    return {name: capacity for name, (capacity, _) in capacities.items()}
+    return {name: start_slots(capacity) for name, (capacity, _) in capacities.items()}
 
 
 class ServedConfig:

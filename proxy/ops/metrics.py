@@ -426,6 +426,14 @@ class Metrics:
         "Local models: bytes of KV held by the prefix cache now (at most prefix_cache_bytes).",
         ["model"],
     )
+    upstream_capacity = MetricSpec(
+        Gauge,
+        "sluice_upstream_capacity",
+        "Requests Sluice dispatches to each upstream replica at most, now: learned from "
+        "where its engine starts to queue (balance upstream_metrics or cache_aware with "
+        "max_connections unset, and under it when set), else max_connections.",
+        ["model", "replica"],
+    )
     # balance = "cache_aware": each replica's vLLM KV events (replica: its URL).
     kv_event_batches = MetricSpec(
         Counter,

@@ -46,6 +46,7 @@ from typing import Protocol
 import trio
 
 from proxy.ops import tracing
+from proxy.protocol.capacity import Capacity
 from proxy.protocol.errors import RATE_LIMIT, SERVER_ERROR, ApiError, shutting_down
 from proxy.protocol.scheduling import (
     FairQueue,
@@ -89,6 +90,7 @@ class Room:
         "capacity",
         "full",
         "in_flight",
+        "learning",
         "name",
         "owner",
         "retired",
@@ -103,6 +105,9 @@ class Room:
         # Whether the room has no room whatever its count says (an upstream whose own queue
         # is over its threshold, as its scrape says).
         self.full = full
+        # Its capacity as learned from its engine's gauges (proxy.protocol.capacity), when it
+        # is: then that, not a config's number, sets ``capacity``.
+        self.learning: Capacity | None = None
         self.average_hold = 1.0
         self._dispatcher: Dispatcher | None = None
         # What serves its slots now (an upstream replica, as the config now served built it),
@@ -815,6 +820,7 @@ class Scheduling:
         room = self._rooms.get(name)
         if room is None:
             room = self._rooms[name] = self.upstream.room(Room(name, capacity))
-        elif room.capacity != capacity:
+        elif room.capacity != capacity and room.learning is None:
+            # A learned capacity is the backend's to bound (UpstreamBackend), not reset here.
             room.resize(capacity)
         return room

@@ -20,7 +20,12 @@ import trio
 
 from proxy.backends.upstream.exchange import UpstreamExchange, upstream_error
 from proxy.backends.upstream.hedge import Hedge
-from proxy.backends.upstream.replica import UpstreamReplica, public_name, routing_counter
+from proxy.backends.upstream.replica import (
+    UpstreamReplica,
+    public_name,
+    routing_counter,
+    start_slots,
+)
 from proxy.backends.upstream.retry import Attempt, Retry, RetryPolicy
 from proxy.backends.upstream.routing import (
     CacheAwareRouter,
@@ -36,6 +41,7 @@ from proxy.backends.upstream.transports import health_client
 from proxy.config import RelayConfig, UpstreamModel, key_of_account
 from proxy.ops.metrics import Metrics
 from proxy.protocol.affinity import affinity_key
+from proxy.protocol.capacity import LEARNED_CEILING, bounded, start_capacity
 from proxy.protocol.errors import UPSTREAM_ERROR, ApiError
 from proxy.protocol.kv_cache import token_key
 from proxy.protocol.openai import CompletionRequest
@@ -88,6 +94,7 @@ class UpstreamBackend:
             replica.room.full = partial(self._no_room, replica.load)
             # A request a backend of an earlier config dispatches here runs on this replica.
             replica.room.owner = replica
+            self._bound_capacity(replica)
         # Sluice's queue for this model: its requests wait there, in the scheduler's order,
         # for a slot on one of its replicas (each replica's slots shared by every model it
         # serves), and are dispatched to the first with room. The process's (Scheduling),
@@ -106,6 +113,10 @@ class UpstreamBackend:
         if metrics is not None:
             # Read at scrape time, as the local model's.
             metrics.queue_depth.labels(model.name).set_function(lambda: self.queued)
+            for replica in self.replicas:
+                metrics.upstream_capacity.labels(model.name, replica.url).set_function(
+                    partial(getattr, replica.room, "capacity")
+                )
             self.admission.on_preempt = partial(metrics.paused, model.name, seconds=None)
             self.admission.on_resume = partial(metrics.paused, model.name)
         retry_policy = RetryPolicy(model.max_attempts)
@@ -132,6 +143,32 @@ class UpstreamBackend:
             if model.hedge_after > 0
             else Retry(attempt, retry_policy, len(self._loads), self._no_healthy_replica)
         )
+
+    def _bound_capacity(self, replica: UpstreamReplica) -> None:
+        """Whether ``replica``'s capacity is learned, and within what: with the engine's
+        gauges scraped (a MetricsRouter), from where it starts to queue, under
+        ``max_connections`` when set; otherwise ``max_connections`` (or its default) as set.
+        What a room learned under an earlier config is kept, within the new bound."""
+        model, room = self.model, replica.room
+        if isinstance(self._router, MetricsRouter):
+            upper = model.max_connections or LEARNED_CEILING
+            room.learning = (
+                start_capacity(
+                    upper,
+                    model.max_upstream_waiting,
+                    model.metrics_interval,
+                    start=start_slots(model.max_connections),
+                )
+                if room.learning is None
+                else bounded(
+                    room.learning, upper, model.max_upstream_waiting, model.metrics_interval
+                )
+            )
+            if room.capacity != room.learning.limit:
+                room.resize(room.learning.limit)
+        elif room.learning is not None:
+            room.learning = None
+            room.resize(start_slots(model.max_connections))
 
     def _no_room(self, load: ReplicaLoad) -> bool:
         """Whether a replica has no room whatever its count in flight: ejected, probed by a

@@ -23,6 +23,7 @@ from proxy.backends.upstream.routing import ReplicaLoad
 from proxy.backends.upstream.transports import ConnectionSettings, Pool
 from proxy.config import UpstreamConfig
 from proxy.ops.metrics import Metrics
+from proxy.protocol.capacity import LEARNED_CEILING, START
 from proxy.protocol.openai import NATIVE_ENDPOINTS, CompletionRequest, Endpoint
 from proxy.relay.admission import Room
 
@@ -52,6 +53,12 @@ def routing_counter(metrics: Metrics) -> Counter:
         )
         _ROUTING_COUNTERS[metrics] = counter
     return counter
+
+
+def start_slots(max_connections: int) -> int:
+    """A replica's slots before anything is learned: ``max_connections``, or when it is not
+    set (0) the lowest of vLLM's defaults (see proxy.protocol.capacity)."""
+    return max_connections or START
 
 
 def public_name(model_name: str, upstreams: list[str] | tuple[str, ...], url: str) -> str:
@@ -85,14 +92,16 @@ class UpstreamReplica:
         self.url = url.rstrip("/")
         # Its slots in Sluice's queue (relay/admission.py): the process's, so that a reload,
         # which builds its replicas anew, keeps what is in flight on the server counted.
-        self.room = room or Room(self.url, settings.max_connections)
+        self.room = room or Room(self.url, start_slots(settings.max_connections))
         self.connection = connection or ConnectionSettings(transport="lean")
         self.load = ReplicaLoad(self.url)
         self._pool: Pool
         if self.connection.transport == "httpx":
             self._pool = HttpxPool(
                 self.connection,
-                max_connections=self.room.capacity,
+                # The room bounds what is in flight, learned or set; httpcore's pool only must
+                # never be what holds a request (httpcore #1093), whatever the room grows to.
+                max_connections=max(self.room.capacity, LEARNED_CEILING),
                 max_keepalive=settings.max_keepalive_connections,
                 keepalive_expiry=settings.keepalive_expiry,
                 socket_options=socket_options,

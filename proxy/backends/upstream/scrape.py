@@ -18,7 +18,12 @@ from proxy.backends.upstream.exchange import reason
 from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica
 from proxy.backends.upstream.routing import HealthPolicy, LeastBusyRouter, MetricsRouter
 from proxy.backends.upstream.transports import health_client
-from proxy.protocol.replica_metrics import MetricsParseError, parse_replica_metrics
+from proxy.protocol.capacity import learn
+from proxy.protocol.replica_metrics import (
+    MetricsParseError,
+    ReplicaMetrics,
+    parse_replica_metrics,
+)
 
 log = logging.getLogger("sluice.upstream")
 
@@ -126,10 +131,37 @@ class _Scraper:
             metrics = parse_replica_metrics(body.decode("utf-8", "replace"), self.model)
         except MetricsParseError as error:
             return str(error)
-        self.router.observe(replica.load, metrics, trio.current_time())
-        # Its own queue may have drained: what Sluice holds for it may go now.
+        now = trio.current_time()
+        self.router.observe(replica.load, metrics, now)
+        self.learn(metrics, now)
+        # Its own queue may have drained (or its capacity grown): what Sluice holds for it
+        # may go now.
         replica.room.poke()
         return None
+
+    def learn(self, metrics: ReplicaMetrics, now: float) -> None:
+        """The replica's capacity after this scrape, where it is learned."""
+        room = self.replica.room
+        if room.learning is None:
+            return
+        before = room.learning
+        after = room.learning = learn(
+            before,
+            running=metrics.running,
+            waiting=metrics.waiting,
+            in_flight=room.in_flight,
+            now=now,
+        )
+        room.capacity = after.limit
+        if after.queued_at != before.queued_at and after.limit < before.limit:
+            log.info(
+                "model %s: %s queues past %d running; it gets %d at most (was %d)",
+                self.model,
+                self.replica.url,
+                after.edge,
+                after.limit,
+                before.limit,
+            )
 
 
 async def check_replicas(
