@@ -452,28 +452,46 @@ class RedisLimits:
         budget = self._token_keys(key.account)
         budgeted = bool(key.tokens_per_minute or key.tokens_per_day)
         lease_id = os.urandom(9).hex()
+        lease = RedisLease(
+            self,
+            streams if key.max_concurrent_streams else None,
+            lease_id,
+            budget if budgeted else None,
+        )
         reply: Any = None
         failure = "timed out"
-        with trio.move_on_after(self.limits.timeout):
-            try:
-                client = await self._connected()
-                reply = await self._admit(
-                    keys=[rate, streams, *budget],
-                    args=[
-                        key.requests_per_minute,
-                        key.max_concurrent_streams,
-                        lease_id,
-                        self.limits.lease_seconds,
-                        RATE_PERIOD,
-                        key.tokens_per_minute,
-                        key.tokens_per_day,
-                        reservation,
-                        DAY,
-                    ],
-                    client=client,
-                )
-            except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
-                failure = repr(error)
+        sent = False
+        try:
+            with trio.move_on_after(self.limits.timeout):
+                try:
+                    client = await self._connected()
+                    sent = True
+                    reply = await self._admit(
+                        keys=[rate, streams, *budget],
+                        args=[
+                            key.requests_per_minute,
+                            key.max_concurrent_streams,
+                            lease_id,
+                            self.limits.lease_seconds,
+                            RATE_PERIOD,
+                            key.tokens_per_minute,
+                            key.tokens_per_day,
+                            reservation,
+                            DAY,
+                        ],
+                        client=client,
+                    )
+                except Exception as error:  # noqa: BLE001 (any failure of the store is on_error's)
+                    failure = repr(error)
+        finally:
+            if sent and reply is None:
+                # The script may have run with its answer lost (the request cancelled, the
+                # call timed out, the connection dropped): what it may have taken under this
+                # lease id, a stream slot and a reservation, is given back rather than held
+                # until it expires. Shielded and bounded, as every release is.
+                await self.release(lease)
+                if lease.budget is not None:
+                    await self.settle(lease, 0)
         if reply is None:
             allow = self.limits.on_error == "allow"
             self._count("admit", "allowed" if allow else "denied")
@@ -491,12 +509,7 @@ class RedisLimits:
             raise token_limited(key, int(limit), float(period), int(remaining), float(wait))
         if not key.max_concurrent_streams and not budgeted:
             return None
-        return RedisLease(
-            self,
-            streams if key.max_concurrent_streams else None,
-            lease_id,
-            budget if budgeted else None,
-        )
+        return lease
 
     async def renew(self, lease: RedisLease) -> None:
         """Push ``lease``'s expiry; a failure is counted and logged, and the lease expires

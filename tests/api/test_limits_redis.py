@@ -212,6 +212,39 @@ async def test_a_lease_lives_while_renewed_and_expires_when_not(
         await again.release()
 
 
+async def test_an_admission_whose_answer_is_lost_gives_back_what_it_took(
+    redis_server: RedisServer,
+) -> None:
+    """The admit script ran in Redis, but its caller was cancelled (its client left) before the
+    answer came: the stream slot and the token reservation it took are given back at once,
+    not held until the lease expires."""
+    with trio.fail_after(DEADLINE):
+        limited = store(redis_server)
+        alice = key(max_concurrent_streams=1, tokens_per_minute=1_000)
+        ran = trio.Event()
+        await limited._connected()
+        admit = limited._admit
+
+        async def admit_then_lose_the_answer(**kwargs: Any) -> Any:
+            await admit(**kwargs)
+            ran.set()
+            await trio.sleep_forever()
+
+        limited._admit = admit_then_lose_the_answer
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(limited.acquire, alice, 100)
+            await ran.wait()
+            nursery.cancel_scope.cancel()
+        limited._admit = admit
+        client = await limited._connected()
+        for kind in ("streams", "pending"):
+            assert await client.zcard(f"sluice:{{{alice.name}}}:{kind}") == 0, kind
+        # The slot is free for the next request.
+        lease = await limited.acquire(alice, 100)
+        assert lease is not None
+        await lease.release()
+
+
 async def test_keyring_uses_the_store_only_for_redis() -> None:
     assert KeyRing([]).shared is None
     assert KeyRing([], LimitsConfig(backend="redis")).shared is not None
