@@ -9,6 +9,7 @@ whose every run must pass, a second or so each, and the sweep's own parts withou
 from __future__ import annotations
 
 import inspect
+import shutil
 from typing import Any
 
 import pytest
@@ -18,8 +19,10 @@ import trio.testing
 from proxy.backends.upstream.pool import PlainTransport
 from proxy.bench.sweep import SCENARIOS, sample, sweep_scenario
 from proxy.bench.sweep.answers import answered, tokens_received
+from proxy.bench.sweep.extras import LOCAL_STEP_SECONDS
 from proxy.bench.sweep.report import heat_strip, markdown
 from proxy.bench.sweep.run import DEADLINE_JUMP, Run, Sweep
+from tests.support import slowed
 
 SERVER_PATHS = [pytest.param(True, id="fast_path"), pytest.param(False, id="hypercorn")]
 # Every checkpoint of the chat's two, every third (and the first and last three) of the
@@ -51,6 +54,38 @@ async def test_every_checkpoint_leaves_nothing_behind(name: str, fast_path: bool
     outcomes = {run.outcome for run in cut}
     assert any(outcome.startswith("cancelled(") for outcome in outcomes), outcomes
     assert len(sweep.distinct) >= 3
+
+
+# The scenarios that need more than the fake: the tiny local model, an urgent request that
+# pauses the swept stream, a redis-server counting the key's limits.
+NEEDING = {"local-stream": 2, "preempted": 4, "redis-limited": 3}
+
+
+@pytest.mark.parametrize("fast_path", SERVER_PATHS)
+@pytest.mark.parametrize("name", NEEDING)
+async def test_every_checkpoint_of_the_local_model_a_pause_and_redis_leaves_nothing_behind(
+    name: str, fast_path: bool, tiny_loaded_model: Any
+) -> None:
+    if SCENARIOS[name].redis and shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (`make redis` installs Debian's package)")
+    local = {"tiny": slowed(tiny_loaded_model, LOCAL_STEP_SECONDS)}
+    with trio.fail_after(DEADLINE):
+        sweep = await sweep_scenario(
+            SCENARIOS[name],
+            fast_path=fast_path,
+            leave="close",
+            every=NEEDING[name],
+            local_models=local if SCENARIOS[name].local else None,
+        )
+    assert not sweep.skipped, sweep.skipped
+    assert not sweep.failures, [(r.cut_at, r.place, r.failures) for r in sweep.failures]
+    outcomes = {run.outcome for run in sweep.runs if run.cut}
+    assert any(outcome.startswith("cancelled(") for outcome in outcomes), outcomes
+    if name == "preempted":
+        assert "cancelled(paused)" in outcomes, outcomes  # it left while paused, somewhere
+    if SCENARIOS[name].local:
+        engine = [r.released_engine_steps for r in sweep.runs if r.cut]
+        assert any(steps is not None for steps in engine), engine
 
 
 async def test_a_client_that_reads_on_after_its_fin_gets_what_was_counted_sent() -> None:

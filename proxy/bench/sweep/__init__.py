@@ -76,7 +76,8 @@ PREAMBLE = (
     "where in code the request's task was parked when its client left, deduplicated; "
     "*released within*: the most scheduler rounds (and task steps of Sluice) between a "
     "departure and its upstream let go, seen by the fake (the bound: 5 rounds, 8 over "
-    "httpx). The machine: 2 shared cores (AMD EPYC)."
+    "httpx; a local model's sequence: out of the batch within 2 engine steps, the one in "
+    "flight at the cut and one more). The machine: 2 shared cores (AMD EPYC)."
 )
 
 

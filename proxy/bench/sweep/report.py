@@ -77,10 +77,14 @@ def summary_row(sweep: Sweep) -> str:
     cuts = cut_runs(sweep)
     steps = [run.released_after for run in cuts if run.released_after is not None]
     batches = [run.released_batches for run in cuts if run.released_batches is not None]
+    engine = [r.released_engine_steps for r in cuts if r.released_engine_steps is not None]
+    released = f"{max(batches, default=0)} ({max(steps, default=0)})"
+    if engine:
+        released += f"; {max(engine)} engine steps"
     return (
         f"| {sweep.scenario} | {sweep.server} | {sweep.leave} | {sweep.counted} | "
         f"{len(sweep.runs)} | {len(sweep.distinct)} | {len(sweep.failures)} | "
-        f"{max(batches, default=0)} ({max(steps, default=0)}) | {sweep.seconds:.1f} | "
+        f"{released} | {sweep.seconds:.1f} | "
         f"`{heat_strip(cuts)}` |"
     )
 

@@ -24,6 +24,7 @@ from proxy.api.state import SluiceState, state_of
 from proxy.backends.local import LocalBackend
 from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.bench.sweep.checkpoints import CheckpointCounter
+from proxy.bench.sweep.extras import redis_clients, redis_query
 from proxy.bench.sweep.observe import (
     AccessLines,
     all_tasks,
@@ -33,6 +34,7 @@ from proxy.bench.sweep.observe import (
     task_tree,
     tasks_running,
 )
+from proxy.bench.sweep.scenarios import LIMITED_KEY
 from proxy.config import config_from_mapping
 from proxy.server.asgi import SluiceQuart
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
@@ -52,6 +54,8 @@ class Baseline:
     threads: Counter[str] = field(default_factory=Counter)
     files: Counter[str] = field(default_factory=Counter)
     sockets: int = 0
+    # The sweep's redis-server's connections (the ``redis`` scenarios').
+    redis_clients: int = 0
 
 
 @dataclass
@@ -66,6 +70,10 @@ class Rig:
     baseline: Baseline = field(default_factory=Baseline)
     # Where the tasks of the fake (and the sweep's own) live: never counted as Sluice's.
     outside: Callable[[], set[trio.lowlevel.Task]] = field(default=lambda: set())
+    # The port of the redis-server that counts the keys' limits, if one does.
+    redis_port: int | None = None
+    # The local models it serves (a slowed model counts its forward passes).
+    local_models: dict[str, Any] = field(default_factory=dict)
 
     @property
     def state(self) -> SluiceState:
@@ -93,21 +101,43 @@ class Rig:
             if not connection.is_idle()
         }
 
-    def release_check(self) -> Callable[[], bool]:
-        """For the request that starts now: whether nothing of it is at work below Sluice any
-        more: every request the fake got since is over (the fake saw it close, or it was
-        done), no upstream connection that was idle before is in use, no local sequence is
-        in a batch. Asked by the counter after every step that follows a cut. (Another
-        request's work, a queued scenario's holder, is not this one's.)"""
+    def release_check(
+        self, request_id: str, *, others: bool = False
+    ) -> tuple[Callable[[], bool], Callable[[], int | None]]:
+        """For the request ``request_id`` that starts now: whether nothing of it is at work
+        below Sluice any more: every request the fake got for it since is over (the fake saw it
+        close, or it was done), no upstream connection that was idle before is in use, no local
+        sequence is in a batch. Asked by the counter after every step that follows a cut.
+        (Another request's work, a queued scenario's holder, is not this one's; with
+        ``others``, other requests start beside it, and the connections, which cannot be told
+        apart, are not looked at.) And the local engine's decode steps once it was released
+        (None while it is not, or with no local model)."""
         records = len(self.fake.recorder.records)
         before = self.busy_connections()
+        released_at_step: list[int] = []
 
         def released() -> bool:
-            if any(r.outcome == "pending" for r in self.fake.recorder.records[records:]):
+            if any(
+                r.outcome == "pending" and r.headers.get("x-request-id") == request_id
+                for r in self.fake.recorder.records[records:]
+            ):
                 return False
-            return not (self.busy_connections() - before) and not self.local_busy()
+            if not others and self.busy_connections() - before:
+                return False
+            if self.local_busy():
+                return False
+            if not released_at_step:
+                released_at_step.append(self.engine_steps())
+            return True
 
-        return released
+        def steps_at_release() -> int | None:
+            return released_at_step[0] if released_at_step and self.local_models else None
+
+        return released, steps_at_release
+
+    def engine_steps(self) -> int:
+        """Forward passes the (slowed) local models have run so far."""
+        return sum(getattr(loaded.model, "steps", 0) for loaded in self.local_models.values())
 
     def process_tasks(self) -> set[trio.lowlevel.Task]:
         return all_tasks() - self.outside()
@@ -134,6 +164,7 @@ class Rig:
             threads=busy_threads(),
             files=files,
             sockets=sockets - 2 * self.pooled(),
+            redis_clients=0 if self.redis_port is None else redis_clients(self.redis_port),
         )
 
     def differences(self) -> list[str]:
@@ -178,6 +209,22 @@ class Rig:
             if local.engine.paused_kv_bytes:
                 found.append(f"local {name}: {local.engine.paused_kv_bytes} bytes of paused KV")
         found.extend(key_holds(state))
+        if self.redis_port is not None:
+            found.extend(self._redis_differences(self.redis_port))
+        return found
+
+    def _redis_differences(self, port: int) -> list[str]:
+        """The redis-server's side: the connections Sluice holds there, and the limited key's
+        stream leases and token reservations (sorted sets of their ids), none left."""
+        found = []
+        clients = redis_clients(port)
+        if clients != self.baseline.redis_clients:
+            found.append(f"redis holds {clients} connection(s), {self.baseline.redis_clients} idle")
+        prefix = self.state.config.limits.key_prefix
+        for kind in ("streams", "pending"):
+            held = redis_query(port, "ZCARD", f"{prefix}{{{LIMITED_KEY}}}:{kind}")
+            if held:
+                found.append(f"redis: {held} {kind} entr(ies) of key {LIMITED_KEY} left")
         return found
 
     def _describe(self, tasks: set[trio.lowlevel.Task], extra: Counter[str]) -> list[str]:
@@ -268,5 +315,6 @@ async def start_rig(
         CheckpointCounter(serving),
         lines,
         outside=lambda: task_tree(fake_task) | {driver},
+        local_models=dict(local_models or {}),
     )
     return rig

@@ -8,6 +8,7 @@ more request is read to its end.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -27,6 +28,7 @@ from proxy.bench.sweep.answers import (
 )
 from proxy.bench.sweep.checkpoints import Step
 from proxy.bench.sweep.client import SweepClient
+from proxy.bench.sweep.extras import Unavailable, redis_server, tiny_local_models
 from proxy.bench.sweep.rig import Rig, start_rig
 from proxy.bench.sweep.scenarios import Scenario
 from proxy.ops.logs import ACCESS_LOGGER
@@ -48,6 +50,9 @@ RELEASE_BATCHES = 5
 # connection closed under a shield, the pool's bookkeeping after it): measured, at most 7
 # rounds under the framework, cut in httpcore's read or write.
 RELEASE_BATCHES_HTTPX = 8
+# A local model's sequence: gone from the batch within the engine's forward pass in flight at
+# the cut and one more (the engine reads a cancellation between two steps).
+LOCAL_RELEASE_STEPS = 2
 # The ``deadline`` ending: every request carries ``X-Sluice-Deadline: DEADLINE_SECONDS``, every
 # other timer of the rig is set to LONG_SECONDS, and at the cut the clock (a MockClock that
 # runs at the real rate) jumps DEADLINE_JUMP ahead: the request's deadline, and only it, has
@@ -73,6 +78,8 @@ class Run:
     outcome: str = ""
     released_after: int | None = None
     released_batches: int | None = None
+    # A local model's: its decode steps between the cut and the sequence's leaving the batch.
+    released_engine_steps: int | None = None
     failures: list[str] = field(default_factory=list)
     # Where each of its steps parked (the counting run keeps them for the report).
     places: list[str] = field(default_factory=list)
@@ -130,8 +137,34 @@ async def sweep_scenario(
     ``fail_fast``, stop at the first run that fails."""
     server = "fast path" if fast_path else "framework"
     result = Sweep(scenario.name, server, leave)
+    with contextlib.ExitStack() as needs:
+        try:
+            redis = needs.enter_context(redis_server()) if scenario.redis else None
+            if scenario.local and local_models is None:
+                local_models = tiny_local_models()
+        except Unavailable as exc:
+            result.skipped = str(exc)
+            return result
+        return await _sweep(
+            result, scenario, fast_path, leave, every, local_models, cuts, fail_fast, redis
+        )
+
+
+async def _sweep(
+    result: Sweep,
+    scenario: Scenario,
+    fast_path: bool,
+    leave: str,
+    every: int,
+    local_models: dict[str, Any] | None,
+    cuts: Iterable[int] | None,
+    fail_fast: bool,
+    redis: Any,
+) -> Sweep:
     began = time.perf_counter()
     config = scenario.configured()
+    if redis is not None:
+        config["limits"] = {"backend": "redis", "url": redis.url, **config.get("limits", {})}
     config["server"] = {**config.get("server", {}), "fast_path": fast_path}
     if leave == "deadline":
         config = with_long_timers(config)
@@ -141,6 +174,8 @@ async def sweep_scenario(
         rig = await start_rig(
             nursery, config, fake=FakeSettings(**scenario.fake), local_models=local_models
         )
+        if redis is not None:
+            rig.redis_port = redis.port
         access = logging.getLogger(ACCESS_LOGGER)
         saved = access.level, access.propagate
         access.addHandler(rig.lines)
@@ -227,7 +262,10 @@ async def one_run(
 
     bound = trio.CancelScope()
 
+    steps_at_cut: list[int] = []
+
     def cut(step: Step) -> None:
+        steps_at_cut.append(rig.engine_steps())
         if deadline:
             jump_past_the_deadline()
             # The run's own bound is on the same clock: it keeps its length.
@@ -240,7 +278,8 @@ async def one_run(
     after = None
     if scenario.around is not None:
         after = await scenario.around(rig, nursery)
-    armed = rig.counter.arm(cut_at, cut, rig.release_check())
+    released, steps_at_release = rig.release_check(request_id, others=scenario.around is not None)
+    armed = rig.counter.arm(cut_at, cut, released)
     try:
         bound.deadline = trio.current_time() + RUN_SECONDS
         with bound as scope:
@@ -265,6 +304,9 @@ async def one_run(
         run.place = armed.cut.place
         run.released_after = armed.released_at
         run.released_batches = armed.released_batches
+        at_release = steps_at_release()
+        if at_release is not None and steps_at_cut:
+            run.released_engine_steps = at_release - steps_at_cut[0]
     run.failures.extend(problems)
     lines = rig.lines.of(request_id)
     if not check:
@@ -391,6 +433,15 @@ def check_upstream(rig: Rig, run: Run, records: int, bound: int = RELEASE_BATCHE
     for record in rig.fake.recorder.records[records:]:
         if record.outcome == "pending":
             found.append(f"the fake's request {record.id} is still pending")
+    if run.cut and run.released_engine_steps is not None:
+        # A local sequence leaves the batch at a decode step's end: the step in flight at the
+        # cut, and at most one more (the contract: within one decode step).
+        if run.released_engine_steps > LOCAL_RELEASE_STEPS:
+            found.append(
+                f"the local sequence left the batch {run.released_engine_steps} engine "
+                "steps after the cut"
+            )
+        return found
     if run.cut and (run.released_batches is None or run.released_batches > bound):
         found.append(
             f"upstream still in use {run.released_batches} scheduler batches "

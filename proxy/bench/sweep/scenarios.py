@@ -34,6 +34,13 @@ TOKENS = 4
 FAKE = {"ttft": 0.0, "interval": 0.002, "tokens": TOKENS}
 SECRET = "sk-sweep"
 BUDGETED = "sk-sweep-budgeted"
+LIMITED = "sk-sweep-limited"
+# The key whose limits a redis-server counts (the ``redis`` scenarios), and its leases there.
+LIMITED_KEY = "limited"
+# The preempted scenario: its stream is of a less urgent band, and an urgent request that waits
+# this long for the replica's only slot pauses it.
+BATCH_BAND = 5
+PREEMPT_AFTER = 0.003
 
 # Started before the swept request (in the sweep's nursery), awaited once it is done: the work a
 # scenario puts beside its request (a holder of the only slot, an urgent request).
@@ -98,6 +105,13 @@ class Scenario:
                     "tokens_per_minute": 1_000_000,
                     "max_concurrent_streams": 4,
                 },
+                {
+                    "name": LIMITED_KEY,
+                    "sha256": hash_key(LIMITED),
+                    "requests_per_minute": 1_000_000,
+                    "tokens_per_minute": 1_000_000,
+                    "max_concurrent_streams": 4,
+                },
             ],
             # One connection per replica: a slot or a connection leaked by a run makes the
             # next run wait, and fail.
@@ -144,6 +158,48 @@ async def hold_the_room(rig: Rig, nursery: trio.Nursery) -> Callable[[], Awaitab
     await started.wait()
 
     async def after() -> None:
+        await done.wait()
+
+    return after
+
+
+async def urgent_once_streaming(rig: Rig, nursery: trio.Nursery) -> Callable[[], Awaitable[None]]:
+    """An urgent request (band 0), sent once the swept stream (of band BATCH_BAND) has had two
+    tokens from the fake: it waits for the replica's only slot, pauses the swept stream after
+    PREEMPT_AFTER, is answered, and the swept stream is continued. Not sent if the swept
+    request ends (or its client leaves) before it streams."""
+    import trio
+
+    from proxy.bench.sweep.answers import whole
+    from proxy.bench.sweep.client import SweepClient
+    from proxy.bench.sweep.rig import POLL
+
+    records = len(rig.fake.recorder.records)
+    swept_over = trio.Event()
+    done = trio.Event()
+
+    def streaming() -> bool:
+        fresh = rig.fake.recorder.records[records:]
+        return bool(fresh) and fresh[0].tokens_sent >= 2
+
+    async def urgent() -> None:
+        client = SweepClient()
+        try:
+            while not streaming():
+                if swept_over.is_set():
+                    return
+                await trio.sleep(POLL)
+            body = Scenario("urgent", "").request("sweep-urgent")
+            await client.send(*rig.address, body)
+            await client.read_until(whole)
+        finally:
+            client.close()
+            done.set()
+
+    nursery.start_soon(urgent, name="sweep urgent")
+
+    async def after() -> None:
+        swept_over.set()
         await done.wait()
 
     return after
@@ -207,6 +263,21 @@ def _scenarios() -> list[Scenario]:
             ending="upstream_http_error",
         ),
         Scenario(
+            "preempted",
+            "a streamed chat of a batch band (12 tokens) paused by an urgent request once it "
+            "streams, then continued",
+            extra={"priority": BATCH_BAND, "fake": {"tokens": 12}},
+            config={"scheduling": {"preempt_after": PREEMPT_AFTER}},
+            around=urgent_once_streaming,
+        ),
+        Scenario(
+            "redis-limited",
+            "a streamed chat of a key whose request rate, streams and tokens a redis-server "
+            "counts (leases and reservations there)",
+            bearer=LIMITED,
+            redis=True,
+        ),
+        Scenario(
             "retried-answered",
             "a streamed chat whose first attempt gets 503: retried on the other replica, "
             "which answers",
@@ -260,10 +331,37 @@ def _scenarios() -> list[Scenario]:
     ]
     # Every scenario of an upstream again on the other transport: httpx's pool, not the lean
     # HTTP/1.1 client (its own cut points, and its own way of closing a connection).
+    local = {
+        "backend": "local",
+        "path": "unused-preloaded",
+        "default_temperature": 0.0,
+        "slots": 2,
+        "queue_timeout": 5,
+    }
+    on_the_local_model = [
+        Scenario(
+            "local-stream",
+            "a streamed chat of the tiny local model (4 tokens, 2 ms a decode step)",
+            model="tiny",
+            extra={"max_tokens": 4},
+            config={"models": {"tiny": local}},
+            local=True,
+        ),
+        Scenario(
+            "local-whole",
+            "a chat of the tiny local model answered whole (JSON)",
+            model="tiny",
+            stream=False,
+            extra={"max_tokens": 4},
+            config={"models": {"tiny": local}},
+            local=True,
+        ),
+    ]
     # (A request its guard refuses never reaches a replica: once is enough.)
     return [
         *upstream,
         *(over_httpx(s) for s in upstream if s.name != "guard-request-refuses"),
+        *on_the_local_model,
     ]
 
 
