@@ -289,6 +289,11 @@ class UpstreamModel(UpstreamRequestConfig, ModelBase):
     # upstreams ("tcp://10.0.0.5:5557"), where kv_events_port on its host is not it; "" for
     # a replica that publishes none (judged by what was routed there).
     kv_events_endpoints: tuple[str, ...] = ()
+    # With balance = "cache_aware": each replica's vLLM replay socket (--kv-events-config's
+    # "replay_endpoint", "tcp://10.0.0.5:5558"), in the order of upstreams, where
+    # kv_events_replay_port on its events' host is not it (replicas sharing a host); "" for
+    # that port, or none. Without one, a gap in a replica's events empties its index.
+    kv_events_replay_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.upstream_model:
@@ -1296,19 +1301,24 @@ def _check_balance(where: str, settings: UpstreamRequestConfig) -> None:
 def _check_kv_events(where: str, model: UpstreamModel) -> None:
     """A cache_aware model's KV-event publishers: one per replica, by port or by endpoint
     ("" for a replica without; none at all: every replica judged by what was routed there)."""
-    endpoints = model.kv_events_endpoints
-    if endpoints and len(endpoints) != len(model.upstreams):
-        raise ConfigError(
-            f"'kv_events_endpoints' in {where} names {len(endpoints)} publishers for "
-            f"{len(model.upstreams)} upstreams: one per upstream, in the same order"
-        )
-    for endpoint in filter(None, endpoints):
-        parts = urlsplit(endpoint)
-        if parts.scheme not in ("tcp", "ipc") or not (parts.netloc or parts.path):
+    for key, example in (
+        ("kv_events_endpoints", "tcp://host:5557"),
+        ("kv_events_replay_endpoints", "tcp://host:5558"),
+    ):
+        endpoints = getattr(model, key)
+        if endpoints and len(endpoints) != len(model.upstreams):
             raise ConfigError(
-                f"'kv_events_endpoints' in {where}: {endpoint!r} is not a ZeroMQ endpoint "
-                '("tcp://host:5557" or "ipc:///path")'
+                f"'{key}' in {where} names {len(endpoints)} endpoints for "
+                f"{len(model.upstreams)} upstreams: one per upstream, in the same order"
             )
+        for endpoint in filter(None, endpoints):
+            parts = urlsplit(endpoint)
+            if parts.scheme not in ("tcp", "ipc") or not (parts.netloc or parts.path):
+                raise ConfigError(
+                    f"'{key}' in {where}: {endpoint!r} is not a ZeroMQ endpoint "
+                    f'("{example}" or "ipc:///path")'
+                )
+    endpoints = model.kv_events_endpoints
     if model.balance != "cache_aware":
         return
     if not endpoints and model.kv_events_port and FAKE_UPSTREAM_URL in model.upstreams:

@@ -509,7 +509,17 @@ def test_cache_aware_takes_each_replicas_kv_events_or_none() -> None:
     for name in ("kv_approx_max_blocks", "kv_approx_ttl", "kv_block_size"):
         with pytest.raises(ConfigError, match=rf"'{name}' .* > 0"):
             build({"models": {"m": {**MODEL, name: 0}}})
-    with pytest.raises(ConfigError, match="names 1 publishers for 2 upstreams"):
+    # Each replica's replay socket, where the events' host and one port do not name it.
+    replays = {**one, "kv_events_replay_endpoints": ["tcp://a:2", ""]}
+    assert build({"models": {"m": replays}}).models[0].kv_events_replay_endpoints == (
+        "tcp://a:2",
+        "",
+    )
+    with pytest.raises(ConfigError, match=r"'kv_events_replay_endpoints' .* 1 endpoints for 2"):
+        build({"models": {"m": {**one, "kv_events_replay_endpoints": ["tcp://a:2"]}}})
+    with pytest.raises(ConfigError, match=r"'kv_events_replay_endpoints' .* not a ZeroMQ"):
+        build({"models": {"m": {**one, "kv_events_replay_endpoints": ["a:2", ""]}}})
+    with pytest.raises(ConfigError, match="names 1 endpoints for 2 upstreams"):
         build(
             {
                 "models": {

@@ -200,12 +200,14 @@ class UpstreamBackend:
                 model.name, model.metrics_path, self.replicas, router, model.metrics_interval
             )
             return
-        # The replicas that publish events: by endpoint ("" for none), or all by port.
+        # The replicas that publish events: by endpoint ("" for none), or all by port; each
+        # with its replay socket, by endpoint ("" for the model's replay port, or none).
         publishing = [
-            (replica, endpoint)
-            for replica, endpoint in zip(
+            (replica, endpoint, replay)
+            for replica, endpoint, replay in zip(
                 self.replicas,
                 model.kv_events_endpoints or ("",) * len(self.replicas),
+                model.kv_events_replay_endpoints or ("",) * len(self.replicas),
                 strict=True,
             )
             if endpoint or (model.kv_events_port and not model.kv_events_endpoints)
@@ -232,10 +234,10 @@ class UpstreamBackend:
         self,
         nursery: trio.Nursery,
         router: CacheAwareRouter,
-        publishing: Sequence[tuple[UpstreamReplica, str]],
+        publishing: Sequence[tuple[UpstreamReplica, str, str]],
     ) -> None:
         """A KV-event subscriber for each replica in ``publishing`` (its endpoint, or "" for
-        kv_events_port on its host)."""
+        kv_events_port on its host; its replay endpoint, or "" for kv_events_replay_port)."""
         # Imported only by a model that subscribes: ZeroMQ is loaded for it alone.
         from proxy.backends.upstream.kv_events import (
             KvEventSubscriber,
@@ -244,9 +246,13 @@ class UpstreamBackend:
         )
 
         model = self.model
-        for replica, endpoint in publishing:
+        for replica, endpoint, replay in publishing:
             publisher = publisher_of(
-                replica.root_url, model.kv_events_port, model.kv_events_replay_port, endpoint
+                replica.root_url,
+                model.kv_events_port,
+                model.kv_events_replay_port,
+                endpoint,
+                replay,
             )
             observer = (
                 None

@@ -125,14 +125,19 @@ class Publisher:
     replay: str = ""
 
 
-def publisher_of(root_url: str, port: int, replay_port: int, endpoint: str = "") -> Publisher:
-    """A replica's publisher: ``endpoint`` when given, else ``port`` on its URL's host; the
-    replay port (0: none) on the same host."""
+def publisher_of(
+    root_url: str, port: int, replay_port: int, endpoint: str = "", replay_endpoint: str = ""
+) -> Publisher:
+    """A replica's publisher: ``endpoint`` when given, else ``port`` on its URL's host; its
+    replay socket ``replay_endpoint`` when given, else ``replay_port`` (0: none) on the
+    events' host."""
     import httpx
 
     host = httpx.URL(endpoint).host if endpoint else httpx.URL(root_url).host
     where = f"[{host}]" if ":" in host else host
     main = endpoint or f"tcp://{where}:{port}"
+    if replay_endpoint:
+        return Publisher(main, replay_endpoint)
     return Publisher(main, f"tcp://{where}:{replay_port}" if replay_port and host else "")
 
 

@@ -441,3 +441,43 @@ async def test_without_events_a_prompt_follows_what_was_routed(
         labels = {"model": "fake-model", "balance": "cache_aware", "reason": "cache_approx"}
         assert registry.get_sample_value("sluice_routing_decisions_total", labels) == 3
         nursery.cancel_scope.cancel()
+
+
+async def test_each_replica_replays_from_its_own_replay_endpoint(nursery: trio.Nursery) -> None:
+    """Two replicas on one host, each publisher with its own replay socket on a port of its
+    own (one kv_events_replay_port cannot name both): a gap in either's events is fetched
+    from that replica's replay endpoint, through the proxy's own subscribers."""
+    async with contextlib.AsyncExitStack() as stack:
+        publishers = [await stack.enter_async_context(serving()) for _ in range(2)]
+        with trio.fail_after(DEADLINE):
+            fakes = [await start_fake(nursery) for _ in range(2)]
+            model = {
+                "upstreams": [f.url for f in fakes],
+                "balance": "cache_aware",
+                "kv_events_endpoints": [p.endpoint for p in publishers],
+                "kv_events_replay_endpoints": [p.replay_endpoint for p in publishers],
+            }
+            proxy = await start_proxy(nursery, {"fake-model": model})
+            for publisher in publishers:
+                await publisher.subscribed()
+            backend = proxy.state.backends["fake-model"]
+            assert isinstance(backend, UpstreamBackend)
+            router = backend.router
+            assert isinstance(router, CacheAwareRouter)
+            registry = proxy.state.metrics.registry
+            for publisher, replica in zip(publishers, backend.replicas, strict=True):
+                index = router.index_of(replica.load)
+                a, b, c = prompt(1, 0), prompt(1, 100), prompt(1, 200)
+                publisher.publish([chain(a)])
+                await poll_until(lambda index=index: len(index) == 1)
+                # Two batches lost on the way.
+                publisher.publish([chain(b)], send=False)
+                publisher.publish([chain(c)], send=False)
+                publisher.publish([chain(prompt(1, 300))])
+                await poll_until(lambda index=index: len(index) == 4)
+                assert publisher.replays == [1]
+                for tokens in (a, b, c):
+                    assert index.matched(block_keys(tokens, BS)) == 1
+                labels = {"model": "fake-model", "replica": replica.url, "outcome": "replayed"}
+                assert registry.get_sample_value("sluice_kv_event_gaps_total", labels) == 1
+            nursery.cancel_scope.cancel()
