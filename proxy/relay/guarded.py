@@ -476,6 +476,17 @@ class GuardedRun:
         self.went_out(chunk)
         return True
 
+    def offer_comment(self, chunk: bytes) -> bool:
+        """An SSE comment while the answer is held: no guard reads it (it has no text), and it
+        must reach the client now, not with the next window: a paused stream's keep-alive
+        (``: paused``) is what keeps the client's read timeout from firing while no window
+        comes, and held, each one would pile up behind the last window's overlap. Before the
+        head is out it is dropped: it cannot precede the head, and sending the head would
+        commit the status that a refusal may still need."""
+        if self.refusal is not None or self.whole is not None or not self.head_sent:
+            return True
+        return self.sink.offer(chunk)
+
     def went_out(self, chunk: bytes) -> None:
         """A chunk went straight on: its text still goes to the output guards' windows."""
         ledger = self.ledger
@@ -526,6 +537,8 @@ class GuardedSink:
         run = self._run
         if run.direct and run.refusal is None:
             return run.offer_direct(chunk)
+        if _only_comments(chunk):
+            return run.offer_comment(chunk)
         if run.full() and run.refusal is None:
             return False
         run.take(chunk)
@@ -533,6 +546,10 @@ class GuardedSink:
 
     async def send(self, chunk: bytes) -> None:
         run = self._run
+        if _only_comments(chunk) and not (run.direct and run.refusal is None):
+            if not run.offer_comment(chunk):
+                await run.sink.send(chunk)
+            return
         await run.wait_for_room()
         if run.direct and run.refusal is None:
             if not run.sink.offer(chunk):
@@ -540,6 +557,13 @@ class GuardedSink:
             run.went_out(chunk)
             return
         run.take(chunk)
+
+
+def _only_comments(chunk: bytes) -> bool:
+    """Whether ``chunk`` is SSE comment lines only (``: paused``, an upstream's ``: ping``)."""
+    return chunk[:1] == b":" and all(
+        line[:1] == b":" for line in chunk.split(b"\n") if line.strip(b"\r")
+    )
 
 
 # -- the after stage ------------------------------------------------------------------------

@@ -279,6 +279,67 @@ async def test_a_client_that_leaves_cancels_its_guards(autojump_clock: trio.abc.
     assert script.stopped_at_made is not None
 
 
+class PausedScript(Script):
+    """A stream paused after ``paused_after`` words for ``pause`` seconds, a keep-alive comment
+    offered at its start and every second, as the scheduler's pause does."""
+
+    def __init__(self, words: list[str], paused_after: int, pause: float) -> None:
+        super().__init__(words, first=0.1, interval=0.1)
+        self.paused_after = paused_after
+        self.pause = pause
+        self.comments_offered: list[float] = []
+
+    async def __call__(self, sink: Any) -> None:
+        sink.set_phase(Phase.CONNECTING)
+        await trio.sleep(self.first)
+        sink.begin(200, SSE_CONTENT_TYPE)
+        for index, word in enumerate(self.words):
+            if index == self.paused_after:
+                sink.set_phase(Phase.PAUSED)
+                with trio.move_on_after(self.pause):
+                    while True:
+                        self.comments_offered.append(trio.current_time())
+                        sink.offer(b": paused\n\n")
+                        await trio.sleep(1)
+                sink.set_phase(Phase.MID_STREAM)
+            event = chat(word)
+            if not sink.offer(event):
+                await sink.send(event)
+            await trio.sleep(self.interval)
+        await sink.send(DONE)
+
+
+@pytest.mark.parametrize("stage", ["prompt", "output"])
+async def test_a_paused_streams_keep_alive_reaches_the_client_while_the_answer_is_held(
+    autojump_clock: trio.abc.Clock, stage: Stage
+) -> None:
+    # The output guard keeps its last window's overlap held while the stream is paused; the
+    # prompt guard (its verdict at 3 s, from the dispatch) holds everything until then, in
+    # the middle of the pause (0.3 s to 10.3 s).
+    words = [f"w{i} " for i in range(8)]
+    script = PausedScript(words, paused_after=2, pause=10.0)
+
+    async def slow_pass(context: Any) -> None:
+        await trio.sleep(3.0 if stage == "prompt" else 0.0)
+
+    got = await read(body_of(script, plan(guard(stage, slow_pass, window=2, overlap=1)), None))
+    comments = [(at, chunk) for at, chunk in got if chunk.startswith(b":")]
+    assert text(got) == "".join(words)
+    assert got[-1][1].endswith(DONE)
+    if stage == "output":
+        # Each comment went out as it was offered, none held for a next window, and the
+        # answer's order is kept around them.
+        assert [at for at, _ in comments] == script.comments_offered
+    else:
+        # Before the prompt's verdict the head is not out: those comments are dropped (they
+        # cannot precede the head); the later ones go at once.
+        verdict_at = 3.0
+        assert [at for at, _ in comments] == [
+            at for at in script.comments_offered if at > verdict_at
+        ]
+    assert all(chunk == b": paused\n\n" for _, chunk in comments), (got, script.comments_offered)
+
+
 async def test_an_output_guard_may_rewrite_what_the_client_gets(
     autojump_clock: trio.abc.Clock,
 ) -> None:
