@@ -22,6 +22,12 @@ every model meets a guard of each stage.
   later one, and the last (a whole JSON answer is one window, checked at its end). The client
   gets the refusal, the upstream is let go, nothing is left behind, the next request works.
   The fast subset is five cells; the rest is ``slow``.
+* **refuse while paused** (:func:`_paused_trial`): the trial, a stream of a less urgent band,
+  is paused for an urgent one while its prompt guard decides, or while its output guard checks
+  a later window (the client has text, and its keep-alive ``: paused`` passes the held
+  window); the verdict comes while it waits to be continued, on both transports and the local
+  model: the client gets the refusal (HTTP, or in-band), the trial leaves the queue and is
+  never continued, its kept KV is let go, the urgent request runs on, nothing is left behind.
 """
 
 from __future__ import annotations
@@ -172,18 +178,38 @@ async def test_a_refusal_closes_the_upstream_and_leaves_nothing_behind(
 class Trial:
     """What :func:`refuse_in_phase` does: nothing to a request before the cell arms it (the
     warm-up, the next request); once armed, it refuses where its ``at`` option says: ``"now"``,
-    a window's index, the ``"final"`` window, or ``"gate"``: once the cell opens the gate."""
+    a window's index, the ``"final"`` window, or ``"gate"``: once the cell opens the gate (an
+    output guard's windows before the ``from`` option's index pass). With ``only_first``, the
+    first request it meets once armed is the trial, and every other passes (the paused
+    phase's urgent request, sent while the trial waits for its verdict)."""
 
     armed = False
     gate: trio.Event | None = None
+    only_first = False
+    trial_id: str | None = None
+    # Set once a call waits for the gate.
+    at_gate = trio.Event()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.armed, cls.gate, cls.only_first, cls.trial_id = False, None, False, None
+        cls.at_gate = trio.Event()
 
 
 async def refuse_in_phase(context: Prompt | Window) -> Refusal | None:
     if not Trial.armed:
         return None
+    if Trial.only_first:
+        if Trial.trial_id is None:
+            Trial.trial_id = context.request_id
+        if context.request_id != Trial.trial_id:
+            return None
     at = context.options["at"]
     if at == "gate":
+        if isinstance(context, Window) and context.index < context.options.get("from", 0):
+            return None
         assert Trial.gate is not None
+        Trial.at_gate.set()
         await Trial.gate.wait()
     elif isinstance(context, Window) and (
         not context.final if at == "final" else context.index != at
@@ -203,6 +229,9 @@ HOLD = 16
 def refusing(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[str]:
     """The proxy's one guard: :func:`refuse_in_phase` at a stage; the stage."""
     stage, at = request.param
+    options: dict[str, Any] = {"at": at}
+    if isinstance(at, tuple):  # ("gate", the first window that waits for it)
+        options = {"at": at[0], "from": at[1]}
     table = {
         "name": f"refuse-{stage}",
         "use": REFUSER,
@@ -210,14 +239,14 @@ def refusing(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) ->
         "window_tokens": 2,
         "overlap_tokens": 1,
         "hold_back_tokens": HOLD,
-        "options": {"at": at},
+        "options": options,
     }
     monkeypatch.setattr(
         matrix, "start_proxy", functools.partial(matrix.start_proxy, guards=[table])
     )
-    Trial.armed, Trial.gate = False, None
+    Trial.reset()
     yield stage
-    Trial.armed, Trial.gate = False, None
+    Trial.reset()
 
 
 # Where each stage's verdict can come, and how the guard is told to give it there.
@@ -357,3 +386,115 @@ async def test_a_refusal_in_each_phase_lets_go_of_everything(
         await matrix.assert_nothing_left(rig, set())
         await matrix.assert_traces_say_what_happened(rig, raw, "guard_refused")
         await matrix.assert_next_request_works(rig, backend, transport)
+
+
+# -- a refusal while paused -----------------------------------------------------------------
+
+# The paused phase (a stream of a less urgent band paused for an urgent request, as the
+# matrix's own paused cells do): the verdict comes while the trial waits to be continued. The
+# prompt guard is still deciding (it held all of the answer so far: the refusal is the HTTP
+# answer); the output guard passed the first two windows (the client has text, and hears
+# ": paused"), and the third waits for the gate (the refusal is in-band).
+PAUSED_REFUSAL_AT = {"prompt": "gate", "output": ("gate", 2)}
+FAST_PAUSED_REFUSALS = {"output-upstream-paused"}
+
+
+def _refusal_while_paused_cells() -> list[Any]:
+    cells = []
+    for stage, at in PAUSED_REFUSAL_AT.items():
+        for backend in matrix.BACKENDS:
+            name = f"{stage}-{backend}-paused"
+            marks = () if name in FAST_PAUSED_REFUSALS else (pytest.mark.slow,)
+            cells.append(pytest.param((stage, at), backend, marks=marks, id=name))
+    return cells
+
+
+async def _paused_trial(rig: matrix.Rig, stage: str, backend: str) -> tuple[RawClient, RawClient]:
+    """The trial, under way and then paused for an urgent request that runs meanwhile; the
+    guard's verdict on the trial not given yet. The trial and the urgent request."""
+    Trial.armed, Trial.only_first, Trial.gate = True, True, trio.Event()
+    model = rig.model
+    steps = model.steps
+    if backend == "local":
+        model.step_seconds = matrix.STEP
+        long_answer: dict[str, Any] = {"max_tokens": matrix.LONG_ANSWER}
+    else:
+        long_answer = {"fake": matrix.LONG_STREAM}
+    raw = await rig.post(backend, "sse", priority=matrix.BATCH_BAND, **long_answer)
+    # Its guard waits for the gate (the output guard's first windows passed, and went out).
+    await Trial.at_gate.wait()
+    if stage == "output":
+        await raw.read_until(b"data: ", count=2)
+    elif backend == "local":
+        await poll_until(lambda: model.steps >= steps + 3)
+    else:
+        await rig.fake.recorder.wait_for(lambda r: len(r.records) == rig.records + 1)
+        await poll_until(lambda: rig.fake.recorder.last().tokens_sent >= 3)
+    trial_record = None if backend == "local" else rig.fake.recorder.last()
+    # A band-0 request waits for the one slot, then pauses the trial and takes it.
+    urgent = await rig.post(backend, "sse", **long_answer)
+    await urgent.read_until(b"data: ")
+    if backend == "local":
+        await rig.local.admission.wait_queued(1)  # paused: waiting to be continued
+        assert rig.local.engine.paused_kv_bytes > 0
+    else:
+        assert trial_record is not None
+        await rig.fake.recorder.wait_for(lambda _: trial_record.outcome != "pending")
+        assert trial_record.outcome == "client_disconnected", trial_record
+        await poll_until(lambda: rig.upstream_waiting() == 1)
+    if stage == "output":
+        # Its windows held back, its keep-alive reaches it all the same.
+        await raw.read_until(b": paused")
+    return raw, urgent
+
+
+@pytest.mark.parametrize(
+    ("refusing", "backend"), _refusal_while_paused_cells(), indirect=["refusing"]
+)
+async def test_a_refusal_while_paused_lets_go_of_everything(
+    refusing: str,
+    backend: str,
+    nursery: trio.Nursery,
+    tiny_loaded_model: Any,
+    traced: matrix.Traced,  # noqa: F811 - the fixture imported above
+) -> None:
+    """The verdict comes while the trial is paused: the client gets the refusal, the trial
+    leaves the queue at once and is never continued (no upstream request, its kept KV let go),
+    the urgent request it was paused for runs on, and nothing is left behind."""
+    stage = refusing
+    with trio.fail_after(DEADLINE):
+        rig = await matrix.start_rig(nursery, tiny_loaded_model, traced)
+        if backend in matrix.UPSTREAM_BACKENDS:
+            rig.upstream = backend
+        raw, urgent = await _paused_trial(rig, stage, backend)
+        records = len(rig.fake.recorder.records)
+        assert Trial.gate is not None
+        Trial.gate.set()
+        await raw.read_until(b"guard_refused")
+        # Before its head (prompt) the refusal is the HTTP answer, else an in-band error.
+        status = b"400" if stage == "prompt" else b"200"
+        assert raw.received.startswith(b"HTTP/1.1 " + status), raw.received[:200]
+        await rig.proxy.state.tracker.wait_until(lambda tracker: len(tracker.active) == 1)
+        assert rig.upstream_waiting() == 0
+        assert rig.local.admission.waiting == 0
+        await matrix.settle(
+            lambda: rig.local.engine.paused_kv_bytes == 0,
+            lambda: f"{rig.local.engine.paused_kv_bytes} bytes of paused KV kept",
+        )
+        # The urgent request runs on, and nothing of the trial was sent again.
+        await urgent.read_until(b"data: ", count=3)
+        assert len(rig.fake.recorder.records) == records
+        Trial.armed = False
+        if backend == "local":
+            await urgent.ready_to_leave()
+            steps = rig.model.steps
+            closed_at = await urgent.close()
+            await matrix.assert_local_stopped(rig, closed_at, matrix.STEP, steps)
+        else:
+            urgent_record = rig.fake.recorder.last()
+            closed_at = await urgent.close()
+            await matrix.assert_upstream_saw_close(rig, urgent_record, closed_at)
+        await raw.close()
+        await matrix.assert_nothing_left(rig, set())
+        await matrix.assert_traces_say_what_happened(rig, raw, "guard_refused")
+        await matrix.assert_next_request_works(rig, backend, "sse")
