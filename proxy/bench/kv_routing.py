@@ -31,6 +31,7 @@ the same fakes with a Sluice of its own, started for its run; every run's prompt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -87,11 +88,14 @@ class KvRoutingSettings:
     kv_cache_weight: float = 4.0
     metrics_interval: float = 0.5
     seed: int = 1
+    # Runs pooled per balance and workload, seeds seed .. seed + repeat - 1 (the shared-prefix
+    # order): one run's p90 is a handful of requests.
+    repeat: int = 1
     balances: tuple[str, ...] = BALANCES
     workloads: tuple[str, ...] = WORKLOADS
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "groups", "questions", "users", "rounds", "max_running"):
+        for name in ("replicas", "groups", "questions", "users", "rounds", "max_running", "repeat"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be at least 1")
         if not self.rate > 0 or not self.cache_fraction > 0:
@@ -117,6 +121,7 @@ class KvRoutingSettings:
         return (
             f"bench=kv_routing replicas={self.replicas} groups={self.groups} "
             f"questions={self.questions} users={self.users} rounds={self.rounds}"
+            + (f" repeat={self.repeat}" if self.repeat > 1 else "")
         )
 
     def describe(self) -> str:
@@ -195,6 +200,22 @@ class KvRun:
     queried: list[float] = field(default_factory=list)
     hit: list[float] = field(default_factory=list)
     oracle: float | None = None
+    # Runs pooled into this one.
+    pooled: int = 1
+
+    def pool(self, other: KvRun) -> None:
+        """``other``'s requests added to this run's (the same balance and workload, another
+        seed): TTFTs and counters pooled, the oracle averaged."""
+        count = self.pooled
+        self.ttfts += other.ttfts
+        self.requests += other.requests
+        self.errors += other.errors
+        self.seconds += other.seconds
+        self.queried = [a + b for a, b in zip(self.queried, other.queried, strict=True)]
+        self.hit = [a + b for a, b in zip(self.hit, other.hit, strict=True)]
+        if self.oracle is not None and other.oracle is not None:
+            self.oracle = (self.oracle * count + other.oracle) / (count + 1)
+        self.pooled += 1
 
     def summary(self) -> dict[str, Any]:
         p50, p90 = percentile(self.ttfts, 50), percentile(self.ttfts, 90)
@@ -367,12 +388,21 @@ async def run_kv_routing_bench(
                 await wait_ready(f"fake replica {i}", address, "/health", workdir / f"r{i}.log")
             urls = [f"http://{host}:{port}" for host, port in replicas]
             endpoints = [f"tcp://127.0.0.1:{port}" for port in events]
-            for workload in settings.workloads:
-                for balance in settings.balances:
-                    table = model_table(balance, urls, endpoints, settings)
-                    run = await _one_run(settings, workload, balance, table, replicas, workdir)
-                    runs.append(run)
-                    print(f"  {workload} {balance}: {_line(run.summary())}", flush=True)
+            pooled: dict[tuple[str, str], KvRun] = {}
+            for repeat in range(settings.repeat):
+                seeded = dataclasses.replace(settings, seed=settings.seed + repeat)
+                for workload in settings.workloads:
+                    for balance in settings.balances:
+                        table = model_table(balance, urls, endpoints, seeded)
+                        run = await _one_run(
+                            seeded, workload, balance, table, replicas, workdir, repeat
+                        )
+                        print(f"  {workload} {balance}: {_line(run.summary())}", flush=True)
+                        if (workload, balance) in pooled:
+                            pooled[workload, balance].pool(run)
+                        else:
+                            pooled[workload, balance] = run
+                            runs.append(run)
             nursery.cancel_scope.cancel()
     return KvRoutingReport(
         settings,
@@ -391,9 +421,10 @@ async def _one_run(
     table: dict[str, Any],
     replicas: Sequence[tuple[str, int]],
     workdir: Path,
+    repeat: int = 0,
 ) -> KvRun:
     """A Sluice of its own for one run, stopped after it."""
-    stem = f"{workload}-{balance}"
+    stem = f"{workload}-{balance}-{repeat}"
     address = ("127.0.0.1", free_port("127.0.0.1"))
     config = workdir / f"{stem}.toml"
     write_text(config, proxy_config(address[1], table))
@@ -428,10 +459,19 @@ def _line(s: dict[str, Any]) -> str:
 
 def format_table(report: KvRoutingReport, workload: str) -> str:
     rows = [
-        "| balance | requests | errors | TTFT p50 (ms) | TTFT p90 (ms) | hit rate | oracle | "
-        "req/s | prefill work per replica | max / mean |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| balance | requests | errors | TTFT p50 (ms) | TTFT p90 (ms) | p90 / prefix_affinity "
+        "| hit rate | oracle | req/s | prefill work per replica | max / mean |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
+    # The same run's prefix_affinity: the bar the issue sets is a ratio to it.
+    reference = next(
+        (
+            run.summary()["ttft_p90_ms"]
+            for run in report.runs
+            if run.workload == workload and run.balance == "prefix_affinity"
+        ),
+        None,
+    )
     for run in report.runs:
         if run.workload != workload:
             continue
@@ -439,9 +479,12 @@ def format_table(report: KvRoutingReport, workload: str) -> str:
         share = " / ".join(f"{x:.0%}" for x in s["prefill_share"])
         spread = s["prefill_max_over_mean"]
         rps = s["throughput_rps"]
+        p90 = s["ttft_p90_ms"]
+        ratio = "n/a" if p90 is None or not reference else f"{p90 / reference:.2f}x"
         rows.append(
             f"| `{run.balance}` | {s['requests']} | {s['errors']} | {_ms(s['ttft_p50_ms'])} | "
-            f"{_ms(s['ttft_p90_ms'])} | {_pct(s['hit_rate'])} | {_pct(s['oracle_hit_rate'])} | "
+            f"{_ms(s['ttft_p90_ms'])} | {ratio} | {_pct(s['hit_rate'])} | "
+            f"{_pct(s['oracle_hit_rate'])} | "
             f"{'n/a' if rps is None else f'{rps:.1f}'} | {share} | "
             f"{'n/a' if spread is None else f'{spread:.2f}'} |"
         )
@@ -475,6 +518,13 @@ def kv_routing_markdown(report: KvRoutingReport) -> str:
     }
     for workload in s.workloads:
         lines += [titles[workload], "", format_table(report, workload), ""]
+    if s.repeat > 1:
+        lines.append(
+            f"Each row pools {s.repeat} runs (seeds {s.seed} to {s.seed + s.repeat - 1}: "
+            "the shared-prefix order), the balances alternating within each; the oracle is "
+            "their mean."
+        )
+        lines.append("")
     lines.append(
         "TTFT here is wall-clock on a shared machine: read the hit rates and the spread "
         "first, and compare TTFT only within one run."
@@ -508,6 +558,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "max_running",
         "cache_blocks",
         "seed",
+        "repeat",
     ):
         add(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     for name in (

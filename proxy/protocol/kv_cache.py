@@ -366,6 +366,25 @@ class SequenceCheck:
 # ------------------------------------------------------------------------------- the choice
 
 
+def fresh_load(in_flight: int, ours_at_scrape: int, running: float, waiting: float) -> float:
+    """A replica's load for ``cache_aware``, in requests: this process's count in flight now,
+    exact, plus what its last scrape says the others have (the scraped count of running and
+    waiting requests less this process's at that scrape), each request waiting in its engine
+    counted ``WAITING_WEIGHT`` times over (a waiting one has not begun its prefill).
+
+    Not upstream_metrics' score, which takes the scraped running count for the present: a
+    scrape is up to an interval old, and with answers shorter than that its running count
+    still holds requests that have ended, so the replica that served most lately looks
+    busiest, and a request leaves the replica whose cache holds its conversation for a stale
+    number."""
+    others = max(0.0, running + waiting - ours_at_scrape)
+    return in_flight + others + (WAITING_WEIGHT - 1) * waiting
+
+
+# A request waiting in an engine's own queue, against one running (as upstream_metrics').
+WAITING_WEIGHT = 4.0
+
+
 @dataclass(frozen=True, slots=True)
 class CachePick:
     """The candidate chosen and why: ``cache`` (credited with cached tokens) or ``load``

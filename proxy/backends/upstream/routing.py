@@ -35,6 +35,7 @@ from proxy.protocol.kv_cache import (
     block_keys,
     cache_aware_pick,
     events_complete,
+    fresh_load,
     key_tokens,
 )
 from proxy.protocol.replica_metrics import ReplicaMetrics
@@ -198,6 +199,8 @@ class Scrape:
     at: float = -math.inf
     # Requests this process started on the replica since that scrape.
     started: int = 0
+    # This process's requests in flight on the replica when it was scraped.
+    ours: int = 0
 
 
 def metrics_score(
@@ -240,6 +243,7 @@ class MetricsRouter(LeastBusyRouter):
     def observe(self, replica: ReplicaLoad, metrics: ReplicaMetrics, now: float) -> None:
         scrape = self.scrape_of(replica)
         scrape.metrics, scrape.at, scrape.started = metrics, now, 0
+        scrape.ours = replica.in_flight
 
     def failed(self, replica: ReplicaLoad) -> None:
         """A failed scrape: least_busy for this replica until the next good one."""
@@ -375,6 +379,15 @@ class CacheAwareRouter(MetricsRouter):
         keys = keys_by_size.get(index.block_size)
         return 0 if keys is None else index.matched(keys)
 
+    def load(self, replica: ReplicaLoad, now: float) -> float:
+        """:func:`~proxy.protocol.kv_cache.fresh_load`: this process's count in flight, and
+        the others' as a fresh scrape says (none without one)."""
+        scrape = self._scrapes.get(replica)
+        if scrape is None or scrape.metrics is None or now - scrape.at > self.stale_after:
+            return float(replica.in_flight)
+        m = scrape.metrics
+        return fresh_load(replica.in_flight, scrape.ours, m.running, m.waiting)
+
     def _held(
         self, replica: ReplicaLoad, keys_by_size: dict[int, list[bytes]], now: float
     ) -> tuple[int, int, bool]:
@@ -409,7 +422,7 @@ class CacheAwareRouter(MetricsRouter):
         }
         keys_by_size = {size: block_keys(tokens, size) for size in sizes}
         held = [self._held(r, keys_by_size, now) for r in ordered]
-        loads = [self.score(r, now)[0] for r in ordered]
+        loads = [self.load(r, now) for r in ordered]
         pick = cache_aware_pick(
             loads,
             [blocks * size for blocks, size, _ in held],

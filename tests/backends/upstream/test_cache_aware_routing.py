@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from proxy.backends.upstream.routing import PENDING_SECONDS, CacheAwareRouter, ReplicaLoad
-from proxy.protocol.kv_cache import BlockStored, EventBatch, block_keys, token_key
+from proxy.protocol.kv_cache import BlockStored, EventBatch, block_keys, fresh_load, token_key
 from tests.protocol.test_kv_cache import stored
 
 BS = 4
@@ -130,3 +130,10 @@ def test_events_in_another_block_size_are_weighed_in_tokens() -> None:
     index.apply(EventBatch(0.0, (BlockStored(hashes, None, tuple(tokens[:32]), 16),)))
     decision = cache_aware.decide(pool, (), 1.0, token_key(tokens))
     assert (decision.replica, decision.reason) == (a, "cache_approx")
+
+
+def test_the_load_is_this_process_in_flight_now_plus_the_others_scraped() -> None:
+    # Five of ours ran at the scrape; three have ended since: a stale count would say 5.
+    assert fresh_load(in_flight=2, ours_at_scrape=5, running=5, waiting=0) == 2
+    # One of ours then, three of another instance's running and one waiting (x4 in all).
+    assert fresh_load(in_flight=2, ours_at_scrape=1, running=4, waiting=1) == 2 + 4 + 3
