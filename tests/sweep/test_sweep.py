@@ -61,6 +61,17 @@ async def test_every_checkpoint_leaves_nothing_behind(name: str, fast_path: bool
 NEEDING = {"local-stream": 2, "preempted": 4, "redis-limited": 3}
 
 
+@pytest.mark.parametrize("leave", ["close", "close-frame"])
+async def test_a_websocket_left_at_every_checkpoint_leaves_nothing_behind(leave: str) -> None:
+    """A WebSocket's client drops its TCP connection, or sends a close frame, at each step."""
+    with trio.fail_after(DEADLINE):
+        sweep = await sweep_scenario(SCENARIOS["websocket"], fast_path=True, leave=leave, every=2)
+    assert not sweep.failures, [(r.cut_at, r.place, r.failures) for r in sweep.failures]
+    outcomes = {run.outcome for run in sweep.runs if run.cut}
+    # Before its message, no request; then cut while connecting upstream, and mid-stream.
+    assert {"", "cancelled(connecting)", "cancelled(mid_stream)"} <= outcomes, outcomes
+
+
 @pytest.mark.parametrize("fast_path", SERVER_PATHS)
 @pytest.mark.parametrize("name", NEEDING)
 async def test_every_checkpoint_of_the_local_model_a_pause_and_redis_leaves_nothing_behind(

@@ -40,11 +40,64 @@ def dechunk(framed: bytes) -> tuple[bytes, bool]:
         body, framed = body + rest[:size], rest[size + 2 :]
 
 
+def ws_frames(data: bytes) -> list[tuple[int, bytes]]:
+    """The whole WebSocket frames (opcode, payload) a server sent, unmasked as a server's are;
+    a frame cut short ends the list."""
+    frames = []
+    while len(data) >= 2:
+        opcode, size = data[0] & 0x0F, data[1] & 0x7F
+        at = 2
+        if size == 126:
+            size, at = int.from_bytes(data[2:4], "big"), 4
+        elif size == 127:
+            size, at = int.from_bytes(data[2:10], "big"), 10
+        if len(data) < at + size:
+            break
+        frames.append((opcode, data[at : at + size]))
+        data = data[at + size :]
+    return frames
+
+
+def ws_messages(received: bytes) -> list[dict[str, Any]]:
+    """The JSON messages of a WebSocket answer (after its 101 head), in order."""
+    status, _head, body = split_head(received)
+    if status != 101:
+        return []
+    found = []
+    for opcode, payload in ws_frames(body):
+        if opcode == 0x1:
+            try:
+                found.append(json.loads(payload))
+            except ValueError:
+                found.append({"type": "unparsed"})
+    return found
+
+
+# The messages that end a WebSocket generation.
+WS_ENDS = ("done", "error", "cancelled")
+
+
+def ws_over(received: bytes) -> bool:
+    """Whether a WebSocket answer is over: a refused handshake answered whole, a message that
+    ends the generation, or the server's close frame."""
+    status, _head, body = split_head(received)
+    if status is None:
+        return False
+    if status != 101:
+        return whole(received)
+    if any(opcode == 0x8 for opcode, _ in ws_frames(body)):
+        return True
+    return any(message.get("type") in WS_ENDS for message in ws_messages(received))
+
+
 def whole(received: bytes) -> bool:
-    """Whether ``received`` holds one whole HTTP/1.1 answer (Content-Length or chunked)."""
+    """Whether ``received`` holds one whole HTTP/1.1 answer (Content-Length or chunked), or a
+    WebSocket's generation that is over."""
     status, head, body = split_head(received)
     if status is None:
         return False
+    if status == 101:
+        return ws_over(received)
     length = _LENGTH.search(head)
     if length is not None:
         return len(body) >= int(length[1])
@@ -102,6 +155,8 @@ def is_token(endpoint: str, name: str, data: Any) -> bool:
 def tokens_received(endpoint: str, stream: bool, received: bytes) -> int:
     """Tokens the client got: a stream's token events; a whole answer's, if it came whole (its
     usage block's count), else none."""
+    if endpoint == "ws":
+        return sum(message.get("type") == "token" for message in ws_messages(received))
     body = payload(received)
     if stream:
         return sum(is_token(endpoint, name, data) for name, data in events(body))
@@ -128,6 +183,9 @@ def answered(endpoint: str, stream: bool, received: bytes) -> bool:
     terminator included: without it a client cannot tell a whole body from a cut one, RFC 9112
     7.1; a client that half-closed after the last event still reads it), and, of a stream,
     its last event or an in-band error."""
+    if endpoint == "ws":
+        # Its last message, the done (or an error: the client was told).
+        return any(message.get("type") in ("done", "error") for message in ws_messages(received))
     if not whole(received):
         return False
     if stream and split_head(received)[0] == 200:

@@ -6,27 +6,33 @@ readiness waits: :meth:`SweepClient.leave` is synchronous, so the checkpoint cou
 it from inside the run loop, right after the request's k-th step, with no await of its own
 (an await would be a step of its own and move the moment).
 
-Two ways to leave:
+Three ways to leave:
 
 * ``close``: the socket is closed (a FIN; a reset if bytes arrive after it). What the proxy
   wrote after the close is lost, so what the client received bounds what was sent from below;
 * ``fin``: ``shutdown(SHUT_WR)``, and the client reads on to the end. The proxy sees the same
-  FIN, and everything it handed to the socket arrives: what was sent is exactly what was read.
+  FIN, and everything it handed to the socket arrives: what was sent is exactly what was read;
+* ``close-frame`` (a WebSocket): a close frame, and the client reads on to the server's close,
+  so that, as with ``fin``, what was sent is what was read.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import json
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
-LEAVES = ("close", "fin")
+LEAVES = ("close", "fin", "close-frame")
 RECEIVE = 65536
+# A WebSocket close frame from the client (masked, as a client's must be): code 1000.
+CLOSE_FRAME = b"\x88\x82" + b"\x00\x00\x00\x00" + b"\x03\xe8"
 
 
 @dataclass
@@ -34,8 +40,18 @@ class Request:
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
+    # A WebSocket: the handshake (a GET asking to upgrade), then the body as one text message.
+    websocket: bool = False
 
     def encode(self, host: str, port: int) -> bytes:
+        if self.websocket:
+            key = base64.b64encode(os.urandom(16)).decode()
+            more = "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
+            return (
+                f"GET {self.path} HTTP/1.1\r\nHost: {host}:{port}\r\n{more}"
+                "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
         payload = json.dumps(self.body).encode()
         more = "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
         head = (
@@ -43,6 +59,18 @@ class Request:
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         )
         return head.encode() + payload
+
+    def message(self) -> bytes:
+        """The body as one WebSocket text frame, masked (a zero mask: the bytes as they are)."""
+        payload = json.dumps(self.body).encode()
+        size = len(payload)
+        if size < 126:
+            length = bytes([0x80 | size])
+        elif size < 65536:
+            length = bytes([0x80 | 126]) + size.to_bytes(2, "big")
+        else:
+            length = bytes([0x80 | 127]) + size.to_bytes(8, "big")
+        return b"\x81" + length + b"\x00\x00\x00\x00" + payload
 
 
 class SweepClient:
@@ -54,11 +82,27 @@ class SweepClient:
         self.how = leave
         self.sock = socket.socket()
         self.sock.setblocking(False)
+        # As browsers and SDKs do: a small write (a close frame after the message) goes at once
+        # instead of waiting, by Nagle's rule, for the ACK of the last (40 ms, delayed).
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.received = bytearray()
         self.left = False
         self.closed = False
         # Bytes read after the departure (a fin client reads on).
         self.after_leaving = 0
+        # A WebSocket's handshake was answered: frames may go both ways; its message was sent
+        # whole (a request, with its access line, exists).
+        self.upgraded = False
+        self.message_sent = False
+
+    @property
+    def reads_on(self) -> bool:
+        """Whether, having left, it reads on to the end and so holds everything Sluice handed to
+        the connection (``fin``). Not after a WebSocket's close frame: hypercorn answers it and
+        ends the stream, then drops what the app sends before it has handed the app its
+        disconnect (``ws_stream.py``: a closed stream's sends return at once), so the client's
+        messages bound what was sent from below, as after a ``close``."""
+        return self.how == "fin"
 
     async def send(self, host: str, port: int, request: Request) -> None:
         sock = self.sock
@@ -67,7 +111,18 @@ class SweepClient:
         except BlockingIOError:
             if not await self._connected():
                 return  # it left while connecting (a cut in the first steps)
-        data = memoryview(request.encode(host, port))
+        await self._send_all(request.encode(host, port))
+        if request.websocket and not self.left:
+            # The message goes once the handshake is answered (101), as a client's must.
+            await self.read_until(lambda got: b"\r\n\r\n" in got)
+            if self.received.startswith(b"HTTP/1.1 101 ") and not self.left:
+                self.upgraded = True
+                await self._send_all(request.message())
+                self.message_sent = not self.left
+
+    async def _send_all(self, payload: bytes) -> None:
+        sock = self.sock
+        data = memoryview(payload)
         while data and not self.left:
             try:
                 sent = sock.send(data)
@@ -126,6 +181,15 @@ class SweepClient:
             return
         self._drain()
         self.left = True
+        if self.how == "close-frame":
+            if self.upgraded:
+                # A WebSocket's own goodbye; it reads on, to the server's close. Before the
+                # handshake is answered there is no WebSocket to close: the TCP connection is.
+                with contextlib.suppress(OSError):
+                    self.sock.send(CLOSE_FRAME)
+                return
+            self.close()
+            return
         if self.how == "fin":
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_WR)

@@ -102,15 +102,19 @@ class Rig:
         }
 
     def release_check(
-        self, request_id: str, *, others: bool = False
+        self, request_id: str | None, *, others: bool = False, relays: bool = False
     ) -> tuple[Callable[[], bool], Callable[[], int | None]]:
         """For the request ``request_id`` that starts now: whether nothing of it is at work
         below Sluice any more: every request the fake got for it since is over (the fake saw it
         close, or it was done), no upstream connection that was idle before is in use, no local
         sequence is in a batch. Asked by the counter after every step that follows a cut.
-        (Another request's work, a queued scenario's holder, is not this one's; with
+        (``request_id`` None: every request the fake gets from now on is this one's, as for a
+        WebSocket's message, which Sluice gives an id of its own.) (Another request's work, a
+        queued scenario's holder, is not this one's; with
         ``others``, other requests start beside it, and the connections, which cannot be told
-        apart, are not looked at.) And the local engine's decode steps once it was released
+        apart, are not looked at.) With ``relays``, not before every relay has ended: a departure
+        that Sluice hears late lets the request reach the upstream after the cut. And the local
+        engine's decode steps once it was released
         (None while it is not, or with no local model)."""
         records = len(self.fake.recorder.records)
         before = self.busy_connections()
@@ -118,13 +122,16 @@ class Rig:
 
         def released() -> bool:
             if any(
-                r.outcome == "pending" and r.headers.get("x-request-id") == request_id
+                r.outcome == "pending"
+                and (request_id is None or r.headers.get("x-request-id") == request_id)
                 for r in self.fake.recorder.records[records:]
             ):
                 return False
             if not others and self.busy_connections() - before:
                 return False
             if self.local_busy():
+                return False
+            if relays and self.state.tracker.active:
                 return False
             if not released_at_step:
                 released_at_step.append(self.engine_steps())

@@ -27,6 +27,7 @@ PATHS = {
     "responses": "/v1/responses",
     "messages": "/v1/messages",
     "embeddings": "/v1/embeddings",
+    "ws": "/v1/ws",
 }
 # Every scenario's answer from the fake: few tokens, so that a run has few checkpoints, each
 # a little apart so that the relay waits between them as it does in life.
@@ -79,19 +80,19 @@ class Scenario:
 
     def request(self, request_id: str, *, deadline: float | None = None) -> Request:
         body: dict[str, Any]
-        if self.endpoint == "chat":
+        if self.endpoint in ("chat", "ws"):
             body = {"messages": [{"role": "user", "content": "hello there"}]}
         elif self.endpoint in ("responses", "embeddings"):
             body = {"input": "hello there"}
         else:
             body = {"max_tokens": 64, "messages": [{"role": "user", "content": "hello there"}]}
         body = {"model": self.model, **body, **self.extra}
-        if self.endpoint != "embeddings":
+        if self.endpoint not in ("embeddings", "ws"):
             body["stream"] = self.stream
         headers = {"Authorization": f"Bearer {self.bearer}", "X-Request-ID": request_id}
         if deadline is not None:
             headers["X-Sluice-Deadline"] = f"{deadline:g}"
-        return Request(PATHS[self.endpoint], body, headers)
+        return Request(PATHS[self.endpoint], body, headers, websocket=self.endpoint == "ws")
 
     def configured(self) -> dict[str, Any]:
         """The config mapping: the scenario's, over one fake model and the sweep's keys."""
@@ -235,6 +236,13 @@ def _scenarios() -> list[Scenario]:
         Scenario("responses-stream", "a streamed Responses API answer", endpoint="responses"),
         Scenario("messages-stream", "a streamed Anthropic Messages answer", endpoint="messages"),
         Scenario("embeddings", "an embeddings request (a whole JSON answer)", "embeddings", False),
+        Scenario(
+            "websocket",
+            "a chat over the WebSocket (/v1/ws): the handshake, then one message; the client "
+            "leaves by dropping its TCP connection, or with a close frame",
+            endpoint="ws",
+            endings=("close", "close-frame"),
+        ),
         Scenario(
             "budgeted",
             "a streamed chat of a key with a token budget (reserved, then settled)",
