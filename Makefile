@@ -187,6 +187,9 @@ bench: $(STAMP)
 	$(BIN)/python -m proxy.bench --streams 100 --versus-guard --repeat 5 --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 100 --tokens 400 --drop 0 --versus-guard --repeat 5 \
 		--markdown docs/benchmarks.md
+	# A prompt guard that takes L beside an upstream whose first token takes T: what it adds
+	# to the TTFT (about max(0, L - T), not L).
+	$(BIN)/python -m proxy.bench.guard_ttft --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --versus-transport httpx --markdown docs/benchmarks.md
 	$(BIN)/python -m proxy.bench --streams 1000 --upstream-habit close-after-response \
 		--versus-transport httpx --markdown docs/benchmarks.md
