@@ -415,6 +415,51 @@ def rewrite_events(chunks: Iterable[bytes], text: str) -> bytes:
     return b"".join(out)
 
 
+def rewrite_closing(chunk: bytes, text: str, whole: int) -> bytes:
+    """``chunk`` with the text that Responses' closing events repeat (``response.*.done``'s
+    ``text``, a part's, an item's, ``response.completed``'s output) made what the client got
+    in the deltas, once a guard rewrote some of it: ``text``, the answer's text as sent, where
+    the event held the answer's whole original text (``whole`` characters, so the answer's
+    only text); any other text there is emptied, since which part of ``text`` it became is
+    not known, and it must not bring back what a guard took out. Other events as they are."""
+    if b"response." not in chunk:
+        return chunk
+    out: list[bytes] = []
+    for event in events_of(chunk):
+        payload = _payload(event)
+        kind = None if payload is None else payload.get("type")
+        if (
+            payload is None
+            or not isinstance(kind, str)
+            or not kind.startswith("response.")
+            or kind.endswith(".delta")
+            or not _replace_texts(payload, text, whole)
+        ):
+            out.append(event)
+            continue
+        head = event[: event.find(_DATA)]
+        out.append(head + b"data: " + json.dumps(payload).encode() + b"\n\n")
+    return b"".join(out)
+
+
+def _replace_texts(value: object, text: str, whole: int) -> bool:
+    """Every ``text`` string inside ``value`` (dicts and lists, in place) made ``text`` when it
+    is ``whole`` long, else emptied; whether any was found."""
+    found = False
+    if isinstance(value, dict):
+        for name, inner in value.items():
+            if name == "text" and isinstance(inner, str):
+                if inner:
+                    value[name] = text if len(inner) == whole else ""
+                found = True
+            elif isinstance(inner, dict | list):
+                found = _replace_texts(inner, text, whole) or found
+    elif isinstance(value, list):
+        for inner in value:
+            found = _replace_texts(inner, text, whole) or found
+    return found
+
+
 def rewrite_whole(body: bytes, text: str) -> bytes:
     """A whole JSON answer with its text replaced by ``text`` (the body as it was when it
     holds none)."""
@@ -547,6 +592,18 @@ class OutputLedger:
         freed = [self.held.popleft()[0] for _ in range(count)]
         self.released += count
         return freed
+
+    def kept(self, window: DueWindow) -> list[bytes]:
+        """The chunks of ``window`` (or before it) that :meth:`passed` kept held for the next
+        window's overlap."""
+        held = self.held
+        return [held[index][0] for index in range(min(window.upto - self.released, len(held)))]
+
+    def release_kept(self, window: DueWindow) -> list[bytes]:
+        """Free the chunks :meth:`kept` names now, in order."""
+        count = min(window.upto - self.released, len(self.held))
+        self.released += count
+        return [self.held.popleft()[0] for _ in range(count)]
 
     def drop(self) -> int:
         """Refused: what is held is dropped; how many events of text it held is not known

@@ -127,6 +127,8 @@ class RelaySink:
         body = self._body
         body.direct_ok = False
         await send_within(body.send_channel, chunk, body.stall_timeout)
+        if body._numbered:
+            body.handed_numbered(chunk)
 
 
 def offer_to(channel: trio.MemorySendChannel[bytes], chunk: bytes) -> bool:
@@ -337,6 +339,10 @@ class RelayBody(ResponseBody):
         self.cut_in_prefill = False
         # How this endpoint's API says it failed (before the head, and in-band).
         self.errors = errors
+        # A numbered stream (Responses): the last chunk handed on that carried a number, for
+        # the in-band error's own.
+        self._numbered = errors.numbered
+        self.last_numbered = b""
         self.endpoint = endpoint
         self.streaming = streaming
         self.stall_timeout = stall_timeout
@@ -532,7 +538,7 @@ class RelayBody(ResponseBody):
             self.send_channel.send_nowait(body)  # nothing was sent before the head
         elif self.streaming:
             try:
-                await RelaySink(self).send(self.errors.event(error))
+                await RelaySink(self).send(self.errors.event(error, self.last_numbered))
             except ClientStalled:
                 self.stall()
 
@@ -767,9 +773,20 @@ class RelayBody(ResponseBody):
                     # Part of it is pending: wake the body (an empty chunk) to flush it.
                     self.direct_ok = False
                     self.send_channel.send_nowait(b"")
+                if self._numbered:
+                    self.handed_numbered(chunk)
                 return True
         self.direct_ok = False
-        return offer_to(self.send_channel, chunk)
+        if not offer_to(self.send_channel, chunk):
+            return False
+        if self._numbered:
+            self.handed_numbered(chunk)
+        return True
+
+    def handed_numbered(self, chunk: bytes) -> None:
+        """A chunk of a numbered stream was handed on (written, or queued for the client)."""
+        if b'"sequence_number"' in chunk:
+            self.last_numbered = chunk
 
     def stall(self) -> None:
         """The client took nothing for ``stall_timeout`` (seen by the producer or the body):

@@ -34,6 +34,7 @@ from proxy.guards.window import (
     DueWindow,
     OutputLedger,
     TextReader,
+    rewrite_closing,
     rewrite_events,
     rewrite_whole,
     whole_text,
@@ -226,6 +227,14 @@ class GuardedRun:
         # A whole (non-streamed) answer: its bytes, checked and released at its end.
         self.whole: list[bytes] | None = None
         self.refusal: tuple[Guard, Refusal] | None = None
+        # A Responses stream held per window: each window's text as the client got it, and
+        # the answer's original length, for its closing events once a guard rewrote a window
+        # (they repeat the whole text).
+        self.sent_texts: list[str] | None = (
+            [] if guards.context.endpoint == "responses" and self.after else None
+        )
+        self.original_length = 0
+        self.rewrote = False
         self.after_verdict_tokens = 0
         self.failure: Exception | None = None
         self.dispatched = trio.Event()
@@ -327,11 +336,41 @@ class GuardedRun:
         assert self.ledger is not None
         freed = self.ledger.passed(due)
         self._wake()
-        if freed:
-            await self._release(
-                rewrite_events(freed, text) if text is not None else b"".join(freed)
-            )
+        sent = self.sent_texts
+        if sent is not None:
+            sent.append(window.new_text)
+            self.original_length += len(due.new_text)
+        if text is not None:
+            self.rewrote = True
+            data = self._rewritten(due, freed, text)
+        elif freed:
+            data = b"".join(freed)
+        else:
+            return True
+        if self.rewrote and sent is not None:
+            data = rewrite_closing(data, "".join(sent), self.original_length)
+        await self._release(data)
         return True
+
+    def _rewritten(self, due: DueWindow, freed: list[bytes], text: str) -> bytes:
+        """The chunks a rewritten window frees, carrying ``text`` (its new text as the client
+        is to get it). They do not hold the window's new text alone: they begin with the chunks
+        the previous window kept for its overlap (that text is the previous window's, and goes
+        out as it is: a window that rewrote keeps none), and they end before this window's own
+        kept chunks (released with the next window). The rewrite keeps them held when it left
+        their text as it was; else they go now, so that no text is sent twice or lost."""
+        assert self.ledger is not None
+        kept = self.ledger.kept(due)
+        read = self.reader.read_chunk
+        every = "".join(read(chunk).text for chunk in (*freed, *kept))
+        carried = every[: len(every) - len(due.new_text)] if every.endswith(due.new_text) else ""
+        kept_text = "".join(read(chunk).text for chunk in kept)
+        if due.new_text.endswith(kept_text) and text.endswith(kept_text):
+            placed = carried + text[: len(text) - len(kept_text)]
+            # (An event of the freed ones must carry it.)
+            if not placed or any(read(chunk).tokens for chunk in freed):
+                return rewrite_events(freed, placed)
+        return rewrite_events([*freed, *self.ledger.release_kept(due)], carried + text)
 
     def _window(self, text: str, new_text: str, index: int, final: bool) -> Window:
         context = self.guards.context

@@ -147,6 +147,29 @@ async def test_an_output_regex_guard_refuses_a_value_split_across_events(
     assert 'sluice_guard_seconds_count{guard="g",stage="output"} 2.0' in metrics
 
 
+async def test_a_refused_responses_stream_numbers_its_error_after_the_last_event_sent(
+    nursery: trio.Nursery,
+) -> None:
+    # Windows held and released, then one refused: its events are dropped, and the in-band
+    # error follows the last number the client got (not 0, not the upstream's next).
+    fake = await start_fake(nursery, ttft=0.02, interval=0.01, tokens=40)
+    guard = table(window_tokens=4, overlap_tokens=2, options={"deny": [r"fox\s+jumps"]})
+    proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, guards=[guard])
+    body = {"model": "fake-model", "input": "hello", "stream": True}
+    with trio.fail_after(DEADLINE):
+        async with httpx.AsyncClient(timeout=10) as client:
+            answer = await client.post(proxy.url + "/v1/responses", json=body)
+    events = [
+        json.loads(line[len("data: ") :])
+        for line in answer.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    numbers = [event["sequence_number"] for event in events]
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "guard_refused"
+    assert any(event["type"] == "response.output_text.delta" for event in events)
+    assert numbers == list(range(len(numbers)))
+
+
 async def test_a_request_guard_refuses_in_the_endpoints_own_shape(nursery: trio.Nursery) -> None:
     fake = await start_fake(nursery, ttft=0.01, interval=0.01, tokens=3)
     guard = table(stage="request", use="tests.guards.test_http:refuse_teapots")

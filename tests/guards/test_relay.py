@@ -5,6 +5,7 @@ holds, when the client gets what, and that a refusal stops the producer within o
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -14,9 +15,11 @@ import pytest
 import trio
 import trio.testing
 
-from proxy.guards import Outcome, Prompt, Refusal, Stage, Window
+from proxy.guards import Outcome, OutputVerdict, Prompt, Refusal, Stage, Window
 from proxy.guards.window import read_chunk
 from proxy.ops.logs import AccessRecord
+from proxy.protocol.responses import ResponsesStream
+from proxy.protocol.shapes import RESPONSES
 from proxy.relay.body import SSE_CONTENT_TYPE, RelayBody
 from proxy.relay.guarded import AfterHooks, Guard, GuardObserver, RequestGuards, guarded_producer
 from proxy.relay.state import Phase
@@ -76,8 +79,10 @@ def guard(
     return Guard(f"g-{stage}", stage, call, timeout, deny, {}, window, overlap, hold_back, after)
 
 
-def plan(*guards: Guard, access: AccessRecord | None = None) -> RequestGuards:
-    context = Prompt("", "prompt", "r1", "chat", "m", None, {}, "a prompt")
+def plan(
+    *guards: Guard, access: AccessRecord | None = None, endpoint: str = "chat"
+) -> RequestGuards:
+    context = Prompt("", "prompt", "r1", endpoint, "m", None, {}, "a prompt")
     return RequestGuards(
         tuple(g for g in guards if g.stage == "prompt"),
         tuple(g for g in guards if g.stage == "output"),
@@ -338,6 +343,110 @@ async def test_a_paused_streams_keep_alive_reaches_the_client_while_the_answer_i
             at for at in script.comments_offered if at > verdict_at
         ]
     assert all(chunk == b": paused\n\n" for _, chunk in comments), (got, script.comments_offered)
+
+
+@pytest.mark.parametrize("overlap", [0, 1, 3])
+@pytest.mark.parametrize("at", [0, 2, 5, 9])
+async def test_a_rewrite_in_any_window_sends_each_token_once(
+    autojump_clock: trio.abc.Clock, overlap: int, at: int
+) -> None:
+    # A window's freed chunks begin with the previous window's overlap and end before its
+    # own: the rewritten text must neither repeat the overlap nor lose it, in whichever
+    # window the rewrite falls, the last included.
+    words = [f"w{i} " for i in range(12)]
+    words[at] = "bob@example.com "
+
+    async def redact(window: Window) -> str | None:
+        if "@" not in window.new_text:
+            return None
+        return re.sub(r"\S+@\S+", "[email]", window.new_text)
+
+    script = Script(words, first=0.1, interval=0.1)
+    guards = plan(guard("output", redact, window=4, overlap=overlap))
+    got = await read(body_of(script, guards, None))
+    assert text(got) == "".join(words).replace("bob@example.com", "[email]")
+    assert got[-1][1].endswith(DONE)
+
+
+class ResponsesScript(Script):
+    """A Responses stream (the local model's shaping, as OpenAI numbers it): its opening
+    events, one delta per word, its closing events."""
+
+    async def __call__(self, sink: Any) -> None:
+        stream = ResponsesStream(model="m", response_id="resp_1", created_at=0)
+        sink.set_phase(Phase.CONNECTING)
+        sink.on_disconnect(self.abort)
+        await trio.sleep(self.first)
+        sink.begin(200, SSE_CONTENT_TYPE)
+        await sink.send(stream.start())
+        for word in self.words:
+            self.made += 1
+            event = stream.text(word)
+            if not sink.offer(event):
+                await sink.send(event)
+            await trio.sleep(self.interval)
+        await sink.send(stream.finish("stop", 3, len(self.words)))
+
+
+def sequence_numbers(got: list[tuple[float, bytes]]) -> list[tuple[str, int]]:
+    """Each event's type and sequence number, as the client read them."""
+    numbered = []
+    for _, chunk in got:
+        for line in chunk.split(b"\n"):
+            if line.startswith(b"data:"):
+                data = json.loads(line[5:])
+                numbered.append((data["type"], data["sequence_number"]))
+    return numbered
+
+
+@pytest.mark.parametrize("verdict", ["pass", "rewrite", "refuse"])
+async def test_responses_events_stay_numbered_in_order_through_held_windows(
+    autojump_clock: trio.abc.Clock, verdict: str
+) -> None:
+    words = [f"w{i} " for i in range(12)]
+
+    async def judge(window: Window) -> OutputVerdict:
+        if verdict == "rewrite":
+            return window.new_text.upper()
+        if verdict == "refuse" and window.index == 2:
+            return Refusal("no", reason="third window")
+        return None
+
+    script = ResponsesScript(words, first=0.1, interval=0.1)
+    body = RelayBody(
+        guarded_producer(
+            script, plan(guard("output", judge, window=3, overlap=1), endpoint="responses")
+        ),
+        streaming=True,
+        channel_capacity=16,
+        stall_timeout=60,
+        description="t",
+        errors=RESPONSES,
+    )
+    got = await read(body)
+    numbered = sequence_numbers(got)
+    numbers = [number for _, number in numbered]
+    # Strictly increasing from 0, whatever was held, rewritten or dropped.
+    assert numbers[0] == 0 and all(a < b for a, b in itertools.pairwise(numbers))
+    if verdict == "refuse":
+        # Held events were dropped at the refusal: the error follows the last one the client
+        # got, not the upstream's next (nor 0).
+        assert numbered[-1][0] == "error"
+        assert numbers[-1] == numbers[-2] + 1
+    else:
+        # Every event went out, numbered as made (a rewrite keeps each event).
+        assert numbers == list(range(len(numbers)))
+        assert numbered[-1][0] == "response.completed"
+        expected = "".join(words).upper() if verdict == "rewrite" else "".join(words)
+        assert text(got) == expected
+        # The closing events repeat the text as the deltas gave it, not as it was made.
+        closing = json.loads(got[-1][1].split(b"data: ")[-1])
+        assert closing["response"]["output"][0]["content"][0]["text"] == expected
+        events = b"".join(chunk for _, chunk in got)
+        for kind in (b"response.output_text.done", b"response.content_part.done"):
+            assert kind in events
+        if verdict == "rewrite":
+            assert b"w1 " not in events
 
 
 async def test_an_output_guard_may_rewrite_what_the_client_gets(

@@ -13,9 +13,11 @@ from proxy.guards.window import (
     ChunkText,
     OutputLedger,
     TextReader,
+    events_of,
     payload_text,
     prompt_text,
     read_chunk,
+    rewrite_closing,
     rewrite_events,
     rewrite_whole,
     whole_text,
@@ -294,3 +296,33 @@ def test_the_overlap_held_by_a_window_that_closed_on_the_last_event_is_released(
     for c in chunks:
         before.take(c, read_chunk(c))
     assert before.finish() is None
+
+
+def test_responses_closing_events_repeat_the_text_as_sent_after_a_rewrite() -> None:
+    def event(payload: dict[str, object]) -> bytes:
+        return b"event: x\ndata: " + json.dumps(payload).encode() + b"\n\n"
+
+    whole = "mail bob@example.com"
+    done = event({"type": "response.output_text.done", "sequence_number": 7, "text": whole})
+    final = event(
+        {
+            "type": "response.completed",
+            "sequence_number": 9,
+            "response": {"output": [{"content": [{"type": "output_text", "text": whole}]}]},
+        }
+    )
+    delta = event({"type": "response.output_text.delta", "sequence_number": 3, "delta": "x"})
+    chat = b'data: {"choices":[{"delta":{"content":"bob@example.com"}}]}\n\n'
+    out = rewrite_closing(delta + done + final + chat, "mail [email]", len(whole))
+    parts = events_of(out)
+    # The delta and a chat event as they were; the closing events with the text as sent,
+    # each keeping its number.
+    assert parts[0] == delta and parts[3] == chat
+    assert json.loads(parts[1].split(b"data: ")[1])["text"] == "mail [email]"
+    completed = json.loads(parts[2].split(b"data: ")[1])
+    assert completed["sequence_number"] == 9
+    assert completed["response"]["output"][0]["content"][0]["text"] == "mail [email]"
+    # A text that is not the answer's whole (one of several parts): which part of the sent
+    # text it became is not known, so it is emptied rather than sent as it was made.
+    (partial,) = events_of(rewrite_closing(done, "mail [email]", len(whole) + 5))
+    assert json.loads(partial.split(b"data: ")[1])["text"] == ""
