@@ -91,6 +91,9 @@ class Responder:
         # The answer's own headers are made once the pipeline has run, whichever way it ended,
         # so that they can say what it decided (the band).
         origin = call.headers.get("Origin")
+        # The model a refusal's line and metric name: a configured one the body asked for, once
+        # it is parsed (a request guard's refusal, a limit's), else "-".
+        model = "-"
         try:
             key = await self.identify(pipeline, call.headers, access, call.method, call.path)
             raw = call.body
@@ -106,6 +109,8 @@ class Responder:
                 headers=call.headers,
                 message=websocket,
             )
+            if pipeline.config.model(request.model) is not None:
+                model = request.model
             request = await pipeline.screen(request, access, key)
             body = pipeline.relay(request, access, key, call.headers)
         except ApiError as error:
@@ -115,7 +120,7 @@ class Responder:
         else:
             return Answer(200, self.response_headers(access, origin), body, access=access)
         return self._refusal(
-            pipeline, access, endpoint, refusal, self.response_headers(access, origin)
+            pipeline, access, endpoint, refusal, self.response_headers(access, origin), model
         )
 
     def refuse(self, call: Call, error: ApiError) -> Answer:
@@ -209,11 +214,12 @@ class Responder:
         endpoint: Endpoint,
         refusal: ApiError,
         headers: list[tuple[str, str]],
+        model: str = "-",
     ) -> Answer:
         note_refusal(access, refusal)
-        # A refused request's metric and line say "-" for its model: a client must not be able
-        # to grow the metrics by inventing model names.
-        self.answered(pipeline, access, refusal.status, "-", endpoint)
+        # A refused request's metric and line name a configured model or say "-": a client
+        # must not be able to grow the metrics by inventing model names.
+        self.answered(pipeline, access, refusal.status, model, endpoint)
         headers.append(("Content-Type", JSON_CONTENT_TYPE))
         headers.extend((refusal.headers or {}).items())
         body = error_shape(endpoint).body(refusal)

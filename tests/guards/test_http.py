@@ -170,7 +170,10 @@ async def test_a_refused_responses_stream_numbers_its_error_after_the_last_event
     assert numbers == list(range(len(numbers)))
 
 
-async def test_a_request_guard_refuses_in_the_endpoints_own_shape(nursery: trio.Nursery) -> None:
+async def test_a_request_guard_refuses_in_the_endpoints_own_shape(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="sluice.access")
     fake = await start_fake(nursery, ttft=0.01, interval=0.01, tokens=3)
     guard = table(stage="request", use="tests.guards.test_http:refuse_teapots")
     proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, guards=[guard])
@@ -190,6 +193,15 @@ async def test_a_request_guard_refuses_in_the_endpoints_own_shape(nursery: trio.
     assert passed.status_code == 200
     # Refused before the queue: the upstream saw only the request that passed.
     assert len(fake.recorder.records) == 1
+    # The refused requests' lines and metric name the model they asked for (the body was
+    # parsed before the guard ran), as the guard and its reason.
+    refusals = [line for line in access_lines(caplog) if line["status"] == 418]
+    assert [(line["model"], line["guard"]) for line in refusals] == [("fake-model", "g")] * 2
+    assert refusals[0]["guard_reason"] == "asked for a teapot"
+    metrics = proxy.state.metrics.render()[0].decode()
+    assert 'sluice_requests_total{endpoint="chat",key="-",model="fake-model",status="418"}' in (
+        metrics
+    )
 
 
 async def test_a_request_guard_edits_the_body_the_upstream_gets(nursery: trio.Nursery) -> None:
