@@ -100,3 +100,32 @@ async def test_ttft_follows_the_uncached_tokens_and_events_build_sluices_index(
             assert 'vllm:prefix_cache_queries_total{model_name="fake-model"} 14.0' in metrics
             assert 'vllm:prefix_cache_hits_total{model_name="fake-model"} 5.0' in metrics
         nursery.cancel_scope.cancel()
+
+
+async def test_a_prompt_sent_during_its_prefixs_prefill_hits_what_that_prefill_stores(
+    nursery: trio.Nursery,
+) -> None:
+    # vLLM looks a waiting request's prefix up when it schedules it, after the prefill before
+    # it stored its blocks: the second of two identical prompts sent at once prefills nothing.
+    with trio.fail_after(DEADLINE):
+        fake = await start_fake(
+            nursery,
+            tokens=1,
+            interval=0.001,
+            prefix_cache_size=8,
+            prefix_block_tokens=BS,
+            prefill_token_seconds=0.01,
+            ttft_hit=0.0,
+        )
+        async with httpx.AsyncClient(base_url=fake.url, timeout=5) as client:
+
+            async def ask() -> None:
+                answer = await client.post("/v1/chat/completions", json=chat(20))
+                assert answer.status_code == 200
+
+            async with trio.open_nursery() as both:
+                both.start_soon(ask)
+                both.start_soon(ask)
+        records = [r for r in fake.upstream.recorder.records if r.path == "/v1/chat/completions"]
+        assert sorted((r.prefix_blocks, r.prefix_hit_blocks) for r in records) == [(5, 0), (5, 5)]
+        nursery.cancel_scope.cancel()

@@ -326,20 +326,27 @@ class ServingModel:
             yield plan
 
     async def _prefilled(self, settings: FakeSettings, record: RequestRecord) -> None:
-        """The token-block cache: the prompt's cached blocks looked up, its other tokens
-        prefilled (one prompt at a time, ``prefill_token_seconds`` each), then its blocks
-        stored, and the KV events of what was stored and evicted published."""
+        """The token-block cache: once the prompt's turn to prefill comes (one prompt at a
+        time), its cached blocks looked up, its other tokens prefilled
+        (``prefill_token_seconds`` each), then its blocks stored, and the KV events of what was
+        stored and evicted published.
+
+        The lookup waits for the turn as vLLM's scheduler looks a waiting request's prefix up
+        when it schedules it, by then holding the blocks of the prefills scheduled before: a
+        prompt sent while another with its prefix is prefilled hits what that one stores
+        (looked up on arrival, it would miss and prefill the prefix a second time)."""
         assert record.body is not None
         size = settings.prefix_block_tokens
         tokens = prompt_tokens(record.body) or []
         names = vllm_hashes(tokens, size, self._seed)
-        hit = self.cache.match(names)
-        record.prefix_blocks, record.prefix_hit_blocks = len(names), hit
-        uncached = len(tokens) - hit * size
-        if uncached and settings.prefill_token_seconds:
-            async with self._prefill:
+        turn = self._prefill if settings.prefill_token_seconds else contextlib.nullcontext()
+        async with turn:
+            hit = self.cache.match(names)
+            record.prefix_blocks, record.prefix_hit_blocks = len(names), hit
+            uncached = len(tokens) - hit * size
+            if uncached and settings.prefill_token_seconds:
                 await trio.sleep(uncached * settings.prefill_token_seconds)
-        new, evicted = self.cache.store(names)
+            new, evicted = self.cache.store(names)
         if self.publisher is not None and (new or evicted):
             self.publisher.publish(kv_events(names, tokens, size, new, evicted))
 
