@@ -129,8 +129,8 @@ class KvRoutingSettings:
             f"{self.replicas} fake replicas, each a prefix cache of {self.replica_blocks()} "
             f"blocks of {BLOCK_TOKENS} tokens, uncached tokens prefilled one prompt at a time "
             f"at {self.prefill_us:g} us each, TTFT {self.ttft_base * 1000:g} ms after that, "
-            f"{self.max_running} running, {self.tokens} tokens per answer at "
-            f"{self.interval * 1000:g} ms"
+            f"{self.max_running} running (every balance's max_connections), {self.tokens} "
+            f"tokens per answer at {self.interval * 1000:g} ms"
         )
 
 
@@ -311,6 +311,11 @@ def model_table(
         "upstreams": list(upstreams),
         "balance": "cache_aware" if balance.startswith("cache_aware") else balance,
         "metrics_interval": settings.metrics_interval,
+        # The same bound for every balance, the fakes' running slots: unset, cache_aware
+        # (which scrapes) learns that capacity and holds the excess in Sluice's queue, while
+        # least_busy and prefix_affinity (which do not) default to 128 and let it queue in the
+        # engine, so the balances would not be compared on equal footing.
+        "max_connections": settings.max_running,
     }
     if balance.startswith("cache_aware"):
         table["kv_cache_weight"] = settings.kv_cache_weight
