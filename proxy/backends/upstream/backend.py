@@ -285,15 +285,43 @@ class UpstreamBackend:
         session = getattr(request, "session", "") if self.model.affinity_header else ""
         return affinity_key(request, self.model.affinity_prefix_bytes, session or "")
 
-    async def route_key(self, request: CompletionRequest) -> bytes:
-        """The key the router is given for ``request``: ``cache_aware``'s is its prompt's
-        token ids (:func:`~proxy.protocol.kv_cache.token_key`; b"" when they are not known in
-        time), the others' :meth:`affinity_key`."""
+    async def route_key(self, request: CompletionRequest) -> tuple[bytes, bool]:
+        """The key the router is given for ``request``, and whether its prompt's tokens are
+        still to be learnt: ``cache_aware``'s is its prompt's token ids
+        (:func:`~proxy.protocol.kv_cache.token_key`; b"" when they are not known in time), or
+        at once those of the earlier turn its conversation began with, which begin its own
+        (then its own are to be learnt); the others' is :meth:`affinity_key`."""
         if not isinstance(self._router, CacheAwareRouter):
-            return self.affinity_key(request)
+            return self.affinity_key(request), False
         tokenizer = self.tokenizer
-        tokens = None if tokenizer is None else await tokenizer.tokens(request)
-        return b"" if tokens is None else token_key(tokens)
+        if tokenizer is None:
+            return b"", False
+        recalled = tokenizer.recall(request)
+        if recalled is not None:
+            return recalled.key, not recalled.exact
+        tokens = await tokenizer.tokens(request)
+        return (b"" if tokens is None else token_key(tokens)), False
+
+    async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
+        key, learn = await self.route_key(request)
+        tokenizer = self.tokenizer
+        if not learn or tokenizer is None:
+            await self._produce(request, request_id, sink, key)
+            return
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            # Routed by an earlier turn's tokens: this turn's own, for the next one, are asked
+            # beside the request, never past it (its client gone, or its answer ended).
+            nursery.start_soon(tokenizer.tokens, request)
+            try:
+                await self._produce(request, request_id, sink, key)
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                # Raised as itself, not inside the nursery's exception group.
+                failure = error
+            finally:
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
 
     def _choose(self, loads: Sequence[ReplicaLoad], key: bytes) -> ReplicaLoad | None:
         """The router's pick among replicas that have room now."""
@@ -307,8 +335,9 @@ class UpstreamBackend:
                 )
         return decision.replica
 
-    async def produce(self, request: CompletionRequest, request_id: str, sink: Sink) -> None:
-        key = await self.route_key(request)
+    async def _produce(
+        self, request: CompletionRequest, request_id: str, sink: Sink, key: bytes
+    ) -> None:
         with trio.move_on_after(self.model.total_timeout) as total:
             # The upstream's bound: a paused stream's wait for a slot again is not counted.
             stops = PAUSE_STOPS.set((*PAUSE_STOPS.get(), total))

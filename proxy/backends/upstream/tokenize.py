@@ -7,6 +7,11 @@ It costs one small request before the request is queued; past ``kv_tokenize_time
 any failure, the request is routed by load alone (``fallback``). The client is gated by a
 semaphore no larger than its pool, so that nothing ever waits inside httpcore's pool
 (httpcore #1093: a request cancelled there leaks a connection).
+
+A chat request's tokens are remembered (:class:`~proxy.protocol.prompt_memory.PromptMemory`,
+``MEMORY_BYTES`` per model): a conversation's next turn is routed at once by its previous
+turn's tokens (:meth:`ReplicaTokenizer.recall`), which begin its own, and its own are learnt
+beside it, so the round trip is paid on a conversation's first turn only.
 """
 
 from __future__ import annotations
@@ -20,13 +25,18 @@ import httpx
 import trio
 
 from proxy.backends.upstream.replica import USER_AGENT, UpstreamReplica
+from proxy.protocol.kv_cache import token_key
 from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.prompt_memory import PromptMemory, Recalled, message_chain
 
 log = logging.getLogger("sluice.upstream")
 
 # Requests to /tokenize at once per model; the client's pool holds as many connections.
 MAX_TOKENIZING = 16
 # A /tokenize answer of a long prompt: a few bytes per token; bounded all the same.
+# Remembered chat prompts' tokens per model, at 4 bytes a token: about 2,800 conversations of
+# 1,500 tokens.
+MEMORY_BYTES = 16 * 1024 * 1024
 _MAX_ANSWER = 16 * 1024 * 1024
 # The chat request's fields that change the tokens its template makes (vLLM's /tokenize
 # takes each of them as chat completions do).
@@ -46,6 +56,11 @@ class Tokenizer(Protocol):
 
     async def tokens(self, request: CompletionRequest) -> Sequence[int] | None:
         """The request's prompt as token ids, or None (no prompt, or not in time)."""
+        ...
+
+    def recall(self, request: CompletionRequest) -> Recalled | None:
+        """Without waiting: the remembered tokens of this request, or of the longest earlier
+        request its conversation began with; None when none are."""
         ...
 
 
@@ -82,16 +97,28 @@ class ReplicaTokenizer:
         self._model = model
         self._timeout = timeout
         self._gate = trio.Semaphore(MAX_TOKENIZING)
+        self._memory = PromptMemory(MEMORY_BYTES)
 
     def _replica(self) -> UpstreamReplica:
         now = trio.current_time()
         healthy = [r for r in self._replicas if not r.load.ejected(now)] or self._replicas
         return min(healthy, key=lambda r: r.load.in_flight)
 
+    def recall(self, request: CompletionRequest) -> Recalled | None:
+        chain = _chain(tokenize_body(request, self._model))
+        return None if chain is None else self._memory.recall(chain)
+
     async def tokens(self, request: CompletionRequest) -> Sequence[int] | None:
         body = tokenize_body(request, self._model)
         if body is None or isinstance(body, list):
             return body
+        tokens = await self._ask(body)
+        chain = _chain(body)
+        if tokens is not None and chain is not None:
+            self._memory.remember(chain, token_key(tokens))
+        return tokens
+
+    async def _ask(self, body: dict[str, Any]) -> list[int] | None:
         replica = self._replica()
         headers = {"User-Agent": USER_AGENT.decode(), "Content-Type": "application/json"}
         if replica.authorization is not None:
@@ -120,6 +147,15 @@ class ReplicaTokenizer:
             problem,
         )
         return None
+
+
+def _chain(body: dict[str, Any] | list[int] | None) -> list[bytes] | None:
+    """The :func:`~proxy.protocol.prompt_memory.message_chain` of a chat request's
+    /tokenize body; None for another."""
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return None
+    head = {name: value for name, value in body.items() if name != "messages"}
+    return message_chain(head, body["messages"])
 
 
 def _tokens(answer: httpx.Response) -> list[int] | None:

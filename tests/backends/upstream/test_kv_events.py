@@ -10,7 +10,7 @@ import itertools
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import pytest
@@ -31,12 +31,13 @@ from proxy.backends.upstream.kv_events import (
     publisher_of,
 )
 from proxy.backends.upstream.routing import CacheAwareRouter
-from proxy.backends.upstream.tokenize import tokenize_body
+from proxy.backends.upstream.tokenize import Tokenizer, tokenize_body
 from proxy.ops.metrics import Metrics
 from proxy.protocol.api_request import parse_api_request
 from proxy.protocol.kv_cache import Applied, BlockIndex, block_keys
 from proxy.protocol.kv_events import KvEventsError
 from proxy.protocol.openai import CompletionRequest, Endpoint
+from proxy.protocol.prompt_memory import Recalled
 from proxy.testing.kv_events import (
     FakeVllmPublisher,
     all_cleared,
@@ -356,6 +357,74 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
             labels["reason"] = "load"
             assert registry.get_sample_value("sluice_routing_decisions_total", labels) == 3
             nursery.cancel_scope.cancel()
+
+
+class HeldTokenizer:
+    """The backend's tokenizer, but every /tokenize after the first never answers."""
+
+    def __init__(self, real: Tokenizer) -> None:
+        self.real = real
+        self.asked = 0
+        self.cancelled = 0
+
+    def recall(self, request: CompletionRequest) -> Recalled | None:
+        return self.real.recall(request)
+
+    async def tokens(self, request: CompletionRequest) -> Sequence[int] | None:
+        self.asked += 1
+        if self.asked == 1:
+            return await self.real.tokens(request)
+        try:
+            await trio.sleep_forever()
+        finally:
+            self.cancelled += 1
+
+
+async def test_a_conversations_next_turn_is_routed_without_waiting_for_its_tokens(
+    nursery: trio.Nursery, client: httpx.AsyncClient
+) -> None:
+    """Its first turn waits for /tokenize; each later turn is routed at once by the tokens of
+    the turn before (which begin its own), to the replica holding the conversation, while its
+    own tokens are asked beside it, and that ask ends with the request."""
+    with trio.fail_after(DEADLINE):
+        fakes = [await start_fake(nursery, ttft=0.002, interval=0.001, tokens=2) for _ in range(2)]
+        model = {
+            "upstreams": [f.url for f in fakes],
+            "balance": "cache_aware",
+            "kv_block_size": 4,
+            "kv_cache_weight": 200.0,
+        }
+        proxy = await start_proxy(nursery, {"fake-model": model})
+        backend = proxy.state.backends["fake-model"]
+        assert isinstance(backend, UpstreamBackend)
+        await poll_until(lambda: backend.tokenizer is not None)
+        assert backend.tokenizer is not None
+        held = HeldTokenizer(backend.tokenizer)
+        backend.tokenizer = held
+        messages = [{"role": "system", "content": " ".join(f"word{i}" for i in range(40))}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"question {turn}"})
+            body = {"model": "fake-model", "messages": messages, "stream": True}
+            response = await client.post(f"{proxy.url}/v1/chat/completions", json=body)
+            assert response.status_code == 200
+            messages.append({"role": "assistant", "content": "The quick"})
+        chats = [
+            sum(1 for r in f.recorder.records if r.path.endswith("/chat/completions"))
+            for f in fakes
+        ]
+        assert sorted(chats) == [0, 3]
+        assert (held.asked, held.cancelled) == (3, 2)
+        registry = proxy.state.metrics.registry
+        labels = {"model": "fake-model", "balance": "cache_aware", "reason": "cache_approx"}
+        assert registry.get_sample_value("sluice_routing_decisions_total", labels) == 2
+
+        # A failure of the request itself comes out as itself beside the ask.
+        messages.append({"role": "user", "content": "question 3"})
+        failing = {**body, "messages": messages, "fake": {"mode": "status", "status": 400}}
+        response = await client.post(f"{proxy.url}/v1/chat/completions", json=failing)
+        assert response.status_code == 400
+        assert (held.asked, held.cancelled) == (4, 3)
+        nursery.cancel_scope.cancel()
 
 
 def test_what_is_asked_of_tokenize() -> None:
