@@ -26,7 +26,8 @@ prompts this process routed there, the last routed kept longest, bounded, and ea
 router says when a choice rests on it (``cache_approx``).
 
 :func:`cache_aware_pick` is the choice: each candidate scored by the prompt tokens it holds
-against its load, a candidate over the load bound credited with no cache at all.
+against its load, a candidate over the load bound credited with no cache at all, and a prefix
+still being prefilled somewhere credited only where no replica holds it stored.
 :class:`SequenceCheck` says what an event batch's sequence number means (the next one, a gap,
 the publisher restarted).
 """
@@ -401,23 +402,39 @@ def cache_aware_pick(
     *,
     cache_weight: float,
     max_load: float,
+    pending_tokens: Sequence[int] | None = None,
 ) -> CachePick:
     """The candidate with the highest
 
-        cache_weight x cached_tokens / TOKENS_PER_WEIGHT - load
+        cache_weight x credited tokens / TOKENS_PER_WEIGHT - load
 
-    where ``load`` is in requests (in flight, or the scraped queue) and ``cached_tokens`` the
-    prompt's leading tokens the candidate holds. A candidate :func:`overloaded` (over
-    ``max_load`` x the mean load + 1) is credited with no cache: it wins only as the least
-    loaded, so a hot prefix spreads instead of piling onto one replica. Ties go to the lower
-    load, then to the earlier candidate (callers order them by the pick longest ago)."""
+    where ``load`` is in requests (in flight, or the scraped queue) and the credited tokens
+    are the prompt's leading tokens the candidate holds: ``cached_tokens`` (stored), or
+    ``pending_tokens`` (sent there, their prefill not known to be done) where that is more
+    than any candidate within the bound holds stored. A pending prefix saves its prefill only
+    after a wait for the prefill in progress; a replica that holds it stored serves it without
+    that wait, and one that holds none starts at once, prefilling in parallel: following a
+    pending prefix while a replica holds it stored would queue the request behind a prefill
+    for nothing it could not have at once elsewhere.
+
+    A candidate :func:`overloaded` (over ``max_load`` x the mean load + 1) is credited with no
+    cache at all: it wins only as the least loaded, so a hot prefix spreads instead of piling
+    onto one replica. Ties go to the lower load, then to the earlier candidate (callers order
+    them by the pick longest ago)."""
     if not loads or len(loads) != len(cached_tokens):
         raise ValueError("one load and one cached count per candidate, at least one")
+    if pending_tokens is not None and len(pending_tokens) != len(loads):
+        raise ValueError("one pending count per candidate")
+    within = [not overloaded(load, loads, max_load) for load in loads]
+    stored = max((c for c, ok in zip(cached_tokens, within, strict=True) if ok), default=0)
     best = 0
     best_score = best_load = 0.0
     best_credit = 0
     for i, (load, cached) in enumerate(zip(loads, cached_tokens, strict=True)):
-        credit = 0 if overloaded(load, loads, max_load) else cached
+        credit = 0
+        if within[i]:
+            pending = 0 if pending_tokens is None else pending_tokens[i]
+            credit = pending if pending > max(cached, stored) else cached
         score = cache_weight * credit / TOKENS_PER_WEIGHT - load
         if i == 0 or score > best_score or (score == best_score and load < best_load):
             best, best_score, best_load, best_credit = i, score, load, credit

@@ -307,3 +307,26 @@ def test_no_cache_anywhere_is_load_alone_ties_to_the_first() -> None:
     assert (pick.index, pick.reason) == (0, "load")
     with pytest.raises(ValueError):
         cache_aware_pick([], [], cache_weight=1, max_load=1.5)
+
+
+def test_a_pending_prefix_is_followed_only_where_none_holds_it_stored() -> None:
+    # Replica 0 was just sent the prefix (its prefill not known done); replica 1 holds it
+    # stored; replica 2 nothing. Stored wins over pending, at a little more load.
+    loads, cached, pending = [1, 2, 0], [0, 2000, 0], [2000, 0, 0]
+    pick = cache_aware_pick(loads, cached, cache_weight=4, max_load=10, pending_tokens=pending)
+    assert (pick.index, pick.reason, pick.cached_tokens) == (1, "cache", 2000)
+    # Nobody holds it stored: follow the prefill in progress rather than prefill it twice.
+    pick = cache_aware_pick(loads, [0, 0, 0], cache_weight=4, max_load=10, pending_tokens=pending)
+    assert (pick.index, pick.cached_tokens) == (0, 2000)
+    # More pending than stored anywhere (a longer prompt sent on): the pending part counts.
+    pick = cache_aware_pick(
+        [1, 1, 1], [0, 1000, 0], cache_weight=4, max_load=10, pending_tokens=[3000, 0, 0]
+    )
+    assert (pick.index, pick.cached_tokens) == (0, 3000)
+    # The stored copy over the bound does not count: the pending one is followed.
+    pick = cache_aware_pick(
+        [1, 9, 0], [0, 2000, 0], cache_weight=4, max_load=1.5, pending_tokens=[2000, 0, 0]
+    )
+    assert (pick.index, pick.cached_tokens) == (0, 2000)
+    with pytest.raises(ValueError):
+        cache_aware_pick([1], [0], cache_weight=1, max_load=1.5, pending_tokens=[])

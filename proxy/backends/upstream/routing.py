@@ -390,24 +390,28 @@ class CacheAwareRouter(MetricsRouter):
 
     def _held(
         self, replica: ReplicaLoad, keys_by_size: dict[int, list[bytes]], now: float
-    ) -> tuple[int, int, bool]:
+    ) -> tuple[int, int, bool, int]:
         """(blocks of the prompt ``replica`` holds, their size, whether they are the routed
-        index's guess)."""
+        index's guess, and the prompt's leading tokens routed there in the last
+        ``PENDING_SECONDS``, which its complete events may not show yet: 0 without complete
+        events, when the routed index's whole guess is weighed as held)."""
         index = self._indexes.get(replica)
         blocks = self.cached_blocks(replica, keys_by_size)
         size = 0 if index is None or index.block_size is None else index.block_size
-        complete = events_complete(index, now, self.approx_ttl)
         routed = self._routed.get(replica)
-        guess = 0
-        if routed is not None:
-            routed.expire(now)
-            # Complete events still lag what was just routed: its blocks are stored only
-            # once its prefill is done.
-            within = PENDING_SECONDS if complete else None
-            guess = routed.matched(keys_by_size[routed.block_size], now, within)
-        if guess * self.approx_block_size > blocks * size:
-            return guess, self.approx_block_size, True
-        return blocks, size, False
+        if routed is None:
+            return blocks, size, False, 0
+        routed.expire(now)
+        keys = keys_by_size[routed.block_size]
+        if events_complete(index, now, self.approx_ttl):
+            # Complete events still lag what was just routed: its blocks are stored only once
+            # its prefill is done.
+            recent = routed.matched(keys, now, PENDING_SECONDS)
+            return blocks, size, False, recent * routed.block_size
+        guess = routed.matched(keys, now)
+        if guess * routed.block_size > blocks * size:
+            return guess, routed.block_size, True, 0
+        return blocks, size, False, 0
 
     def _pick(self, healthy: Sequence[ReplicaLoad], now: float, key: bytes) -> Decision:
         tokens = key_tokens(key)
@@ -423,15 +427,21 @@ class CacheAwareRouter(MetricsRouter):
         keys_by_size = {size: block_keys(tokens, size) for size in sizes}
         held = [self._held(r, keys_by_size, now) for r in ordered]
         loads = [self.load(r, now) for r in ordered]
+        cached = [blocks * size for blocks, size, _, _ in held]
         pick = cache_aware_pick(
             loads,
-            [blocks * size for blocks, size, _ in held],
+            cached,
             cache_weight=self.cache_weight,
             max_load=self.max_load,
+            pending_tokens=[pending for _, _, _, pending in held],
         )
         chosen = ordered[pick.index]
         self.routed_of(chosen).routed(keys_by_size[self.approx_block_size], now)
-        blocks, size, guessed = held[pick.index]
+        blocks, size, guessed, _ = held[pick.index]
+        if pick.cached_tokens > cached[pick.index]:
+            # Credited with what was just routed there: the routed index's.
+            size = self.approx_block_size
+            blocks, guessed = pick.cached_tokens // size, True
         total = len(keys_by_size.get(size, ())) if size else 0
         reason = "cache_approx" if pick.reason == "cache" and guessed else pick.reason
         return Decision(chosen, reason, blocks / total if total else 0.0)

@@ -137,3 +137,20 @@ def test_the_load_is_this_process_in_flight_now_plus_the_others_scraped() -> Non
     assert fresh_load(in_flight=2, ours_at_scrape=5, running=5, waiting=0) == 2
     # One of ours then, three of another instance's running and one waiting (x4 in all).
     assert fresh_load(in_flight=2, ours_at_scrape=1, running=4, waiting=1) == 2 + 4 + 3
+
+
+def test_with_complete_events_a_prefix_stored_elsewhere_beats_one_still_prefilled() -> None:
+    """A prefix just sent to one replica (its prefill in progress) and held stored by another:
+    a request with it goes to the one that has it now, not behind that prefill."""
+    cache_aware, pool = router(cache_weight=100.0), replicas(3)
+    a, b, _ = pool
+    for replica in pool:
+        cache_aware.index_of(replica).complete_since = -math.inf
+    tokens = prompt(1)
+    cache_aware.routed_of(a).routed(block_keys(tokens, BS), 0.0)
+    a.in_flight = 1
+    hashes = tuple(bytes([i]) * 32 for i in range(10))
+    cache_aware.index_of(b).apply(EventBatch(0.0, (BlockStored(hashes, None, tuple(tokens), BS),)))
+    b.in_flight = 2
+    decision = cache_aware.decide(pool, (), 1.0, token_key([*tokens, 9, 9, 9, 9]))
+    assert (decision.replica, decision.reason, decision.cached_fraction) == (b, "cache", 10 / 11)
