@@ -315,8 +315,9 @@ class CacheAwareRouter(MetricsRouter):
 
     What a replica holds: its :class:`BlockIndex` (:meth:`index_of`), filled by its KV-event
     subscriber, once its events are complete
-    (:func:`~proxy.protocol.kv_cache.events_complete`), or what was routed there in the last
-    ``PENDING_SECONDS`` (stored once prefilled), whichever is more. Before its events are
+    (:func:`~proxy.protocol.kv_cache.events_complete`); what was routed there in the last
+    ``PENDING_SECONDS`` (stored once prefilled) is pending, credited only where it is more
+    than any candidate holds stored (``pending_tokens``). Before its events are
     complete, or for a replica that publishes none, the more of the events' and its whole
     :class:`RoutedIndex`, the prompts this router sent it (recorded at every choice made with
     the prompt's tokens): reason ``cache_approx`` when the guess decided."""
