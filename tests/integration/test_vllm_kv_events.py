@@ -6,7 +6,8 @@ there.
 Needs two vLLM servers started with ``--enable-prefix-caching --kv-events-config
 '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:PORT",
 "replay_endpoint": "tcp://*:PORT2"}'``: their URLs in ``SLUICE_VLLM_KV_URLS`` and their
-publishers in ``SLUICE_VLLM_KV_EVENTS`` (comma-separated, in the same order). Without them it
+publishers in ``SLUICE_VLLM_KV_EVENTS`` (comma-separated, in the same order), as `make
+test-vllm` (tests/integration/run_real_upstream.py) starts and names them. Without them it
 skips, saying so: vLLM cannot run everywhere (it needs its CPU or GPU build and the model's
 files)."""
 
