@@ -259,8 +259,8 @@ def test_every_declared_metric_is_built_under_its_attribute() -> None:
     specs = {name: spec for name, spec in vars(Metrics).items() if isinstance(spec, MetricSpec)}
     text = metrics.render()[0].decode()
     # 21, the key's tokens, the local prefix cache's 4, the scheduler's 3, preemption's 2,
-    # auth's 2, cache_aware's 6, guards' 2
-    assert len(specs) == 41
+    # auth's 2, cache_aware's 6, guards' 2, the learned upstream capacity
+    assert len(specs) == 42
     for attribute, spec in specs.items():
         assert isinstance(getattr(metrics, attribute), spec.kind)
         help_line = rf"^# HELP {spec.name}(_total)? {re.escape(spec.documentation)}$"
