@@ -16,7 +16,12 @@ import pytest
 
 from proxy.ops.logs import ACCESS_LOGGER
 from tests import processes
-from tests.model_fixtures import long_context_loaded_model, smol_tokenizer, tiny_loaded_model
+from tests.model_fixtures import (
+    freeze_the_heap,
+    long_context_loaded_model,
+    smol_tokenizer,
+    tiny_loaded_model,
+)
 from tests.support import (
     client,
     close_raw_clients,
@@ -235,6 +240,12 @@ def restore_logging() -> Iterator[None]:
         log.handlers[:] = handlers
         log.setLevel(level)
         log.propagate = propagate
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The test modules and what they import are the session's long-lived heap.
+    freeze_the_heap()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
