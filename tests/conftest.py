@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from proxy.ops.logs import ACCESS_LOGGER
-from tests import processes
+from tests import processes, xdist_groups
 from tests.model_fixtures import (
     freeze_the_heap,
     long_context_loaded_model,
@@ -240,6 +240,10 @@ def restore_logging() -> Iterator[None]:
         log.handlers[:] = handlers
         log.setLevel(level)
         log.propagate = propagate
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(xdist_groups, "sluice-xdist-groups")
 
 
 @pytest.hookimpl(trylast=True)
