@@ -35,6 +35,7 @@ class AccessRecord:
         "guard",
         "guard_reason",
         "guard_waste",
+        "guard_withheld",
         "key",
         "method",
         "outcome",
@@ -75,10 +76,14 @@ class AccessRecord:
         self.pauses = 0
         self.paused_seconds = 0.0
         # The guard that refused it ([[guards]] name) and its reason; the tokens its upstream
-        # made after the refusal (None: no guard refused it).
+        # made that the refusal kept from the client: held when it came, and made after it
+        # (None: no guard refused it).
         self.guard: str | None = None
         self.guard_reason: str | None = None
         self.guard_waste: int | None = None
+        # Tokens its guards held when it ended otherwise (its client gone): made, never sent;
+        # -1: a whole answer held (every token of it).
+        self.guard_withheld = 0
 
     @property
     def key_label(self) -> str:

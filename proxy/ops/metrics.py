@@ -307,7 +307,8 @@ class Metrics:
         "stall (a client cut off for not reading), hedge_loser (the prompt a hedge's losing "
         "attempt had the upstream read), shutdown (a stream cut by the graceful deadline), "
         "budget (none: a token budget refuses at admission, before any token), guard (output "
-        "made after a guard refused the answer, before the upstream stopped).",
+        "a guard's refusal kept from the client: held for its verdict, or made after it "
+        "before the upstream stopped).",
         ["key", "model", "cause"],
     )
     guard_decisions = MetricSpec(

@@ -126,7 +126,10 @@ class RelaySink:
         """Queue a chunk for the client; block (bounded) while the client is not reading."""
         body = self._body
         body.direct_ok = False
-        await send_within(body.send_channel, chunk, body.stall_timeout)
+        if not offer_to(body.send_channel, chunk):
+            body.in_hand = chunk
+            await send_within(body.send_channel, chunk, body.stall_timeout)
+            body.in_hand = None
         if body._numbered:
             body.handed_numbered(chunk)
 
@@ -401,6 +404,9 @@ class RelayBody(ResponseBody):
         # the cheapest test there is.
         self._writer: DirectWriter | None = None
         self.direct_ok = False
+        # A chunk the producer holds while it waits for room in the channel (the client reads
+        # slowly): made, not yet queued. Cut there, it is counted with the unsent.
+        self.in_hand: bytes | None = None
 
     def attach(self, connection: ClientConnection) -> None:
         """The connection this answer is written to, given by the server's writer before the
@@ -635,6 +641,10 @@ class RelayBody(ResponseBody):
             try:
                 chunk = self._receive_channel.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
+                if self.in_hand:
+                    # The chunk the producer held, waiting for room: after those queued.
+                    unsent.append(self.in_hand)
+                    self.in_hand = None
                 return unsent
             if chunk:
                 unsent.append(chunk)

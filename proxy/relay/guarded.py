@@ -55,6 +55,11 @@ MAX_AFTER_CALLS = 1024
 GuardCall = Callable[[Any], Awaitable[Any]]
 
 
+# A whole (non-streamed) answer held when refused: every token of it went to nobody, however
+# many (the accounting takes the smaller of this and the answer's output).
+EVERY_TOKEN = 1 << 62
+
+
 @dataclass(frozen=True, slots=True)
 class Guard:
     """One ``[[guards]]`` table, built: what the relay needs of it."""
@@ -216,6 +221,9 @@ class GuardedRun:
         # and their events.
         self.waiting: deque[bytes] = deque()
         self.waiting_events = 0
+        self.waiting_tokens = 0
+        # A chunk the producer holds while it waits for the guards to make room.
+        self.in_hand: bytes | None = None
         # Whether a chunk may go straight to the client (nothing held, nothing to hold).
         self.direct = not self.prompt_pending and not self.after
         # The producer's head, once it decided it; sent with the first release.
@@ -235,6 +243,8 @@ class GuardedRun:
         )
         self.original_length = 0
         self.rewrote = False
+        # Tokens held when a guard refused (made, never sent), and made after the refusal.
+        self.withheld_at_verdict = 0
         self.after_verdict_tokens = 0
         self.failure: Exception | None = None
         self.dispatched = trio.Event()
@@ -249,23 +259,34 @@ class GuardedRun:
 
     async def run(self, produce: Callable[[Sink], Awaitable[None]]) -> None:
         error: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._decide, name="guards")
-            try:
-                with self._scope:
-                    await produce(GuardedSink(self))
-            except Exception as raised:  # noqa: BLE001 - re-raised below, out of the nursery
-                error = raised
-                nursery.cancel_scope.cancel()
-            else:
-                if self.refusal is None and self.failure is None:
-                    self._end()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._decide, name="guards")
+                try:
+                    with self._scope:
+                        await produce(GuardedSink(self))
+                except Exception as raised:  # noqa: BLE001 - re-raised below, out of the nursery
+                    error = raised
+                    nursery.cancel_scope.cancel()
+                else:
+                    if self.refusal is None and self.failure is None:
+                        self._end()
+        finally:
+            access = self.guards.observer.access
+            if access is not None and self.refusal is not None:
+                # Refused (its client may have left since): what the guards held at the
+                # verdict and what came after it, made for nobody.
+                in_hand = self.reader.read_chunk(self.in_hand).tokens if self.in_hand else 0
+                held = EVERY_TOKEN if self.withheld_at_verdict < 0 else self.withheld_at_verdict
+                access.guard_waste = held + self.after_verdict_tokens + in_hand
+            elif access is not None:
+                # However else it ended (its client gone, most often): what the guards still
+                # held was made and never sent, the client's tokens for nobody.
+                access.guard_withheld = self.held_tokens()
         if self.refusal is not None:
             guard, refusal = self.refusal
             self.guards.observer.refused(guard, refusal)
-            if self.guards.observer.access is not None:
-                self.guards.observer.access.guard_waste = self.after_verdict_tokens
             raise refusal_error(refusal)
         if self.failure is not None:
             raise self.failure
@@ -390,7 +411,9 @@ class GuardedRun:
         """The prompt passed: what it held goes out (unless output guards hold it still)."""
         while self.waiting:
             chunk = self.waiting.popleft()
-            self.waiting_events = max(0, self.waiting_events - self.reader.read_chunk(chunk).events)
+            read = self.reader.read_chunk(chunk)
+            self.waiting_events = max(0, self.waiting_events - read.events)
+            self.waiting_tokens = max(0, self.waiting_tokens - read.tokens)
             await self._release(chunk)
         if not self.after and self.whole is None:
             self.direct = True
@@ -431,8 +454,24 @@ class GuardedRun:
         if data and not sink.offer(data):
             await sink.send(data)
 
+    def held_tokens(self, *, in_hand: bool = True) -> int:
+        """Tokens taken from the producer and not handed on to the client: in the output
+        guards' windows, waiting for the prompt's verdict, and (``in_hand``) in the chunk the
+        producer holds while it waits for room; -1 for a whole answer held."""
+        if self.whole:
+            return -1
+        held = self.waiting_tokens
+        if self.ledger is not None:
+            held += sum(tokens for _, tokens in self.ledger.held)
+        if in_hand and self.in_hand:
+            held += self.reader.read_chunk(self.in_hand).tokens
+        return held
+
     def _refuse(self, guard: Guard, refusal: Refusal) -> None:
         self.refusal = (guard, refusal)
+        # (The chunk in the producer's hand is counted where it ends: taken after the
+        # verdict, or still in hand when the run ends.)
+        self.withheld_at_verdict = self.held_tokens(in_hand=False)
         if self.ledger is not None:
             self.ledger.drop()
         self.waiting.clear()
@@ -504,6 +543,7 @@ class GuardedRun:
         if not self.after:
             self.waiting.append(chunk)
             self.waiting_events += max(1, read.events)
+            self.waiting_tokens += read.tokens
 
     def offer_direct(self, chunk: bytes) -> bool:
         """A chunk straight on (nothing held): checked beside (``release = "before"``)."""
@@ -589,7 +629,11 @@ class GuardedSink:
             if not run.offer_comment(chunk):
                 await run.sink.send(chunk)
             return
-        await run.wait_for_room()
+        if run.full() and run.refusal is None:
+            # Made, and held here while the guards catch up: cut now, it is withheld.
+            run.in_hand = chunk
+            await run.wait_for_room()
+            run.in_hand = None
         if run.direct and run.refusal is None:
             if not run.sink.offer(chunk):
                 await run.sink.send(chunk)

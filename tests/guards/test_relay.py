@@ -158,7 +158,11 @@ async def test_a_secret_split_across_three_events_is_refused_before_any_of_it_is
     assert script.aborted_at_made == seen_made[0]
     assert script.stopped_at_made is not None and script.stopped_at_made - seen_made[0] <= 1
     assert access.guard == "g-output" and access.guard_reason == "secret"
-    assert access.guard_waste == script.stopped_at_made - seen_made[0]
+    # Every token made but "The " was kept from the client: held at the verdict (the
+    # overlap and the refused window) or made after it. Sent + for nobody = made.
+    sent_tokens = sum(read_chunk(chunk).tokens for _, chunk in got)
+    assert sent_tokens == 1
+    assert access.guard_waste == script.stopped_at_made - sent_tokens
 
 
 async def test_release_after_sends_a_window_once_it_passed_and_the_whole_answer_at_its_end(
@@ -229,7 +233,8 @@ async def test_a_refused_prompt_closes_the_upstream_before_its_first_byte_is_rel
     # The upstream sent tokens from 0.4 s; at the verdict (0.7 s) it had made 3 or 4.
     assert script.aborted_at_made is not None and script.aborted_at_made <= 4
     assert script.stopped_at_made == script.aborted_at_made
-    assert access.guard_waste == 0
+    # What it had made was held for the verdict and never sent: all of it for nobody.
+    assert access.guard_waste == script.stopped_at_made
 
 
 async def test_the_hold_back_bounds_what_a_slow_prompt_guard_holds(
