@@ -101,10 +101,12 @@ async def test_every_checkpoint_of_the_local_model_a_pause_and_redis_leaves_noth
         assert any(steps is not None for steps in engine), engine
 
 
-async def test_a_client_that_reads_on_after_its_fin_gets_what_was_counted_sent() -> None:
-    """``fin``: the client shuts its side and reads on, so sent + for nobody = made exactly."""
+@pytest.mark.parametrize("name", ["chat-stream", "guard-output", "guard-prompt-refuses"])
+async def test_a_client_that_reads_on_after_its_fin_gets_what_was_counted_sent(name: str) -> None:
+    """``fin``: the client shuts its side and reads on, so sent + for nobody = made exactly;
+    with guards too, whose held tokens (and a refusal's) are for nobody."""
     with trio.fail_after(DEADLINE):
-        sweep = await sweep_scenario(SCENARIOS["chat-stream"], fast_path=True, leave="fin")
+        sweep = await sweep_scenario(SCENARIOS[name], fast_path=True, leave="fin")
     assert not sweep.failures, [(r.cut_at, r.place, r.failures) for r in sweep.failures]
 
 

@@ -98,9 +98,9 @@ class SweepClient:
     @property
     def reads_on(self) -> bool:
         """Whether, having left, it reads on to the end and so holds everything Sluice handed to
-        the connection (``fin``). Not after a WebSocket's close frame: hypercorn answers it and
-        ends the stream, then drops what the app sends before it has handed the app its
-        disconnect (``ws_stream.py``: a closed stream's sends return at once), so the client's
+        the connection (``fin``). Not after a WebSocket's close frame: the HTTP server answers it
+        and ends the stream, then drops what the app sends before it has handed the app its
+        disconnect (a closed stream's sends return at once), so the client's
         messages bound what was sent from below, as after a ``close``."""
         return self.how == "fin"
 

@@ -19,6 +19,8 @@ from typing import Any
 # life (the tiny model decodes in well under a millisecond).
 LOCAL_STEP_SECONDS = 0.002
 _local: dict[str, Any] = {}
+# The key whose limits a redis-server counts (the ``redis`` scenarios), and its leases there.
+LIMITED_KEY = "limited"
 
 
 class Unavailable(Exception):

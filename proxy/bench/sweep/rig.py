@@ -24,7 +24,7 @@ from proxy.api.state import SluiceState, state_of
 from proxy.backends.local import LocalBackend
 from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.bench.sweep.checkpoints import CheckpointCounter
-from proxy.bench.sweep.extras import redis_clients, redis_query
+from proxy.bench.sweep.extras import LIMITED_KEY, redis_clients, redis_query
 from proxy.bench.sweep.observe import (
     AccessLines,
     all_tasks,
@@ -34,7 +34,6 @@ from proxy.bench.sweep.observe import (
     task_tree,
     tasks_running,
 )
-from proxy.bench.sweep.scenarios import LIMITED_KEY
 from proxy.config import config_from_mapping
 from proxy.server.asgi import SluiceQuart
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream

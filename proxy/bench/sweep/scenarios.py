@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.api.auth import hash_key
 from proxy.bench.sweep.client import Request
+from proxy.bench.sweep.extras import LIMITED_KEY
 
 if TYPE_CHECKING:
     import trio
@@ -36,8 +37,6 @@ FAKE = {"ttft": 0.0, "interval": 0.002, "tokens": TOKENS}
 SECRET = "sk-sweep"
 BUDGETED = "sk-sweep-budgeted"
 LIMITED = "sk-sweep-limited"
-# The key whose limits a redis-server counts (the ``redis`` scenarios), and its leases there.
-LIMITED_KEY = "limited"
 # The preempted scenario: its stream is of a less urgent band, and an urgent request that waits
 # this long for the replica's only slot pauses it.
 BATCH_BAND = 5
