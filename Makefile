@@ -60,10 +60,13 @@ docs: $(STAMP)
 # (pytest-xdist), then the `timing` ones (tests/conftest.py marks them) alone, so that no other
 # test's load can push them past their bounds. Both passes run; either failing fails the target.
 # $(1): the python, $(2): the marker expression, $(3): more pytest arguments (paths, options).
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# otherwise every pytest process compiles and rewrites every test module again (~8 s each),
+# and every sluice a test starts compiles the proxy package again (~0.3 s each).
 TEST_WORKERS ?= 2
 FAST := not slow and not vllm and not llamacpp and not image
 define two_passes
-	status=0; \
+	status=0; export PYTHONDONTWRITEBYTECODE=; \
 	$(1) -m pytest -q -m "($(2)) and not timing" -n $(TEST_WORKERS) --dist loadgroup $(3) || status=$$?; \
 	$(1) -m pytest -q -m "($(2)) and timing" $(3) || status=$$?; \
 	exit $$status
