@@ -64,7 +64,8 @@ _LEAVE_TIMEOUT = 30.0
 
 
 class _Tally:
-    """The tokens one request's sequences have handed on so far."""
+    """The tokens one request's sequences have handed on so far (and, once a sequence ended,
+    those it made that were not handed on)."""
 
     __slots__ = ("tokens",)
 
@@ -486,6 +487,10 @@ class LocalBackend:
                         _LEAVE_TIMEOUT,
                     )
                     self._listeners.pop(sequence, None)
+            if (tally := _TALLY.get()) is not None:
+                # Its key's fair share is charged what the engine made, not only what was
+                # handed on: the tokens made for nobody after a cut were service too.
+                tally.tokens += max(0, sequence.progress[1] - sequence.consumed)
             if (meter := CURRENT_METER.get()) is not None:  # a key's token budget
                 meter.local_generation(len(prompt_ids), sequence.progress[1], for_nobody)
 

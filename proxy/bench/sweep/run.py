@@ -27,11 +27,12 @@ from proxy.bench.sweep.answers import (
     whole,
 )
 from proxy.bench.sweep.checkpoints import Step
-from proxy.bench.sweep.client import SweepClient
+from proxy.bench.sweep.client import Request, SweepClient
 from proxy.bench.sweep.extras import Unavailable, redis_server, tiny_local_models
 from proxy.bench.sweep.rig import Rig, start_rig
 from proxy.bench.sweep.scenarios import Scenario
 from proxy.ops.logs import ACCESS_LOGGER
+from proxy.protocol.token_usage import estimate_input_tokens
 from proxy.relay.state import Phase
 from proxy.testing.fake_upstream import FakeSettings
 
@@ -277,7 +278,9 @@ async def one_run(
         else:
             client.leave()
 
+    request = scenario.request(request_id, deadline=DEADLINE_SECONDS if deadline else None)
     charged = budget_used(rig)
+    served = fair_share_served(rig)
     first_line = len(rig.lines.lines)
     received = b""
     after = None
@@ -292,7 +295,6 @@ async def one_run(
     try:
         bound.deadline = trio.current_time() + RUN_SECONDS
         with bound as scope:
-            request = scenario.request(request_id, deadline=DEADLINE_SECONDS if deadline else None)
             await client.send(*rig.address, request)
             await client.read_until(whole)
             await rig.state.tracker.wait_idle()
@@ -329,6 +331,18 @@ async def one_run(
     if lines:
         run.failures.extend(check_tokens(scenario, ending, lines[0], client, received))
         run.failures.extend(check_budget(rig, lines[0], charged))
+        if scenario.around is None and scenario.stream and not scenario.hedged:
+            # (Beside another request, the counters hold its service too. A whole answer cut
+            # before it came is charged at its reservation, an estimate; a hedge's losing
+            # attempt is service received too: neither is the line's count of made.)
+            attempts = [
+                r
+                for r in rig.fake.recorder.records[records:]
+                if scenario.endpoint == "ws" or r.headers.get("x-request-id") == request_id
+            ]
+            run.failures.extend(
+                check_fair_share(rig, request, lines[0], served, max(1, len(attempts)))
+            )
     batches = RELEASE_BATCHES_HTTPX if scenario.transport == "httpx" else RELEASE_BATCHES
     if leave == "close-frame":
         batches = RELEASE_BATCHES_CLOSE_FRAME
@@ -443,6 +457,42 @@ def check_budget(rig: Rig, line: dict[str, Any], before: int) -> list[str]:
     used = budget_used(rig) - before
     charge = (line.get("input_tokens") or 0) + (line.get("output_tokens") or 0)
     return [] if used == charge else [f"budget charged {used}, the line says {charge}"]
+
+
+def fair_share_served(rig: Rig) -> float:
+    """The service the fair scheduler's counters hold, every tenant of every model."""
+    dispatchers = {
+        id(admission.dispatcher): admission.dispatcher
+        for backend in rig.state.backends.values()
+        if (admission := getattr(backend, "admission", None)) is not None
+    }
+    return sum(sum(d.queue.served.values()) for d in dispatchers.values())
+
+
+def check_fair_share(
+    rig: Rig, request: Request, line: dict[str, Any], before: float, attempts: int
+) -> list[str]:
+    """The fair-share counter charged what the request used: its input (the scheduler's
+    estimate) at each dispatch (a retry is dispatched again: ``attempts``, those the upstream
+    got), and every output token made, weighted; nothing if it never left the queue."""
+    settings = rig.state.config.scheduling
+    charged = fair_share_served(rig) - before
+    outcome = line["outcome"]
+    made = line.get("output_tokens") or 0
+    one = settings.w_in * estimate_input_tokens(request.body)
+    used = one * attempts + settings.w_out * made
+    if outcome in ("cancelled(queued)", "deadline_unmeetable"):
+        allowed = {0.0}  # never dispatched
+    elif not made:
+        # Cut (or refused) before a token: dispatched, its input charged (once an attempt,
+        # the last of which may not have reached the upstream yet), or not yet.
+        allowed = {0.0, *(one * n for n in range(1, attempts + 2))}
+    else:
+        allowed = {used}
+    if not any(abs(charged - value) < 1e-6 for value in allowed):
+        expected = " or ".join(f"{value:g}" for value in sorted(allowed))
+        return [f"fair share charged {charged:g}, the request used {expected} ({outcome})"]
+    return []
 
 
 def check_upstream(rig: Rig, run: Run, records: int, bound: int = RELEASE_BATCHES) -> list[str]:

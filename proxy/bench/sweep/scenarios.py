@@ -72,6 +72,11 @@ class Scenario:
     endings: tuple[str, ...] = ("close", "fin")
 
     @property
+    def hedged(self) -> bool:
+        """Whether a second attempt may race the first (a model with ``hedge_after``)."""
+        return any("hedge_after" in table for table in self.config.get("models", {}).values())
+
+    @property
     def transport(self) -> str:
         """The upstream transport its replicas are reached by (``lean`` or ``httpx``)."""
         upstream = self.config.get("upstream", {})
