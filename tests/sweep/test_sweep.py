@@ -68,8 +68,10 @@ async def test_a_websocket_left_at_every_checkpoint_leaves_nothing_behind(leave:
         sweep = await sweep_scenario(SCENARIOS["websocket"], fast_path=True, leave=leave, every=2)
     assert not sweep.failures, [(r.cut_at, r.place, r.failures) for r in sweep.failures]
     outcomes = {run.outcome for run in sweep.runs if run.cut}
-    # Before its message, no request; then cut while connecting upstream, and mid-stream.
-    assert {"", "cancelled(connecting)", "cancelled(mid_stream)"} <= outcomes, outcomes
+    # Before its message, no request; then cut on its way (where exactly depends on when the
+    # server reads a close frame: later, under load), and mid-stream.
+    assert {"", "cancelled(mid_stream)"} <= outcomes, outcomes
+    assert len({o for o in outcomes if o.startswith("cancelled(")}) >= 2, outcomes
 
 
 @pytest.mark.parametrize("fast_path", SERVER_PATHS)
