@@ -29,7 +29,10 @@ After every run (``run.one_run``), with the state given two seconds to come back
 * one access line, whose outcome names the phase (``completed`` or ``cancelled(<phase>)``),
   and says what the client saw; tokens sent + tokens for nobody = tokens made (its output
   count; with ``close``, the received + for nobody are at most that); a budgeted key charged
-  what the line says;
+  what the line says; the fair scheduler's counters (a stream's, alone on its replica) grown
+  by what the request used: its input estimate at each dispatch and every output token made,
+  weighted; a Redis-limited key's stream leases and reservations in redis-server gone, and the
+  connections Sluice holds there back to their idle count;
 * the process still serves: every run is a fresh request through the same Sluice, whose
   replica allows one connection at a time, and after the last a request is read to its end.
 
