@@ -5,6 +5,8 @@ the fake's /tokenize."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 import trio
@@ -44,6 +46,18 @@ def test_the_events_of_a_store() -> None:
     assert removed == ["BlockRemoved", [b"old"], "GPU"]
 
 
+# A fake with a prefix cache of 8 blocks, 10 ms of prefill a token not found there, one token
+# of answer.
+CACHED: dict[str, Any] = {
+    "tokens": 1,
+    "interval": 0.001,
+    "prefix_cache_size": 8,
+    "prefix_block_tokens": BS,
+    "prefill_token_seconds": 0.01,
+    "ttft_hit": 0.0,
+}
+
+
 def test_events_need_token_blocks() -> None:
     with pytest.raises(Invalid, match="prefix_block_tokens"):
         FakeSettings(kv_events_port=0)
@@ -53,16 +67,7 @@ async def test_ttft_follows_the_uncached_tokens_and_events_build_sluices_index(
     nursery: trio.Nursery,
 ) -> None:
     with trio.fail_after(DEADLINE):
-        fake = await start_fake(
-            nursery,
-            tokens=1,
-            interval=0.001,
-            prefix_cache_size=8,
-            prefix_block_tokens=BS,
-            prefill_token_seconds=0.01,
-            ttft_hit=0.0,
-            kv_events_port=0,
-        )
+        fake = await start_fake(nursery, **CACHED, kv_events_port=0)
         upstream = fake.upstream
         index = BlockIndex(100)
         subscriber = KvEventSubscriber(
@@ -108,15 +113,7 @@ async def test_a_prompt_sent_during_its_prefixs_prefill_hits_what_that_prefill_s
     # vLLM looks a waiting request's prefix up when it schedules it, after the prefill before
     # it stored its blocks: the second of two identical prompts sent at once prefills nothing.
     with trio.fail_after(DEADLINE):
-        fake = await start_fake(
-            nursery,
-            tokens=1,
-            interval=0.001,
-            prefix_cache_size=8,
-            prefix_block_tokens=BS,
-            prefill_token_seconds=0.01,
-            ttft_hit=0.0,
-        )
+        fake = await start_fake(nursery, **CACHED)
         async with httpx.AsyncClient(base_url=fake.url, timeout=5) as client:
 
             async def ask() -> None:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import httpx
 import pytest
@@ -380,6 +381,25 @@ class HeldTokenizer:
             self.cancelled += 1
 
 
+async def two_replicas_routed_by_cache(
+    nursery: trio.Nursery,
+) -> tuple[list[Any], Any, UpstreamBackend]:
+    """Two fake replicas (publishing no events) behind a proxy routing by ``cache_aware``,
+    blocks of 4 tokens, the cache weighed far over load; once its tokenizer is known."""
+    fakes = [await start_fake(nursery, ttft=0.002, interval=0.001, tokens=2) for _ in range(2)]
+    model = {
+        "upstreams": [f.url for f in fakes],
+        "balance": "cache_aware",
+        "kv_block_size": 4,
+        "kv_cache_weight": 200.0,
+    }
+    proxy = await start_proxy(nursery, {"fake-model": model})
+    backend = proxy.state.backends["fake-model"]
+    assert isinstance(backend, UpstreamBackend)
+    await poll_until(lambda: backend.tokenizer is not None)
+    return fakes, proxy, backend
+
+
 async def test_a_conversations_next_turn_is_routed_without_waiting_for_its_tokens(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
@@ -387,17 +407,7 @@ async def test_a_conversations_next_turn_is_routed_without_waiting_for_its_token
     the turn before (which begin its own), to the replica holding the conversation, while its
     own tokens are asked beside it, and that ask ends with the request."""
     with trio.fail_after(DEADLINE):
-        fakes = [await start_fake(nursery, ttft=0.002, interval=0.001, tokens=2) for _ in range(2)]
-        model = {
-            "upstreams": [f.url for f in fakes],
-            "balance": "cache_aware",
-            "kv_block_size": 4,
-            "kv_cache_weight": 200.0,
-        }
-        proxy = await start_proxy(nursery, {"fake-model": model})
-        backend = proxy.state.backends["fake-model"]
-        assert isinstance(backend, UpstreamBackend)
-        await poll_until(lambda: backend.tokenizer is not None)
+        fakes, proxy, backend = await two_replicas_routed_by_cache(nursery)
         assert backend.tokenizer is not None
         held = HeldTokenizer(backend.tokenizer)
         backend.tokenizer = held
@@ -481,17 +491,7 @@ async def test_without_events_a_prompt_follows_what_was_routed(
     """Two fake replicas that publish no events (llama.cpp, vLLM without the flag): a chat's
     later turns go where its first went, by the approximate index, and say so."""
     with trio.fail_after(DEADLINE):
-        fakes = [await start_fake(nursery, ttft=0.002, interval=0.001, tokens=2) for _ in range(2)]
-        model = {
-            "upstreams": [f.url for f in fakes],
-            "balance": "cache_aware",
-            "kv_block_size": 4,
-            "kv_cache_weight": 200.0,
-        }
-        proxy = await start_proxy(nursery, {"fake-model": model})
-        backend = proxy.state.backends["fake-model"]
-        assert isinstance(backend, UpstreamBackend)
-        await poll_until(lambda: backend.tokenizer is not None)
+        fakes, proxy, _ = await two_replicas_routed_by_cache(nursery)
         system = " ".join(f"word{i}" for i in range(40))
         for turn in range(4):
             messages = [
