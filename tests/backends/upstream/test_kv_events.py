@@ -309,13 +309,7 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
                 # alone decide here.
                 "kv_block_size": 64,
             }
-            proxy = await start_proxy(nursery, {"fake-model": model})
-            for publisher in publishers:
-                await publisher.subscribed()
-            backend = proxy.state.backends["fake-model"]
-            assert isinstance(backend, UpstreamBackend)
-            router = backend.router
-            assert isinstance(router, CacheAwareRouter)
+            proxy, backend, router = await subscribed_proxy(nursery, model, publishers)
 
             system = " ".join(f"word{i}" for i in range(48))
             messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
@@ -379,6 +373,20 @@ class HeldTokenizer:
             await trio.sleep_forever()
         finally:
             self.cancelled += 1
+
+
+async def subscribed_proxy(
+    nursery: trio.Nursery, model: dict[str, Any], publishers: Sequence[Any]
+) -> tuple[Any, UpstreamBackend, CacheAwareRouter]:
+    """A proxy serving ``model`` (``cache_aware``), once every publisher has its subscriber."""
+    proxy = await start_proxy(nursery, {"fake-model": model})
+    for publisher in publishers:
+        await publisher.subscribed()
+    backend = proxy.state.backends["fake-model"]
+    assert isinstance(backend, UpstreamBackend)
+    router = backend.router
+    assert isinstance(router, CacheAwareRouter)
+    return proxy, backend, router
 
 
 async def two_replicas_routed_by_cache(
@@ -526,13 +534,7 @@ async def test_each_replica_replays_from_its_own_replay_endpoint(nursery: trio.N
                 "kv_events_endpoints": [p.endpoint for p in publishers],
                 "kv_events_replay_endpoints": [p.replay_endpoint for p in publishers],
             }
-            proxy = await start_proxy(nursery, {"fake-model": model})
-            for publisher in publishers:
-                await publisher.subscribed()
-            backend = proxy.state.backends["fake-model"]
-            assert isinstance(backend, UpstreamBackend)
-            router = backend.router
-            assert isinstance(router, CacheAwareRouter)
+            proxy, backend, router = await subscribed_proxy(nursery, model, publishers)
             registry = proxy.state.metrics.registry
             for publisher, replica in zip(publishers, backend.replicas, strict=True):
                 index = router.index_of(replica.load)
