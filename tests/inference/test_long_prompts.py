@@ -78,6 +78,9 @@ class LongPrompt:
         """Returns one and a half chunks into the prompt's prefill."""
         proxy = await start_local_proxy(nursery, loaded, slots=2)
         model = loaded.forward
+        # The engine's thread checks its model's cache first (with slots > 1): one pass over
+        # one token, which a loaded machine may run after the server is up. Not the prompt's.
+        await poll_until(lambda: model.chunks == [1])
         model.chunks.clear()
         body, tokens = long_body(loaded.tokenizer)
         client = await RawClient.post(proxy, CHAT, body)
