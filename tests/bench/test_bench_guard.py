@@ -40,7 +40,10 @@ def test_versus_guard_settings_and_configs(tmp_path: Path) -> None:
 
 async def test_tiny_bench_guarded_versus_unguarded(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both proxies relay the same load whole and without an error, the first through its
-    guard (40 tokens: a window of 32 checked mid-stream, and the rest at the end)."""
+    guard (40 tokens: a window of 32 checked mid-stream, and the rest at the end). The drop
+    comes at token 20, which the first window releases while the stream runs on: past it, the
+    last window's tokens come with the end of the stream, and a client reading them has the
+    whole answer before it can leave."""
     configs: list[bool] = []
     make = bench_run._proxy_config
 
@@ -49,7 +52,7 @@ async def test_tiny_bench_guarded_versus_unguarded(monkeypatch: pytest.MonkeyPat
         return make(*args, guarded=guarded, **kw)
 
     monkeypatch.setattr(bench_run, "_proxy_config", recording)
-    settings = tiny_load(streams=4, tokens=40, drop=0.5, drop_at=35, versus_guard=True, grace=2.0)
+    settings = tiny_load(streams=4, tokens=40, drop=0.5, drop_at=20, versus_guard=True, grace=2.0)
     with trio.fail_after(60):
         report = await bench.run_bench(settings, command="test")
     assert configs == [True, False]
