@@ -53,9 +53,9 @@ A serving model, when asked (each off by default, so every other test sees the p
   random per process), used tail first as vLLM frees them. A prompt's uncached tokens are
   prefilled one prompt at a time (``prefill_token_seconds`` each, as an engine's compute is
   shared), looked up when its turn comes (as vLLM's scheduler does, so it hits what the
-  prefills before it stored), then its TTFT is ``ttft_hit``. With ``kv_events_port`` the blocks stored and
-  evicted are published as vLLM's KV events (``proxy.testing.kv_events``), with a replay
-  socket. ``/tokenize`` and ``/detokenize`` take no slot and no prefill.
+  prefills before it stored), then its TTFT is ``ttft_hit``. With ``kv_events_port`` the
+  blocks stored and evicted are published as vLLM's KV events (``proxy.testing.kv_events``),
+  with a replay socket. ``/tokenize`` and ``/detokenize`` take no slot and no prefill.
 
 The modules, bottom to top: ``content`` (what it says: token texts, vectors, scores), ``wire``
 (the HTTP/1.1 server side and the framing of streams), ``recorder`` (what it saw),
