@@ -839,7 +839,13 @@ async def test_many_streams_share_the_clock(nursery: trio.Nursery) -> None:
     results: dict[int, list[str]] = {}
 
     async def run(i: int, c: httpx.AsyncClient) -> None:
-        body = completion(stream=True, max_tokens=30 if i % 2 else 200)
+        # The leavers' streams are long (200 tokens, 0.6 s): on a loaded machine their
+        # 20 ms wait may stretch, and a stream as short as the others' would end first.
+        body = (
+            completion(stream=True, max_tokens=30)
+            if i % 2
+            else completion(stream=True, max_tokens=200, fake={"tokens": 200})
+        )
         async with c.stream("POST", "/v1/completions", json=body) as r:
             if i % 2:
                 events = await sse_events(r)
