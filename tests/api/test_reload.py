@@ -447,7 +447,11 @@ async def test_sighup_reloads_a_real_server(nursery: trio.Nursery, tmp_path: Pat
     with trio.fail_after(30):
         process, url = await start_sluice(path)
         try:
-            async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            # A connection per request: one left idle in the pool may be closed by the server
+            # as it is reused (its keep-alive timer, on a loaded machine), and httpx does not
+            # send the request again ("Server disconnected without sending a response").
+            limits = httpx.Limits(max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=10, trust_env=False, limits=limits) as client:
 
                 async def status(key: str) -> int:
                     body = chat_body(stream=False, fake={"tokens": 1})
