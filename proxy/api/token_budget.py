@@ -225,7 +225,6 @@ class Metered:
         if usage is None:
             return
         for_nobody = usage.for_nobody
-        withheld = access.guard_withheld
         if access.guard_waste is not None:
             # Refused by a guard: what it held when it refused, and what the upstream made
             # after the verdict, before it stopped.
@@ -234,10 +233,9 @@ class Metered:
             # What was handed on but never reached the client: a whole answer's every token,
             # a stream's tokens in the events still queued, and those its guards still held.
             unsent = body.account.unsent
-            whole = (unsent or withheld < 0) and not self.meter.streamed
-            queued = usage.output if whole else 0
-            held = max(0, withheld)
-            for_nobody = min(usage.output, (queued or self.meter.tokens_in(unsent)) + held)
+            queued = usage.output if unsent and not self.meter.streamed else 0
+            unsent_tokens = queued or self.meter.tokens_in(unsent)
+            for_nobody = min(usage.output, unsent_tokens + access.guard_withheld)
         elif body.cut_in_prefill:
             # Cut at its deadline before a first byte: what was made for nobody is the prompt
             # the engine read (as for a hedge's loser).

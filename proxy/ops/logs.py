@@ -81,8 +81,8 @@ class AccessRecord:
         self.guard: str | None = None
         self.guard_reason: str | None = None
         self.guard_waste: int | None = None
-        # Tokens its guards held when it ended otherwise (its client gone): made, never sent;
-        # -1: a whole answer held (every token of it).
+        # Tokens its guards held when it ended otherwise (its client gone): made, never sent
+        # (a whole answer held: more than any answer, every token of it).
         self.guard_withheld = 0
 
     @property

@@ -128,7 +128,7 @@ class RelaySink:
         body.direct_ok = False
         if not offer_to(body.send_channel, chunk):
             body.in_hand = chunk
-            await send_within(body.send_channel, chunk, body.stall_timeout)
+            await wait_to_send(body.send_channel, chunk, body.stall_timeout)
             body.in_hand = None
         if body._numbered:
             body.handed_numbered(chunk)
@@ -143,19 +143,16 @@ def offer_to(channel: trio.MemorySendChannel[bytes], chunk: bytes) -> bool:
     return True
 
 
-async def send_within(
+async def wait_to_send(
     channel: trio.MemorySendChannel[bytes], chunk: bytes, stall_timeout: float
 ) -> None:
-    """Send ``chunk`` into a client's bounded channel; raise :class:`ClientStalled` if the
-    client takes nothing for ``stall_timeout``. The common case (room in the channel) costs
-    no cancel scope."""
-    try:
-        channel.send_nowait(chunk)
-    except trio.WouldBlock:
-        with trio.move_on_after(stall_timeout):
-            await channel.send(chunk)
-            return
-        raise ClientStalled from None
+    """Send ``chunk`` into a client's full channel once it has room; raise
+    :class:`ClientStalled` if the client takes nothing for ``stall_timeout``. The slow path
+    only: the common case (room now, :func:`offer_to`) costs no cancel scope."""
+    with trio.move_on_after(stall_timeout):
+        await channel.send(chunk)
+        return
+    raise ClientStalled
 
 
 class Sink(Protocol):

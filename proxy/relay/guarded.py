@@ -55,7 +55,7 @@ MAX_AFTER_CALLS = 1024
 GuardCall = Callable[[Any], Awaitable[Any]]
 
 
-# A whole (non-streamed) answer held when refused: every token of it went to nobody, however
+# What a whole (non-streamed) answer held counts as: every token of it went to nobody, however
 # many (the accounting takes the smaller of this and the answer's output).
 EVERY_TOKEN = 1 << 62
 
@@ -277,9 +277,9 @@ class GuardedRun:
             if access is not None and self.refusal is not None:
                 # Refused (its client may have left since): what the guards held at the
                 # verdict and what came after it, made for nobody.
-                in_hand = self.reader.read_chunk(self.in_hand).tokens if self.in_hand else 0
-                held = EVERY_TOKEN if self.withheld_at_verdict < 0 else self.withheld_at_verdict
-                access.guard_waste = held + self.after_verdict_tokens + in_hand
+                access.guard_waste = (
+                    self.withheld_at_verdict + self.after_verdict_tokens + self._in_hand_tokens()
+                )
             elif access is not None:
                 # However else it ended (its client gone, most often): what the guards still
                 # held was made and never sent, the client's tokens for nobody.
@@ -457,15 +457,16 @@ class GuardedRun:
     def held_tokens(self, *, in_hand: bool = True) -> int:
         """Tokens taken from the producer and not handed on to the client: in the output
         guards' windows, waiting for the prompt's verdict, and (``in_hand``) in the chunk the
-        producer holds while it waits for room; -1 for a whole answer held."""
+        producer holds while it waits for room; EVERY_TOKEN for a whole answer held."""
         if self.whole:
-            return -1
+            return EVERY_TOKEN
         held = self.waiting_tokens
         if self.ledger is not None:
             held += sum(tokens for _, tokens in self.ledger.held)
-        if in_hand and self.in_hand:
-            held += self.reader.read_chunk(self.in_hand).tokens
-        return held
+        return held + self._in_hand_tokens() if in_hand else held
+
+    def _in_hand_tokens(self) -> int:
+        return self.reader.read_chunk(self.in_hand).tokens if self.in_hand else 0
 
     def _refuse(self, guard: Guard, refusal: Refusal) -> None:
         self.refusal = (guard, refusal)
