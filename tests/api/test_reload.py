@@ -491,6 +491,47 @@ async def test_sighup_reloads_a_real_server(nursery: trio.Nursery, tmp_path: Pat
             await stop(process)
 
 
+async def test_a_sighup_keeps_idle_keep_alive_connections(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A reload swaps the config under the server, not the server: a client's idle pooled
+    connection is still open after it, and its next request goes on that same connection (a
+    pool that found it closed would fail a POST, which clients do not send again). The server's
+    keep-alive timer is set long, so only the reload could close it."""
+    fake = await start_fake(nursery, ttft=0, interval=0, tokens=1)
+    path = tmp_path / "sluice.toml"
+    server = "port = 0\nkeep_alive_timeout = 120.0"
+    path.write_text(toml(fake.url, "old-key", server=server))
+    limits = httpx.Limits(max_connections=1)
+    body = chat_body(stream=False, fake={"tokens": 1})
+    with trio.fail_after(30):
+        process, url = await start_sluice(path)
+        try:
+            async with httpx.AsyncClient(timeout=10, trust_env=False, limits=limits) as client:
+
+                async def local_port(key: str) -> int:
+                    response = await client.post(url + CHAT, json=body, headers=bearer(key))
+                    assert response.status_code == 200
+                    return int(
+                        response.extensions["network_stream"].get_extra_info("client_addr")[1]
+                    )
+
+                before = await local_port("old-key")
+                for round_ in range(3):
+                    path.write_text(toml(fake.url, "old-key", f"key-{round_}", server=server))
+                    process.send_signal(signal.SIGHUP)
+                    applied = f'sluice_config_reloads_total{{outcome="applied"}} {round_ + 1}.0'
+                    with trio.fail_after(5):
+                        while applied not in (await client.get(url + "/metrics")).text:  # noqa: ASYNC110
+                            await trio.sleep(0.05)
+                    # Idle a while after the reload, as a pooled connection is between requests.
+                    await trio.sleep(0.3)
+                    assert await local_port(f"key-{round_}") == before
+                assert process.returncode is None
+        finally:
+            await stop(process)
+
+
 async def test_a_sighups_log_line_says_what_changed(nursery: trio.Nursery, tmp_path: Path) -> None:
     """A real server, a real SIGHUP: the reload's line on stderr names the keys added and
     removed (never a hash) and what changed of a model and of [limits]."""
