@@ -1,11 +1,15 @@
 """Reading what the sweep's client received: whether the answer is whole, and how many tokens
-(content delta events, one per token, as Sluice's meter counts them) it carried. Sans-IO."""
+(content delta events, one per token, as Sluice's meter counts them) it carried. Sans-IO; a
+WebSocket's frames are read by wsproto."""
 
 from __future__ import annotations
 
 import json
 import re
 from typing import Any
+
+from wsproto.connection import Connection, ConnectionState, ConnectionType
+from wsproto.events import TextMessage
 
 _LENGTH = re.compile(rb"(?im)^content-length: *(\d+)\r?$")
 
@@ -40,22 +44,25 @@ def dechunk(framed: bytes) -> tuple[bytes, bool]:
         body, framed = body + rest[:size], rest[size + 2 :]
 
 
-def ws_frames(data: bytes) -> list[tuple[int, bytes]]:
-    """The whole WebSocket frames (opcode, payload) a server sent, unmasked as a server's are;
-    a frame cut short ends the list."""
-    frames = []
-    while len(data) >= 2:
-        opcode, size = data[0] & 0x0F, data[1] & 0x7F
-        at = 2
-        if size == 126:
-            size, at = int.from_bytes(data[2:4], "big"), 4
-        elif size == 127:
-            size, at = int.from_bytes(data[2:10], "big"), 10
-        if len(data) < at + size:
-            break
-        frames.append((opcode, data[at : at + size]))
-        data = data[at + size :]
-    return frames
+def ws_read(data: bytes) -> tuple[list[str], bool]:
+    """What a server sent over a WebSocket, from the bytes after its 101 head: its whole text
+    messages, in order, and whether its close frame came. A message cut short ends the list
+    (wsproto hands a frame's payload on as it arrives: only a finished message counts)."""
+    # wsproto's connection past the handshake: the handshake's own would want the request it
+    # answers (and its key), which is the client's.
+    connection = Connection(ConnectionType.CLIENT)
+    connection.receive_data(data)
+    messages = []
+    pieces = ""
+    for event in connection.events():
+        if isinstance(event, TextMessage):
+            pieces += event.data
+            if event.message_finished:
+                messages.append(pieces)
+                pieces = ""
+    # Frames wsproto cannot read end the list too: it then yields a close of its own (a
+    # protocol error's), but only the server's close frame moves the state.
+    return messages, connection.state is ConnectionState.REMOTE_CLOSING
 
 
 def ws_messages(received: bytes) -> list[dict[str, Any]]:
@@ -63,13 +70,17 @@ def ws_messages(received: bytes) -> list[dict[str, Any]]:
     status, _head, body = split_head(received)
     if status != 101:
         return []
+    return _parsed(ws_read(body)[0])
+
+
+def _parsed(messages: list[str]) -> list[dict[str, Any]]:
+    """Each text message as its JSON, or an ``unparsed`` placeholder."""
     found = []
-    for opcode, payload in ws_frames(body):
-        if opcode == 0x1:
-            try:
-                found.append(json.loads(payload))
-            except ValueError:
-                found.append({"type": "unparsed"})
+    for message in messages:
+        try:
+            found.append(json.loads(message))
+        except ValueError:
+            found.append({"type": "unparsed"})
     return found
 
 
@@ -85,9 +96,8 @@ def ws_over(received: bytes) -> bool:
         return False
     if status != 101:
         return whole(received)
-    if any(opcode == 0x8 for opcode, _ in ws_frames(body)):
-        return True
-    return any(message.get("type") in WS_ENDS for message in ws_messages(received))
+    messages, closed = ws_read(body)
+    return closed or any(message.get("type") in WS_ENDS for message in _parsed(messages))
 
 
 def whole(received: bytes) -> bool:

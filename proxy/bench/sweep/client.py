@@ -1,5 +1,6 @@
-"""The sweep's client: one request by hand on a plain socket, and a departure that can happen
-between any two task steps.
+"""The sweep's client: one request on a plain socket, and a departure that can happen between
+any two task steps. An HTTP request is written by hand; a WebSocket's handshake and frames are
+wsproto's (sans-IO: it hands back the bytes, and the client writes them).
 
 The socket is the standard library's, non-blocking, read through ``trio.lowlevel``'s
 readiness waits: :meth:`SweepClient.leave` is synchronous, so the checkpoint counter can call
@@ -18,21 +19,22 @@ Three ways to leave:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import json
-import os
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, TextMessage
+from wsproto.events import Request as Upgrade
 
 LEAVES = ("close", "fin", "close-frame")
 RECEIVE = 65536
-# A WebSocket close frame from the client (masked, as a client's must be): code 1000.
-CLOSE_FRAME = b"\x88\x82" + b"\x00\x00\x00\x00" + b"\x03\xe8"
+# A WebSocket's goodbye: a normal closure.
+NORMAL_CLOSURE = 1000
 
 
 @dataclass
@@ -44,14 +46,7 @@ class Request:
     websocket: bool = False
 
     def encode(self, host: str, port: int) -> bytes:
-        if self.websocket:
-            key = base64.b64encode(os.urandom(16)).decode()
-            more = "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
-            return (
-                f"GET {self.path} HTTP/1.1\r\nHost: {host}:{port}\r\n{more}"
-                "Upgrade: websocket\r\nConnection: Upgrade\r\n"
-                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-            ).encode()
+        """An HTTP request: the POST of the body as JSON."""
         payload = json.dumps(self.body).encode()
         more = "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
         head = (
@@ -60,17 +55,14 @@ class Request:
         )
         return head.encode() + payload
 
-    def message(self) -> bytes:
-        """The body as one WebSocket text frame, masked (a zero mask: the bytes as they are)."""
-        payload = json.dumps(self.body).encode()
-        size = len(payload)
-        if size < 126:
-            length = bytes([0x80 | size])
-        elif size < 65536:
-            length = bytes([0x80 | 126]) + size.to_bytes(2, "big")
-        else:
-            length = bytes([0x80 | 127]) + size.to_bytes(8, "big")
-        return b"\x81" + length + b"\x00\x00\x00\x00" + payload
+    def upgrade(self, host: str, port: int) -> Upgrade:
+        """A WebSocket's handshake: a GET asking to upgrade, with the request's headers."""
+        headers = [(name.encode(), value.encode()) for name, value in self.headers.items()]
+        return Upgrade(host=f"{host}:{port}", target=self.path, extra_headers=headers)
+
+    def message(self) -> TextMessage:
+        """A WebSocket's message: the body as JSON, one text message."""
+        return TextMessage(data=json.dumps(self.body))
 
 
 class SweepClient:
@@ -94,6 +86,8 @@ class SweepClient:
         # whole (a request, with its access line, exists).
         self.upgraded = False
         self.message_sent = False
+        # A WebSocket's end of the protocol: the bytes of its handshake and frames to send.
+        self.websocket: WSConnection | None = None
 
     @property
     def reads_on(self) -> bool:
@@ -111,14 +105,31 @@ class SweepClient:
         except BlockingIOError:
             if not await self._connected():
                 return  # it left while connecting (a cut in the first steps)
-        await self._send_all(request.encode(host, port))
-        if request.websocket and not self.left:
-            # The message goes once the handshake is answered (101), as a client's must.
-            await self.read_until(lambda got: b"\r\n\r\n" in got)
-            if self.received.startswith(b"HTTP/1.1 101 ") and not self.left:
-                self.upgraded = True
-                await self._send_all(request.message())
-                self.message_sent = not self.left
+        if not request.websocket:
+            await self._send_all(request.encode(host, port))
+            return
+        self.websocket = WSConnection(ConnectionType.CLIENT)
+        await self._send_all(self.websocket.send(request.upgrade(host, port)))
+        if self.left:
+            return
+        # The message goes once the handshake is answered (101), as a client's must.
+        await self.read_until(lambda got: b"\r\n\r\n" in got)
+        if not self.left and self._accepted():
+            self.upgraded = True
+            await self._send_all(self.websocket.send(request.message()))
+            self.message_sent = not self.left
+
+    def _accepted(self) -> bool:
+        """Whether the handshake was answered by a 101 that accepts it (wsproto checks its
+        Upgrade, Connection and Sec-WebSocket-Accept, and raises on a 101 that gets them wrong).
+        Only the head goes to wsproto: the frames after it are answers.py's to read, and a
+        server's close read here would leave wsproto refusing to send the client's message."""
+        assert self.websocket is not None
+        head, sep, _ = bytes(self.received).partition(b"\r\n\r\n")
+        if not sep:
+            return False
+        self.websocket.receive_data(head + sep)
+        return any(isinstance(event, AcceptConnection) for event in self.websocket.events())
 
     async def _send_all(self, payload: bytes) -> None:
         sock = self.sock
@@ -185,8 +196,10 @@ class SweepClient:
             if self.upgraded:
                 # A WebSocket's own goodbye; it reads on, to the server's close. Before the
                 # handshake is answered there is no WebSocket to close: the TCP connection is.
+                assert self.websocket is not None
+                goodbye = self.websocket.send(CloseConnection(code=NORMAL_CLOSURE))
                 with contextlib.suppress(OSError):
-                    self.sock.send(CLOSE_FRAME)
+                    self.sock.send(goodbye)
                 return
             self.close()
             return
