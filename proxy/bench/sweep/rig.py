@@ -24,7 +24,7 @@ from proxy.api.state import SluiceState, state_of
 from proxy.backends.local import LocalBackend
 from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.bench.sweep.checkpoints import CheckpointCounter
-from proxy.bench.sweep.extras import LIMITED_KEY, redis_clients, redis_query
+from proxy.bench.sweep.extras import LIMITED_KEY, RedisChecks
 from proxy.bench.sweep.observe import (
     AccessLines,
     all_tasks,
@@ -45,15 +45,16 @@ POLL = 0.002
 
 @dataclass
 class Baseline:
-    """The idle process: its tasks (outside the fake) and busy threads by name, its
-    descriptors that are not sockets, and its sockets less the pooled upstream connections'
-    two ends."""
+    """The idle process: its tasks (outside the fake and the redis checks' client) and busy
+    threads by name, its descriptors that are not sockets, and its sockets less the pooled
+    upstream connections' two ends (the redis checks' own connection, open from before the
+    baseline to the end, among them)."""
 
     tasks: Counter[str] = field(default_factory=Counter)
     threads: Counter[str] = field(default_factory=Counter)
     files: Counter[str] = field(default_factory=Counter)
     sockets: int = 0
-    # The sweep's redis-server's connections (the ``redis`` scenarios').
+    # The sweep's redis-server's connections (the ``redis`` scenarios'), less the checks' own.
     redis_clients: int = 0
 
 
@@ -69,8 +70,9 @@ class Rig:
     baseline: Baseline = field(default_factory=Baseline)
     # Where the tasks of the fake (and the sweep's own) live: never counted as Sluice's.
     outside: Callable[[], set[trio.lowlevel.Task]] = field(default=lambda: set())
-    # The port of the redis-server that counts the keys' limits, if one does.
-    redis_port: int | None = None
+    # The client that reads the redis-server counting the keys' limits, if one does (running in
+    # the sweep's nursery from before the baseline).
+    redis: RedisChecks | None = None
     # The local models it serves (a slowed model counts its forward passes).
     local_models: dict[str, Any] = field(default_factory=dict)
 
@@ -146,7 +148,13 @@ class Rig:
         return sum(getattr(loaded.model, "steps", 0) for loaded in self.local_models.values())
 
     def process_tasks(self) -> set[trio.lowlevel.Task]:
-        return all_tasks() - self.outside()
+        tasks = all_tasks() - self.outside()
+        if self.redis is not None and self.redis.task is not None:
+            # The checks' own client (its connection's tasks, the bound on their waits): the
+            # sweep's, not Sluice's. Left out rather than left in the baseline, so that a
+            # connection it opens again is no change either.
+            tasks -= task_tree(self.redis.task)
+        return tasks
 
     def sockets_and_files(self) -> tuple[int, Counter[str]]:
         fds = open_fds()
@@ -162,7 +170,10 @@ class Rig:
             await poll(lambda: not any(t.name.endswith("_run_handler") for t in self.tasks()))
         await trio.sleep(0.05)
 
-    def take_baseline(self) -> None:
+    async def take_baseline(self) -> None:
+        # Redis is asked first, so that the counts of this process are taken together, with
+        # no await between them.
+        redis_clients = 0 if self.redis is None else await self.redis.connected_clients()
         gc.collect()
         sockets, files = self.sockets_and_files()
         self.baseline = Baseline(
@@ -170,10 +181,10 @@ class Rig:
             threads=busy_threads(),
             files=files,
             sockets=sockets - 2 * self.pooled(),
-            redis_clients=0 if self.redis_port is None else redis_clients(self.redis_port),
+            redis_clients=redis_clients,
         )
 
-    def differences(self) -> list[str]:
+    async def differences(self) -> list[str]:
         """What is not back to the idle baseline (empty: everything is)."""
         found: list[str] = []
         state = self.state
@@ -215,20 +226,20 @@ class Rig:
             if local.engine.paused_kv_bytes:
                 found.append(f"local {name}: {local.engine.paused_kv_bytes} bytes of paused KV")
         found.extend(key_holds(state))
-        if self.redis_port is not None:
-            found.extend(self._redis_differences(self.redis_port))
+        if self.redis is not None:
+            found.extend(await self._redis_differences(self.redis))
         return found
 
-    def _redis_differences(self, port: int) -> list[str]:
+    async def _redis_differences(self, checks: RedisChecks) -> list[str]:
         """The redis-server's side: the connections Sluice holds there, and the limited key's
         stream leases and token reservations (sorted sets of their ids), none left."""
         found = []
-        clients = redis_clients(port)
+        clients = await checks.connected_clients()
         if clients != self.baseline.redis_clients:
             found.append(f"redis holds {clients} connection(s), {self.baseline.redis_clients} idle")
         prefix = self.state.config.limits.key_prefix
         for kind in ("streams", "pending"):
-            held = redis_query(port, "ZCARD", f"{prefix}{{{LIMITED_KEY}}}:{kind}")
+            held = await checks.zcard(f"{prefix}{{{LIMITED_KEY}}}:{kind}")
             if held:
                 found.append(f"redis: {held} {kind} entr(ies) of key {LIMITED_KEY} left")
         return found
@@ -255,11 +266,11 @@ class Rig:
         # this waits (the request's last steps, closing its connection, come after its answer).
         until = time.monotonic() + SETTLE_SECONDS
         while time.monotonic() < until:
-            if not self.differences():
+            if not await self.differences():
                 return []
             await trio.sleep(POLL)
         gc.collect()
-        return self.differences()
+        return await self.differences()
 
 
 async def poll(predicate: Callable[[], object]) -> None:

@@ -28,7 +28,7 @@ from proxy.bench.sweep.answers import (
 )
 from proxy.bench.sweep.checkpoints import Step
 from proxy.bench.sweep.client import Request, SweepClient
-from proxy.bench.sweep.extras import Unavailable, redis_server, tiny_local_models
+from proxy.bench.sweep.extras import RedisChecks, Unavailable, redis_server, tiny_local_models
 from proxy.bench.sweep.rig import Rig, start_rig
 from proxy.bench.sweep.scenarios import Scenario
 from proxy.ops.logs import ACCESS_LOGGER
@@ -180,7 +180,9 @@ async def _sweep(
             nursery, config, fake=FakeSettings(**scenario.fake), local_models=local_models
         )
         if redis is not None:
-            rig.redis_port = redis.port
+            # Held in this nursery, from before the baseline to the end of the sweep.
+            rig.redis = RedisChecks(redis.url)
+            await nursery.start(rig.redis.run)
         access = logging.getLogger(ACCESS_LOGGER)
         saved = access.level, access.propagate
         access.addHandler(rig.lines)
@@ -198,7 +200,7 @@ async def _sweep(
                 result.runs.append(warm)
                 return result
             await rig.quiet()
-            rig.take_baseline()
+            await rig.take_baseline()
             counting = await one_run(rig, scenario, None, leave, nursery, ending=ending)
             result.counted = counting.steps
             result.places = counting.places
