@@ -229,17 +229,20 @@ class Metered:
             # Refused by a guard: what it held when it refused, and what the upstream made
             # after the verdict, before it stopped.
             for_nobody = min(usage.output, access.guard_waste)
+        elif body.cancelled and not self.meter.streamed and not body.complete:
+            # A whole answer not handed to its client's socket whole: none of it reached
+            # anyone, whether it was made (by a local model, or an upstream's answer still
+            # queued) or never came (its charged reservation).
+            for_nobody = usage.output
         elif not self.meter.local and body.cancelled:
-            # What was handed on but never reached the client: a whole answer's every token,
-            # a stream's tokens in the events still queued, and those its guards still held.
-            unsent = body.account.unsent
-            queued = usage.output if unsent and not self.meter.streamed else 0
-            unsent_tokens = queued or self.meter.tokens_in(unsent)
+            # What was handed on but never reached the client: a stream's tokens in the events
+            # still queued, and those its guards still held.
+            unsent_tokens = self.meter.tokens_in(body.account.unsent)
             for_nobody = min(usage.output, unsent_tokens + access.guard_withheld)
         elif body.cut_in_prefill:
             # Cut at its deadline before a first byte: what was made for nobody is the prompt
-            # the engine read (as for a hedge's loser).
-            for_nobody = usage.input
+            # the engine read (as for a hedge's loser), or a whole answer's charged reservation.
+            for_nobody = max(usage.input, usage.for_nobody)
         access.tokens = (usage.input, usage.output, for_nobody, usage.estimated)
         if for_nobody:
             metrics.tokens_for_nobody.labels(access.key_label, self.model, waste_cause(body)).inc(

@@ -185,7 +185,8 @@ class UsageMeter:
         """What the request used: see the module's docstring for the order of the sources.
         ``reserved_output`` is charged for a whole answer that never came while the upstream
         may have been generating it (the client left, or a deadline passed): nothing said how
-        much was made, and charging nothing would be the dodge. A stream that never began
+        much was made, and charging nothing would be the dodge; all of it is for nobody, as no
+        client had any of it. A stream that never began
         (refused, failed, or left before the upstream answered) made nothing: no charge."""
         if self.local:
             if self.generated is None:
@@ -203,7 +204,8 @@ class UsageMeter:
         elif not self.streamed and (
             client_left or (failed is not None and failed.endswith("timeout"))
         ):
-            output = reserved_output
+            # Charged, and for nobody: whatever the model made of it reached no client.
+            return Usage(input_tokens, reserved_output, reserved_output, estimated)
         else:
             # Refused or failed before the model was reached (an upstream's 4xx, no replica).
             return Usage(0, 0, 0, False)

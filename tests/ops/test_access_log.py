@@ -160,6 +160,24 @@ async def test_cancelled_streams(
     assert line["model"] == "fake-model"
 
 
+async def test_a_whole_answer_cut_before_it_came_is_all_for_nobody(
+    proxy: Proxy, fake: Fake, client: httpx.AsyncClient, access: pytest.LogCaptureFixture
+) -> None:
+    """A whole answer whose client left while the upstream was at work on it: nothing says how
+    much was made, so its reservation (its max_tokens) is its output, and none of it reached a
+    client: the line's tokens for nobody are that output, as is the metric's count."""
+    body = chat_body(stream=False, max_tokens=300, fake={"ttft": 30})
+    with trio.fail_after(DEADLINE):
+        with trio.move_on_after(0.3):
+            await client.post(proxy.url + CHAT, json=body)
+        await proxy.state.tracker.wait_idle()
+    line = only_line(access, status=499)
+    assert line["outcome"].startswith("cancelled(")
+    assert (line["output_tokens"], line["for_nobody_tokens"]) == (300, 300)
+    metric = proxy.state.metrics.tokens_for_nobody.labels("-", "fake-model", "client_left")
+    assert metric._value.get() == 300
+
+
 async def test_upstream_failure_and_other_routes(
     nursery: trio.Nursery, client: httpx.AsyncClient, access: pytest.LogCaptureFixture
 ) -> None:

@@ -147,8 +147,10 @@ def test_the_charge_takes_the_best_source_there_is() -> None:
     assert (usage.input, usage.output, usage.estimated) == (5, 40, True)
     # A whole answer that never came: its reservation if the model may have been at work.
     whole = UsageMeter(Endpoint.CHAT, streamed=False, estimated_input=5)
-    assert whole.usage(100, client_left=True, failed=None).output == 100
-    assert whole.usage(100, client_left=False, failed="upstream_total_timeout").output == 100
+    # No client had any of it: all of it is for nobody.
+    for left, failed in ((True, None), (False, "upstream_total_timeout")):
+        usage = whole.usage(100, client_left=left, failed=failed)
+        assert (usage.input, usage.output, usage.for_nobody) == (5, 100, 100)
     assert whole.usage(100, client_left=False, failed="upstream_http_error").charge("total") == 0
     # A whole answer without usage: its text estimated.
     whole.whole(json.dumps({"choices": [{"message": {"content": "x" * 40}}]}).encode())

@@ -433,7 +433,11 @@ def check_tokens(
             return [f"{line['outcome']} before a token: {nobody} for nobody, not the prompt"]
         return [] if sent == 0 else [f"{line['outcome']}, yet {sent} token(s) arrived"]
     if not scenario.stream:
-        return [] if sent == 0 else [f"{line['outcome']}, yet a whole answer arrived"]
+        if sent:
+            return [f"{line['outcome']}, yet a whole answer arrived"]
+        # Whether it came from the upstream or not (its charged reservation), none of it went
+        # to a client.
+        return [] if nobody == made else [f"a whole answer cut: {nobody} for nobody of {made}"]
     if client.reads_on or not client.left:
         # It read on to the end (a FIN, or a deadline that cut a client that stayed).
         if sent + nobody != made:
