@@ -143,6 +143,9 @@ class Generation:
         # Whether resume() was asked since this sequence's last pause notice (under the
         # engine's lock): a pause asked after it is owed a notice of its own.
         self._resume_asked = False
+        # Whether the pause last asked has been taken by a step (under the engine's lock):
+        # from then on it can no longer be withdrawn (see BatchEngine.withdraw_pause).
+        self._pause_taken = False
         # Bytes of the KV kept aside while paused (0 when none is kept or it was dropped).
         self.kept_bytes = 0
         # A paused sequence whose KV was dropped is prefilled again: these ids (its prompt and
@@ -264,12 +267,23 @@ class BatchEngine:
             sequence._pause_wanted = True
             self._wakeup.notify()
 
+    def withdraw_pause(self, sequence: Generation) -> bool:
+        """Withdraw the pause last asked of ``sequence``, if no step has taken it yet: True,
+        and it goes on as if it had not been asked (no notice comes for it); False, and it
+        is answered as asked (its notice, or the sequence's end)."""
+        with self._wakeup:
+            if not sequence._pause_wanted or sequence._pause_taken:
+                return False
+            sequence._pause_wanted = False
+            return True
+
     def resume(self, sequence: Generation) -> None:
         """Put a paused ``sequence`` back as soon as there is room, ahead of waiting
         newcomers; asked before its pause took effect, the pause does not happen."""
         with self._wakeup:
             sequence._pause_wanted = False
             sequence._resume_asked = True
+            sequence._pause_taken = False
             self._wakeup.notify()
 
     def unbatched(self) -> None:
@@ -406,6 +420,7 @@ class BatchEngine:
             resuming = [seq for seq in self._paused if not seq._pause_wanted]
             for sequence in (*taking, *again):
                 sequence._resume_asked = False
+                sequence._pause_taken = True
         pausing = [index for index, seq in enumerate(self._rows) if seq in taking]
         for index in pausing:
             sequence = self._rows[index]

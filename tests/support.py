@@ -569,3 +569,6 @@ class Pauser:
         self.asked += 1
         self.scope.cancel()
         return True
+
+    def withdraw(self) -> bool:
+        return False  # its scope was cancelled as it was asked

@@ -119,6 +119,17 @@ class _Pausing:
         self.engine.pause(sequence)
         return True
 
+    def withdraw(self) -> bool:
+        """Not paused after all, unless the engine has taken the pause already
+        (:meth:`BatchEngine.withdraw_pause`): then its notice comes as for any pause."""
+        if self.done:
+            return False
+        sequence = self.sequence
+        if sequence is None:
+            withdrawn, self.wanted = self.wanted, False
+            return withdrawn
+        return self.engine.withdraw_pause(sequence)
+
     def started(self, sequence: Generation) -> None:
         """``sequence`` was submitted for this request."""
         self.sequence = sequence

@@ -188,6 +188,10 @@ class Ticket:
         """It was asked to pause for ``by``."""
         self.paused_for_share = by.band == self.band
 
+    def pause_withdrawn(self) -> None:
+        """The pause asked was withdrawn before it was taken: it runs on."""
+        self.paused_for_share = False
+
     def begin_wait(self, now: float) -> None:
         """It asks for a slot at ``now``: its age starts with its first attempt, and a retry
         keeps it."""

@@ -23,7 +23,8 @@ room where the slot freed would serve it at once (not full by its upstream's own
 ejected, not over a capacity a reload lowered). The producer stops at an event boundary and
 gives its slot up (:meth:`Lease.pause`): the slot goes to the request that asked for it, the
 paused request waits at the head of its band, its client kept alive by comments, and it holds a
-slot again to be continued.
+slot again to be continued. A request that gets another slot before its pause is taken
+withdraws it where the producer still can (:meth:`Pausable.withdraw`).
 
 Drain (:meth:`Dispatcher.drain`, after SIGTERM): no new preemption; paused requests go first; a
 queued request that cannot start before the grace ends is refused at once (503
@@ -77,6 +78,12 @@ class Pausable(Protocol):
         """Pause at the next event boundary. True: it will, and gives its slot up soon
         (:meth:`Lease.pause`); False: it cannot now (its last event is out, or it is ending),
         and the dispatcher does not ask it again."""
+        ...
+
+    def withdraw(self) -> bool:
+        """The request it was asked to pause for got another slot first: do not pause after
+        all, if the pause has not been taken yet. True: it will not pause, and runs on in its
+        slot; False: too late, it pauses as asked (its slot then goes in the queue's order)."""
         ...
 
 
@@ -309,6 +316,20 @@ class Dispatcher:
             self._take(room, ticket, now)
             waiter.room = room
             waiter.event.set()
+            if waiter.pausing is not None:
+                self._withdraw(waiter.pausing, ticket)
+
+    def _withdraw(self, victim: Ticket, ticket: Ticket) -> None:
+        """``ticket`` got a slot while ``victim`` was being paused for it: that pause would
+        serve nobody. Withdrawn if it is not too late; if it is, the slot it frees goes in the
+        queue's order."""
+        entry = self._running.get(victim)
+        if entry is None or not entry.pausing or entry.for_ticket is not ticket:
+            return
+        entry.for_ticket = None
+        if entry.pause is not None and entry.pause.withdraw():
+            entry.pausing = False
+            victim.pause_withdrawn()
 
     def _take(self, room: Room, ticket: Ticket, now: float) -> None:
         room.in_flight += 1

@@ -131,3 +131,70 @@ async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_u
     assert local.room.in_flight == 0 and local.admission.waiting == 0
     # Its stream over, it declines: no notice could come any more.
     assert not pausable.ask()
+
+
+async def test_a_pause_withdrawn_before_the_engine_takes_it_leaves_the_stream_running(
+    nursery: trio.Nursery,
+    tiny_loaded_model: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The request a stream was asked to pause for got another slot first: the pause is
+    withdrawn while the engine is between two steps, and the stream runs on, never paused;
+    once a step has taken a pause, it is too late, and the pause goes ahead."""
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    proxy = await start_proxy(
+        nursery,
+        {"tiny": local_model(slots=1)},
+        local_models={"tiny": slowed(tiny_loaded_model, STEP)},
+    )
+    local = proxy.state.local_backends["tiny"]
+    engine = local.engine
+    dispatcher = local.admission.dispatcher
+    pausables: list[Any] = []
+    track = dispatcher.track
+
+    def tracked(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("pause") is not None:
+            pausables.append(kwargs["pause"])
+        track(*args, **kwargs)
+
+    gate = threading.Lock()
+    step = engine.step
+
+    def gated_step() -> None:
+        with gate:
+            step()
+
+    monkeypatch.setattr(dispatcher, "track", tracked)
+    monkeypatch.setattr(engine, "step", gated_step)
+    held = False
+    try:
+        with trio.fail_after(DEADLINE):
+            client = await RawClient.post(proxy, CHAT, body())
+            await client.read_until(b'"content":"', 4)
+            pausable = pausables[-1]
+            # Between two steps: asked, then withdrawn before the engine could take it.
+            await trio.to_thread.run_sync(gate.acquire)
+            held = True
+            assert pausable.ask()
+            assert pausable.withdraw()
+            gate.release()
+            held = False
+            stream = await read_to_the_end(client)
+            # Asked, and left to the engine's next step: too late to withdraw.
+            late = await RawClient.post(proxy, CHAT, body())
+            await late.read_until(b'"content":"', 4)
+            assert pausables[-1].ask()
+            await late.read_until(b": paused")
+            assert not pausables[-1].withdraw()
+            late_stream = await read_to_the_end(late)
+            await proxy.state.tracker.wait_idle()
+    finally:
+        if held:
+            gate.release()
+    assert ": paused" not in stream and text_of(stream) == text_of(late_stream)
+    first, second = access_lines(caplog)
+    assert (first["pauses"], first["outcome"]) == (0, "completed")
+    assert (second["pauses"], second["outcome"]) == (1, "completed")
+    assert engine.sequences == 0 and local.room.in_flight == 0

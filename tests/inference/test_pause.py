@@ -1,9 +1,9 @@
 """Pausing in the batch engine, over the tiny random Llama (float32) with the real SmolLM2
 tokenizer, stepped by hand: a paused sequence frees its slot, and once resumed it makes token for
 token what it makes uninterrupted; its notice comes once and is not a token; a pause asked after
-a resume the engine has not taken yet gets a notice of its own; it can be cancelled or shut down
-while paused; and the KV kept for paused sequences stays under its bound, the oldest pause
-prefilling again when it resumes."""
+a resume the engine has not taken yet gets a notice of its own; a pause no step has taken yet can
+be withdrawn; it can be cancelled or shut down while paused; and the KV kept for paused
+sequences stays under its bound, the oldest pause prefilling again when it resumes."""
 
 from __future__ import annotations
 
@@ -234,6 +234,33 @@ def test_a_pause_withdrawn_before_the_step_or_asked_after_the_end_does_nothing(
     rig.engine.pause(sequence)  # it has left
     rig.engine.step()
     assert rig.notices == {} and rig.engine.sequences == 0
+
+
+def test_a_pause_can_be_withdrawn_until_a_step_has_taken_it(
+    generator: Generator, reference: dict[str, tuple[list[int], str]]
+) -> None:
+    rig = Rig(generator, max_batch=1)
+    first = rig.start(PROMPTS[0])
+    rig.until(lambda: rig.tokens(first) == 3)
+    # Asked, then withdrawn before the next step: no pause, no notice.
+    rig.engine.pause(first)
+    assert rig.engine.withdraw_pause(first)
+    rig.until(lambda: rig.tokens(first) == 5, limit=3)
+    assert rig.notices == {} and not first.paused
+    # Asked, and taken by a step: too late, it is paused and its notice comes.
+    rig.engine.pause(first)
+    rig.engine.step()
+    assert not rig.engine.withdraw_pause(first)
+    assert rig.notices == {first: 1} and first.paused
+    # Resumed, then asked again before the engine has taken the resume: withdrawn, the
+    # resume goes ahead, with no notice of its own.
+    rig.engine.resume(first)
+    rig.engine.pause(first)
+    assert rig.engine.withdraw_pause(first)
+    rig.run([first])
+    same_as_uninterrupted(rig, first, PROMPTS[0], reference)
+    assert rig.notices == {first: 1}
+    assert not rig.engine.withdraw_pause(first)  # it has left
 
 
 def test_a_pause_asked_before_the_engine_takes_a_resume_gets_a_notice_of_its_own(

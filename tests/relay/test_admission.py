@@ -26,6 +26,9 @@ class Asks:
     def ask(self) -> bool:
         return self._ask()
 
+    def withdraw(self) -> bool:
+        return False
+
 
 def model_queue(
     capacity: int = 1,

@@ -42,8 +42,9 @@ The invariants:
   ``preempt_after`` after it arrived (``Simulation.figures`` has the longest waits per hour,
   and the pauses by who paused whom);
 - a request that paused a stream got a slot at that instant: the paused stream's, unless
-  another stream gave its slot up at that same instant (see
-  ``test_a_pause_is_spent_for_nothing_when_its_waiter_takes_another_slot_first``);
+  another stream gave its slot up at that same instant (a pause then serves nobody, and is
+  withdrawn if it is not too late: see
+  ``test_a_pause_is_withdrawn_when_its_waiter_takes_another_slot_first``);
 - a refusal (503 ``deadline_unmeetable``) comes only at the request's arrival or at its
   ``first_byte_by``, and a request dispatched is dispatched before it;
 - over every stretch of time in which both batch-a and batch-b have a request waiting (VTC's
@@ -76,7 +77,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import pytest
 import trio
 import trio.testing
 
@@ -715,34 +715,45 @@ async def test_waiters_looking_at_one_instant_keep_the_within_band_margin(
 
 class AtBoundary(Pauser):
     """A producer that stops at its next event boundary, ``delay`` seconds after it is asked
-    (a real stream's next event), not at once."""
+    (a local model's next step), not at once; until then a pause asked can be withdrawn,
+    unless ``withdrawable`` is False (an upstream exchange, stopped as it is asked)."""
 
-    def __init__(self, nursery: trio.Nursery, delay: float) -> None:
+    def __init__(self, nursery: trio.Nursery, delay: float, *, withdrawable: bool = True) -> None:
         super().__init__()
         self.nursery = nursery
         self.delay = delay
+        self.withdrawable = withdrawable
+        self.pending: trio.CancelScope | None = None
+        self.withdrawn = 0
 
     def ask(self) -> bool:
         self.asked += 1
-        self.nursery.start_soon(self._stop)
+        self.pending = trio.CancelScope()
+        self.nursery.start_soon(self._stop, self.pending)
         return True
 
-    async def _stop(self) -> None:
-        await trio.sleep(self.delay)
-        self.scope.cancel()
+    def withdraw(self) -> bool:
+        if not self.withdrawable or self.pending is None:
+            return False
+        self.pending.cancel()
+        self.pending = None
+        self.withdrawn += 1
+        return True
+
+    async def _stop(self, pending: trio.CancelScope) -> None:
+        with pending:
+            await trio.sleep(self.delay)
+            self.pending = None
+            self.scope.cancel()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a waiter whose pause is under way is still in the queue's order: a slot that "
-    "comes free before the paused stream reaches its boundary goes to it, and the pause "
-    "serves nobody",
-)
-async def test_a_pause_is_spent_for_nothing_when_its_waiter_takes_another_slot_first(
+async def test_a_pause_is_withdrawn_when_its_waiter_takes_another_slot_first(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     # Two slots: a batch stream, and another stream that ends at 10.6. A chat arrives at 10.0
-    # and asks the batch to pause at 10.5; the batch reaches its boundary at 10.7.
+    # and asks the batch to pause at 10.5; the batch would reach its boundary at 10.7. The
+    # chat takes the slot freed at 10.6, and the pause, which would serve nobody, is
+    # withdrawn: the batch runs on, and keeps its pause for a request that needs it.
     admission = _one_room(2)
     log: list[str] = []
     batch = Ticket("batch", band=5)
@@ -757,12 +768,47 @@ async def test_a_pause_is_spent_for_nothing_when_its_waiter_takes_another_slot_f
             log.append(f"chat dispatched at {trio.current_time():g}")
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_pausable, admission, batch, 100.0, log, AtBoundary(nursery, 0.2))
+        pauser = AtBoundary(nursery, 0.2)
+        nursery.start_soon(_pausable, admission, batch, 100.0, log, pauser)
         nursery.start_soon(other)
         nursery.start_soon(chat)
         await trio.sleep(20.0)
+        assert admission.dispatcher.running(batch)
         nursery.cancel_scope.cancel()
-    # Either the chat waits for the slot its pause frees, or the batch is not paused for it
-    # (and keeps its one pause for a request that needs it).
-    assert log in (["chat dispatched at 10.6"], ["batch paused at 10.7", "chat dispatched at 10.7"])
-    assert batch.preemptions == (1 if "batch paused at 10.7" in log else 0)
+    assert log == ["chat dispatched at 10.6"]
+    assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 1, 0)
+    assert not batch.paused_for_share
+
+
+async def test_a_pause_too_late_to_withdraw_frees_its_slot_for_the_queue(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # As above, but the batch cannot take its pause back (an upstream exchange is stopped as
+    # it is asked): it pauses at 10.7 for a chat already running since 10.6, so the slot it
+    # frees is no longer the chat's. It goes in the queue's order: the batch itself, at the
+    # head of its band, runs on in it at once.
+    admission = _one_room(2)
+    log: list[str] = []
+    batch = Ticket("batch", band=5)
+
+    async def other() -> None:
+        async with admission.slot(Ticket("other", band=5)):
+            await trio.sleep(10.6)
+
+    async def chat() -> None:
+        await trio.sleep(10.0)
+        async with admission.slot(Ticket("chat", band=0)):
+            log.append(f"chat dispatched at {trio.current_time():g}")
+            await trio.sleep(5.0)
+
+    async with trio.open_nursery() as nursery:
+        pauser = AtBoundary(nursery, 0.2, withdrawable=False)
+        nursery.start_soon(_pausable, admission, batch, 100.0, log, pauser)
+        nursery.start_soon(other)
+        nursery.start_soon(chat)
+        await trio.sleep(11.0)
+        assert admission.dispatcher.running(batch)
+        assert admission.rooms[0].in_flight == 2
+        nursery.cancel_scope.cancel()
+    assert log == ["chat dispatched at 10.6", "batch paused at 10.7"]
+    assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 0, 1)

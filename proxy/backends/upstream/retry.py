@@ -314,6 +314,10 @@ class _PauseAtBoundary:
         self.scope.cancel("paused for a more urgent request")
         return True
 
+    def withdraw(self) -> bool:
+        # The ask cancelled the exchange at once: it is stopping within a few task steps.
+        return False
+
 
 class _Continuing:
     """A paused stream's sink while its continuation runs: the client's stream is in its
