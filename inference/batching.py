@@ -269,8 +269,9 @@ class BatchEngine:
 
     def withdraw_pause(self, sequence: Generation) -> bool:
         """Withdraw the pause last asked of ``sequence``, if no step has taken it yet: True,
-        and it goes on as if it had not been asked (no notice comes for it); False, and it
-        is answered as asked (its notice, or the sequence's end)."""
+        and no notice comes for it (it goes on as if it had not been asked, or it ends, or has
+        left, as it would have anyway); False, and its notice comes (a step took the pause),
+        or there was no pause to withdraw."""
         with self._wakeup:
             if not sequence._pause_wanted or sequence._pause_taken:
                 return False

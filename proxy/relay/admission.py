@@ -81,9 +81,10 @@ class Pausable(Protocol):
         ...
 
     def withdraw(self) -> bool:
-        """The request it was asked to pause for got another slot first: do not pause after
-        all, if the pause has not been taken yet. True: it will not pause, and runs on in its
-        slot; False: too late, it pauses as asked (its slot then goes in the queue's order)."""
+        """The request it was asked to pause for got another slot first, or left: do not
+        pause after all, if the pause has not been taken yet. True: it will not pause, and
+        runs on in its slot; False: too late, it pauses as asked (its slot then goes in the
+        queue's order)."""
         ...
 
 
@@ -320,9 +321,9 @@ class Dispatcher:
                 self._withdraw(waiter.pausing, ticket)
 
     def _withdraw(self, victim: Ticket, ticket: Ticket) -> None:
-        """``ticket`` got a slot while ``victim`` was being paused for it: that pause would
-        serve nobody. Withdrawn if it is not too late; if it is, the slot it frees goes in the
-        queue's order."""
+        """``ticket`` got another slot, or left the queue, while ``victim`` was being paused
+        for it: that pause would serve nobody. Withdrawn if it is not too late; if it is, the
+        slot it frees goes in the queue's order."""
         entry = self._running.get(victim)
         if entry is None or not entry.pausing or entry.for_ticket is not ticket:
             return
@@ -600,6 +601,10 @@ class Admission:
             if waiter.room is None:
                 dispatcher._waiters.pop(ticket, None)
                 dispatcher.queue.remove(ticket)
+                if waiter.pausing is not None:
+                    # It left the queue (its client, a timeout): a pause asked for it would
+                    # serve nobody either.
+                    dispatcher._withdraw(waiter.pausing, ticket)
 
     async def _until_dispatched(self, ticket: Ticket, waiter: _Waiter) -> None:
         dispatcher = self.dispatcher

@@ -141,7 +141,7 @@ async def test_a_pause_withdrawn_before_the_engine_takes_it_leaves_the_stream_ru
 ) -> None:
     """The request a stream was asked to pause for got another slot first: the pause is
     withdrawn while the engine is between two steps, and the stream runs on, never paused;
-    once a step has taken a pause, it is too late, and the pause goes ahead."""
+    a pause left to the engine goes ahead."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     proxy = await start_proxy(
         nursery,
@@ -182,7 +182,9 @@ async def test_a_pause_withdrawn_before_the_engine_takes_it_leaves_the_stream_ru
             gate.release()
             held = False
             stream = await read_to_the_end(client)
-            # Asked, and left to the engine's next step: too late to withdraw.
+            # Asked, and left to the engine: it pauses (its client is told), and withdrawing
+            # then changes nothing. (Whether a pause a step has taken can be withdrawn is
+            # test_pause.py's: here the request may have asked to resume already.)
             late = await RawClient.post(proxy, CHAT, body())
             await late.read_until(b'"content":"', 4)
             assert pausables[-1].ask()

@@ -780,6 +780,32 @@ async def test_a_pause_is_withdrawn_when_its_waiter_takes_another_slot_first(
     assert not batch.paused_for_share
 
 
+async def test_a_pause_is_withdrawn_when_its_waiter_leaves_the_queue(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # One slot, the batch's. A chat arrives at 10.0, asks the batch to pause at 10.5, and its
+    # client leaves at 10.6, before the batch's boundary at 10.7: the pause is withdrawn.
+    admission = _one_room(1)
+    log: list[str] = []
+    batch = Ticket("batch", band=5)
+
+    async def chat() -> None:
+        await trio.sleep(10.0)
+        with trio.move_on_after(0.6):
+            async with admission.slot(Ticket("chat", band=0)):
+                log.append("chat dispatched")
+
+    async with trio.open_nursery() as nursery:
+        pauser = AtBoundary(nursery, 0.2)
+        nursery.start_soon(_pausable, admission, batch, 100.0, log, pauser)
+        nursery.start_soon(chat)
+        await trio.sleep(20.0)
+        assert admission.dispatcher.running(batch)
+        nursery.cancel_scope.cancel()
+    assert log == []
+    assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 1, 0)
+
+
 async def test_a_pause_too_late_to_withdraw_frees_its_slot_for_the_queue(
     autojump_clock: trio.abc.Clock,
 ) -> None:
