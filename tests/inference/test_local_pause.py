@@ -54,13 +54,12 @@ def text_of(stream: str) -> str:
     return stream_text(sse_payloads(stream.replace(": paused\n\n", "")))
 
 
-async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_up_and_ends_whole(
-    nursery: trio.Nursery,
-    tiny_loaded_model: Any,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+async def gated_proxy(
+    nursery: trio.Nursery, tiny_loaded_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, list[Any], threading.Lock]:
+    """A proxy serving the slowed tiny model in one slot; the pause each admitted stream
+    registers (what the dispatcher would ask), and a gate every engine step passes through:
+    held, the engine stops between two steps."""
     proxy = await start_proxy(
         nursery,
         {"tiny": local_model(slots=1)},
@@ -69,7 +68,6 @@ async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_u
     local = proxy.state.local_backends["tiny"]
     engine = local.engine
     dispatcher = local.admission.dispatcher
-    # What the dispatcher would ask: the pause each admitted stream registers.
     pausables: list[Any] = []
     track = dispatcher.track
 
@@ -78,16 +76,31 @@ async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_u
             pausables.append(kwargs["pause"])
         track(*args, **kwargs)
 
-    # The engine's steps pass through a gate: held from the first resume until the test has
-    # asked its pause, the engine cannot take that resume before the pause comes.
     gate = threading.Lock()
-    held = [False]
     step = engine.step
 
     def gated_step() -> None:
         with gate:
             step()
 
+    monkeypatch.setattr(dispatcher, "track", tracked)
+    monkeypatch.setattr(engine, "step", gated_step)
+    return proxy, pausables, gate
+
+
+async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_up_and_ends_whole(
+    nursery: trio.Nursery,
+    tiny_loaded_model: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    proxy, pausables, gate = await gated_proxy(nursery, tiny_loaded_model, monkeypatch)
+    local = proxy.state.local_backends["tiny"]
+    engine = local.engine
+    # The gate held from the first resume until the test has asked its pause: the engine
+    # cannot take that resume before the pause comes.
+    held = [False]
     resume = engine.resume
     resumed = [trio.Event(), trio.Event()]
 
@@ -98,8 +111,6 @@ async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_u
         resume(sequence)
         (resumed[1] if resumed[0].is_set() else resumed[0]).set()
 
-    monkeypatch.setattr(dispatcher, "track", tracked)
-    monkeypatch.setattr(engine, "step", gated_step)
     monkeypatch.setattr(engine, "resume", held_resume)
     try:
         with trio.fail_after(DEADLINE):
@@ -143,31 +154,9 @@ async def test_a_pause_withdrawn_before_the_engine_takes_it_leaves_the_stream_ru
     withdrawn while the engine is between two steps, and the stream runs on, never paused;
     a pause left to the engine goes ahead."""
     caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
-    proxy = await start_proxy(
-        nursery,
-        {"tiny": local_model(slots=1)},
-        local_models={"tiny": slowed(tiny_loaded_model, STEP)},
-    )
+    proxy, pausables, gate = await gated_proxy(nursery, tiny_loaded_model, monkeypatch)
     local = proxy.state.local_backends["tiny"]
     engine = local.engine
-    dispatcher = local.admission.dispatcher
-    pausables: list[Any] = []
-    track = dispatcher.track
-
-    def tracked(*args: Any, **kwargs: Any) -> None:
-        if kwargs.get("pause") is not None:
-            pausables.append(kwargs["pause"])
-        track(*args, **kwargs)
-
-    gate = threading.Lock()
-    step = engine.step
-
-    def gated_step() -> None:
-        with gate:
-            step()
-
-    monkeypatch.setattr(dispatcher, "track", tracked)
-    monkeypatch.setattr(engine, "step", gated_step)
     held = False
     try:
         with trio.fail_after(DEADLINE):

@@ -44,7 +44,7 @@ The invariants:
 - a request that paused a stream got a slot at that instant: the paused stream's, unless
   another stream gave its slot up at that same instant (a pause then serves nobody, and is
   withdrawn if it is not too late: see
-  ``test_a_pause_is_withdrawn_when_its_waiter_takes_another_slot_first``);
+  ``test_a_pause_that_would_serve_nobody_is_withdrawn_unless_too_late``);
 - a refusal (503 ``deadline_unmeetable``) comes only at the request's arrival or at its
   ``first_byte_by``, and a request dispatched is dispatched before it;
 - over every stretch of time in which both batch-a and batch-b have a request waiting (VTC's
@@ -77,6 +77,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
 import trio
 import trio.testing
 
@@ -747,13 +748,17 @@ class AtBoundary(Pauser):
             self.scope.cancel()
 
 
-async def test_a_pause_is_withdrawn_when_its_waiter_takes_another_slot_first(
-    autojump_clock: trio.abc.Clock,
+@pytest.mark.parametrize("withdrawable", [True, False])
+async def test_a_pause_that_would_serve_nobody_is_withdrawn_unless_too_late(
+    autojump_clock: trio.abc.Clock, withdrawable: bool
 ) -> None:
     # Two slots: a batch stream, and another stream that ends at 10.6. A chat arrives at 10.0
     # and asks the batch to pause at 10.5; the batch would reach its boundary at 10.7. The
     # chat takes the slot freed at 10.6, and the pause, which would serve nobody, is
-    # withdrawn: the batch runs on, and keeps its pause for a request that needs it.
+    # withdrawn: the batch runs on, and keeps its pause for a request that needs it. One that
+    # cannot take its pause back (an upstream exchange is stopped as it is asked) pauses at
+    # 10.7, and the slot it frees, no longer the chat's, goes in the queue's order: to the
+    # batch itself, at the head of its band, at once.
     admission = _one_room(2)
     log: list[str] = []
     batch = Ticket("batch", band=5)
@@ -766,18 +771,24 @@ async def test_a_pause_is_withdrawn_when_its_waiter_takes_another_slot_first(
         await trio.sleep(10.0)
         async with admission.slot(Ticket("chat", band=0)):
             log.append(f"chat dispatched at {trio.current_time():g}")
+            await trio.sleep(5.0)
 
     async with trio.open_nursery() as nursery:
-        pauser = AtBoundary(nursery, 0.2)
+        pauser = AtBoundary(nursery, 0.2, withdrawable=withdrawable)
         nursery.start_soon(_pausable, admission, batch, 100.0, log, pauser)
         nursery.start_soon(other)
         nursery.start_soon(chat)
-        await trio.sleep(20.0)
+        await trio.sleep(11.0)
         assert admission.dispatcher.running(batch)
+        assert admission.rooms[0].in_flight == 2
         nursery.cancel_scope.cancel()
-    assert log == ["chat dispatched at 10.6"]
-    assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 1, 0)
-    assert not batch.paused_for_share
+    if withdrawable:
+        assert log == ["chat dispatched at 10.6"]
+        assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 1, 0)
+        assert not batch.paused_for_share
+    else:
+        assert log == ["chat dispatched at 10.6", "batch paused at 10.7"]
+        assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 0, 1)
 
 
 async def test_a_pause_is_withdrawn_when_its_waiter_leaves_the_queue(
@@ -804,37 +815,3 @@ async def test_a_pause_is_withdrawn_when_its_waiter_leaves_the_queue(
         nursery.cancel_scope.cancel()
     assert log == []
     assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 1, 0)
-
-
-async def test_a_pause_too_late_to_withdraw_frees_its_slot_for_the_queue(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    # As above, but the batch cannot take its pause back (an upstream exchange is stopped as
-    # it is asked): it pauses at 10.7 for a chat already running since 10.6, so the slot it
-    # frees is no longer the chat's. It goes in the queue's order: the batch itself, at the
-    # head of its band, runs on in it at once.
-    admission = _one_room(2)
-    log: list[str] = []
-    batch = Ticket("batch", band=5)
-
-    async def other() -> None:
-        async with admission.slot(Ticket("other", band=5)):
-            await trio.sleep(10.6)
-
-    async def chat() -> None:
-        await trio.sleep(10.0)
-        async with admission.slot(Ticket("chat", band=0)):
-            log.append(f"chat dispatched at {trio.current_time():g}")
-            await trio.sleep(5.0)
-
-    async with trio.open_nursery() as nursery:
-        pauser = AtBoundary(nursery, 0.2, withdrawable=False)
-        nursery.start_soon(_pausable, admission, batch, 100.0, log, pauser)
-        nursery.start_soon(other)
-        nursery.start_soon(chat)
-        await trio.sleep(11.0)
-        assert admission.dispatcher.running(batch)
-        assert admission.rooms[0].in_flight == 2
-        nursery.cancel_scope.cancel()
-    assert log == ["chat dispatched at 10.6", "batch paused at 10.7"]
-    assert (pauser.asked, pauser.withdrawn, batch.preemptions) == (1, 0, 1)
