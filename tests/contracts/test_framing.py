@@ -41,7 +41,6 @@ from tests.support import (
     chat_body,
     connect_client,
     read_request_head,
-    start_fake,
     start_proxy,
     stream_text,
 )
@@ -205,26 +204,64 @@ def test_error_event_carries_openai_error_object() -> None:
 async def test_stream_delivers_each_event_as_it_is_produced(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
+    """The upstream sends each token only once the client has read the one before: a relay
+    that held an event back for the next would never finish. Lockstep, not gaps between
+    arrival times, so that a loaded machine cannot fail it, nor a buffering relay pass it."""
     with trio.fail_after(DEADLINE):
-        fake = await start_fake(nursery, ttft=0.05, interval=0.1, tokens=4)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
-        arrivals: list[tuple[float, str]] = []
-        async with client.stream("POST", proxy.url + CHAT, json=chat_body()) as response:
+        read = [trio.Event() for _ in _WORDS]
+        url = await nursery.start(_serve_in_lockstep, read)
+        proxy = await start_proxy(nursery, {"lockstep": [url]})
+        payloads: list[str] = []
+        async with client.stream("POST", proxy.url + CHAT, json=chat_body("lockstep")) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
             assert response.headers["cache-control"] == "no-cache"
             assert response.headers["x-accel-buffering"] == "no"
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
-                    arrivals.append((trio.current_time(), line[6:]))
-        payloads = [payload for _, payload in arrivals]
+                    payloads.append(line[6:])
+                    _mark_read(read, stream_text(payloads))
         assert payloads[-1] == "[DONE]"
-        assert stream_text(payloads) == "The quick brown fox "
-        # Token events 1..3 are 100 ms apart upstream; a buffering relay would deliver them
-        # together. Each must arrive on its own, roughly one interval after the previous one.
-        token_times = [when for when, payload in arrivals[1:4]]
-        gaps = [later - earlier for earlier, later in itertools.pairwise(token_times)]
-        assert all(gap > 0.05 for gap in gaps), gaps
+        assert stream_text(payloads) == "".join(_WORDS)
+        assert all(event.is_set() for event in read)
+
+
+_WORDS = ("The ", "quick ", "brown ", "fox ")
+
+
+def _mark_read(read: list[trio.Event], text: str) -> None:
+    """Sets the event of every word the client has now read whole."""
+    for count, event in enumerate(read, start=1):
+        if text.startswith("".join(_WORDS[:count])):
+            event.set()
+
+
+async def _serve_in_lockstep(read: list[trio.Event], task_status: trio.TaskStatus[str]) -> None:
+    """An upstream that sends an opening event, then each of ``_WORDS`` as a token event only
+    after ``read`` says the client has read the previous one, then [DONE]."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        if await read_request_head(stream) is None:
+            return
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        await _send_chunk(stream, _token(""))
+        for word, seen in zip(_WORDS, read, strict=True):
+            await _send_chunk(stream, _token(word))
+            await seen.wait()
+        await _send_chunk(stream, DONE_EVENT)
+        await stream.send_all(b"0\r\n\r\n")
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+        task_status.started(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+
+async def _send_chunk(stream: trio.SocketStream, piece: bytes) -> None:
+    await stream.send_all(b"%x\r\n%b\r\n" % (len(piece), piece))
 
 
 def _token(text: str) -> bytes:
@@ -271,11 +308,13 @@ async def test_events_that_arrive_together_go_out_in_one_write(nursery: trio.Nur
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
-    """What the quick start promises: `curl -N` through the proxy shows each token as it comes."""
+    """What the quick start promises: `curl -N` through the proxy shows each token as it comes
+    (in lockstep: the upstream sends the next token once curl has printed the one before)."""
     with trio.fail_after(DEADLINE):
-        fake = await start_fake(nursery, ttft=0.05, interval=0.1, tokens=5)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
-        arrivals: list[float] = []
+        read = [trio.Event() for _ in _WORDS]
+        url = await nursery.start(_serve_in_lockstep, read)
+        proxy = await start_proxy(nursery, {"lockstep": [url]})
+        payloads: list[str] = []
         process = await trio.lowlevel.open_process(
             [
                 "curl",
@@ -284,7 +323,7 @@ async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
                 "-H",
                 "Content-Type: application/json",
                 "-d",
-                json.dumps(chat_body()),
+                json.dumps(chat_body("lockstep")),
             ],
             stdout=subprocess.PIPE,
         )
@@ -295,8 +334,8 @@ async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
                 buffer += chunk
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
-                    if b'"content":"' in event and b'"content":""' not in event:
-                        arrivals.append(trio.current_time())
+                    payloads.append(event.decode().removeprefix("data: "))
+                    _mark_read(read, stream_text(payloads))
             await process.wait()
         finally:
             process.kill()
@@ -305,9 +344,8 @@ async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
             assert process.stdout is not None
             await process.stdout.aclose()
         assert process.returncode == 0
-        assert len(arrivals) == 5
-        gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
-        assert all(gap > 0.05 for gap in gaps), gaps
+        assert payloads[-1] == "[DONE]"
+        assert stream_text(payloads) == "".join(_WORDS)
 
 
 async def test_content_length_with_transfer_encoding_is_refused_and_closed(
