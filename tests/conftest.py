@@ -13,6 +13,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from proxy.ops.logs import ACCESS_LOGGER
 from tests import processes, xdist_groups
@@ -30,6 +31,12 @@ from tests.support import (
     proxy,
     quiet_collector,
 )
+
+# Hypothesis's per-example deadline (200 ms) is a real-time bound: in the parallel pass, a
+# loaded machine fails an example as `DeadlineExceeded` or `Flaky`. No property here is about
+# speed, so no example has a deadline.
+settings.register_profile("sluice", deadline=None)
+settings.load_profile("sluice")
 
 _SUBREAPER = pytest.StashKey[bool]()
 _ROOT = Path(__file__).resolve().parent.parent
