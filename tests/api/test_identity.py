@@ -43,7 +43,7 @@ from proxy.protocol.errors import ApiError
 from tests.api.issuer import Issuer, Signer, start_issuer, start_service
 from tests.api.test_reload import serve_file
 from tests.ops.test_metrics import scrape, value
-from tests.support import DEADLINE, Fake, chat_body, start_proxy
+from tests.support import DEADLINE, Fake, chat_body, poll_until, start_proxy
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -340,7 +340,7 @@ def _kid_swap(kid: str) -> tuple[str, str]:
 async def start_identity_proxy(
     nursery: trio.Nursery, fake: Fake, issuer: Issuer, **jwt_overrides: Any
 ) -> Any:
-    return await start_proxy(
+    proxy = await start_proxy(
         nursery,
         {"fake-model": [fake.url]},
         keys=[
@@ -350,6 +350,18 @@ async def start_identity_proxy(
         ],
         auth={"jwt": [jwt_table(issuer.issuer, **jwt_overrides)]},
     )
+    await keys_fetched(proxy.state)
+    return proxy
+
+
+async def keys_fetched(state: Any) -> None:
+    """Returns once each issuer's first fetch of its key set, begun as the app started, has
+    brought the keys. Until then a token waits for that fetch only until unknown_kid_wait
+    (0.5 s) after it began, then is refused: on a loaded machine a test's first request could
+    come that late, and be refused for a reason that is not what the test is about."""
+    issuers = state.current.identity.issuers.values()
+    await poll_until(lambda: all(issuer.fetches for issuer in issuers))
+    assert all(len(issuer.keys) for issuer in issuers)
 
 
 async def test_a_token_is_admitted_on_http_and_websocket_and_counted_under_its_key(
@@ -563,7 +575,12 @@ async def test_a_rotation_during_a_stream_of_requests_refuses_none(
 ) -> None:
     with trio.fail_after(DEADLINE):
         issuer = await start_issuer(nursery, "RSA")
-        proxy = await start_identity_proxy(nursery, fake, issuer, cooldown=3600.0)
+        # The first tokens of the new kid wait for the fetch they start: on a loaded machine
+        # that fetch (the issuer is served in this process) can take longer than the default
+        # half second, which is not what this test is about.
+        proxy = await start_identity_proxy(
+            nursery, fake, issuer, cooldown=3600.0, unknown_kid_wait=5.0
+        )
         old = issuer.signers[0]
         new = Signer("EC")
         statuses: list[int] = []
@@ -798,6 +815,7 @@ async def test_per_subject_limits_and_fair_shares_hold_for_two_subjects_of_one_k
             ],
             auth={"jwt": [jwt_table(issuer.issuer, per_subject=True)]},
         )
+        await keys_fetched(proxy.state)
         tokens = {sub: issuer.token(groups="ml-batch", sub=sub) for sub in ("ann", "bob")}
         for sub in ("ann", "ann", "bob", "bob"):
             response = await client.post(
@@ -903,11 +921,16 @@ async def test_forward_auth_calls_once_for_a_credential_many_requests_miss_at_on
     the call is under way does not fail the others."""
     with trio.fail_after(DEADLINE):
         failing = {"on": False}
+        # While failing, the service answers only once the test has seen every request wait on
+        # the call: a failure is not cached, so a request that came after a timed answer (a
+        # loaded machine) would ask again, and the count of calls would say nothing.
+        fail_now = trio.Event()
 
         async def decide(path: str, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
-            await trio.sleep(0.3)
             if failing["on"]:
+                await fail_now.wait()
                 return 500, {}, b""
+            await trio.sleep(0.3)
             if headers.get("authorization") in ("Bearer team-a", "Bearer team-b"):
                 return 200, {"x-sluice-key": "batch"}, b""
             return 401, {}, b""
@@ -917,7 +940,12 @@ async def test_forward_auth_calls_once_for_a_credential_many_requests_miss_at_on
             nursery,
             {"fake-model": [fake.url]},
             keys=PROFILES,
-            auth={"forward_url": service.url + "/check", "forward_cache_seconds": 60.0},
+            # The failing call below is held until all twenty wait on it: no timeout first.
+            auth={
+                "forward_url": service.url + "/check",
+                "forward_cache_seconds": 60.0,
+                "forward_timeout": 10.0,
+            },
         )
 
         def calls(token: str) -> int:
@@ -949,9 +977,18 @@ async def test_forward_auth_calls_once_for_a_credential_many_requests_miss_at_on
         # The service fails: twenty at once share one failing call (503 each), and the failure
         # is not kept: the next request asks again, and is admitted once the service is back.
         failing["on"] = True
+        identity = proxy.state.current.identity
+        assert identity is not None and identity.forward is not None
+        flights = identity.forward._flights
+
+        def waiting() -> int:
+            return sum(flight.done.statistics().tasks_waiting for flight in flights.values())
+
         async with trio.open_nursery() as requests:
             for _ in range(20):
                 requests.start_soon(ask, "team-c")
+            await poll_until(lambda: waiting() == 20)
+            fail_now.set()
         assert statuses["team-c"] == [503] * 20
         assert calls("Bearer team-c") == 1
         await ask("team-c")
@@ -960,9 +997,7 @@ async def test_forward_auth_calls_once_for_a_credential_many_requests_miss_at_on
         statuses.clear()
         await ask("team-a")  # cached, untouched by the failures
         assert (statuses["team-a"], calls("Bearer team-a")) == ([200], 1)
-        identity = proxy.state.current.identity
-        assert identity is not None and identity.forward is not None
-        assert identity.forward._flights == {}
+        assert flights == {}
 
 
 async def test_forward_auth_on_error_allow_admits_as_the_default_key(
@@ -1018,6 +1053,7 @@ key = "batch"
         path = tmp_path / "sluice.toml"
         write("ml-batch")
         url, state = await serve_file(nursery, path)
+        await keys_fetched(state)
         token = issuer.token(groups="ml-batch")
         assert (
             await client.post(url + CHAT, json=chat_body(), headers=bearer(token))
