@@ -1,15 +1,16 @@
 """The trio floor (proxy/bench/peers/trio_floor.py): its chunked framing (pure), and on real
-sockets in front of the fake upstream (localhost, port 0, a ``fail_after`` on each): a streamed
-answer relayed read by read and ended, keep-alive on both sides, an upstream that closes after
-every answer, a client that leaves, an upstream that is down."""
+sockets (localhost, port 0, a ``fail_after`` on each): a streamed answer relayed read by read
+and ended (in front of an upstream in lockstep with the client); in front of the fake upstream,
+keep-alive on both sides, an upstream that closes after every answer, a client that leaves; an
+upstream that is down."""
 
 from __future__ import annotations
 
 import json
 import socket
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import pytest
 import trio
@@ -86,16 +87,16 @@ def chat(tag: str, *, close: bool = False, stream: bool = True) -> bytes:
 
 
 async def read_answer(
-    sock: trio.socket.SocketType, arrivals: list[float] | None = None
+    sock: trio.socket.SocketType, on_tokens: Callable[[ResponseParser, int], None] | None = None
 ) -> ResponseParser:
-    """One whole response, as the bench's client reads it; ``arrivals``: when each read that
-    brought a token came."""
+    """One whole response, as the bench's client reads it; ``on_tokens(parser, count)`` after
+    each read that brought tokens (``count`` of them)."""
     parser = ResponseParser()
     while not parser.complete:
         data = await sock.recv(65536)
         assert data, "the floor closed before the answer ended"
-        if parser.feed(data) and arrivals is not None:
-            arrivals.append(time.monotonic())
+        if (count := parser.feed(data)) and on_tokens is not None:
+            on_tokens(parser, count)
     return parser
 
 
@@ -106,21 +107,83 @@ async def connect(address: tuple[str, int]) -> trio.socket.SocketType:
 
 
 async def test_a_streamed_answer_goes_out_as_it_comes_and_ends() -> None:
-    fake = FakeUpstream(FakeSettings(ttft=0.01, interval=0.1, tokens=4))
+    """In lockstep: the upstream sends each token once the client has read the one before, so
+    a floor that held a read back (buffered to the end, or to the next read) would never
+    finish. Not gaps between arrival times, which a loaded machine squeezes together."""
+    read = [trio.Event() for _ in WORDS]
+    per_read: list[int] = []
+
+    def on_tokens(parser: ResponseParser, count: int) -> None:
+        per_read.append(count)
+        for event in read[: parser.events.content]:
+            event.set()
+
     with trio.fail_after(20):
-        async with floor_in_front_of(fake) as address:
-            with await connect(address) as sock:
+        async with trio.open_nursery() as nursery:
+            upstream = await nursery.start(serve_in_lockstep, read)
+            port = await nursery.start(trio_floor.serve, "127.0.0.1", 0, ("127.0.0.1", upstream))
+            with await connect(("127.0.0.1", port)) as sock:
                 await sock.send(chat("one", close=True))
-                arrivals: list[float] = []
-                parser = await read_answer(sock, arrivals)
+                parser = await read_answer(sock, on_tokens)
                 # After the answer's end the floor closes, as the client asked.
                 assert await sock.recv(100) == b""
+            nursery.cancel_scope.cancel()
     assert parser.status == 200
-    assert parser.events.done and parser.events.content == 4
-    # One token per read as the fake sends them, 0.1 s apart: not buffered to the end.
-    assert len(arrivals) == 4
-    assert arrivals[-1] - arrivals[0] >= 0.25
-    assert fake.recorder.last("/v1/chat/completions").outcome == "completed"
+    assert parser.events.done and parser.events.content == len(WORDS)
+    # One token per read, each relayed as it came.
+    assert per_read == [1] * len(WORDS)
+
+
+WORDS = ("The ", "quick ", "brown ", "fox ")
+
+
+def sse_chunk(payload: str) -> bytes:
+    """One server-sent event as one chunk of a chunked body."""
+    event = f"data: {payload}\n\n".encode()
+    return b"%x\r\n%b\r\n" % (len(event), event)
+
+
+def token_event(text: str) -> bytes:
+    delta = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return sse_chunk(json.dumps(delta, separators=(",", ":")))
+
+
+async def serve_in_lockstep(
+    read: list[trio.Event], *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """An upstream that answers a streamed chat with an opening event, then each of ``WORDS``
+    as a token event sent only once ``read`` says the client has read the one before, then
+    [DONE] and the end of the body; then it waits for the floor to close (its port)."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        received = b""
+        while b"\r\n\r\n" not in received:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            received += data
+        head, _, body = received.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+        while len(body) < length:  # read whole: no request byte is left unread
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            body += data
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        await stream.send_all(sse_chunk('{"choices":[{"index":0,"delta":{"role":"assistant"}}]}'))
+        for word, seen in zip(WORDS, read, strict=True):
+            await stream.send_all(token_event(word))
+            await seen.wait()
+        await stream.send_all(sse_chunk("[DONE]") + b"0\r\n\r\n")
+        while await stream.receive_some(65536):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+        task_status.started(listeners[0].socket.getsockname()[1])
 
 
 async def test_keep_alive_on_both_sides() -> None:
