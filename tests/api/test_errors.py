@@ -128,7 +128,15 @@ FAILURES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, str], str, b
     "http_500": ({}, {"mode": "status", "status": 500}, {}, "upstream_http_error", False),
     "reset": ({}, {"mode": "reset", "at": 0}, {}, "upstream_protocol_error", False),
     "malformed": ({}, {"mode": "malformed", "at": 0}, {}, "upstream_malformed", False),
-    "idle": ({"idle_timeout": 0.2}, {"mode": "stall", "at": 2}, {}, "upstream_idle_timeout", True),
+    # The tokens before the stall at once, and a second of silence: a loaded machine's pause
+    # between two tokens must not pass for it.
+    "idle": (
+        {"idle_timeout": 1.0},
+        {"mode": "stall", "at": 2, "interval": 0},
+        {},
+        "upstream_idle_timeout",
+        True,
+    ),
     "reset_mid_stream": ({}, {"mode": "reset", "at": 2}, {}, "upstream_protocol_error", True),
     "deadline": ({}, {"ttft": 5}, {"x-sluice-deadline": "0.2"}, "deadline_exceeded", False),
     "total": ({"total_timeout": 0.2}, {"ttft": 5}, {}, "upstream_total_timeout", False),

@@ -104,8 +104,10 @@ async def test_errors_are_the_sdks_exception_types(nursery: trio.Nursery, fake: 
 
 
 async def test_in_band_error_raises_mid_stream(nursery: trio.Nursery, fake: Fake) -> None:
+    # The two tokens before the stall come at once, and the idle timeout is a second: a loaded
+    # machine's pause between them must not pass for the upstream's silence.
     proxy = await start_proxy(
-        nursery, {"fake-model": {"upstreams": [fake.url], "idle_timeout": 0.2}}
+        nursery, {"fake-model": {"upstreams": [fake.url], "idle_timeout": 1.0}}
     )
 
     def read_until_error() -> tuple[str, BaseException | None]:
@@ -116,7 +118,7 @@ async def test_in_band_error_raises_mid_stream(nursery: trio.Nursery, fake: Fake
                     model="fake-model",
                     messages=MESSAGES,
                     stream=True,
-                    extra_body={"fake": {"mode": "stall", "at": 2}},
+                    extra_body={"fake": {"mode": "stall", "at": 2, "interval": 0}},
                 )
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
