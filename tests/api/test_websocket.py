@@ -136,7 +136,9 @@ async def test_bad_input_gets_an_error_and_the_socket_stays_usable(
 
 async def test_a_second_request_while_one_runs_is_refused(nursery: trio.Nursery) -> None:
     with trio.fail_after(DEADLINE):
-        fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=20)
+        # A first answer far longer than the test (it is cancelled at the end): however slow
+        # the machine, the second request comes while it runs.
+        fake = await start_fake(nursery, ttft=0, interval=0.05, tokens=100_000)
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         async with open_websocket_url(ws_url(proxy)) as ws:
             await ws.send_message(chat())
@@ -149,6 +151,11 @@ async def test_a_second_request_while_one_runs_is_refused(nursery: trio.Nursery)
             assert message["error"]["code"] == "request_in_progress"
             # The refused message is a request of its own, with its own id.
             assert message["id"] and message["id"] != running["id"]
+            # The first runs on, untouched by the refusal, until it is cancelled.
+            assert (await receive(ws))["type"] == "token"
+            await ws.send_message(json.dumps({"type": "cancel"}))
+            _, final = await answer(ws)
+            assert (final["type"], final["id"]) == ("cancelled", running["id"])
 
 
 async def test_slow_websocket_reader_pauses_upstream_then_is_cut(nursery: trio.Nursery) -> None:
