@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 from typing import Any
 
 import httpx
@@ -12,6 +14,7 @@ from tests.support import (
     DEADLINE,
     Proxy,
     RawClient,
+    SlowModel,
     chat_body,
     poll_until,
     slowed,
@@ -85,34 +88,55 @@ async def streamed_answer(client: httpx.AsyncClient, proxy: Proxy, body: dict[st
     return stream_text(sse_payloads(response.text))
 
 
+class GatedModel(SlowModel):
+    """A slowed model whose calls wait (in the engine's thread) while ``gate`` is clear, and
+    which records how many rows each decode step carries."""
+
+    def __init__(self, inner: Any, step_seconds: float) -> None:
+        super().__init__(inner, step_seconds)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.decode_rows: list[int] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        # Bounded: a test that fails with the gate shut must not hold the engine's thread,
+        # which the server's shutdown waits for.
+        self.gate.wait(DEADLINE)
+        if kwargs.get("position_ids") is not None:
+            self.decode_rows.append(int(kwargs["input_ids"].shape[0]))
+        return super().__call__(**kwargs)
+
+
 async def test_four_requests_share_the_batch_and_answer_as_they_would_alone(
     nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
 ) -> None:
-    loaded = slowed(tiny_loaded_model, 0.005)
+    model = GatedModel(tiny_loaded_model.serving, 0.005)
+    loaded = dataclasses.replace(tiny_loaded_model, model=model, forward=model)
     with trio.fail_after(DEADLINE):
         proxy = await start_local_proxy(nursery, loaded, slots=4)
         backend = proxy.state.local_backends["tiny"]
         assert backend.engine.batching
         alone = [await streamed_answer(client, proxy, question(q)) for q in QUESTIONS]
         together: dict[int, str] = {}
-        sizes: list[int] = []
 
         async def ask(index: int) -> None:
             together[index] = await streamed_answer(client, proxy, question(QUESTIONS[index]))
 
-        async def watch() -> None:
-            while True:
-                sizes.append(backend.engine.batch_size)
-                await trio.sleep(0.002)
-
-        async with trio.open_nursery() as requests:
-            requests.start_soon(watch)
+        # The first to come waits in its prefill until all four are inside the engine: then
+        # they join the batch one prefill a step, long before the first's 24 tokens are out,
+        # however the requests' arrivals were spread (a loaded machine spreads them).
+        model.decode_rows.clear()
+        model.gate.clear()
+        try:
             async with trio.open_nursery() as asking:
                 for index in range(len(QUESTIONS)):
                     asking.start_soon(ask, index)
-            requests.cancel_scope.cancel()
+                await poll_until(lambda: backend.active_generations == len(QUESTIONS))
+                model.gate.set()
+        finally:
+            model.gate.set()
         assert [together[i] for i in range(len(QUESTIONS))] == alone
-        assert max(sizes) == 4
+        assert max(model.decode_rows) == 4
         non_streamed = await client.post(
             proxy.url + CHAT, json=question(QUESTIONS[1], stream=False)
         )

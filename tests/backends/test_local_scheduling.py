@@ -13,7 +13,9 @@ same deadlines: a tiny random Llama (slowed, one slot), real hypercorn, real htt
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 from functools import partial
 from typing import Any
 
@@ -25,6 +27,7 @@ from tests.api.test_auth import OTHER_SECRET, SECRET, bearer, key_table
 from tests.support import (
     DEADLINE,
     Proxy,
+    SlowModel,
     chat_body,
     local_model,
     poll_until,
@@ -64,12 +67,30 @@ def slow_model(tiny_loaded_model: Any) -> Any:
     return slowed(tiny_loaded_model, STEP)
 
 
+class GatedModel(SlowModel):
+    """A slowed model whose calls wait (in the engine's thread) while ``gate`` is clear."""
+
+    def __init__(self, inner: Any, step_seconds: float) -> None:
+        super().__init__(inner, step_seconds)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, **kwargs: Any) -> Any:
+        # Bounded: a test that fails with the gate shut must not hold the engine's thread,
+        # which the server's shutdown waits for.
+        self.gate.wait(DEADLINE)
+        return super().__call__(**kwargs)
+
+
 @pytest.mark.parametrize("policy", ["fair", "fifo"])
 async def test_a_key_queued_behind_another_keys_backlog_goes_next(
-    nursery: trio.Nursery, client: httpx.AsyncClient, slow_model: Any, policy: str
+    nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any, policy: str
 ) -> None:
+    model = GatedModel(tiny_loaded_model.serving, STEP)
     with trio.fail_after(DEADLINE):
-        proxy = await start(nursery, slow_model, policy)
+        proxy = await start(
+            nursery, dataclasses.replace(tiny_loaded_model, model=model, forward=model), policy
+        )
         local = backend(proxy)
         finished: list[str] = []
 
@@ -79,17 +100,24 @@ async def test_a_key_queued_behind_another_keys_backlog_goes_next(
             assert response.json()["usage"]["completion_tokens"] == max_tokens
             finished.append(name)
 
-        async with trio.open_nursery() as requests:
-            # alice's first holds the one slot for 30 steps.
-            requests.start_soon(request, "alice-0", SECRET, 30)
-            await poll_until(lambda: local.room.in_flight == 1)
-            for index in range(1, 4):
-                requests.start_soon(request, f"alice-{index}", SECRET, 3)
-                await local.admission.wait_queued(index)
-            requests.start_soon(request, "bob", OTHER_SECRET, 3)
-            await local.admission.wait_queued(4)
-            # Still alice's first in the slot: every other request waited in Sluice's queue.
-            assert local.room.in_flight == 1 and "alice-0" not in finished
+        # alice's first holds the one slot, its prefill held by the gate until the others
+        # have queued behind it one by one (however slowly a loaded machine queues them),
+        # then for 30 steps.
+        model.gate.clear()
+        try:
+            async with trio.open_nursery() as requests:
+                requests.start_soon(request, "alice-0", SECRET, 30)
+                await poll_until(lambda: local.room.in_flight == 1)
+                for index in range(1, 4):
+                    requests.start_soon(request, f"alice-{index}", SECRET, 3)
+                    await local.admission.wait_queued(index)
+                requests.start_soon(request, "bob", OTHER_SECRET, 3)
+                await local.admission.wait_queued(4)
+                # Still alice's first in the slot: every other request waited in Sluice's queue.
+                assert local.room.in_flight == 1 and "alice-0" not in finished
+                model.gate.set()
+        finally:
+            model.gate.set()
         # One slot: they ended in the order they were dispatched. bob was lifted to alice's
         # counter as he arrived; alice's first request went on being served after that. FIFO
         # (the A/B setting) serves alice's backlog first.

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from proxy.backends.upstream.backend import UpstreamBackend
 from proxy.backends.upstream.routing import (
@@ -281,7 +282,9 @@ async def test_upstream_metrics_routes_to_the_idle_replica_then_falls_back(
         model = {
             "upstreams": [busy.url, idle.url],
             "balance": "upstream_metrics",
-            "metrics_interval": 0.05,
+            # Each scrape has the interval to answer and is stale after three: a loaded machine
+            # must not turn a scrape into a failure (least_busy) while the six go.
+            "metrics_interval": 0.5,
         }
         proxy = await start_proxy(nursery, {"fake-model": model})
         backend = backend_of(proxy)
@@ -377,6 +380,12 @@ async def test_a_session_header_pins_a_conversation_whatever_its_prompt(
         assert len(replica_of(fakes, "no session here")) == 1
 
 
+async def scraped_again(scrape: Scrape) -> None:
+    """Until the replica's next good scrape (the router updates its ``Scrape`` in place)."""
+    at = scrape.at
+    await poll_until(lambda: scrape.at > at)
+
+
 def waiting_at(count: int) -> str:
     return (
         'vllm:num_requests_running{model_name="fake-model"} 8\n'
@@ -397,7 +406,9 @@ async def test_a_replica_whose_own_queue_is_over_the_threshold_has_no_room(
         model = {
             "upstreams": [fake.url],
             "balance": "upstream_metrics",
-            "metrics_interval": 0.05,
+            # A scrape that fails (no answer within the interval) pokes the room, and the held
+            # request would go: long enough that a loaded machine's scrape still answers.
+            "metrics_interval": 0.4,
             "max_upstream_waiting": 3,
         }
         proxy = await start_proxy(nursery, {"fake-model": model})
@@ -414,7 +425,10 @@ async def test_a_replica_whose_own_queue_is_over_the_threshold_has_no_room(
         async with trio.open_nursery() as inner:
             inner.start_soon(post, client, proxy.url, "over it")
             await poll_until(lambda: backend.admission.waiting == 1)
-            await trio.sleep(0.2)  # several scrapes: still over, still held
+            # Another scrape, which pokes the room, and every task done with that poke: still
+            # over, still held.
+            await scraped_again(router.scrape_of(load))
+            await trio.testing.wait_all_tasks_blocked()
             assert len(fake.recorder.records) == 1
             fake.upstream.settings.metrics_text = waiting_at(0)
         assert len(fake.recorder.records) == 2

@@ -300,7 +300,9 @@ async def test_requests_go_to_the_replica_holding_the_longest_prefix(
                 "upstreams": [f.url for f in fakes],
                 "balance": "cache_aware",
                 "kv_events_endpoints": [p.endpoint for p in publishers],
-                "metrics_interval": 0.05,
+                "metrics_interval": 0.5,
+                # A /tokenize later than this routes by load: never, however loaded the machine.
+                "kv_tokenize_timeout": 5,
                 # The prompt here is 49 tokens: its 32 cached tokens weighed as 6.4 requests
                 # (a scrape may still count the request before as running).
                 "kv_cache_weight": 200.0,
@@ -400,6 +402,8 @@ async def two_replicas_routed_by_cache(
         "balance": "cache_aware",
         "kv_block_size": 4,
         "kv_cache_weight": 200.0,
+        # A /tokenize later than this routes by load: never, however loaded the machine.
+        "kv_tokenize_timeout": 5,
     }
     proxy = await start_proxy(nursery, {"fake-model": model})
     backend = proxy.state.backends["fake-model"]

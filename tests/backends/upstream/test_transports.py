@@ -305,11 +305,14 @@ async def test_ssl_cert_file_is_honoured_by_requests_and_health_checks(
         proxy = await start_proxy(
             nursery,
             {"m": {"upstreams": [fake.url], "transport": transport}},
-            upstream={"health_check_path": "/v1/models", "health_check_interval": 0.05},
+            # Also each check's time to answer (a TLS handshake, at first): long enough that a
+            # loaded machine does not fail a check that TLS passed.
+            upstream={"health_check_path": "/v1/models", "health_check_interval": 0.5},
         )
         await fake.recorder.wait_for(lambda r: any(x.path == "/v1/models" for x in r.records))
         assert_streamed(await ask(client, proxy, "m"))
-        await trio.sleep(0.2)  # a few more checks: each one passes
+        # More checks: each one passes.
+        await fake.recorder.wait_for(lambda r: sum(x.path == "/v1/models" for x in r.records) >= 3)
     assert only_replica(proxy).load.healthy()
 
 
@@ -496,7 +499,9 @@ async def test_health_checks_go_the_requests_way(
             nursery,
             {"m": model},
             env={"UPSTREAM_KEY": "sk-upstream"},
-            upstream={"health_check_path": "/v1/models", "health_check_interval": 0.05},
+            # Also each check's time to answer (through the proxy, TLS): long enough that a
+            # loaded machine does not fail a check.
+            upstream={"health_check_path": "/v1/models", "health_check_interval": 0.5},
         )
         await egress.recorder.wait_for(lambda r: len(r.records) >= 2)
     checks = [r for r in egress.recorder.records if r.path == "/v1/models"]
@@ -621,10 +626,10 @@ async def test_httpx_closes_an_idle_connection_soon_after_its_server_did(
         assert_streamed(await ask(client, proxy, "m"))
         await fake.recorder.wait_for(lambda recorder: recorder.open_connections == 0)
         port = fake_port(fake)
-        with trio.move_on_after(SWEPT_WITHIN):  # from the server's close
-            await poll_until(lambda: not replica.pool_connections() and not sockets_to(port))
-        assert replica.pool_connections() == []
-        assert sockets_to(port) == []
+        # Closed by the next sweep, about a second after the server's close; without the sweep
+        # never (no request comes to show httpcore the close), and the test's deadline fails.
+        # How soon is the sweep's interval, not waited on here: a loaded machine runs late.
+        await poll_until(lambda: not replica.pool_connections() and not sockets_to(port))
         # And the next request simply opens a new connection.
         assert_streamed(await ask(client, proxy, "m"))
     assert upstream_errors(proxy) == 0
