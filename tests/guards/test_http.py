@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -313,10 +314,12 @@ async def test_a_client_that_leaves_leaves_no_request_open_to_the_policy_service
     guard = table(stage="prompt", use="webhook", timeout=30.0, options={"url": url})
     proxy = await start_proxy(nursery, {"fake-model": [fake.url]}, guards=[guard])
     with trio.fail_after(DEADLINE):
-        async with httpx.AsyncClient(timeout=10) as client:
-            with trio.move_on_after(0.5):
-                await client.post(proxy.url + CHAT, json=chat_body())
-        assert service.requests and service.requests[0]["stage"] == "prompt"
+        async with httpx.AsyncClient(timeout=10) as client, trio.open_nursery() as posting:
+            posting.start_soon(partial(client.post, proxy.url + CHAT, json=chat_body()))
+            # The client leaves once the policy service has the request, however long that took.
+            await poll_until(lambda: service.requests)
+            posting.cancel_scope.cancel()
+        assert service.requests[0]["stage"] == "prompt"
         assert "hello there" in service.requests[0]["text"]
         # The client is gone: the webhook's request was cancelled and its connection closed.
         await poll_until(lambda: service.open == 0)

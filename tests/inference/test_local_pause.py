@@ -21,6 +21,7 @@ from tests.support import (
     chat_body,
     chunked_body,
     local_model,
+    poll_until,
     slowed,
     sse_payloads,
     start_proxy,
@@ -33,6 +34,10 @@ CHAT = "/v1/chat/completions"
 # One decode step of the slowed tiny model: a stream of TOKENS lasts a fraction of a second.
 STEP = 0.01
 TOKENS = 40
+# Where the engine stops itself in a stream (Gate.hold_at), so that the stream is still
+# running when the test asks its pause, however slow the machine; more than the 4 tokens the
+# test reads before it asks.
+HOLD_AT = 10
 
 
 def body() -> dict[str, Any]:
@@ -54,12 +59,46 @@ def text_of(stream: str) -> str:
     return stream_text(sse_payloads(stream.replace(": paused\n\n", "")))
 
 
+class Gate:
+    """What every engine step passes through (``lock``): held, the engine stops between two
+    steps. After ``hold_at(tokens)``, the engine takes the lock itself after the step that
+    gives a running stream its ``tokens``-th token; the test waits for that (``held``), and
+    lets it go on with ``release``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.lock = threading.Lock()
+        self.engine = engine
+        self._hold_at: int | None = None
+        self._held = threading.Event()
+
+    def step(self, step: Any) -> None:
+        with self.lock:
+            step()
+        at = self._hold_at
+        # The engine's running rows: read in its own thread, between two steps.
+        if at is not None and any(seq.produced >= at for seq in self.engine._rows):
+            self._hold_at = None
+            self.lock.acquire()
+            self._held.set()
+
+    def hold_at(self, tokens: int) -> None:
+        self._held.clear()
+        self._hold_at = tokens
+
+    async def held(self) -> None:
+        await poll_until(self._held.is_set)
+
+    def release(self) -> None:
+        self._held.clear()
+        self.lock.release()
+
+
 async def gated_proxy(
     nursery: trio.Nursery, tiny_loaded_model: Any, monkeypatch: pytest.MonkeyPatch
-) -> tuple[Any, list[Any], threading.Lock]:
+) -> tuple[Any, list[Any], Gate]:
     """A proxy serving the slowed tiny model in one slot; the pause each admitted stream
-    registers (what the dispatcher would ask), and a gate every engine step passes through:
-    held, the engine stops between two steps."""
+    registers (what the dispatcher would ask), and the gate every engine step passes
+    through."""
     proxy = await start_proxy(
         nursery,
         {"tiny": local_model(slots=1)},
@@ -76,12 +115,11 @@ async def gated_proxy(
             pausables.append(kwargs["pause"])
         track(*args, **kwargs)
 
-    gate = threading.Lock()
+    gate = Gate(engine)
     step = engine.step
 
     def gated_step() -> None:
-        with gate:
-            step()
+        gate.step(step)
 
     monkeypatch.setattr(dispatcher, "track", tracked)
     monkeypatch.setattr(engine, "step", gated_step)
@@ -106,7 +144,7 @@ async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_u
 
     def held_resume(sequence: Any) -> None:
         if not resumed[0].is_set():
-            gate.acquire()
+            gate.lock.acquire()
             held[0] = True
         resume(sequence)
         (resumed[1] if resumed[0].is_set() else resumed[0]).set()
@@ -116,16 +154,21 @@ async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_u
         with trio.fail_after(DEADLINE):
             alone = await RawClient.post(proxy, CHAT, body())
             uninterrupted = text_of(await read_to_the_end(alone))
+            gate.hold_at(HOLD_AT)
             client = await RawClient.post(proxy, CHAT, body())
             await client.read_until(b'"content":"', 4)
+            await gate.held()
+            held[0] = True
             pausable = pausables[-1]
             assert pausable.ask()
+            gate.release()
+            held[0] = False
             # Paused: its request gave the slot up, took it back at once (nothing waits for
             # it), and asked to resume; the engine's next step waits at the gate.
             await resumed[0].wait()
             await client.read_until(b": paused")
             assert pausable.ask()
-            gate.release()
+            gate.lock.release()
             held[0] = False
             # The second pause is noticed too: its request gives the slot up once more, and
             # resumes again.
@@ -134,7 +177,7 @@ async def test_a_stream_paused_again_before_its_resume_is_taken_gives_its_slot_u
             await proxy.state.tracker.wait_idle()
     finally:
         if held[0]:
-            gate.release()
+            gate.lock.release()
     assert stream.count(": paused\n\n") >= 2 and text_of(stream) == uninterrupted
     [line] = [line for line in access_lines(caplog) if line["pauses"]]
     assert line["pauses"] == 2 and line["outcome"] == "completed"
@@ -160,11 +203,12 @@ async def test_a_pause_withdrawn_before_the_engine_takes_it_leaves_the_stream_ru
     held = False
     try:
         with trio.fail_after(DEADLINE):
+            gate.hold_at(HOLD_AT)
             client = await RawClient.post(proxy, CHAT, body())
             await client.read_until(b'"content":"', 4)
             pausable = pausables[-1]
             # Between two steps: asked, then withdrawn before the engine could take it.
-            await trio.to_thread.run_sync(gate.acquire)
+            await gate.held()
             held = True
             assert pausable.ask()
             assert pausable.withdraw()
@@ -174,9 +218,14 @@ async def test_a_pause_withdrawn_before_the_engine_takes_it_leaves_the_stream_ru
             # Asked, and left to the engine: it pauses (its client is told), and withdrawing
             # then changes nothing. (Whether a pause a step has taken can be withdrawn is
             # test_pause.py's: here the request may have asked to resume already.)
+            gate.hold_at(HOLD_AT)
             late = await RawClient.post(proxy, CHAT, body())
             await late.read_until(b'"content":"', 4)
+            await gate.held()
+            held = True
             assert pausables[-1].ask()
+            gate.release()
+            held = False
             await late.read_until(b": paused")
             assert not pausables[-1].withdraw()
             late_stream = await read_to_the_end(late)

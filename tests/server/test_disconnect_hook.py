@@ -357,7 +357,12 @@ async def test_the_hangup_is_acted_on_before_the_request_is_cancelled(
     assert seen_in == ["hangup watcher" if watcher else "read loop", "message task"]
 
 
-async def read_forever(raw: RawClient) -> None:
+async def read_forever(
+    raw: RawClient, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Reads the answer as it comes; started once its first event is in."""
+    await raw.read_until(b"data: ")
+    task_status.started()
     while await raw.stream.receive_some(65536):
         pass
 
@@ -378,8 +383,10 @@ async def test_clients_leaving_never_count_against_the_upstream(
         for _ in range(3):
             raws = [await RawClient.post(proxy, CHAT, body) for _ in range(10)]
             async with trio.open_nursery() as readers:
+                # Every stream under way before any client leaves (however slow the machine
+                # is to start them), then a while of tokens flowing.
                 for raw in raws:
-                    readers.start_soon(read_forever, raw)
+                    await readers.start(read_forever, raw)
                 await trio.sleep(0.1)
                 readers.cancel_scope.cancel()
             for raw in raws:

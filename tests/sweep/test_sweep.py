@@ -74,6 +74,10 @@ async def test_a_websocket_left_at_every_checkpoint_leaves_nothing_behind(leave:
     assert len({o for o in outcomes if o.startswith("cancelled(")}) >= 2, outcomes
 
 
+# Runs alone (timing): the local sequence must leave the batch within 2 engine steps of 2 ms
+# of the cut (the sweep's check), a bound in real time that a loaded loop can miss; and the
+# runs wait for redis-server's answers and for the rig to settle by the wall clock (2 s each).
+@pytest.mark.timing
 @pytest.mark.parametrize("fast_path", SERVER_PATHS)
 @pytest.mark.parametrize("name", NEEDING)
 async def test_every_checkpoint_of_the_local_model_a_pause_and_redis_leaves_nothing_behind(
