@@ -21,7 +21,6 @@ from tests.support import (
     Fake,
     Proxy,
     RawClient,
-    cancel_while_waiting_then_mid_stream,
     chat_body,
     slowed,
     sse_payloads,
@@ -82,10 +81,27 @@ async def test_request_counters_move(proxy: Proxy, fake: Fake, client: httpx.Asy
 async def test_cancellations_are_measured_by_phase(
     nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
 ) -> None:
+    """Each propagation is measured from the client's leaving to its work gone: it lies within
+    the window from the close to the proxy's being idle again, however slowly this machine
+    runs (how soon the upstream is closed, the timing tests prove)."""
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         # One client leaves while the upstream thinks, one in the middle of the stream.
-        await cancel_while_waiting_then_mid_stream(proxy, fake)
+        windows = 0.0
+        waiting = await RawClient.post(proxy, CHAT, chat_body(fake={"ttft": 30}))
+        await fake.recorder.wait_for(lambda r: len(r.records) == 1)
+        left = trio.current_time()
+        await waiting.close()
+        await proxy.state.tracker.wait_idle()
+        windows += trio.current_time() - left
+        streaming = await RawClient.post(
+            proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.01, "tokens": 1000})
+        )
+        await streaming.read_until(b"data: ", count=3)
+        left = trio.current_time()
+        await streaming.close()
+        await proxy.state.tracker.wait_idle()
+        windows += trio.current_time() - left
         samples = await scrape(client, proxy)
         for phase in ("first_token", "mid_stream"):
             assert (
@@ -94,11 +110,31 @@ async def test_cancellations_are_measured_by_phase(
         count = value(samples, "sluice_cancel_propagation_seconds_count", backend="upstream")
         total = value(samples, "sluice_cancel_propagation_seconds_sum", backend="upstream")
         assert count == 2
-        assert 0 < total < 2 * 0.05
+        # Not from the request's start (the stream ran a while before its client left), and in
+        # seconds.
+        assert 0 < total <= windows, (total, windows)
         assert value(samples, "sluice_wasted_tokens_count", backend="upstream") == 2
         # Nothing was produced for the first client, so nothing was wasted there.
         assert value(samples, "sluice_wasted_tokens_bucket", backend="upstream", le="0.0") >= 1
         assert value(samples, "sluice_requests_total", model="fake-model", status="499") == 1
+
+
+def bucket_counts(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> dict[tuple[float, float], float]:
+    """A histogram's observations per bucket, keyed by the bucket's (lower, upper] bounds."""
+    cumulative: dict[float, float] = {}
+    for (sample_name, sample_labels), sample in samples.items():
+        if sample_name == f"{name}_bucket" and set(labels.items()) <= sample_labels:
+            upper = float(dict(sample_labels)["le"])
+            cumulative[upper] = cumulative.get(upper, 0.0) + sample
+    counts = {}
+    lower, below = 0.0, 0.0
+    for upper, at_most in sorted(cumulative.items()):
+        if at_most > below:
+            counts[(lower, upper)] = at_most - below
+        lower, below = upper, at_most
+    return counts
 
 
 def data_events(text: str) -> int:
@@ -127,18 +163,25 @@ async def test_stream_metrics_move(nursery: trio.Nursery, client: httpx.AsyncCli
         assert 2 * 0.05 <= ttft_sum < 2 * 2.0
         assert streamed >= 2 * 8
         assert value(after, "sluice_tokens_out_total", model="fake-model") == streamed
-        # The tokens come 30 ms apart: each stream has gaps, most of them between 10 and 100 ms
-        # (a write may carry several events, so there are at most events - 1 gaps).
+        # A write may carry several events (a loaded machine coalesces a burst), so there are
+        # at most events - 1 gaps, and each is counted in the bucket of its length.
         gaps = value(after, "sluice_token_gap_seconds_count", model="fake-model")
-        assert 2 * 4 <= gaps <= streamed
+        assert gaps <= streamed
         assert (
             value(after, "sluice_token_gap_seconds_bucket", model="fake-model", le="+Inf") == gaps
         )
-        at_10ms = value(after, "sluice_token_gap_seconds_bucket", model="fake-model", le="0.01")
-        at_100ms = value(after, "sluice_token_gap_seconds_bucket", model="fake-model", le="0.1")
-        assert at_100ms - at_10ms >= gaps / 2
         gap_sum = value(after, "sluice_token_gap_seconds_sum", model="fake-model")
-        assert 2 * 4 * 0.02 < gap_sum < 2 * 3.0
+        assert gap_sum < 2 * 3.0
+        counts = bucket_counts(after, "sluice_token_gap_seconds", model="fake-model")
+        assert sum(counts.values()) == gaps
+        lowest = sum(count * lower for (lower, _), count in counts.items())
+        highest = sum(count * upper for (_, upper), count in counts.items())
+        assert lowest <= gap_sum * (1 + 1e-9) and gap_sum <= highest * (1 + 1e-9), counts
+        # The gaps are the time between writes: the first token's write (the TTFT after the
+        # relay's start, which is before the upstream had the request) and the gaps after it
+        # reach the last token, which the fake sends no sooner than ttft + 7 intervals after
+        # it had the request. A lower bound only: a slow machine only makes the writes later.
+        assert ttft_sum + gap_sum >= 2 * (0.05 + 7 * 0.03) * (1 - 1e-9)
 
 
 async def test_upstream_errors_count_retried_attempts(

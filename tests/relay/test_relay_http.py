@@ -17,6 +17,7 @@ from tests.support import (
     Proxy,
     access_lines,
     chat_body,
+    poll_until,
     sse_payloads,
     start_fake,
     start_proxy,
@@ -161,8 +162,14 @@ async def test_first_token_timeout_is_504(
 
 async def test_total_timeout(nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient) -> None:
     with trio.fail_after(DEADLINE):
+        # The streamed answer's first byte must come before its limit, however slowly this
+        # machine runs: a second model on the same upstream, with a longer limit.
         proxy = await start_proxy(
-            nursery, {"fake-model": {"upstreams": [fake.url], "total_timeout": 0.3}}
+            nursery,
+            {
+                "fake-model": {"upstreams": [fake.url], "total_timeout": 0.3},
+                "streamed": {"upstreams": [fake.url], "total_timeout": 1.0},
+            },
         )
         # Non-streaming: nothing was sent yet, so the status says it.
         response = await client.post(
@@ -172,7 +179,7 @@ async def test_total_timeout(nursery: trio.Nursery, fake: Fake, client: httpx.As
         assert _error(response)["code"] == "upstream_total_timeout"
         # Streaming: the stream started, so the error comes in-band and the stream ends.
         response = await client.post(
-            proxy.url + CHAT, json=chat_body(fake={"interval": 0.1, "tokens": 50})
+            proxy.url + CHAT, json=chat_body("streamed", fake={"interval": 0.1, "tokens": 50})
         )
         assert response.status_code == 200
         payloads = sse_payloads(response.text)
@@ -185,20 +192,25 @@ async def test_mid_stream_failures_are_reported_in_band(
 ) -> None:
     with trio.fail_after(DEADLINE):
         # Health ejection is tested elsewhere; here the same replica must take every fault.
+        # Only the stall waits for the idle limit: the other faults go through a model on the
+        # same upstream whose limit a loaded machine's pause between two tokens cannot reach.
         proxy = await start_proxy(
             nursery,
-            {"fake-model": {"upstreams": [fake.url], "idle_timeout": 0.3}},
+            {
+                "fake-model": {"upstreams": [fake.url], "idle_timeout": 0.3},
+                "patient": {"upstreams": [fake.url], "idle_timeout": 10},
+            },
             upstream={"failure_threshold": 100},
         )
         expectations = {
-            "stall": "upstream_idle_timeout",
-            "reset": "upstream_protocol_error",
-            "eof": "upstream_protocol_error",
-            "malformed": "upstream_malformed",
+            "stall": ("fake-model", "upstream_idle_timeout"),
+            "reset": ("patient", "upstream_protocol_error"),
+            "eof": ("patient", "upstream_protocol_error"),
+            "malformed": ("patient", "upstream_malformed"),
         }
-        for mode, code in expectations.items():
+        for mode, (model, code) in expectations.items():
             response = await client.post(
-                proxy.url + CHAT, json=chat_body(fake={"mode": mode, "at": 2})
+                proxy.url + CHAT, json=chat_body(model, fake={"mode": mode, "at": 2})
             )
             assert response.status_code == 200, (mode, response.text)
             payloads = sse_payloads(response.text)
@@ -301,21 +313,28 @@ async def test_least_busy_replica_gets_the_request(
     nursery: trio.Nursery, client: httpx.AsyncClient
 ) -> None:
     with trio.fail_after(DEADLINE):
-        first = await start_fake(nursery, ttft=0.01, interval=0.05, tokens=40)
-        second = await start_fake(nursery, ttft=0.01, interval=0.05, tokens=40)
+        # Streams that outlast the test: each is still in flight when the next one is sent.
+        first = await start_fake(nursery, ttft=0.01, interval=0.05, tokens=10_000)
+        second = await start_fake(nursery, ttft=0.01, interval=0.05, tokens=10_000)
         proxy = await start_proxy(nursery, {"m": [first.url, second.url]})
 
+        def dispatched() -> int:
+            return len(first.recorder.records) + len(second.recorder.records)
+
         async def one_stream() -> None:
-            response = await client.post(proxy.url + CHAT, json=chat_body("m"))
-            assert response.status_code == 200
+            async with client.stream("POST", proxy.url + CHAT, json=chat_body("m")) as response:
+                assert response.status_code == 200
+                await trio.sleep_forever()
 
         async with trio.open_nursery() as streams:
-            for _ in range(4):
+            for sent in range(1, 5):
                 streams.start_soon(one_stream)
-                await trio.sleep(0.05)
-        # Each new stream went to the replica with fewer in flight: an even split.
-        assert len(first.recorder.records) == 2
-        assert len(second.recorder.records) == 2
+                # The next is sent once this one has reached its replica.
+                await poll_until(lambda sent=sent: dispatched() == sent)
+            # Each new stream went to the replica with fewer in flight: an even split.
+            assert len(first.recorder.records) == 2
+            assert len(second.recorder.records) == 2
+            streams.cancel_scope.cancel()
 
 
 async def test_client_authorization_is_never_forwarded(

@@ -513,11 +513,9 @@ async def test_fail_attempts_fails_only_a_request_ids_first_attempts(nursery: tr
     assert refused.status_code == 400 and "fail_attempts" in refused.text
 
 
-async def _stream_until_error(
-    port: int, body: dict[str, Any], error: type[Exception], read_timeout: float = 5.0
-) -> list[str]:
+async def _stream_until_error(port: int, body: dict[str, Any], error: type[Exception]) -> list[str]:
     events: list[str] = []
-    async with client(port, timeout=read_timeout) as c:
+    async with client(port, timeout=5.0) as c:
         with pytest.raises(error):
             async with c.stream("POST", "/v1/chat/completions", json=body) as r:
                 async for line in r.aiter_lines():
@@ -557,9 +555,23 @@ async def test_mode_stall_after_last_token(nursery: trio.Nursery) -> None:
     fake, port = await start(nursery)
     with trio.fail_after(10):
         body = chat(stream=True, fake={"mode": "stall", "at": 99})
-        events = await _stream_until_error(port, body, httpx.ReadTimeout, read_timeout=0.2)
-        # All tokens, then silence where the finish chunk belongs.
-        assert _contents(events) == [""] + [token_text(i) for i in range(5)]
+        events: list[str] = []
+        # No short read timeout while the tokens come (a loaded machine may pause between
+        # two): all of them are read first, then the silence is listened for.
+        async with (
+            client(port, timeout=5) as c,
+            c.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            lines = r.aiter_lines()
+            while len(events) < 6:
+                if line := await anext(lines):
+                    events.append(line.removeprefix("data: "))
+            # All tokens, then silence where the finish chunk belongs.
+            assert _contents(events) == [""] + [token_text(i) for i in range(5)]
+            with trio.move_on_after(0.2) as silence:
+                async for line in lines:
+                    assert not line, line
+            assert silence.cancelled_caught, "the stream ended"
         await fake.recorder.wait_for(lambda r: r.last().outcome == "client_disconnected")
 
 
@@ -679,6 +691,8 @@ async def test_disconnect_noticed_in_every_phase(nursery: trio.Nursery, leave: A
 
 
 async def test_backpressure_reaches_the_fake(nursery: trio.Nursery) -> None:
+    from tests.support import wait_until_steady
+
     fake, port = await start(nursery, sndbuf=4096, ttft=0, interval=0, tokens=5000)
     body = json.dumps(completion(stream=True)).encode()
     sock = trio.socket.socket()
@@ -688,8 +702,9 @@ async def test_backpressure_reaches_the_fake(nursery: trio.Nursery) -> None:
     with trio.fail_after(10):
         async with stream:
             await stream.send_all(post("/v1/completions", body, extra=b"connection: close\r\n"))
-            await trio.sleep(0.1)
-            stuck = fake.recorder.last().tokens_sent
+            # The fake has started, then stopped: the buffers are full, nobody reads them.
+            await fake.recorder.wait_for(lambda r: r.last().tokens_sent > 0)
+            stuck = (await wait_until_steady(lambda: fake.recorder.last().tokens_sent))[-1]
             assert 0 < stuck < 1000
             assert fake.recorder.last().outcome == "pending"
             while await stream.receive_some():
@@ -839,12 +854,12 @@ async def test_many_streams_share_the_clock(nursery: trio.Nursery) -> None:
     results: dict[int, list[str]] = {}
 
     async def run(i: int, c: httpx.AsyncClient) -> None:
-        # The leavers' streams are long (200 tokens, 0.6 s): on a loaded machine their
-        # 20 ms wait may stretch, and a stream as short as the others' would end first.
+        # The leavers' streams outlast the test (100,000 tokens, 300 s): however long a loaded
+        # machine stretches their 20 ms wait, they leave before their stream could end.
         body = (
             completion(stream=True, max_tokens=30)
             if i % 2
-            else completion(stream=True, max_tokens=200, fake={"tokens": 200})
+            else completion(stream=True, fake={"tokens": 100_000})
         )
         async with c.stream("POST", "/v1/completions", json=body) as r:
             if i % 2:
@@ -1883,10 +1898,11 @@ def test_prefix_cache_blocks_chain_and_evict() -> None:
 
 
 async def test_prefix_cache_ttft_running_limit_and_metrics() -> None:
-    from tests.support import start_fake
+    from tests.support import poll_until, start_fake
 
     def body(content: str, **fake: Any) -> dict[str, Any]:
-        messages = [{"role": "system", "content": "s" * 400}, {"role": "user", "content": content}]
+        # Long, so that the part of a block at its end, never cached, adds little to a hit.
+        messages = [{"role": "system", "content": "s" * 2000}, {"role": "user", "content": content}]
         return {"model": "fake-model", "messages": messages, "stream": True, "tokens": 2, **fake}
 
     with trio.fail_after(10):
@@ -1898,7 +1914,7 @@ async def test_prefix_cache_ttft_running_limit_and_metrics() -> None:
                 prefix_cache_size=64,
                 prefix_block_bytes=64,
                 ttft_hit=0.0,
-                ttft_miss=0.4,
+                ttft_miss=1.0,
                 max_running=1,
             )
             times = []
@@ -1909,18 +1925,23 @@ async def test_prefix_cache_ttft_running_limit_and_metrics() -> None:
                 times.append(trio.current_time() - started)
             miss, hit = fake.recorder.records
             assert miss.prefix_hit_blocks == 0 and hit.prefix_hit_blocks == hit.prefix_blocks
-            assert times[0] > 0.35 > times[1]
+            # A TTFT of 1 s against next to none: far apart, so that a loaded machine's pause
+            # does not blur them.
+            assert times[0] >= 1.0 > 0.5 > times[1], times
 
-            # One running at a time: the second waits (and says so in /metrics).
+            # One running at a time: the second waits (and says so in /metrics). The first
+            # runs until the test ends, so that the state holds however long the checks take.
             async def slow() -> None:
                 await client.post(
-                    f"{fake.url}/v1/chat/completions", json=body("x", fake={"ttft": 0.5})
+                    f"{fake.url}/v1/chat/completions",
+                    json=body("x", fake={"ttft": 60}),
+                    timeout=None,
                 )
 
             nursery.start_soon(slow)
             nursery.start_soon(slow)
-            await fake.recorder.wait_for(lambda r: len(r.records) == 4)
-            await trio.sleep(0.1)
+            serving = fake.upstream.serving
+            await poll_until(lambda: (serving.running, serving.waiting) == (1, 1))
             text = (await client.get(f"{fake.url}/metrics")).text
             assert 'vllm:num_requests_running{model_name="fake-model"} 1.0' in text
             assert 'vllm:num_requests_waiting{model_name="fake-model"} 1.0' in text
