@@ -361,6 +361,26 @@ class SlowModel:
         return self.inner(**kwargs)
 
 
+class GatedModel(SlowModel):
+    """A :class:`SlowModel` whose calls wait (in the engine's thread) while ``gate`` is clear,
+    so that a test can hold the engine until every request it needs is inside; it records how
+    many rows each decode step carries."""
+
+    def __init__(self, inner: Any, step_seconds: float) -> None:
+        super().__init__(inner, step_seconds)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.decode_rows: list[int] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        # Bounded: a test that fails with the gate shut must not hold the engine's thread,
+        # which the server's shutdown waits for.
+        self.gate.wait(DEADLINE)
+        if kwargs.get("position_ids") is not None:
+            self.decode_rows.append(int(kwargs["input_ids"].shape[0]))
+        return super().__call__(**kwargs)
+
+
 def slowed(loaded: Any, step_seconds: float = 0.0, prefill_seconds: float | None = None) -> Any:
     """A copy of ``loaded`` (an ``inference.LoadedModel``) whose model is a :class:`SlowModel`."""
     slow = SlowModel(loaded.serving, step_seconds, prefill_seconds)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from typing import Any
 
 import httpx
@@ -12,9 +11,9 @@ import trio
 
 from tests.support import (
     DEADLINE,
+    GatedModel,
     Proxy,
     RawClient,
-    SlowModel,
     chat_body,
     poll_until,
     slowed,
@@ -86,25 +85,6 @@ async def streamed_answer(client: httpx.AsyncClient, proxy: Proxy, body: dict[st
     response = await client.post(proxy.url + CHAT, json=body)
     assert response.status_code == 200, response.text
     return stream_text(sse_payloads(response.text))
-
-
-class GatedModel(SlowModel):
-    """A slowed model whose calls wait (in the engine's thread) while ``gate`` is clear, and
-    which records how many rows each decode step carries."""
-
-    def __init__(self, inner: Any, step_seconds: float) -> None:
-        super().__init__(inner, step_seconds)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.decode_rows: list[int] = []
-
-    def __call__(self, **kwargs: Any) -> Any:
-        # Bounded: a test that fails with the gate shut must not hold the engine's thread,
-        # which the server's shutdown waits for.
-        self.gate.wait(DEADLINE)
-        if kwargs.get("position_ids") is not None:
-            self.decode_rows.append(int(kwargs["input_ids"].shape[0]))
-        return super().__call__(**kwargs)
 
 
 async def test_four_requests_share_the_batch_and_answer_as_they_would_alone(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from functools import partial
 from typing import Any
 
@@ -26,8 +25,8 @@ import trio
 from tests.api.test_auth import OTHER_SECRET, SECRET, bearer, key_table
 from tests.support import (
     DEADLINE,
+    GatedModel,
     Proxy,
-    SlowModel,
     chat_body,
     local_model,
     poll_until,
@@ -65,21 +64,6 @@ async def post(client: httpx.AsyncClient, proxy: Proxy, secret: str, **body: Any
 @pytest.fixture
 def slow_model(tiny_loaded_model: Any) -> Any:
     return slowed(tiny_loaded_model, STEP)
-
-
-class GatedModel(SlowModel):
-    """A slowed model whose calls wait (in the engine's thread) while ``gate`` is clear."""
-
-    def __init__(self, inner: Any, step_seconds: float) -> None:
-        super().__init__(inner, step_seconds)
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def __call__(self, **kwargs: Any) -> Any:
-        # Bounded: a test that fails with the gate shut must not hold the engine's thread,
-        # which the server's shutdown waits for.
-        self.gate.wait(DEADLINE)
-        return super().__call__(**kwargs)
 
 
 @pytest.mark.parametrize("policy", ["fair", "fifo"])
