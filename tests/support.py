@@ -11,11 +11,12 @@ import functools
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -456,6 +457,63 @@ async def read_request_head(stream: trio.SocketStream) -> bytes | None:
             return None
         received += data
     return received
+
+
+async def read_request(stream: trio.SocketStream) -> tuple[bytes, bytes] | None:
+    """For a hand-written test server: the first request's head and its whole body (by its
+    ``Content-Length``, so that no request byte is left unread); None if the client left."""
+    received = await read_request_head(stream)
+    if received is None:
+        return None
+    head, _, body = received.partition(b"\r\n\r\n")
+    found = re.search(rb"(?im)^content-length: *(\d+)", head)
+    length = int(found.group(1)) if found else 0
+    while len(body) < length:
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        body += data
+    return head, body
+
+
+LOCKSTEP_WORDS = ("The ", "quick ", "brown ", "fox ")
+
+
+async def serve_in_lockstep(
+    read: Sequence[trio.Event], *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """An upstream that shows whether a relay holds events back: it answers a streamed chat
+    with an opening event, then each of ``LOCKSTEP_WORDS`` as a token event sent only once
+    ``read`` says the client has read the one before, then [DONE] and the body's end; then
+    it waits for the relay to close. A relay that held an event back would never finish,
+    whatever the machine's load (gaps between arrival times, a loaded machine squeezes).
+    Its port."""
+
+    def chunk(payload: object) -> bytes:
+        event = b"data: %b\n\n" % json.dumps(payload, separators=(",", ":")).encode()
+        return b"%x\r\n%b\r\n" % (len(event), event)
+
+    def delta(**fields: str) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+    async def handle(stream: trio.SocketStream) -> None:
+        if await read_request(stream) is None:
+            return
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunk(delta(role="assistant"))
+        )
+        for word, seen in zip(LOCKSTEP_WORDS, read, strict=True):
+            await stream.send_all(chunk(delta(content=word)))
+            await seen.wait()
+        await stream.send_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        while await stream.receive_some(65536):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        serving = functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1")
+        listeners = await nursery.start(serving)
+        task_status.started(listeners[0].socket.getsockname()[1])
 
 
 def local_model(**overrides: Any) -> dict[str, Any]:

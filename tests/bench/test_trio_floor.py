@@ -10,7 +10,6 @@ import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 
 import pytest
 import trio
@@ -19,6 +18,7 @@ from proxy.bench.client import ResponseParser
 from proxy.bench.peers import trio_floor
 from proxy.bench.peers.trio_floor import Chunked, Sized
 from proxy.testing.fake_upstream import FakeSettings, FakeUpstream
+from tests.support import LOCKSTEP_WORDS, serve_in_lockstep
 
 CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nx-trailer: 1\r\n\r\n"
 
@@ -110,7 +110,7 @@ async def test_a_streamed_answer_goes_out_as_it_comes_and_ends() -> None:
     """In lockstep: the upstream sends each token once the client has read the one before, so
     a floor that held a read back (buffered to the end, or to the next read) would never
     finish. Not gaps between arrival times, which a loaded machine squeezes together."""
-    read = [trio.Event() for _ in WORDS]
+    read = [trio.Event() for _ in LOCKSTEP_WORDS]
     per_read: list[int] = []
 
     def on_tokens(parser: ResponseParser, count: int) -> None:
@@ -129,61 +129,9 @@ async def test_a_streamed_answer_goes_out_as_it_comes_and_ends() -> None:
                 assert await sock.recv(100) == b""
             nursery.cancel_scope.cancel()
     assert parser.status == 200
-    assert parser.events.done and parser.events.content == len(WORDS)
+    assert parser.events.done and parser.events.content == len(LOCKSTEP_WORDS)
     # One token per read, each relayed as it came.
-    assert per_read == [1] * len(WORDS)
-
-
-WORDS = ("The ", "quick ", "brown ", "fox ")
-
-
-def sse_chunk(payload: str) -> bytes:
-    """One server-sent event as one chunk of a chunked body."""
-    event = f"data: {payload}\n\n".encode()
-    return b"%x\r\n%b\r\n" % (len(event), event)
-
-
-def token_event(text: str) -> bytes:
-    delta = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-    return sse_chunk(json.dumps(delta, separators=(",", ":")))
-
-
-async def serve_in_lockstep(
-    read: list[trio.Event], *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """An upstream that answers a streamed chat with an opening event, then each of ``WORDS``
-    as a token event sent only once ``read`` says the client has read the one before, then
-    [DONE] and the end of the body; then it waits for the floor to close (its port)."""
-
-    async def handle(stream: trio.SocketStream) -> None:
-        received = b""
-        while b"\r\n\r\n" not in received:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            received += data
-        head, _, body = received.partition(b"\r\n\r\n")
-        length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-        while len(body) < length:  # read whole: no request byte is left unread
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            body += data
-        await stream.send_all(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
-        await stream.send_all(sse_chunk('{"choices":[{"index":0,"delta":{"role":"assistant"}}]}'))
-        for word, seen in zip(WORDS, read, strict=True):
-            await stream.send_all(token_event(word))
-            await seen.wait()
-        await stream.send_all(sse_chunk("[DONE]") + b"0\r\n\r\n")
-        while await stream.receive_some(65536):
-            pass
-
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
-        task_status.started(listeners[0].socket.getsockname()[1])
+    assert per_read == [1] * len(LOCKSTEP_WORDS)
 
 
 async def test_keep_alive_on_both_sides() -> None:

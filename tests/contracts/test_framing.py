@@ -36,11 +36,13 @@ from proxy.protocol.sse import (
 )
 from tests.support import (
     DEADLINE,
+    LOCKSTEP_WORDS,
     Proxy,
     RawClient,
     chat_body,
     connect_client,
     read_request_head,
+    serve_in_lockstep,
     start_proxy,
     stream_text,
 )
@@ -208,9 +210,9 @@ async def test_stream_delivers_each_event_as_it_is_produced(
     that held an event back for the next would never finish. Lockstep, not gaps between
     arrival times, so that a loaded machine cannot fail it, nor a buffering relay pass it."""
     with trio.fail_after(DEADLINE):
-        read = [trio.Event() for _ in _WORDS]
-        url = await nursery.start(_serve_in_lockstep, read)
-        proxy = await start_proxy(nursery, {"lockstep": [url]})
+        read = [trio.Event() for _ in LOCKSTEP_WORDS]
+        port = await nursery.start(serve_in_lockstep, read)
+        proxy = await start_proxy(nursery, {"lockstep": [f"http://127.0.0.1:{port}"]})
         payloads: list[str] = []
         async with client.stream("POST", proxy.url + CHAT, json=chat_body("lockstep")) as response:
             assert response.status_code == 200
@@ -222,46 +224,15 @@ async def test_stream_delivers_each_event_as_it_is_produced(
                     payloads.append(line[6:])
                     _mark_read(read, stream_text(payloads))
         assert payloads[-1] == "[DONE]"
-        assert stream_text(payloads) == "".join(_WORDS)
+        assert stream_text(payloads) == "".join(LOCKSTEP_WORDS)
         assert all(event.is_set() for event in read)
-
-
-_WORDS = ("The ", "quick ", "brown ", "fox ")
 
 
 def _mark_read(read: list[trio.Event], text: str) -> None:
     """Sets the event of every word the client has now read whole."""
     for count, event in enumerate(read, start=1):
-        if text.startswith("".join(_WORDS[:count])):
+        if text.startswith("".join(LOCKSTEP_WORDS[:count])):
             event.set()
-
-
-async def _serve_in_lockstep(read: list[trio.Event], task_status: trio.TaskStatus[str]) -> None:
-    """An upstream that sends an opening event, then each of ``_WORDS`` as a token event only
-    after ``read`` says the client has read the previous one, then [DONE]."""
-
-    async def handle(stream: trio.SocketStream) -> None:
-        if await read_request_head(stream) is None:
-            return
-        await stream.send_all(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-        )
-        await _send_chunk(stream, _token(""))
-        for word, seen in zip(_WORDS, read, strict=True):
-            await _send_chunk(stream, _token(word))
-            await seen.wait()
-        await _send_chunk(stream, DONE_EVENT)
-        await stream.send_all(b"0\r\n\r\n")
-        await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
-        task_status.started(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
-
-
-async def _send_chunk(stream: trio.SocketStream, piece: bytes) -> None:
-    await stream.send_all(b"%x\r\n%b\r\n" % (len(piece), piece))
 
 
 def _token(text: str) -> bytes:
@@ -311,9 +282,9 @@ async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
     """What the quick start promises: `curl -N` through the proxy shows each token as it comes
     (in lockstep: the upstream sends the next token once curl has printed the one before)."""
     with trio.fail_after(DEADLINE):
-        read = [trio.Event() for _ in _WORDS]
-        url = await nursery.start(_serve_in_lockstep, read)
-        proxy = await start_proxy(nursery, {"lockstep": [url]})
+        read = [trio.Event() for _ in LOCKSTEP_WORDS]
+        port = await nursery.start(serve_in_lockstep, read)
+        proxy = await start_proxy(nursery, {"lockstep": [f"http://127.0.0.1:{port}"]})
         payloads: list[str] = []
         process = await trio.lowlevel.open_process(
             [
@@ -345,7 +316,7 @@ async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
             await process.stdout.aclose()
         assert process.returncode == 0
         assert payloads[-1] == "[DONE]"
-        assert stream_text(payloads) == "".join(_WORDS)
+        assert stream_text(payloads) == "".join(LOCKSTEP_WORDS)
 
 
 async def test_content_length_with_transfer_encoding_is_refused_and_closed(

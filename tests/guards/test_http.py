@@ -27,6 +27,7 @@ from tests.support import (
     access_lines,
     chat_body,
     poll_until,
+    read_request,
     sse_payloads,
     start_fake,
     start_proxy,
@@ -272,22 +273,10 @@ class PolicyService:
     async def handle(self, stream: trio.SocketStream) -> None:
         self.open += 1
         try:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    return
-                data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(
-                next(
-                    line.split(b":")[1]
-                    for line in head.lower().split(b"\r\n")
-                    if line.startswith(b"content-length")
-                )
-            )
-            while len(body) < length:
-                body += await stream.receive_some(65536)
+            request = await read_request(stream)
+            if request is None:
+                return
+            _, body = request
             self.requests.append(json.loads(body))
             with trio.move_on_after(self.delay):
                 # Waits, reading, so that a client's close is seen at once.
