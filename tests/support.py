@@ -430,21 +430,31 @@ async def poll_until(predicate: Callable[[], object], *, interval: float = 0.005
         await trio.sleep(interval)
 
 
-async def cancel_while_waiting_then_mid_stream(proxy: Proxy, fake: Fake) -> None:
+async def cancel_while_waiting_then_mid_stream(
+    proxy: Proxy, fake: Fake, *, stay: float = 0.0
+) -> float:
     """Two clients leave: one while the upstream thinks (before the first token), one in the
-    middle of its stream. Returns once the proxy is idle again."""
+    middle of its stream, each after ``stay`` seconds there. Returns once the proxy is idle
+    again: the two leavings' times from the close to the proxy idle, added up."""
+    windows = 0.0
     waiting = await RawClient.post(proxy, "/v1/chat/completions", chat_body(fake={"ttft": 30}))
     await fake.recorder.wait_for(lambda r: len(r.records) == 1)
+    await trio.sleep(stay)
+    left = trio.current_time()
     await waiting.close()
     await proxy.state.tracker.wait_idle()
+    windows += trio.current_time() - left
     streaming = await RawClient.post(
         proxy,
         "/v1/chat/completions",
         chat_body(fake={"ttft": 0, "interval": 0.01, "tokens": 1000}),
     )
     await streaming.read_until(b"data: ", count=3)
+    await trio.sleep(stay)
+    left = trio.current_time()
     await streaming.close()
     await proxy.state.tracker.wait_idle()
+    return windows + trio.current_time() - left
 
 
 async def read_request_head(stream: trio.SocketStream) -> bytes | None:
@@ -477,6 +487,14 @@ async def read_request(stream: trio.SocketStream) -> tuple[bytes, bytes] | None:
 
 
 LOCKSTEP_WORDS = ("The ", "quick ", "brown ", "fox ")
+
+
+def mark_read(read: Sequence[trio.Event], text: str) -> None:
+    """For :func:`serve_in_lockstep`'s client: sets the event of every word that ``text`` (the
+    answer read so far) has whole."""
+    for count, event in enumerate(read, start=1):
+        if text.startswith("".join(LOCKSTEP_WORDS[:count])):
+            event.set()
 
 
 async def serve_in_lockstep(

@@ -474,6 +474,8 @@ async def test_errors_are_shown_in_words(nursery: trio.Nursery) -> None:
                 " reads: window.readsWithData})"
             )
             assert turn["c"] == 300 and 1 <= turn["r"] <= turn["reads"], turn
+            # A burst it was: fewer reads than tokens, so a render per token would have failed.
+            assert turn["reads"] < turn["c"], turn
             expect(page.locator("article.assistant .meta").last).to_contain_text("300 tokens")
 
             # The real server behind the page again, end to end.

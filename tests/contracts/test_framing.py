@@ -41,6 +41,7 @@ from tests.support import (
     RawClient,
     chat_body,
     connect_client,
+    mark_read,
     read_request_head,
     serve_in_lockstep,
     start_proxy,
@@ -222,17 +223,10 @@ async def test_stream_delivers_each_event_as_it_is_produced(
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     payloads.append(line[6:])
-                    _mark_read(read, stream_text(payloads))
+                    mark_read(read, stream_text(payloads))
         assert payloads[-1] == "[DONE]"
         assert stream_text(payloads) == "".join(LOCKSTEP_WORDS)
         assert all(event.is_set() for event in read)
-
-
-def _mark_read(read: list[trio.Event], text: str) -> None:
-    """Sets the event of every word the client has now read whole."""
-    for count, event in enumerate(read, start=1):
-        if text.startswith("".join(LOCKSTEP_WORDS[:count])):
-            event.set()
 
 
 def _token(text: str) -> bytes:
@@ -306,7 +300,7 @@ async def test_curl_sees_tokens_one_by_one(nursery: trio.Nursery) -> None:
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
                     payloads.append(event.decode().removeprefix("data: "))
-                    _mark_read(read, stream_text(payloads))
+                    mark_read(read, stream_text(payloads))
             await process.wait()
         finally:
             process.kill()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.guards.window import (
@@ -263,9 +263,6 @@ def test_a_readers_frame_is_used_only_around_one_json_string() -> None:
     assert [reader.event_text(e) for e in (other, head + b'"x"' + tail, other)] == ["m", "x", "m"]
 
 
-# No deadline: an example's time is the machine's load, not the reader's (a parallel run on
-# shared cores can take one past hypothesis's 200 ms default).
-@settings(deadline=None)
 @given(st.text(), st.booleans(), st.sampled_from(FAST_FRAMES))
 def test_any_text_in_any_frame_reads_back(text: str, ascii_only: bool, frame: bytes) -> None:
     """Any text, escaped or raw, in the place of a frame's own text, read by a reader that

@@ -72,14 +72,20 @@ class Gate:
         self._held = threading.Event()
 
     def step(self, step: Any) -> None:
-        with self.lock:
+        # Bounded: a test that fails with the gate shut must not hold the engine's thread,
+        # which the server's shutdown waits for.
+        entered = self.lock.acquire(timeout=DEADLINE)
+        try:
             step()
+        finally:
+            if entered:
+                self.lock.release()
         at = self._hold_at
         # The engine's running rows: read in its own thread, between two steps.
         if at is not None and any(seq.produced >= at for seq in self.engine._rows):
             self._hold_at = None
-            self.lock.acquire()
-            self._held.set()
+            if self.lock.acquire(timeout=DEADLINE):
+                self._held.set()
 
     def hold_at(self, tokens: int) -> None:
         self._held.clear()

@@ -18,14 +18,19 @@ from proxy.api.token_budget import waste_cause
 from proxy.ops.metrics import BucketHistogram, Metrics, MetricSpec
 from tests.support import (
     DEADLINE,
+    LOCKSTEP_WORDS,
     Fake,
     Proxy,
     RawClient,
+    cancel_while_waiting_then_mid_stream,
     chat_body,
+    mark_read,
+    serve_in_lockstep,
     slowed,
     sse_payloads,
     start_fake,
     start_proxy,
+    stream_text,
 )
 
 CHAT = "/v1/chat/completions"
@@ -78,6 +83,10 @@ async def test_request_counters_move(proxy: Proxy, fake: Fake, client: httpx.Asy
         assert value(after, "sluice_active_streams") == 0
 
 
+# How long each leaving client stays first: longer than the proxy takes to let it go.
+STAY = 0.3
+
+
 async def test_cancellations_are_measured_by_phase(
     nursery: trio.Nursery, fake: Fake, client: httpx.AsyncClient
 ) -> None:
@@ -87,21 +96,9 @@ async def test_cancellations_are_measured_by_phase(
     with trio.fail_after(DEADLINE):
         proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
         # One client leaves while the upstream thinks, one in the middle of the stream.
-        windows = 0.0
-        waiting = await RawClient.post(proxy, CHAT, chat_body(fake={"ttft": 30}))
-        await fake.recorder.wait_for(lambda r: len(r.records) == 1)
-        left = trio.current_time()
-        await waiting.close()
-        await proxy.state.tracker.wait_idle()
-        windows += trio.current_time() - left
-        streaming = await RawClient.post(
-            proxy, CHAT, chat_body(fake={"ttft": 0, "interval": 0.01, "tokens": 1000})
-        )
-        await streaming.read_until(b"data: ", count=3)
-        left = trio.current_time()
-        await streaming.close()
-        await proxy.state.tracker.wait_idle()
-        windows += trio.current_time() - left
+        # Each client stays a while first: a propagation measured from the request's start,
+        # not from its client's leaving, would count that time too.
+        windows = await cancel_while_waiting_then_mid_stream(proxy, fake, stay=STAY)
         samples = await scrape(client, proxy)
         for phase in ("first_token", "mid_stream"):
             assert (
@@ -110,8 +107,7 @@ async def test_cancellations_are_measured_by_phase(
         count = value(samples, "sluice_cancel_propagation_seconds_count", backend="upstream")
         total = value(samples, "sluice_cancel_propagation_seconds_sum", backend="upstream")
         assert count == 2
-        # Not from the request's start (the stream ran a while before its client left), and in
-        # seconds.
+        # From each leaving, not from the request's start (STAY before it), and in seconds.
         assert 0 < total <= windows, (total, windows)
         assert value(samples, "sluice_wasted_tokens_count", backend="upstream") == 2
         # Nothing was produced for the first client, so nothing was wasted there.
@@ -142,10 +138,18 @@ def data_events(text: str) -> int:
     return sum(1 for payload in sse_payloads(text) if payload != "[DONE]")
 
 
+# How long the paced stream's client waits after each event before the upstream may send on.
+READ_PAUSE = 0.1
+
+
 async def test_stream_metrics_move(nursery: trio.Nursery, client: httpx.AsyncClient) -> None:
     with trio.fail_after(DEADLINE):
         fake = await start_fake(nursery, ttft=0.05, interval=0.03, tokens=8)
-        proxy = await start_proxy(nursery, {"fake-model": [fake.url]})
+        read = [trio.Event() for _ in LOCKSTEP_WORDS]
+        lockstep = await nursery.start(serve_in_lockstep, read)
+        proxy = await start_proxy(
+            nursery, {"fake-model": [fake.url], "lockstep": [f"http://127.0.0.1:{lockstep}"]}
+        )
         before = await scrape(client, proxy)
         assert value(before, "sluice_ttft_seconds_count", model="fake-model") == 0
         streamed = 0
@@ -153,6 +157,19 @@ async def test_stream_metrics_move(nursery: trio.Nursery, client: httpx.AsyncCli
             response = await client.post(proxy.url + CHAT, json=chat_body())
             assert response.status_code == 200
             streamed += data_events(response.text)
+        # A stream whose upstream sends each word only once the client has read the one before
+        # and waited READ_PAUSE: each of those words is a write of its own, at least READ_PAUSE
+        # after the one before.
+        started = trio.current_time()
+        payloads: list[str] = []
+        async with client.stream("POST", proxy.url + CHAT, json=chat_body("lockstep")) as paced:
+            async for line in paced.aiter_lines():
+                if line.startswith("data: "):
+                    payloads.append(line[6:])
+                    await trio.sleep(READ_PAUSE)
+                    mark_read(read, stream_text(payloads))
+        lasted = trio.current_time() - started
+        assert stream_text(payloads) == "".join(LOCKSTEP_WORDS)
         # A response that is not streamed has no first token and no gaps.
         whole = await client.post(proxy.url + CHAT, json=chat_body(stream=False))
         assert whole.status_code == 200
@@ -182,6 +199,14 @@ async def test_stream_metrics_move(nursery: trio.Nursery, client: httpx.AsyncCli
         # reach the last token, which the fake sends no sooner than ttft + 7 intervals after
         # it had the request. A lower bound only: a slow machine only makes the writes later.
         assert ttft_sum + gap_sum >= 2 * (0.05 + 7 * 0.03) * (1 - 1e-9)
+        # Each gap is between two writes (not since the first token, nor one per stream): the
+        # paced stream has a gap over 50 ms per word after its first, and its gaps add up to no
+        # more than its whole time.
+        paced_gaps = value(after, "sluice_token_gap_seconds_count", model="lockstep")
+        short = value(after, "sluice_token_gap_seconds_bucket", model="lockstep", le="0.05")
+        assert paced_gaps - short >= len(LOCKSTEP_WORDS) - 1, (paced_gaps, short)
+        paced_sum = value(after, "sluice_token_gap_seconds_sum", model="lockstep")
+        assert paced_sum <= lasted, (paced_sum, lasted)
 
 
 async def test_upstream_errors_count_retried_attempts(

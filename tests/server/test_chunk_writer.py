@@ -44,6 +44,7 @@ from tests.support import (
     chat_body,
     connect_client,
     poll_until,
+    read_request,
     start_fake,
 )
 from tests.support import (
@@ -781,16 +782,10 @@ async def serve_sse_upstream(nursery: trio.Nursery, answer: bytes) -> tuple[str,
 
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
-            received = b""
-            while b"\r\n\r\n" not in received:
-                received += await stream.receive_some(65536)
-            head, _, body = received.partition(b"\r\n\r\n")
-            found = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
-            assert found is not None, head
-            length = int(found.group(1))
-            while len(body) < length:
-                body += await stream.receive_some(65536)
-            requests.append(head)
+            request = await read_request(stream)
+            if request is None:
+                return
+            requests.append(request[0])
             await stream.send_all(answer)
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
