@@ -389,6 +389,13 @@ def slowed(loaded: Any, step_seconds: float = 0.0, prefill_seconds: float | None
     return dataclasses.replace(loaded, model=slow, forward=slow)
 
 
+def gated(loaded: Any, step_seconds: float) -> Any:
+    """A copy of ``loaded`` (an ``inference.LoadedModel``) whose model is a
+    :class:`GatedModel` (its ``.model``, for the gate and the counts)."""
+    model = GatedModel(loaded.serving, step_seconds)
+    return dataclasses.replace(loaded, model=model, forward=model)
+
+
 class PerTokenSlowModel:
     """A loaded model's network, slowed as a real model is: a prefill chunk (a call without
     position ids) sleeps ``per_token`` for each token it feeds, so that a chunk costs in

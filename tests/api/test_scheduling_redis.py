@@ -168,20 +168,21 @@ class Syncs:
         self.changed.set()
         self.changed = trio.Event()
 
-    async def first(self, name: str, what: str, after: int) -> int:
-        """The log's index of the first ``what`` of ``name``'s syncs logged after ``after``."""
-        while True:
-            for index in range(after + 1, len(self.log)):
-                if self.log[index][:2] == (name, what):
-                    return index
-            await self.changed.wait()
+    async def first_start(self, name: str, after: int) -> int:
+        """The log's index of the first start of ``name``'s syncs logged after ``after``."""
+        return await self._first(after, (name, "start"))
 
     async def end_of(self, start: int) -> int:
         """The log's index of the end of the sync whose start is at ``start``."""
         name, _, number, _, _ = self.log[start]
+        return await self._first(start, (name, "end", number))
+
+    async def _first(self, after: int, prefix: tuple[str | int, ...]) -> int:
+        """The log's index of the first entry after ``after`` that begins with ``prefix``,
+        waiting for it to be logged."""
         while True:
-            for index in range(start + 1, len(self.log)):
-                if self.log[index][:3] == (name, "end", number):
+            for index in range(after + 1, len(self.log)):
+                if self.log[index][: len(prefix)] == prefix:
                     return index
             await self.changed.wait()
 
@@ -212,9 +213,9 @@ async def test_what_one_instance_serves_reaches_the_other_within_two_intervals(
                 await trio.sleep(interval * 0.37 * round_ % interval)
                 charged = len(syncs.log) - 1
                 one.queue.charge("alice", 1.0, input_tokens=10)
-                out = await syncs.end_of(await syncs.first("one", "start", charged))
+                out = await syncs.end_of(await syncs.first_start("one", charged))
                 assert syncs.log[out][3], syncs.log  # went through
-                back = await syncs.end_of(await syncs.first("two", "start", out))
+                back = await syncs.end_of(await syncs.first_start("two", out))
                 _, _, _, went, heard = syncs.log[back]
                 assert went, syncs.log
                 assert heard == 10.0 * round_, syncs.log

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -11,10 +10,10 @@ import trio
 
 from tests.support import (
     DEADLINE,
-    GatedModel,
     Proxy,
     RawClient,
     chat_body,
+    gated,
     poll_until,
     slowed,
     sse_payloads,
@@ -90,8 +89,8 @@ async def streamed_answer(client: httpx.AsyncClient, proxy: Proxy, body: dict[st
 async def test_four_requests_share_the_batch_and_answer_as_they_would_alone(
     nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any
 ) -> None:
-    model = GatedModel(tiny_loaded_model.serving, 0.005)
-    loaded = dataclasses.replace(tiny_loaded_model, model=model, forward=model)
+    loaded = gated(tiny_loaded_model, 0.005)
+    model = loaded.model
     with trio.fail_after(DEADLINE):
         proxy = await start_local_proxy(nursery, loaded, slots=4)
         backend = proxy.state.local_backends["tiny"]

@@ -13,7 +13,6 @@ same deadlines: a tiny random Llama (slowed, one slot), real hypercorn, real htt
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from functools import partial
 from typing import Any
@@ -25,9 +24,9 @@ import trio
 from tests.api.test_auth import OTHER_SECRET, SECRET, bearer, key_table
 from tests.support import (
     DEADLINE,
-    GatedModel,
     Proxy,
     chat_body,
+    gated,
     local_model,
     poll_until,
     slowed,
@@ -70,11 +69,10 @@ def slow_model(tiny_loaded_model: Any) -> Any:
 async def test_a_key_queued_behind_another_keys_backlog_goes_next(
     nursery: trio.Nursery, client: httpx.AsyncClient, tiny_loaded_model: Any, policy: str
 ) -> None:
-    model = GatedModel(tiny_loaded_model.serving, STEP)
+    loaded = gated(tiny_loaded_model, STEP)
+    model = loaded.model
     with trio.fail_after(DEADLINE):
-        proxy = await start(
-            nursery, dataclasses.replace(tiny_loaded_model, model=model, forward=model), policy
-        )
+        proxy = await start(nursery, loaded, policy)
         local = backend(proxy)
         finished: list[str] = []
 

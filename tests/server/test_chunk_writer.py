@@ -785,7 +785,9 @@ async def serve_sse_upstream(nursery: trio.Nursery, answer: bytes) -> tuple[str,
             request = await read_request(stream)
             if request is None:
                 return
-            requests.append(request[0])
+            head, _ = request
+            assert re.search(rb"(?i)\r\ncontent-length: *\d+", head), head
+            requests.append(head)
             await stream.send_all(answer)
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
